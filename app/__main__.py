@@ -1,0 +1,5 @@
+import sys
+
+from reqscope.cli import main
+
+sys.exit(main())

@@ -1,0 +1,74 @@
+"""`reqscope` command line: dispatches to subcommands, turns user errors into one-line messages.
+
+`reqscope "PROMPT"` runs a request (the explorer UI on a terminal, text when `--plain` or when
+stdout is not a terminal). Other verbs live in `reqscope.commands.<verb>`; each module exposes
+`add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from minengine.errors import ReqscopeError
+
+# verb -> (module, one-line help). The default verb (no name given) is "run".
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("reqscope.commands.run", "run one request (default when the first argument is a prompt)"),
+    "pull": ("reqscope.commands.pull", "fetch and convert the default model (SmolLM2-135M-Instruct)"),
+    "import": ("reqscope.commands.import_gguf", "convert a llama or qwen2 GGUF file into a model folder"),
+    "metrics": ("reqscope.commands.metrics", "compute request metrics from a timeline CSV"),
+    "plan": ("reqscope.commands.plan", "KV-memory and latency arithmetic for any model"),
+    "replay": ("reqscope.commands.replay", "replay a recorded trace in the explorer, without a model"),
+    "bench": ("reqscope.commands.bench", "benchmark minengine against Hugging Face transformers"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that exits with code 2 and one line, never a usage dump plus traceback."""
+
+    def error(self, message: str) -> None:  # noqa: D102 - argparse API
+        self.exit(2, f"reqscope: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser(verb: str) -> argparse.ArgumentParser:
+    """The parser for one verb; `run` is also reachable as plain `reqscope PROMPT`."""
+    module_name, help_text = SUBCOMMANDS[verb]
+    prog = "reqscope" if verb == "run" else f"reqscope {verb}"
+    parser = _Parser(prog=prog, description=help_text)
+    importlib.import_module(module_name).add_arguments(parser)
+    return parser
+
+
+def _top_help() -> str:
+    lines = ["usage: reqscope [run] PROMPT [options]", "       reqscope VERB [options]", "", "verbs:"]
+    lines += [f"  {verb:<8} {help_text}" for verb, (_, help_text) in SUBCOMMANDS.items()]
+    lines += ["", "`reqscope VERB --help` for a verb's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `reqscope` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
+        print(_top_help())
+        return 0
+    verb = argv[0] if argv and argv[0] in SUBCOMMANDS else "run"
+    if argv and argv[0] == verb:
+        argv = argv[1:]
+    parser = build_parser(verb)
+    args = parser.parse_args(argv)
+    module = importlib.import_module(SUBCOMMANDS[verb][0])
+    try:
+        return int(module.run(args) or 0)
+    except ReqscopeError as exc:
+        print(f"reqscope: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("reqscope: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
