@@ -132,7 +132,10 @@ class KVCache:
         self._k[layer][:, :, start:end] = k
         self._v[layer][:, :, start:end] = v
         self.lengths[layer] = end
-        return self._k[layer][:, :, :end], self._v[layer][:, :, :end]
+        keys, values = self._k[layer][:, :, :end], self._v[layer][:, :, :end]
+        if self.storage_dtype != self.compute_dtype:  # e.g. a bfloat16 cache under a float32 model
+            return keys.to(self.compute_dtype), values.to(self.compute_dtype)
+        return keys, values
 
     @staticmethod
     def _store_fp8(buf: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, start: int, end: int):

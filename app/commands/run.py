@@ -1,0 +1,48 @@
+"""`reqscope [run] PROMPT`: the explorer UI on a terminal, text or JSON lines otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from reqscope.run_options import DEFAULT_PROMPT, add_run_arguments, open_engine, request_from_args, stderr_progress
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prompt, the output mode and the shared run flags."""
+    parser.add_argument("prompt", nargs="?", default=None, help=f"the user message (default: {DEFAULT_PROMPT!r})")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--plain", action="store_true", help="stream text and a timing summary (no UI)")
+    mode.add_argument("--json", action="store_true", help="one JSON object per line per event (no UI)")
+    parser.add_argument("--export", metavar="DIR", help="write timeline CSV, metrics JSON, token trace and a Perfetto trace to DIR")
+    add_run_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one request in the chosen mode; exit code 1 when the request failed."""
+    prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    request = request_from_args(args, prompt)
+    headless = args.plain or args.json or not sys.stdout.isatty()
+    if not headless:
+        from reqscope.ui.launch import launch_explorer
+
+        return launch_explorer(args, request)
+    engine = open_engine(args, progress=None if args.json else stderr_progress)
+    session = engine.start(request)
+    if args.json:
+        from reqscope.jsonl import print_jsonl
+
+        result = print_jsonl(session)
+    else:
+        from reqscope.plain import print_plain
+
+        result = print_plain(engine, session)
+    if args.export:
+        from minengine.export import export_run
+
+        written = export_run(result, args.export, session.traces)
+        print(f"reqscope: exported {len(written)} files to {args.export}", file=sys.stderr)
+    if result.error:
+        print(f"reqscope: error: {result.error}", file=sys.stderr)
+        return 1
+    return 0

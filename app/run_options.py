@@ -1,0 +1,94 @@
+"""The flags every request-running mode shares, and turning them into engine objects."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from minengine.engine import Engine
+from minengine.errors import RequestError
+from minengine.kv_cache import KV_DTYPES, KV_LAYOUTS
+from minengine.kv_math import MIB
+from minengine.request import GenerationRequest
+from minengine.sampler import SamplingParams
+
+DEFAULT_PROMPT = "Show me wheelchair-accessible hotels in Kyoto"
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model, device, sampling and KV flags (shared by run, the UI and the benchmark)."""
+    m = parser.add_argument_group("model")
+    m.add_argument("--model", metavar="PATH", help="Hugging Face style model folder (default: the pulled SmolLM2-135M-Instruct)")
+    m.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    m.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    s = parser.add_argument_group("sampling")
+    s.add_argument("--system", metavar="TEXT", help="system message sent before the prompt")
+    s.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    s.add_argument("--top-k", type=int, default=50, help="0 = off (default 50)")
+    s.add_argument("--top-p", type=float, default=0.9, help="1 = off (default 0.9)")
+    s.add_argument("--min-p", type=float, default=0.0, help="0 = off (default 0)")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    s.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    s.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    s.add_argument(
+        "--sampler-order", default="hf", metavar="ORDER",
+        help="hf, llama.cpp, vllm, or a comma list of temperature,top_k,top_p,min_p (default hf)",
+    )
+    k = parser.add_argument_group("KV cache")
+    k.add_argument("--kv-layout", default="gqa", choices=KV_LAYOUTS)
+    k.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES)
+    k.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    k.add_argument("--kv-budget-mib", type=float, help="KV memory budget for admission (default: half of free memory)")
+
+
+def request_from_args(args: argparse.Namespace, prompt: str) -> GenerationRequest:
+    """A GenerationRequest from the shared flags (validated later, at the gateway)."""
+    sampling = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        order=SamplingParams.parse_order(args.sampler_order),
+    )
+    return GenerationRequest.from_prompt(
+        prompt,
+        system=args.system,
+        sampling=sampling,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+        kv_layout=args.kv_layout,
+        kv_dtype=args.kv_dtype,
+        block_size=args.block_size,
+    )
+
+
+def resolve_model_dir(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> Path:
+    """--model, or the default model (pulled first when missing)."""
+    if args.model:
+        return Path(args.model).expanduser()
+    from minengine.pull import ensure_default_model
+
+    def report(event) -> None:
+        if progress is not None:
+            progress(event.message)
+
+    return ensure_default_model(progress=report)
+
+
+def open_engine(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> Engine:
+    """Resolve the model folder and load it with the flags' device, dtype and KV budget."""
+    if args.kv_budget_mib is not None and args.kv_budget_mib <= 0:
+        raise RequestError("--kv-budget-mib must be greater than 0")
+    model_dir = resolve_model_dir(args, progress)
+    if progress is not None:
+        progress(f"loading {model_dir}")
+    budget = int(args.kv_budget_mib * MIB) if args.kv_budget_mib is not None else None
+    return Engine(model_dir, device=args.device, dtype=args.dtype, kv_budget_bytes=budget)
+
+
+def stderr_progress(message: str) -> None:
+    """Print a progress line on stderr (used by the text modes)."""
+    print(f"reqscope: {message}", file=sys.stderr, flush=True)

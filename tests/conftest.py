@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random models of each family, and the real default model."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import SPECS, build_tiny  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    """name -> (folder, transformers model) for every tiny spec."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {spec.name: (root / spec.name, build_tiny(spec, root / spec.name)) for spec in SPECS}
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct folder (pulled on first use)."""
+    from minengine.pull import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_engine(default_model_dir):
+    """The real default model loaded in float32 on the CPU."""
+    from minengine.engine import Engine
+
+    return Engine(default_model_dir, device="cpu", dtype="float32", kv_budget_bytes=1 << 30)
+
+
+@pytest.fixture(scope="session")
+def chatty_tiny_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A tiny random llama with the default model's real tokenizer and chat template.
+
+    Fast engine-level tests (stop strings, cancellation, admission) run on it.
+    """
+    from tiny_models import TinySpec
+
+    folder = tmp_path_factory.mktemp("chatty")
+    spec = TinySpec("chatty", "llama", {"vocab_size": 49152, "eos_token_id": 2, "max_position_embeddings": 2048})
+    build_tiny(spec, folder)
+    for name in TOKENIZER_FILES:
+        if (default_model_dir / name).exists():
+            shutil.copy(default_model_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def chatty_engine(chatty_tiny_dir):
+    """Engine over the chatty tiny model (CPU, float32, 64 MiB KV budget)."""
+    from minengine.engine import Engine
+
+    return Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20)
