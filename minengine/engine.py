@@ -19,6 +19,7 @@ from minengine.scheduler import Scheduler
 from minengine.session import RequestSession
 from minengine.timeline import Timeline
 from minengine.tokenizer import ModelTokenizer
+from minengine.trace_io import TraceHeader
 
 
 def default_kv_budget(device: torch.device) -> int:
@@ -61,6 +62,15 @@ class Engine:
     def generate(self, request: GenerationRequest) -> Iterator[Event]:
         """Run `request` to completion, yielding every event."""
         return iter(self.start(request))
+
+    def trace_header(self) -> TraceHeader:
+        """What a recorded trace needs to say about this engine."""
+        c = self.cfg
+        return TraceHeader(
+            model=str(self.model_dir), description=self.describe(), layers=c.num_hidden_layers,
+            q_heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."), device=self.device.type, load_ms=self.load_ms,
+        )
 
     def describe(self) -> str:
         """One line naming the model, its attention layout, device and dtype."""

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable, Iterator
+
+from minengine.events import Event
 
 from reqscope.run_options import DEFAULT_PROMPT, add_run_arguments, open_engine, request_from_args, stderr_progress
 
@@ -28,21 +31,28 @@ def run(args: argparse.Namespace) -> int:
 
         return launch_explorer(args, request)
     engine = open_engine(args, progress=None if args.json else stderr_progress)
-    session = engine.start(request)
+    recorded: list = []
+    events = _recording(engine.start(request), recorded)
     if args.json:
         from reqscope.jsonl import print_jsonl
 
-        result = print_jsonl(session)
+        result = print_jsonl(events)
     else:
         from reqscope.plain import print_plain
 
-        result = print_plain(engine, session)
+        result = print_plain(engine, events)
     if args.export:
         from minengine.export import export_run
 
-        written = export_run(result, args.export, session.traces)
+        written = export_run(result, args.export, recorded, engine.trace_header())
         print(f"reqscope: exported {len(written)} files to {args.export}", file=sys.stderr)
     if result.error:
         print(f"reqscope: error: {result.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _recording(events: Iterable[Event], into: list) -> Iterator[Event]:
+    for event in events:
+        into.append(event)
+        yield event
