@@ -8,7 +8,7 @@ is refused here, before any tensor is touched.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,7 +169,7 @@ class GGUFHyperParams:
         return names
 
 
-def _refuse_unsupported(meta: GGUFMetadata, arch: str, tensor_names: Iterable[str]) -> None:
+def _refuse_unsupported(meta: GGUFMetadata, arch: str, tensor_names: Collection[str]) -> None:
     if meta.get_int(f"{arch}.expert_count", 0) > 0:
         raise ConfigError(
             f"this {arch} GGUF is a mixture-of-experts model, which minengine does not run"

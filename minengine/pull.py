@@ -162,7 +162,7 @@ def _io_error(exc: OSError, where: Path) -> PullError:
     if exc.errno == errno.ENOSPC:
         return PullError(
             f"no space left on the device while writing the default model under {where} "
-            f"(it needs about 750 MB while pulling, 540 MB after); free some space, set "
+            f"(it needs about 650 MB while pulling, 540 MB after); free some space, set "
             f"{HOME_ENV} to another folder, {_LOCAL_FOLDER_HINT}"
         )
     return PullError(
