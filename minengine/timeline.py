@@ -8,6 +8,7 @@ so every number the tool shows reconciles with every other.
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass
 
@@ -62,7 +63,9 @@ class Timeline:
     def mark(self, name: str, detail: str = "", t_ms: float | None = None) -> float:
         """Record `name` now (or at `t_ms`); named events other than `token` happen once."""
         t = self.now_ms() if t_ms is None else t_ms
-        self.events.append(TimelineEvent(name, t, detail))
+        # Events recorded after the fact (last_visible_token) still land in time order.
+        at = bisect.bisect_right([e.t_ms for e in self.events], t) if t_ms is not None else len(self.events)
+        self.events.insert(at, TimelineEvent(name, t, detail))
         if name != "token":
             self._index[name] = t
         return t
