@@ -21,13 +21,29 @@ def print_jsonl(events: Iterable[Event], out: TextIO = sys.stdout) -> RequestRes
     result: RequestResult | None = None
     for ev in events:
         if isinstance(ev, StageEvent):
-            _emit(out, {"event": "stage", "name": ev.name, "t_ms": round(ev.end_ms, 3), "duration_ms": round(ev.duration_ms, 3)})
+            _emit(
+                out,
+                {
+                    "event": "stage",
+                    "name": ev.name,
+                    "t_ms": round(ev.end_ms, 3),
+                    "duration_ms": round(ev.duration_ms, 3),
+                },
+            )
         elif isinstance(ev, TokenEvent):
-            _emit(out, {
-                "event": "token", "index": ev.index, "token_id": ev.token_id, "text": ev.text,
-                "t_ms": round(ev.t_ms, 3), "itl_ms": None if ev.itl_ms is None else round(ev.itl_ms, 3),
-                "kv_logical_bytes": ev.kv.logical_bytes, "kv_physical_bytes": ev.kv.physical_bytes,
-            })
+            _emit(
+                out,
+                {
+                    "event": "token",
+                    "index": ev.index,
+                    "token_id": ev.token_id,
+                    "text": ev.text,
+                    "t_ms": round(ev.t_ms, 3),
+                    "itl_ms": None if ev.itl_ms is None else round(ev.itl_ms, 3),
+                    "kv_logical_bytes": ev.kv.logical_bytes,
+                    "kv_physical_bytes": ev.kv.physical_bytes,
+                },
+            )
         elif isinstance(ev, DoneEvent):
             result = ev.result
     assert result is not None, "a session always ends with a DoneEvent"
@@ -47,9 +63,9 @@ def done_record(r: RequestResult) -> dict:
             "ttft_ms": m.ttft_ms,
             "e2e_ms": m.e2e_ms,
             "tpot_ms": m.tpot_ms,
-            "itl_ms": None if m.itl is None else {
-                k: getattr(m.itl, k) for k in ("mean", "median", "p90", "p99", "max")
-            },
+            "itl_ms": None
+            if m.itl is None
+            else {k: getattr(m.itl, k) for k in ("mean", "median", "p90", "p99", "max")},
             "decode_output_tokens_per_second": m.decode_output_tokens_per_second,
             "whole_request_output_tokens_per_second": m.whole_request_output_tokens_per_second,
         }

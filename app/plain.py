@@ -20,7 +20,9 @@ from minengine.events import (
 from minengine.kv_math import KIB, MIB
 
 
-def print_plain(engine: Engine, events: Iterable[Event], out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> RequestResult:
+def print_plain(
+    engine: Engine, events: Iterable[Event], out: TextIO = sys.stdout, err: TextIO = sys.stderr
+) -> RequestResult:
     """Stream `events` as text; return the request's result."""
     result: RequestResult | None = None
     streamed = ""
@@ -35,7 +37,8 @@ def print_plain(engine: Engine, events: Iterable[Event], out: TextIO = sys.stdou
             print(
                 f"· budget    {ev.prompt_tokens}+{ev.max_tokens} of {ev.context_limit} tokens, "
                 f"KV {ev.kv_needed_bytes / MIB:.1f} of {ev.kv_budget_bytes / MIB:.1f} MiB",
-                file=err, flush=True,
+                file=err,
+                flush=True,
             )
         elif isinstance(ev, PrefillEvent):
             print("", file=err, flush=True)
@@ -47,7 +50,7 @@ def print_plain(engine: Engine, events: Iterable[Event], out: TextIO = sys.stdou
             result = ev.result
     assert result is not None, "a session always ends with a DoneEvent"
     if result.text.startswith(streamed) and len(result.text) > len(streamed):
-        out.write(result.text[len(streamed):])
+        out.write(result.text[len(streamed) :])
     out.write("\n")
     out.flush()
     print(summary(engine, result), file=err, flush=True)
@@ -60,7 +63,10 @@ def summary(engine: Engine, r: RequestResult) -> str:
     if r.error:
         lines.append(f"error: {r.error}")
     stages = {s.name: s for s in r.stages}
-    lines.append(f"finish    {r.finish_reason}   prompt {r.usage.prompt_tokens} tokens, output {r.usage.completion_tokens} tokens")
+    lines.append(
+        f"finish    {r.finish_reason}   prompt {r.usage.prompt_tokens} tokens, "
+        f"output {r.usage.completion_tokens} tokens"
+    )
     lines.append(f"load      {engine.load_ms:9.2f} ms")
     if "prefill" in stages:
         p = stages["prefill"].duration_ms
@@ -80,10 +86,12 @@ def summary(engine: Engine, r: RequestResult) -> str:
         if m.itl is not None:
             i = m.itl
             lines.append(
-                f"ITL       mean {i.mean:.2f}  median {i.median:.2f}  p90 {i.p90:.2f}  p99 {i.p99:.2f}  max {i.max:.2f} ms"
+                f"ITL       mean {i.mean:.2f}  median {i.median:.2f}  p90 {i.p90:.2f}  "
+                f"p99 {i.p99:.2f}  max {i.max:.2f} ms"
             )
         lines.append(
-            f"E2E       {m.e2e_ms:9.2f} ms   ({m.whole_request_output_tokens_per_second or 0:.2f} tokens/s whole request)"
+            f"E2E       {m.e2e_ms:9.2f} ms   "
+            f"({m.whole_request_output_tokens_per_second or 0:.2f} tokens/s whole request)"
         )
         accounted = sum(s.duration_ms for s in r.stages if s.name != "complete")
         lines.append(f"unaccounted {m.e2e_ms - accounted:7.2f} ms (outside the named stages)")

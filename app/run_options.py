@@ -20,7 +20,9 @@ DEFAULT_PROMPT = "Show me wheelchair-accessible hotels in Kyoto"
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Model, device, sampling and KV flags (shared by run, the UI and the benchmark)."""
     m = parser.add_argument_group("model")
-    m.add_argument("--model", metavar="PATH", help="Hugging Face style model folder (default: the pulled SmolLM2-135M-Instruct)")
+    m.add_argument(
+        "--model", metavar="PATH", help="Hugging Face style model folder (default: the pulled SmolLM2-135M-Instruct)"
+    )
     m.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     m.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     s = parser.add_argument_group("sampling")
@@ -33,7 +35,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
     s.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     s.add_argument(
-        "--sampler-order", default="hf", metavar="ORDER",
+        "--sampler-order",
+        default="hf",
+        metavar="ORDER",
         help="hf, llama.cpp, vllm, or a comma list of temperature,top_k,top_p,min_p (default hf)",
     )
     k = parser.add_argument_group("KV cache")

@@ -67,9 +67,15 @@ class Engine:
         """What a recorded trace needs to say about this engine."""
         c = self.cfg
         return TraceHeader(
-            model=str(self.model_dir), description=self.describe(), layers=c.num_hidden_layers,
-            q_heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-            dtype=str(self.dtype).removeprefix("torch."), device=self.device.type, load_ms=self.load_ms,
+            model=str(self.model_dir),
+            description=self.describe(),
+            layers=c.num_hidden_layers,
+            q_heads=c.num_attention_heads,
+            kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=self.device.type,
+            load_ms=self.load_ms,
         )
 
     def describe(self) -> str:

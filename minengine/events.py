@@ -127,4 +127,5 @@ class DoneEvent:
 
     result: RequestResult
 
+
 Event = StageEvent | PromptEvent | AdmitEvent | PrefillEvent | TokenEvent | StepReady | DoneEvent

@@ -92,16 +92,31 @@ def perfetto_trace(r: RequestResult) -> dict:
         {"name": "thread_name", "ph": "M", "pid": 1, "tid": 2, "args": {"name": "tokens"}},
     ]
     for s in r.stages:
-        events.append({
-            "name": s.name, "cat": "stage", "ph": "X", "pid": 1, "tid": 1,
-            "ts": round(s.start_ms * 1000, 1), "dur": round(max(s.duration_ms, 0.0) * 1000, 1),
-        })
+        events.append(
+            {
+                "name": s.name,
+                "cat": "stage",
+                "ph": "X",
+                "pid": 1,
+                "tid": 1,
+                "ts": round(s.start_ms * 1000, 1),
+                "dur": round(max(s.duration_ms, 0.0) * 1000, 1),
+            }
+        )
     n = 0
     for e in r.timeline:
         if e.name == "token":
             n += 1
-            events.append({
-                "name": f"token {n}", "cat": "token", "ph": "i", "s": "t", "pid": 1, "tid": 2,
-                "ts": round(e.t_ms * 1000, 1), "args": {"token_id": e.detail},
-            })
+            events.append(
+                {
+                    "name": f"token {n}",
+                    "cat": "token",
+                    "ph": "i",
+                    "s": "t",
+                    "pid": 1,
+                    "tid": 2,
+                    "ts": round(e.t_ms * 1000, 1),
+                    "args": {"token_id": e.detail},
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}

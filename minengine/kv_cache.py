@@ -106,9 +106,7 @@ class KVCache:
                     self._k_scale[i][:, :, :filled] = old[2][i][:, :, :filled]
                     self._v_scale[i][:, :, :filled] = old[3][i][:, :, :filled]
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v [1, kv_heads, T, head_dim] at positions [start, start+T) of `layer`.
 
         Returns K and V for positions [0, start+T) in the compute dtype, with `self.heads`
@@ -180,9 +178,7 @@ class KVCache:
             reserved_bytes=0 if not self._k else reserved,
             per_layer_tokens=tuple(self.lengths),
             per_layer_logical_bytes=tuple(per_layer_token * n for n in self.lengths),
-            per_layer_physical_bytes=tuple(
-                layer_block_bytes * blocks_for(n, self.block_size) for n in self.lengths
-            ),
+            per_layer_physical_bytes=tuple(layer_block_bytes * blocks_for(n, self.block_size) for n in self.lengths),
         )
 
     def release(self) -> None:

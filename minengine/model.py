@@ -37,9 +37,7 @@ class Layer:
         self.input_norm = sd[prefix + "input_layernorm.weight"]
         self.post_norm = sd[prefix + "post_attention_layernorm.weight"]
         self.qkv = torch.cat([sd.pop(a + f"{p}_proj.weight") for p in "qkv"])
-        self.qkv_bias = (
-            torch.cat([sd.pop(a + f"{p}_proj.bias") for p in "qkv"]) if cfg.attention_bias else None
-        )
+        self.qkv_bias = torch.cat([sd.pop(a + f"{p}_proj.bias") for p in "qkv"]) if cfg.attention_bias else None
         self.o = sd[a + "o_proj.weight"]
         self.q_norm = sd.get(a + "q_norm.weight")
         self.k_norm = sd.get(a + "k_norm.weight")
@@ -78,9 +76,7 @@ class Transformer:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @torch.inference_mode()
-    def forward(
-        self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False
-    ) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False) -> torch.Tensor:
         """Run positions [start, start+len(ids)) and return logits (float32).
 
         Returns logits for the last position ([vocab]) unless `all_logits`, then [T, vocab].
@@ -120,9 +116,7 @@ class Transformer:
         return F.linear(out.transpose(1, 2).reshape(T, self.q_size), layer.o)
 
 
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float
-) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
     """Causal attention of q [1, Hq, T, d] over cached k/v [1, Hkv, start+T, d].
 
     K/V are never repeated into the cache: for one query position the query heads of a group
@@ -133,9 +127,7 @@ def attend(
     groups = hq // hkv
     if T == 1:
         if groups > 1:
-            out = F.scaled_dot_product_attention(
-                q.view(1, hkv, groups, q.shape[-1]), k, v, scale=scale
-            )
+            out = F.scaled_dot_product_attention(q.view(1, hkv, groups, q.shape[-1]), k, v, scale=scale)
             return out.view(1, hq, 1, q.shape[-1])
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
     mask = None

@@ -74,8 +74,7 @@ class Scheduler:
                     left = None if timeout_s is None else timeout_s - (time.perf_counter() - start)
                     if left is not None and left <= 0:
                         raise AdmissionError(
-                            f"waited {timeout_s:.1f} s in the queue for {kv_bytes / MIB:.1f} MiB of KV; "
-                            "try again later"
+                            f"waited {timeout_s:.1f} s in the queue for {kv_bytes / MIB:.1f} MiB of KV; try again later"
                         )
                     self._cond.wait(timeout=0.05 if left is None else min(left, 0.05))
                 self._held += kv_bytes

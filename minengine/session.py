@@ -102,8 +102,12 @@ class RequestSession:
         filtered, _ = filter_logits(self.pending_logits, params)
         chosen = self._forced if self._forced is not None else int(filtered.argmax())
         return explain(
-            self.pending_logits, params, chosen, self.engine.tokenizer.piece,
-            top_n=top_n or self.request.top_n, forced=self._forced is not None,
+            self.pending_logits,
+            params,
+            chosen,
+            self.engine.tokenizer.piece,
+            top_n=top_n or self.request.top_n,
+            forced=self._forced is not None,
         )
 
     # -- the lifecycle -------------------------------------------------------------------------
@@ -154,13 +158,22 @@ class RequestSession:
             )
             yield self._stage("scheduler_admit", f"queue {self._admission.queue_ms:.1f} ms")
             yield AdmitEvent(
-                len(ids), req.max_tokens, eng.cfg.max_position_embeddings, kv_needed,
-                eng.scheduler.kv_budget_bytes, self._admission.queue_ms,
+                len(ids),
+                req.max_tokens,
+                eng.cfg.max_position_embeddings,
+                kv_needed,
+                eng.scheduler.kv_budget_bytes,
+                self._admission.queue_ms,
             )
 
             self._cache = cache = KVCache(
-                eng.cfg, budget_tokens, device=eng.device, compute_dtype=eng.dtype,
-                layout=req.kv_layout, storage_dtype=storage, block_size=req.block_size,
+                eng.cfg,
+                budget_tokens,
+                device=eng.device,
+                compute_dtype=eng.dtype,
+                layout=req.kv_layout,
+                storage_dtype=storage,
+                block_size=req.block_size,
             )
             tl.mark("prefill_start", f"{len(ids)} tokens")
             step_start = time.perf_counter()
@@ -201,9 +214,15 @@ class RequestSession:
                     last_visible = (len(generated) - 1, t)
                 peak = cache.usage()
                 yield TokenEvent(
-                    index=len(generated) - 1, token_id=token, piece=tok.piece(token), text=visible,
-                    t_ms=t, itl_ms=None if previous_t is None else t - previous_t,
-                    step_ms=(time.perf_counter() - step_start) * 1000, kv=peak, trace=trace,
+                    index=len(generated) - 1,
+                    token_id=token,
+                    piece=tok.piece(token),
+                    text=visible,
+                    t_ms=t,
+                    itl_ms=None if previous_t is None else t - previous_t,
+                    step_ms=(time.perf_counter() - step_start) * 1000,
+                    kv=peak,
+                    trace=trace,
                     forced=forced is not None,
                 )
                 previous_t = t
@@ -240,7 +259,9 @@ class RequestSession:
             tl.mark("last_visible_token", f"token {last_visible[0] + 1}", t_ms=last_visible[1])
             yield StageEvent("decode", tl.time_of("prefill_end") or last_visible[1], last_visible[1])
         yield self._stage("completed", finish)
-        self.result = self._result(finish, error, generated, "".join(text_parts), first_visible_index, last_visible, peak)
+        self.result = self._result(
+            finish, error, generated, "".join(text_parts), first_visible_index, last_visible, peak
+        )
         yield DoneEvent(self.result)
 
     def _result(self, finish, error, generated, text, first_index, last_visible, peak) -> RequestResult:
@@ -270,4 +291,3 @@ class RequestSession:
             sampler_order=self.sampling.order,
             error=error,
         )
-

@@ -63,9 +63,7 @@ class ModelTokenizer:
             for key in ("bos_token", "eos_token", "pad_token", "unk_token")
             if (text := _token_text(tcfg.get(key))) is not None
         }
-        self.special_ids = frozenset(
-            i for i, t in self.tok.get_added_tokens_decoder().items() if t.special
-        )
+        self.special_ids = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
         self.eos_ids = frozenset(self._eos_ids(folder, tcfg))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self._pieces: dict[int, str] = {}

@@ -21,7 +21,13 @@ from minengine.errors import ReqscopeError
 EVENT_TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
-        ev.StageEvent, ev.PromptEvent, ev.AdmitEvent, ev.PrefillEvent, ev.TokenEvent, ev.StepReady, ev.DoneEvent
+        ev.StageEvent,
+        ev.PromptEvent,
+        ev.AdmitEvent,
+        ev.PrefillEvent,
+        ev.TokenEvent,
+        ev.StepReady,
+        ev.DoneEvent,
     )
 }
 HEADER_TYPE = "reqscope-trace"

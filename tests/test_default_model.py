@@ -40,9 +40,13 @@ def test_48_greedy_tokens_and_logits_match_transformers(default_engine, hf_model
         # An explicit mask: without it transformers treats the prompt's <|im_end|> (= pad) as padding.
         prompt = torch.tensor([ids])
         ref = model.generate(
-            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=48, do_sample=False,
-            eos_token_id=None, pad_token_id=hf_tok.eos_token_id,
-        )[0, len(ids):].tolist()
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=48,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=hf_tok.eos_token_id,
+        )[0, len(ids) :].tolist()
         ref_logits = model(torch.tensor([ids])).logits[0].float()
 
     # Through the whole lifecycle (template, tokenize, prefill, decode), greedy, no stop on eos

@@ -34,8 +34,17 @@ def test_stages_in_order_and_timeline_reconciles(chatty_engine):
     assert stages == list(STAGES)
     names = [e.name for e in result.timeline if e.name != "token"]
     assert names == [
-        "client_send", "server_arrival", "validated", "templated", "tokenized", "scheduler_admit",
-        "prefill_start", "prefill_end", "first_visible_token", "last_visible_token", "completed",
+        "client_send",
+        "server_arrival",
+        "validated",
+        "templated",
+        "tokenized",
+        "scheduler_admit",
+        "prefill_start",
+        "prefill_end",
+        "first_visible_token",
+        "last_visible_token",
+        "completed",
     ]
     times = [e.t_ms for e in result.timeline]
     assert times == sorted(times)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import SPECS
 
 from minengine.config import ModelConfig
 from minengine.kv_cache import KVCache
 from minengine.model import Transformer
-from tiny_models import SPECS
 
 CPU = torch.device("cpu")
 PROMPT_LEN, NEW_TOKENS = 20, 24
@@ -20,7 +20,9 @@ def _load(folder):
 
 
 def _cache(cfg, layout="gqa", storage=None):
-    return KVCache(cfg, PROMPT_LEN + NEW_TOKENS, device=CPU, compute_dtype=torch.float32, layout=layout, storage_dtype=storage)
+    return KVCache(
+        cfg, PROMPT_LEN + NEW_TOKENS, device=CPU, compute_dtype=torch.float32, layout=layout, storage_dtype=storage
+    )
 
 
 def _prompt(vocab: int) -> torch.Tensor:
@@ -56,9 +58,9 @@ def test_greedy_tokens_match_transformers_generate(tiny_models, name):
     folder, hf = tiny_models[name]
     cfg, model = _load(folder)
     ids = _prompt(cfg.vocab_size)
-    ref = hf.generate(
-        ids[None], max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-    )[0, PROMPT_LEN:].tolist()
+    ref = hf.generate(ids[None], max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)[
+        0, PROMPT_LEN:
+    ].tolist()
     assert greedy(model, cfg, ids, NEW_TOKENS) == ref
 
 

@@ -58,7 +58,11 @@ def test_stop_strings_across_chunks(pieces, stops, expected_text, matched):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.text(alphabet="abc ", max_size=30), st.lists(st.integers(1, 4), max_size=10), st.text(alphabet="abc", min_size=1, max_size=4))
+@given(
+    st.text(alphabet="abc ", max_size=30),
+    st.lists(st.integers(1, 4), max_size=10),
+    st.text(alphabet="abc", min_size=1, max_size=4),
+)
 def test_stop_string_is_never_emitted_even_partially(text, cuts, stop):
     m = StopMatcher((stop,))
     chunks, pos = [], 0

@@ -6,9 +6,9 @@ import argparse
 import sys
 from collections.abc import Iterable, Iterator
 
-from minengine.events import Event
-
 from reqscope.run_options import DEFAULT_PROMPT, add_run_arguments, open_engine, request_from_args, stderr_progress
+
+from minengine.events import Event
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--plain", action="store_true", help="stream text and a timing summary (no UI)")
     mode.add_argument("--json", action="store_true", help="one JSON object per line per event (no UI)")
-    parser.add_argument("--export", metavar="DIR", help="write timeline CSV, metrics JSON, token trace and a Perfetto trace to DIR")
+    parser.add_argument(
+        "--export", metavar="DIR", help="write timeline CSV, metrics JSON, token trace and a Perfetto trace to DIR"
+    )
     add_run_arguments(parser)
 
 
