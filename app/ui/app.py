@@ -1,0 +1,630 @@
+"""The explorer: one request on screen, live from the engine or replayed from a trace.
+
+The engine runs on a Textual thread worker (see `live_run`) and never calls into the UI per
+token: events wait in the run's inbox until the repaint timer drains them, at most
+`repaint_hz` times a second, so a fast decode is batched into few repaints and the screen's
+cost does not grow with the number of tokens (every panel draws a bounded amount).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+from functools import partial
+from pathlib import Path
+
+from reqscope.ui.export_folder import DEFAULT_ROOT, claim_run_folder
+from reqscope.ui.frame import Frame, StepSubject
+from reqscope.ui.help_screen import HelpScreen
+from reqscope.ui.keys import LIVE, REPLAY, action_name, bindings, keys_for
+from reqscope.ui.kv_panel import KVPanel
+from reqscope.ui.latency_panel import LatencyPanel
+from reqscope.ui.layout_compare import MeasuredLayout, measured_layout
+from reqscope.ui.layout_panel import LayoutPanel
+from reqscope.ui.live_run import LiveRun
+from reqscope.ui.loading_screen import LoadingScreen
+from reqscope.ui.logits_panel import LogitsPanel
+from reqscope.ui.memory_probe import MemoryProbe
+from reqscope.ui.panel import Panel
+from reqscope.ui.pipeline_panel import PipelinePanel
+from reqscope.ui.prompt_form import PromptChoice, PromptForm
+from reqscope.ui.replay_run import ReplayRun
+from reqscope.ui.run_view import RunView
+from reqscope.ui.sampling_form import SamplingChoice, SamplingForm
+from reqscope.ui.status_line import status_text
+from reqscope.ui.tokens_panel import TokensPanel
+from rich.text import Text
+from textual import events, work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.containers import Container
+from textual.geometry import Size
+from textual.screen import Screen
+from textual.widgets import Footer, Static
+
+from minengine.chat_template import Message
+from minengine.device import device_memory_bytes
+from minengine.engine import Engine
+from minengine.errors import ReqscopeError
+from minengine.events import DoneEvent, PrefillEvent, RequestResult
+from minengine.export import export_run
+from minengine.request import GenerationRequest
+from minengine.sampler import SamplingParams, explain_candidates
+from minengine.trace_io import TraceHeader
+
+EngineOpener = Callable[[Callable[[str], None]], Engine]
+
+DETAIL_VIEWS: tuple[str, ...] = ("logits", "kv", "layouts", "latency")
+WIDE_MIN = (140, 40)  # columns, rows from which every panel is shown at once
+_LIVE_ONLY = {action_name(k) for k in keys_for(LIVE)} - {action_name(k) for k in keys_for(REPLAY)}
+_REPLAY_ONLY = {action_name(k) for k in keys_for(REPLAY)} - {action_name(k) for k in keys_for(LIVE)}
+_PLAYBACK_MS = (20.0, 500.0)  # replay plays at the recorded pace, within these bounds per token
+
+
+def renewed(request: GenerationRequest, **changes: object) -> GenerationRequest:
+    """A copy of `request` with `changes` and a new request id (a new run is a new request)."""
+    fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(request) if f.name != "request_id"}
+    return GenerationRequest(**(fields | changes))
+
+
+class ExplorerApp(App[int]):
+    """The explorer. Build it with `ExplorerApp.live(...)` or `ExplorerApp.replaying(...)`."""
+
+    CSS_PATH = "explorer.tcss"
+    TITLE = "reqscope"
+    BINDINGS = bindings()
+
+    def __init__(
+        self,
+        *,
+        open_engine: EngineOpener | None = None,
+        request: GenerationRequest | None = None,
+        replay: ReplayRun | None = None,
+        start_paused: bool = False,
+        export_root: Path = DEFAULT_ROOT,
+        repaint_hz: float = 30.0,
+        source_name: str = "",
+    ) -> None:
+        super().__init__()
+        if (replay is None) == (open_engine is None or request is None):
+            raise ValueError("give either open_engine and request (live) or replay")
+        self.mode = REPLAY if replay is not None else LIVE
+        self._open_engine = open_engine
+        self.request = request
+        self.replay = replay
+        self.start_paused = start_paused
+        self.export_root = export_root
+        self.repaint_hz = repaint_hz
+        self.source_name = source_name
+        self.engine: Engine | None = None
+        self.header: TraceHeader | None = replay.header if replay else None
+        self.live: LiveRun | None = None
+        self.view = RunView()
+        self.params = request.sampling if request else SamplingParams()
+        self.max_tokens = request.max_tokens if request else 0
+        self.measured: dict[str, MeasuredLayout] = {}
+        self.prefill_history: list[tuple[int, float]] = []
+        self.cursor = 0
+        self.compact_view = "logits"
+        self.last_export: Path | None = None
+        self.load_error: str | None = None
+        self.repaints = 0
+        self._previewing: SamplingParams | None = None  # typed in the form, not yet applied
+        self._applied: SamplingParams | None = None  # what the session was last told to use
+        self._held: int | None = None
+        self._preview_cache: tuple[tuple, StepSubject | None] | None = None
+        self._probe: MemoryProbe | None = None
+        self._dirty = True
+        self._playing = False
+        self._played_at = 0.0
+        self._loading: LoadingScreen | None = None
+        self._reported_failure = False
+
+    @classmethod
+    def live_run(cls, open_engine: EngineOpener, request: GenerationRequest, **options) -> ExplorerApp:
+        """The explorer over a real engine (loaded on startup by `open_engine(progress)`)."""
+        return cls(open_engine=open_engine, request=request, **options)
+
+    @classmethod
+    def replaying(cls, header: TraceHeader, events: list, **options) -> ExplorerApp:
+        """The explorer over a recorded trace (no model)."""
+        return cls(replay=ReplayRun(header, events), **options)
+
+    # -- layout --------------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="status")
+        yield PipelinePanel(id="pipeline")
+        yield Static(id="error")
+        with Container(id="body"):
+            yield TokensPanel(id="tokens")
+            yield LogitsPanel(id="logits")
+            yield KVPanel(id="kv")
+            yield LatencyPanel(id="latency")
+            yield LayoutPanel(id="layouts")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        for name in DETAIL_VIEWS:
+            self.query_one(f"#{name}").add_class("detail")
+        self._fit_layout()
+        self.set_interval(1 / self.repaint_hz, self._pump)
+        if self.replay is not None:
+            self._load_replay_view()
+            recorded = next((t.trace.params for t in self.replay.events if getattr(t, "trace", None)), None)
+            self.params = recorded or self.params
+            self.max_tokens = self.view.admit.max_tokens if self.view.admit else 0
+        else:
+            self._loading = LoadingScreen()
+            self.push_screen(self._loading)
+            self._load_engine()
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._fit_layout(event.size)
+
+    def _fit_layout(self, size: Size | None = None) -> None:
+        size = size or self.size
+        wide = size.width >= WIDE_MIN[0] and size.height >= WIDE_MIN[1]
+        self.query_one("#body").set_class(wide, "-wide")
+        for name in DETAIL_VIEWS:
+            panel = self.query_one(f"#{name}", Panel)
+            panel.set_class(name == self.compact_view, "-shown")
+            keys = "  ".join(f"{i + 1} {n}" for i, n in enumerate(DETAIL_VIEWS))
+            panel.border_subtitle = "" if wide else f"v next · {keys}"
+        self._dirty = True
+
+    @property
+    def held_step(self) -> int | None:
+        """The step (0-based) the live run holds at, as the screen shows it."""
+        return self._held
+
+    @property
+    def needs_repaint(self) -> bool:
+        """True while a change waits for the next repaint."""
+        return self._dirty
+
+    @property
+    def subject(self) -> StepSubject | None:
+        """The step the logits panel explains right now."""
+        return self._subject()
+
+    @property
+    def wide(self) -> bool:
+        """True when every panel is on screen at once."""
+        return self.query_one("#body").has_class("-wide")
+
+    # -- the engine ------------------------------------------------------------------------------
+
+    @work(thread=True, group="loader", exit_on_error=False)
+    def _load_engine(self) -> None:
+        assert self._open_engine is not None and self._loading is not None
+        screen = self._loading
+
+        def progress(message: str) -> None:
+            self.call_from_thread(screen.add_message, message)
+
+        try:
+            engine = self._open_engine(progress)
+        except ReqscopeError as exc:
+            self.call_from_thread(self._engine_failed, str(exc))
+            return
+        self.call_from_thread(self._engine_ready, engine)
+
+    def _engine_failed(self, message: str) -> None:
+        self.load_error = message
+        if self._loading is not None:
+            self._loading.show_error(message)
+        self.notify(message, title="cannot start the engine", severity="error", timeout=30)
+
+    def _engine_ready(self, engine: Engine) -> None:
+        self.engine = engine
+        self.header = engine.trace_header()
+        self._probe = MemoryProbe(engine.device.type, partial(device_memory_bytes, engine.device))
+        if self._loading is not None:
+            self.pop_screen()
+            self._loading = None
+        assert self.request is not None
+        self._start(self.request, paused=self.start_paused)
+
+    def _start(self, request: GenerationRequest, *, paused: bool) -> None:
+        """Run `request`, after the run on screen (if any) has been cancelled and has ended."""
+        assert self.engine is not None
+        previous = self.live
+        if previous is not None:
+            previous.cancel()
+        self.request = request
+        self.params = self._applied = request.sampling
+        self.max_tokens = request.max_tokens
+        self.view = RunView()
+        self.cursor = 0
+        self._held = None
+        self._preview_cache = None
+        self._reported_failure = False
+        self.live = LiveRun(self.engine, request, paused=paused)
+        self._drive(self.live, previous)
+        self._dirty = True
+
+    @work(thread=True, group="engine", exit_on_error=False)
+    def _drive(self, live: LiveRun, previous: LiveRun | None) -> None:
+        live.drive(after=previous)
+
+    def _next_request(self, **changes: object) -> GenerationRequest:
+        assert self.request is not None
+        return renewed(self.request, sampling=self.params, max_tokens=self.max_tokens, **changes)
+
+    # -- the repaint loop ------------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        if self.live is not None:
+            self._drain(self.live)
+        elif self.replay is not None and self._playing:
+            self._play()
+        if self._dirty:
+            self._redraw()
+
+    def _drain(self, live: LiveRun) -> None:
+        while live.inbox:
+            event = live.inbox.popleft()
+            self.view.apply(event)
+            self._dirty = True
+            if isinstance(event, PrefillEvent):
+                self.prefill_history.append((event.prompt_tokens, event.duration_ms))
+            elif isinstance(event, DoneEvent):
+                self._finished(event.result)
+        held = live.held_at if self.view.waiting_step is not None else None
+        if held != self._held:
+            self._held = held
+            self._dirty = True
+            self.refresh_bindings()
+        if held is not None and self.params != self._applied:
+            self._apply_params(live)
+        if live.failure and not self._reported_failure:
+            self._reported_failure = True
+            self.notify(live.failure, title="the engine worker failed", severity="error", timeout=30)
+            self._dirty = True
+
+    def _apply_params(self, live: LiveRun) -> None:
+        try:
+            live.update_sampling(self.params)
+        except ReqscopeError as exc:
+            self.notify(str(exc), title="sampling not changed", severity="error")
+            self.params = self._applied or self.params
+        self._applied = self.params
+        self._dirty = True
+
+    def _finished(self, result: RequestResult) -> None:
+        if result.error:
+            self.notify(result.error, title="request failed", severity="error", timeout=30)
+
+    def _redraw(self) -> None:
+        self._dirty = False
+        if self.header is None:
+            return
+        self.repaints += 1
+        request_id = self._request_id()
+        measured = measured_layout(self.view, request_id)
+        if measured is not None:
+            self.measured[measured.layout] = measured
+        frame = Frame(
+            header=self.header,
+            view=self.view,
+            request_id=request_id,
+            max_tokens=self.max_tokens,
+            params=self._previewing or self.params,
+            state=self._state(),
+            replay=self.replay is not None,
+            subject=self._subject(),
+            cursor=self.cursor,
+            measured=dict(self.measured),
+            memory=self._probe.read() if self._probe is not None else None,
+            prefill_history=tuple(self.prefill_history),
+        )
+        self.query_one("#status", Static).update(status_text(frame, self.source_name, self._playing))
+        error = self.view.error or (self.live.failure if self.live else None)
+        error_box = self.query_one("#error", Static)
+        error_box.update(Text(f"error: {error}", style="bold") if error else "")
+        error_box.set_class(bool(error), "-shown")
+        for panel in self.query(Panel):
+            panel.show(frame)
+
+    def _request_id(self) -> str:
+        if self.replay is None and self.request is not None:
+            return self.request.request_id
+        if self.view.result is not None:
+            return self.view.result.request_id
+        gateway = self.replay.events[0] if self.replay and self.replay.events else None
+        return getattr(gateway, "detail", "") or "replay"
+
+    def _state(self) -> str:
+        if self.replay is not None:
+            return "replay"
+        if self.view.result is not None:
+            return self.view.result.finish_reason
+        if self.live is None:
+            return "loading"
+        if self._held is not None:
+            return "paused"
+        return "pausing" if self.live.pausing else "running"
+
+    # -- the step the logits panel explains ----------------------------------------------------
+
+    def _subject(self) -> StepSubject | None:
+        params = self._previewing or self.params
+        if self.replay is not None:
+            return self._replay_subject(params)
+        if self.live is not None and self._held is not None:
+            key = (self._held, params)
+            if self._preview_cache is None or self._preview_cache[0] != key:
+                trace = self.live.preview(params)
+                subject = None
+                if trace is not None:
+                    label = f"step {self._held + 1} waiting · preview (enter picks)"
+                    subject = StepSubject(trace, label, pickable=True)
+                self._preview_cache = (key, subject)
+            return self._preview_cache[1]
+        return self._last_token_subject()
+
+    def _last_token_subject(self) -> StepSubject | None:
+        for token in reversed(self.view.tokens):
+            if token.trace is not None:
+                return StepSubject(token.trace, f"token {token.index + 1} committed", pickable=False)
+        return None
+
+    def _replay_subject(self, params: SamplingParams) -> StepSubject | None:
+        assert self.replay is not None
+        pending = self.replay.pending_token()
+        if pending is None or pending.trace is None:
+            return self._last_token_subject()
+        trace, label = pending.trace, f"step {pending.index + 1} · recorded"
+        if params != trace.params:
+            trace = explain_candidates(
+                trace.candidates, params, trace.chosen_id,
+                recorded_temperature=trace.params.temperature, vocab_size=trace.vocab_size,
+                chosen_piece=trace.chosen_piece, forced=trace.forced,
+            )
+            label = f"step {pending.index + 1} · recorded, re-filtered"
+        return StepSubject(trace, label, pickable=False)
+
+    # -- replay --------------------------------------------------------------------------------
+
+    def _load_replay_view(self) -> None:
+        assert self.replay is not None
+        self.view = self.replay.view()
+        self._dirty = True
+
+    def _play(self) -> None:
+        assert self.replay is not None
+        low, high = _PLAYBACK_MS
+        delay = min(max(self.replay.next_delay_ms(), low), high) / 1000
+        now = time.monotonic()
+        if now - self._played_at < delay:
+            return
+        self._played_at = now
+        if not self.replay.forward():
+            self._playing = False
+        self._load_replay_view()
+
+    # -- actions -------------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in _LIVE_ONLY and self.replay is not None:
+            return False
+        if action in _REPLAY_ONLY and self.replay is None:
+            return False
+        if action == "pick":
+            return True if self._held is not None else None
+        return True
+
+    def action_toggle_run(self) -> None:
+        """Run freely or pause at the next step (replay: play or stop)."""
+        if self.replay is not None:
+            if not self._playing and self.replay.at_end:
+                self.replay.to_start()
+            self._playing = not self._playing
+            self._dirty = True
+            return
+        live = self._running_live()
+        if live is None:
+            return
+        if live.pausing:
+            live.resume()
+        else:
+            live.pause()
+        self._dirty = True
+
+    def action_step(self) -> None:
+        """One token forward (live: commit it and hold; running: hold at the next step)."""
+        if self.replay is not None:
+            self._playing = False
+            if not self.replay.forward():
+                self.notify("end of the recorded run")
+            self._load_replay_view()
+            return
+        live = self._running_live()
+        if live is None:
+            return
+        if self._held is not None:
+            self._held = None
+            live.step()
+        else:
+            live.pause()
+        self._dirty = True
+
+    def action_step_back(self) -> None:
+        """Replay: one step back."""
+        if self.replay is None:
+            return
+        self._playing = False
+        if not self.replay.back():
+            self.notify("already at the first step")
+        self._load_replay_view()
+
+    def action_first_step(self) -> None:
+        """Replay: the first step."""
+        if self.replay is not None:
+            self._playing = False
+            self.replay.to_start()
+            self._load_replay_view()
+
+    def action_last_step(self) -> None:
+        """Replay: the end of the run."""
+        if self.replay is not None:
+            self._playing = False
+            self.replay.to_end()
+            self._load_replay_view()
+
+    def action_cursor(self, delta: int) -> None:
+        """Move the highlighted candidate."""
+        subject = self._subject()
+        count = len(subject.trace.candidates) if subject else 1
+        self.cursor = min(max(self.cursor + delta, 0), count - 1)
+        self._dirty = True
+
+    def action_pick(self) -> None:
+        """Commit the highlighted candidate at the held step, then hold at the next one."""
+        subject = self._subject()
+        if self.live is None or self._held is None or subject is None:
+            self.notify("pause first (space or s): a candidate can only be picked at a held step")
+            return
+        candidate = subject.trace.candidates[min(self.cursor, len(subject.trace.candidates) - 1)]
+        try:
+            self.live.force_next(candidate.token_id)
+        except ReqscopeError as exc:
+            self.notify(str(exc), severity="error")
+            return
+        self._held = None
+        self.live.step()
+        self._dirty = True
+
+    def action_sampling(self) -> None:
+        """Open the sampling form (a running request pauses at its next step first)."""
+        live = self.live
+        if live is not None and self.view.result is None and not live.pausing:
+            live.pause()
+            self.notify("paused: the new settings apply from the held step on")
+        current = SamplingChoice(self.params, self.max_tokens)
+        self.push_screen(SamplingForm(current, self._preview_params), self._sampling_chosen)
+
+    def _preview_params(self, params: SamplingParams) -> None:
+        self._previewing = params
+        self._dirty = True
+
+    def _sampling_chosen(self, choice: SamplingChoice | None) -> None:
+        self._previewing = None
+        if choice is not None:
+            self.params = choice.params
+            if self.replay is None:
+                self.max_tokens = choice.max_tokens
+            if self.live is not None and self._held is not None:
+                self._apply_params(self.live)
+        self._dirty = True
+
+    def action_cancel(self) -> None:
+        """Cancel the request."""
+        live = self._running_live()
+        if live is not None:
+            live.cancel()
+            self.notify("cancelling: the request stops before its next model step")
+
+    def action_restart(self) -> None:
+        """Run the same messages again with the current settings."""
+        if self._engine_missing():
+            return
+        self._start(self._next_request(), paused=self._stepping())
+
+    def action_edit_prompt(self) -> None:
+        """Edit the system prompt and the prompt, then run them."""
+        if self._engine_missing():
+            return
+        assert self.request is not None
+        system = next((m.content for m in self.request.messages if m.role == "system"), "")
+        prompt = next((m.content for m in reversed(self.request.messages) if m.role == "user"), "")
+        self.push_screen(PromptForm(PromptChoice(system, prompt)), self._prompt_chosen)
+
+    def _prompt_chosen(self, choice: PromptChoice | None) -> None:
+        if choice is None:
+            return
+        messages = ((Message("system", choice.system),) if choice.system.strip() else ()) + (
+            Message("user", choice.prompt),
+        )
+        self.measured.clear()  # measurements of another prompt do not compare
+        self._start(self._next_request(messages=messages), paused=self._stepping())
+
+    def action_switch_layout(self) -> None:
+        """Re-run this request in the other KV cache layout, keeping what this one measured."""
+        if self._engine_missing():
+            return
+        assert self.request is not None
+        other = "mha" if self.request.kv_layout == "gqa" else "gqa"
+        self.notify(f"running the same request with the {other} cache")
+        self._start(self._next_request(kv_layout=other), paused=self._stepping())
+
+    def action_export(self) -> None:
+        """Write the finished run's files into a new folder under the export root."""
+        result = self.view.result
+        if result is None:
+            self.notify("the request is still running: export when it finishes (c cancels it)")
+            return
+        events = self.replay.events if self.replay is not None else (self.live.recorded if self.live else [])
+        assert self.header is not None
+        try:
+            folder = claim_run_folder(self.export_root, result.request_id)
+            written = export_run(result, folder, list(events), self.header)
+        except (ReqscopeError, OSError) as exc:
+            self.notify(str(exc), title="export failed", severity="error", timeout=15)
+            return
+        self.last_export = folder
+        self.notify(f"{len(written)} files in {folder}", title="exported", timeout=15)
+
+    def action_next_view(self) -> None:
+        """Cycle the detail panel shown on small terminals."""
+        self.action_view(DETAIL_VIEWS[(DETAIL_VIEWS.index(self.compact_view) + 1) % len(DETAIL_VIEWS)])
+
+    def action_view(self, name: str) -> None:
+        """Show one detail panel on small terminals."""
+        self.compact_view = name
+        self._fit_layout()
+
+    def action_help(self) -> None:
+        """The help screen."""
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.mode))
+
+    async def action_quit(self) -> None:
+        """Cancel a running request, then leave."""
+        self._stop_engine()
+        self.exit(0)
+
+    def on_unmount(self) -> None:
+        self._stop_engine()
+
+    def _stop_engine(self) -> None:
+        if self.live is not None:
+            self.live.cancel()
+
+    def _running_live(self) -> LiveRun | None:
+        if self.live is None or self.view.result is not None:
+            self.notify("the request has finished: r runs it again" if self.live else "the engine is loading")
+            return None
+        return self.live
+
+    def _engine_missing(self) -> bool:
+        if self.engine is None:
+            self.notify("the engine is not loaded" + (f": {self.load_error}" if self.load_error else ""))
+            return True
+        return False
+
+    def _stepping(self) -> bool:
+        return self.live is not None and self.live.pausing and self.view.result is None
+
+    # -- the command palette -------------------------------------------------------------------
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        for key in keys_for(self.mode):
+            if key.action.startswith(("cursor", "view(")):
+                continue
+            yield SystemCommand(key.label, f"{key.help} [{key.display}]", partial(self.run_action, key.action))
+        for i, name in enumerate(DETAIL_VIEWS):
+            yield SystemCommand(f"Show {name} panel", f"Small terminals: show the {name} panel [{i + 1}]",
+                                partial(self.action_view, name))

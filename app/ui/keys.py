@@ -1,0 +1,70 @@
+"""Every key of the explorer in one table: bindings, the footer, the help screen and the palette."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.binding import Binding
+
+LIVE = "live"
+REPLAY = "replay"
+BOTH = frozenset({LIVE, REPLAY})
+
+
+@dataclass(frozen=True)
+class Key:
+    """One action and the keys that trigger it."""
+
+    keys: str  # comma-separated Textual key names
+    action: str
+    label: str  # short, for the footer
+    help: str  # one sentence, for the help screen and the command palette
+    modes: frozenset[str] = BOTH
+    footer: bool = True
+
+    @property
+    def display(self) -> str:
+        """The keys as a person would type them."""
+        names = {"space": "space", "question_mark": "?", "enter": "enter", "up": "↑", "down": "↓",
+                 "left": "←", "right": "→", "home": "home", "end": "end"}
+        return " / ".join(names.get(k, k) for k in self.keys.split(","))
+
+
+KEYS: tuple[Key, ...] = (
+    Key("space", "toggle_run", "Run/Pause", "Run decode freely, or pause at the next step (replay: play or stop)"),
+    Key("s,right", "step", "Step", "Decode one token and hold at the next step (replay: one step forward)"),
+    Key("b,left", "step_back", "Back", "Replay: one step back", frozenset({REPLAY})),
+    Key("home", "first_step", "First", "Replay: back to the first step", frozenset({REPLAY}), footer=False),
+    Key("end", "last_step", "Last", "Replay: jump to the end", frozenset({REPLAY}), footer=False),
+    Key("o", "sampling", "Sampling", "Change temperature, top-k, top-p, min-p, seed, max tokens or sampler order"),
+    Key("up,k", "cursor(-1)", "Up", "Move the candidate cursor up", footer=False),
+    Key("down,j", "cursor(1)", "Down", "Move the candidate cursor down", footer=False),
+    Key("enter", "pick", "Pick", "Commit the highlighted candidate as the next token (while paused)", frozenset({LIVE})),
+    Key("c", "cancel", "Cancel", "Cancel the request (it stops before the next model step)", frozenset({LIVE}), footer=False),
+    Key("r", "restart", "Restart", "Run the same prompt again with the current settings", frozenset({LIVE}), footer=False),
+    Key("e", "edit_prompt", "Prompt", "Edit the prompt and the system prompt, then run again", frozenset({LIVE})),
+    Key("m", "switch_layout", "MHA/GQA", "Re-run this request with the other KV cache layout (gqa or mha)", frozenset({LIVE})),
+    Key("x", "export", "Export", "Export the finished run (timeline CSV, metrics, trace, Perfetto)"),
+    Key("v", "next_view", "View", "Show the next detail panel (small terminals)"),
+    Key("1", "view('logits')", "Logits", "Show the logits panel (small terminals)", footer=False),
+    Key("2", "view('kv')", "KV", "Show the KV cache panel (small terminals)", footer=False),
+    Key("3", "view('layouts')", "GQA/MHA", "Show the GQA vs MHA panel (small terminals)", footer=False),
+    Key("4", "view('latency')", "Latency", "Show the latency panel (small terminals)", footer=False),
+    Key("question_mark,f1", "help", "Help", "List every key"),
+    Key("q", "quit", "Quit", "Leave the explorer (cancels a running request)"),
+)
+
+
+def bindings() -> list[Binding]:
+    """Textual bindings for KEYS (the footer shows those marked `footer`)."""
+    return [Binding(k.keys, k.action, k.label, show=k.footer) for k in KEYS]
+
+
+def keys_for(mode: str) -> list[Key]:
+    """The keys that do something in `mode` ("live" or "replay")."""
+    return [k for k in KEYS if mode in k.modes]
+
+
+def action_name(key: Key) -> str:
+    """The action's method name without its arguments."""
+    return key.action.split("(")[0]

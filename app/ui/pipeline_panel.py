@@ -1,0 +1,40 @@
+"""The lifecycle as a strip: each stage with its measured duration, the current one lit."""
+
+from __future__ import annotations
+
+from reqscope.ui.frame import Frame
+from reqscope.ui.panel import Panel
+from reqscope.ui.run_view import PIPELINE
+from rich.console import Group, RenderableType
+from rich.text import Text
+
+
+class PipelinePanel(Panel):
+    """Two lines: stage names, then durations; pending stages dim, the running one reversed."""
+
+    def draw(self, frame: Frame, width: int, height: int) -> RenderableType:
+        view = frame.view
+        current = view.current_stage()
+        cell = max(width // len(PIPELINE), 6)
+        names, times = Text(no_wrap=True), Text(no_wrap=True)
+        for name in PIPELINE:
+            duration = view.stage_ms(name)
+            finished = name in view.stages or (name == "stream" and view.done and duration is not None)
+            if name == current or (name == "stream" and current == "decode" and duration is not None):
+                style = "bold reverse"
+            elif finished:
+                style = "bold"
+            else:
+                style = "dim"
+            names.append(_fit(name, cell), style=style)
+            times.append(_fit("" if duration is None else _duration(duration), cell), style=style if style != "bold" else "")
+        return Group(names, times)
+
+
+def _duration(value_ms: float) -> str:
+    return f"{value_ms / 1000:.2f}s" if value_ms >= 10_000 else f"{value_ms:.1f}ms"
+
+
+def _fit(text: str, width: int) -> str:
+    text = text if len(text) < width else text[: width - 2] + "…"
+    return (" " + text).ljust(width)

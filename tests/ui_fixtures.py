@@ -1,0 +1,60 @@
+"""Helpers for the explorer's tests: the recorded trace, app builders, and waiting on the app."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from reqscope.run_options import DEFAULT_PROMPT
+from reqscope.ui.app import ExplorerApp
+
+from minengine.engine import Engine
+from minengine.request import GenerationRequest
+from minengine.sampler import SamplingParams
+from minengine.trace_io import read_trace
+
+# A real run of the default model, recorded with:
+#   reqscope --plain --export DIR --max-tokens 12 "Show me wheelchair-accessible hotels in Kyoto"
+# (temperature 0.7, top-k 50, top-p 0.9, seed 0), DIR/request-trace.jsonl copied here.
+TRACE = Path(__file__).parent / "data" / "explorer-trace.jsonl"
+TRACE_NAME = "explorer-trace.jsonl"
+
+
+def replay_app(**options) -> ExplorerApp:
+    """The explorer replaying the recorded trace."""
+    header, events = read_trace(TRACE)
+    return ExplorerApp.replaying(header, events, source_name=TRACE_NAME, **options)
+
+
+def kyoto_request(**changes) -> GenerationRequest:
+    """The default prompt with the CLI's default sampling (seeded)."""
+    defaults = {"sampling": SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=0), "max_tokens": 8}
+    return GenerationRequest.from_prompt(DEFAULT_PROMPT, **(defaults | changes))
+
+
+def live_app(engine: Engine, request: GenerationRequest, **options) -> ExplorerApp:
+    """The explorer over an already loaded engine."""
+    return ExplorerApp.live_run(lambda progress: engine, request, **options)
+
+
+async def wait_for(pilot, condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Let the app run until `condition()` holds (fails the test after `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for the app")
+        await pilot.pause(0.02)
+    await pilot.pause()  # one more turn so the screen reflects the state
+
+
+async def held_at(pilot, app: ExplorerApp, index: int) -> None:
+    """Wait until the live run holds at step `index` (0-based) and the screen shows it."""
+    await wait_for(pilot, lambda: app.held_step == index)
+    await wait_for(pilot, lambda: app.repaints > 0 and not app.needs_repaint)
+
+
+async def finished(pilot, app: ExplorerApp, timeout: float = 120.0) -> None:
+    """Wait until the request on screen has finished and is drawn."""
+    await wait_for(pilot, lambda: app.view.result is not None, timeout)
+    await wait_for(pilot, lambda: not app.needs_repaint)
