@@ -16,8 +16,9 @@ def _emit(out: TextIO, record: dict) -> None:
     out.flush()
 
 
-def print_jsonl(events: Iterable[Event], out: TextIO = sys.stdout) -> RequestResult:
+def print_jsonl(events: Iterable[Event], out: TextIO | None = None) -> RequestResult:
     """Write stage, token and done (or error) records; return the result."""
+    out = out or sys.stdout
     result: RequestResult | None = None
     for ev in events:
         if isinstance(ev, StageEvent):

@@ -21,9 +21,11 @@ from minengine.kv_math import KIB, MIB
 
 
 def print_plain(
-    engine: Engine, events: Iterable[Event], out: TextIO = sys.stdout, err: TextIO = sys.stderr
+    engine: Engine, events: Iterable[Event], out: TextIO | None = None, err: TextIO | None = None
 ) -> RequestResult:
     """Stream `events` as text; return the request's result."""
+    out = out or sys.stdout
+    err = err or sys.stderr
     result: RequestResult | None = None
     streamed = ""
     print(f"· model     {engine.describe()}  (loaded in {engine.load_ms:.0f} ms)", file=err, flush=True)

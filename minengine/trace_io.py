@@ -64,7 +64,7 @@ def event_record(event) -> dict:
 
 @cache
 def _hints(cls: type) -> dict[str, object]:
-    return typing.get_type_hints(cls, vars(ev) | vars(typing))
+    return typing.get_type_hints(cls)
 
 
 def _decode(tp, value):
