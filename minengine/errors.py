@@ -35,3 +35,7 @@ class RequestError(ReqscopeError):
 
 class AdmissionError(ReqscopeError):
     """A request cannot be admitted: token or KV-memory budget exceeded."""
+
+
+class QueueFullError(AdmissionError):
+    """The admission queue is full; the request may succeed if sent again later."""

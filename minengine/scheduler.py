@@ -1,9 +1,10 @@
 """Admission control: a token budget and a KV-memory budget, with a waiting queue.
 
-A request is admitted when its prompt plus max_tokens fits the context and its worst-case KV
-(block-rounded) fits beside the KV already held by running requests. If it could fit once
-others finish, it waits (the wait is part of its TTFT); if it could never fit, it is rejected
-with the numbers.
+A request is admitted when its prompt plus max_tokens fits the context, its worst-case KV
+(block-rounded) fits beside the KV already held by running requests and, when a limit on
+running requests is set, a running slot is free. If it could fit once others finish, it waits
+(the wait is part of its TTFT); if it could never fit, it is rejected with the numbers; if the
+queue is already full, it is refused with QueueFullError.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from minengine.errors import AdmissionError
+from minengine.errors import AdmissionError, QueueFullError
 from minengine.kv_math import MIB
 
 
@@ -28,10 +29,12 @@ class Admission:
 class Scheduler:
     """Grants KV reservations against a byte budget; thread-safe."""
 
-    def __init__(self, kv_budget_bytes: int, max_queue: int = 16) -> None:
+    def __init__(self, kv_budget_bytes: int, max_queue: int = 16, max_running: int | None = None) -> None:
         self.kv_budget_bytes = kv_budget_bytes
         self.max_queue = max_queue
+        self.max_running = max_running  # None: only the KV budget limits running requests
         self._held = 0
+        self._running = 0
         self._waiting = 0
         self._cond = threading.Condition()
 
@@ -39,6 +42,20 @@ class Scheduler:
     def held_bytes(self) -> int:
         """KV bytes reserved by running requests."""
         return self._held
+
+    @property
+    def running(self) -> int:
+        """Requests admitted and not yet released."""
+        return self._running
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting in the queue for admission."""
+        return self._waiting
+
+    def _must_wait(self, kv_bytes: int) -> bool:
+        slots_full = self.max_running is not None and self._running >= self.max_running
+        return slots_full or self._held + kv_bytes > self.kv_budget_bytes
 
     def admit(
         self,
@@ -64,11 +81,11 @@ class Scheduler:
             )
         start = time.perf_counter()
         with self._cond:
-            if self._held + kv_bytes > self.kv_budget_bytes and self._waiting >= self.max_queue:
-                raise AdmissionError(f"the queue is full ({self.max_queue} waiting); try again later")
+            if self._must_wait(kv_bytes) and self._waiting >= self.max_queue:
+                raise QueueFullError(f"the queue is full ({self.max_queue} waiting); try again later")
             self._waiting += 1
             try:
-                while self._held + kv_bytes > self.kv_budget_bytes:
+                while self._must_wait(kv_bytes):
                     if cancelled is not None and cancelled.is_set():
                         raise AdmissionError("cancelled while waiting in the queue")
                     left = None if timeout_s is None else timeout_s - (time.perf_counter() - start)
@@ -78,6 +95,7 @@ class Scheduler:
                         )
                     self._cond.wait(timeout=0.05 if left is None else min(left, 0.05))
                 self._held += kv_bytes
+                self._running += 1
             finally:
                 self._waiting -= 1
         return Admission(request_id, kv_bytes, (time.perf_counter() - start) * 1000)
@@ -86,4 +104,5 @@ class Scheduler:
         """Return a reservation and wake waiting requests."""
         with self._cond:
             self._held -= admission.kv_bytes
+            self._running -= 1
             self._cond.notify_all()

@@ -25,6 +25,7 @@ from minengine.events import (
     Event,
     PrefillEvent,
     PromptEvent,
+    PromptPart,
     RequestResult,
     StageEvent,
     StepReady,
@@ -67,6 +68,7 @@ class RequestSession:
         self.pending_logits: torch.Tensor | None = None
         self.result: RequestResult | None = None
         self.prompt_tokens = 0
+        self.failure: ReqscopeError | None = None  # why the request failed, for callers that map errors
         self._forced: int | None = None
         self._sampler: Sampler | None = None
         self._cache: KVCache | None = None
@@ -123,7 +125,8 @@ class RequestSession:
     def _run(self) -> Iterator[Event]:
         eng, req, tl = self.engine, self.request, self.timeline
         tok = eng.tokenizer
-        self.timeline.mark("server_arrival", req.request_id)
+        if tl.time_of("server_arrival") is None:  # a server marks it itself, when the HTTP request lands
+            tl.mark("server_arrival", req.request_id)
         generated: list[int] = []
         finish, error = "error", None
         text_parts: list[str] = []
@@ -133,14 +136,22 @@ class RequestSession:
         try:
             validate(req)
             yield self._stage("validated", req.request_id)
-            rendered = tok.render(list(req.messages))
-            yield self._stage("templated", f"{len(rendered)} chars")
+            if req.raw_prompt is None:
+                rendered = tok.render(list(req.messages))
+                yield self._stage("templated", f"{len(rendered)} chars")
+            else:
+                rendered = req.raw_prompt
+                yield self._stage("templated", "raw prompt, no chat template")
             pieces = tok.encode_pieces(rendered)
             ids = [p.token_id for p in pieces]
             self.prompt_tokens = len(ids)
             yield self._stage("tokenized", f"{len(ids)} tokens")
-            without_gen = tok.render(list(req.messages), add_generation_prompt=False)
-            yield PromptEvent(rendered, tuple(pieces), prompt_parts(rendered, without_gen, req.messages, pieces))
+            if req.raw_prompt is None:
+                without_gen = tok.render(list(req.messages), add_generation_prompt=False)
+                parts = prompt_parts(rendered, without_gen, req.messages, pieces)
+            else:
+                parts = (PromptPart("user", len(pieces)),)
+            yield PromptEvent(rendered, tuple(pieces), parts)
 
             storage = eng.dtype if req.kv_dtype == "auto" else _KV_STORAGE[req.kv_dtype]
             heads = eng.cfg.num_attention_heads if req.kv_layout == "mha" else eng.cfg.num_key_value_heads
@@ -246,6 +257,7 @@ class RequestSession:
                 text_parts.append(tail)
         except ReqscopeError as exc:
             finish, error = "error", str(exc)
+            self.failure = exc
         except torch.OutOfMemoryError as exc:
             finish, error = "error", f"out of memory: {str(exc).splitlines()[0]}; lower --max-tokens"
         finally:
