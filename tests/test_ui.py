@@ -5,15 +5,6 @@ from __future__ import annotations
 import io
 
 import pytest
-from reqscope.cli import build_parser, main
-from reqscope.run_options import DEFAULT_PROMPT, open_engine, request_from_args
-from reqscope.ui.app import ExplorerApp
-from reqscope.ui.help_screen import HelpScreen
-from reqscope.ui.keys import keys_for
-from reqscope.ui.latency import latency_figures
-from reqscope.ui.loading_screen import LoadingScreen
-from reqscope.ui.panel import Panel
-from reqscope.ui.sampling_form import SamplingForm
 from rich.console import Console
 from textual.widgets import Input
 from ui_fixtures import TRACE, finished, held_at, kyoto_request, live_app, replay_app, wait_for
@@ -24,6 +15,15 @@ from minengine.events import DoneEvent, TokenEvent
 from minengine.export import METRICS_JSON, TRACE_JSONL
 from minengine.sampler import SamplingParams, explain_candidates
 from minengine.trace_io import read_trace
+from reqscope.cli import build_parser, main
+from reqscope.run_options import DEFAULT_PROMPT, open_engine, request_from_args
+from reqscope.ui.app import ExplorerApp
+from reqscope.ui.help_screen import HelpScreen
+from reqscope.ui.keys import keys_for
+from reqscope.ui.latency import latency_figures
+from reqscope.ui.loading_screen import LoadingScreen
+from reqscope.ui.panel import Panel
+from reqscope.ui.sampling_form import SamplingForm
 
 pytestmark = pytest.mark.anyio
 

@@ -14,6 +14,23 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 
+from rich.text import Text
+from textual import events, work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.containers import Container
+from textual.geometry import Size
+from textual.screen import Screen
+from textual.widgets import Footer, Static
+
+from minengine.chat_template import Message
+from minengine.device import device_memory_bytes
+from minengine.engine import Engine
+from minengine.errors import ReqscopeError
+from minengine.events import DoneEvent, PrefillEvent, RequestResult
+from minengine.export import export_run
+from minengine.request import GenerationRequest
+from minengine.sampler import SamplingParams, explain_candidates
+from minengine.trace_io import TraceHeader
 from reqscope.ui.export_folder import DEFAULT_ROOT, claim_run_folder
 from reqscope.ui.frame import Frame, StepSubject
 from reqscope.ui.help_screen import HelpScreen
@@ -34,28 +51,11 @@ from reqscope.ui.run_view import RunView
 from reqscope.ui.sampling_form import SamplingChoice, SamplingForm
 from reqscope.ui.status_line import status_text
 from reqscope.ui.tokens_panel import TokensPanel
-from rich.text import Text
-from textual import events, work
-from textual.app import App, ComposeResult, SystemCommand
-from textual.containers import Container
-from textual.geometry import Size
-from textual.screen import Screen
-from textual.widgets import Footer, Static
-
-from minengine.chat_template import Message
-from minengine.device import device_memory_bytes
-from minengine.engine import Engine
-from minengine.errors import ReqscopeError
-from minengine.events import DoneEvent, PrefillEvent, RequestResult
-from minengine.export import export_run
-from minengine.request import GenerationRequest
-from minengine.sampler import SamplingParams, explain_candidates
-from minengine.trace_io import TraceHeader
 
 EngineOpener = Callable[[Callable[[str], None]], Engine]
 
 DETAIL_VIEWS: tuple[str, ...] = ("logits", "kv", "layouts", "latency")
-WIDE_MIN = (140, 40)  # columns, rows from which every panel is shown at once
+WIDE_MIN = (150, 40)  # columns, rows from which every panel is shown at once
 _LIVE_ONLY = {action_name(k) for k in keys_for(LIVE)} - {action_name(k) for k in keys_for(REPLAY)}
 _REPLAY_ONLY = {action_name(k) for k in keys_for(REPLAY)} - {action_name(k) for k in keys_for(LIVE)}
 _PLAYBACK_MS = (20.0, 500.0)  # replay plays at the recorded pace, within these bounds per token
@@ -142,7 +142,7 @@ class ExplorerApp(App[int]):
             yield KVPanel(id="kv")
             yield LatencyPanel(id="latency")
             yield LayoutPanel(id="layouts")
-        yield Footer()
+        yield Footer(compact=True, show_command_palette=False)
 
     def on_mount(self) -> None:
         for name in DETAIL_VIEWS:
@@ -412,7 +412,7 @@ class ExplorerApp(App[int]):
         if action in _REPLAY_ONLY and self.replay is None:
             return False
         if action == "pick":
-            return True if self._held is not None else None
+            return self._held is not None
         return True
 
     def action_toggle_run(self) -> None:
@@ -532,14 +532,18 @@ class ExplorerApp(App[int]):
             return
         self._start(self._next_request(), paused=self._stepping())
 
-    def action_edit_prompt(self) -> None:
-        """Edit the system prompt and the prompt, then run them."""
+    def action_edit_prompt(self, field: str = "prompt") -> None:
+        """Edit the prompt and the system prompt, then run them."""
         if self._engine_missing():
             return
         assert self.request is not None
         system = next((m.content for m in self.request.messages if m.role == "system"), "")
         prompt = next((m.content for m in reversed(self.request.messages) if m.role == "user"), "")
-        self.push_screen(PromptForm(PromptChoice(system, prompt)), self._prompt_chosen)
+        self.push_screen(PromptForm(PromptChoice(system, prompt), focus=field), self._prompt_chosen)
+
+    def action_edit_system(self) -> None:
+        """Edit the system prompt (the same form, starting in its field)."""
+        self.action_edit_prompt("system")
 
     def _prompt_chosen(self, choice: PromptChoice | None) -> None:
         if choice is None:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minengine.sampler import SamplingParams, StepTrace
+from minengine.trace_io import TraceHeader
 from reqscope.ui.layout_compare import MeasuredLayout
 from reqscope.ui.memory_probe import MemoryReading
 from reqscope.ui.run_view import RunView
-
-from minengine.sampler import SamplingParams, StepTrace
-from minengine.trace_io import TraceHeader
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from rich.style import Style
 
 _SPARKS = "▁▂▃▄▅▆▇█"
 _EIGHTHS = " ▏▎▍▌▋▊▉█"
+_EIGHTHS_UP = " ▁▂▃▄▅▆▇█"
 _VISIBLE = {" ": "·", "\n": "⏎", "\t": "⇥", "\r": "␍"}
 
 
@@ -57,6 +58,18 @@ def sparkline(values: Sequence[float], width: int) -> str:
     return "".join(_SPARKS[min(int((v - low) / span * len(_SPARKS)), len(_SPARKS) - 1)] for v in tail)
 
 
+def columns(fractions: Sequence[float], height: int, width_each: int = 1) -> list[str]:
+    """Vertical bars, one per value in 0..1, as `height` lines from the top row down."""
+    lines = []
+    for level in range(height, 0, -1):
+        cells = []
+        for fraction in fractions:
+            eighths = round(min(max(fraction, 0.0), 1.0) * height * 8) - (level - 1) * 8
+            cells.append(_EIGHTHS_UP[min(max(eighths, 0), 8)] * width_each)
+        lines.append("".join(cells))
+    return lines
+
+
 def ms(value: float | None, digits: int = 1) -> str:
     """Milliseconds for a table cell, or an en dash when unknown."""
     return "–" if value is None else f"{value:.{digits}f} ms"
@@ -65,8 +78,3 @@ def ms(value: float | None, digits: int = 1) -> str:
 def rate(value: float | None) -> str:
     """Tokens per second for a table cell, or an en dash when unknown."""
     return "–" if value is None else f"{value:.1f} tok/s"
-
-
-def mib(value: float) -> str:
-    """Bytes as MiB with three decimals (KV sizes of a small model are fractions of a MiB)."""
-    return f"{value / 2**20:.3f} MiB"

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from reqscope.ui.keys import keys_for
 from rich.table import Table
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
+
+from reqscope.ui.keys import keys_for
 
 
 class HelpScreen(ModalScreen[None]):

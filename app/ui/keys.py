@@ -9,6 +9,8 @@ from textual.binding import Binding
 LIVE = "live"
 REPLAY = "replay"
 BOTH = frozenset({LIVE, REPLAY})
+LIVE_ONLY = frozenset({LIVE})
+REPLAY_ONLY = frozenset({REPLAY})
 
 
 @dataclass(frozen=True)
@@ -31,20 +33,22 @@ class Key:
 
 
 KEYS: tuple[Key, ...] = (
-    Key("space", "toggle_run", "Run/Pause", "Run decode freely, or pause at the next step (replay: play or stop)"),
+    Key("space", "toggle_run", "Run", "Run decode freely, or pause at the next step (replay: play or stop)"),
     Key("s,right", "step", "Step", "Decode one token and hold at the next step (replay: one step forward)"),
-    Key("b,left", "step_back", "Back", "Replay: one step back", frozenset({REPLAY})),
-    Key("home", "first_step", "First", "Replay: back to the first step", frozenset({REPLAY}), footer=False),
-    Key("end", "last_step", "Last", "Replay: jump to the end", frozenset({REPLAY}), footer=False),
-    Key("o", "sampling", "Sampling", "Change temperature, top-k, top-p, min-p, seed, max tokens or sampler order"),
+    Key("b,left", "step_back", "Back", "Replay: one step back", REPLAY_ONLY),
+    Key("home", "first_step", "First", "Replay: back to the first step", REPLAY_ONLY, footer=False),
+    Key("end", "last_step", "Last", "Replay: jump to the end", REPLAY_ONLY, footer=False),
+    Key("o", "sampling", "Sample", "Change temperature, top-k, top-p, min-p, seed, max tokens or sampler order"),
     Key("up,k", "cursor(-1)", "Up", "Move the candidate cursor up", footer=False),
     Key("down,j", "cursor(1)", "Down", "Move the candidate cursor down", footer=False),
-    Key("enter", "pick", "Pick", "Commit the highlighted candidate as the next token (while paused)", frozenset({LIVE})),
-    Key("c", "cancel", "Cancel", "Cancel the request (it stops before the next model step)", frozenset({LIVE}), footer=False),
-    Key("r", "restart", "Restart", "Run the same prompt again with the current settings", frozenset({LIVE}), footer=False),
-    Key("e", "edit_prompt", "Prompt", "Edit the prompt and the system prompt, then run again", frozenset({LIVE})),
-    Key("m", "switch_layout", "MHA/GQA", "Re-run this request with the other KV cache layout (gqa or mha)", frozenset({LIVE})),
-    Key("x", "export", "Export", "Export the finished run (timeline CSV, metrics, trace, Perfetto)"),
+    Key("enter", "pick", "Pick", "Commit the highlighted candidate as the next token (while paused)", LIVE_ONLY),
+    Key("c", "cancel", "Cancel", "Cancel the request (it stops before the next model step)", LIVE_ONLY, footer=False),
+    Key("r", "restart", "Restart", "Run the same prompt again with the current settings", LIVE_ONLY, footer=False),
+    Key("e", "edit_prompt", "Prompt", "Edit the prompt (and the system prompt), then run again", LIVE_ONLY),
+    Key("p", "edit_system", "System", "Edit the system prompt (and the prompt), then run again", LIVE_ONLY,
+        footer=False),
+    Key("m", "switch_layout", "GQA/MHA", "Re-run this request with the other KV cache layout (gqa or mha)", LIVE_ONLY),
+    Key("x", "export", "Export", "Export the finished run (timeline CSV, metrics, trace, Perfetto) to a new folder"),
     Key("v", "next_view", "View", "Show the next detail panel (small terminals)"),
     Key("1", "view('logits')", "Logits", "Show the logits panel (small terminals)", footer=False),
     Key("2", "view('kv')", "KV", "Show the KV cache panel (small terminals)", footer=False),

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import math
 
-from reqscope.ui.frame import Frame
-from reqscope.ui.glyphs import bar
-from reqscope.ui.memory_probe import MemoryReading
-from reqscope.ui.panel import Panel
 from rich.console import Group, RenderableType
 from rich.text import Text
 
 from minengine.kv_cache import KVUsage
 from minengine.kv_math import KIB, MIB
+from reqscope.ui.frame import Frame
+from reqscope.ui.glyphs import bar, columns
+from reqscope.ui.memory_probe import MemoryReading
+from reqscope.ui.panel import Panel
 
-_VERTICAL = " ▁▂▃▄▅▆▇█"
 _MIN_BAR = 6  # narrower horizontal bars say too little: draw the layers as columns instead
 
 
@@ -100,15 +99,8 @@ def _horizontal(kv: KVUsage, fractions, rows: int, cell: int, bar_width: int) ->
 
 def _vertical(fractions, width: int, rows: int) -> list[Text]:
     """Layers as columns, bottom-up, with an axis line naming the first and last layer."""
-    height = rows - 1
     step = 2 if len(fractions) * 2 <= width else 1
-    grid = []
-    for level in range(height, 0, -1):
-        line = Text(no_wrap=True)
-        for logical, _ in fractions:
-            eighths = round(logical * height * 8) - (level - 1) * 8
-            line.append(_VERTICAL[min(max(eighths, 0), 8)] * step, style="green")
-        grid.append(line)
+    grid = [Text(line, style="green", no_wrap=True) for line in columns([lo for lo, _ in fractions], rows - 1, step)]
     axis = f"L0{'─' * max(len(fractions) * step - 2 - len(str(len(fractions) - 1)) - 1, 0)}L{len(fractions) - 1}"
     grid.append(Text(axis, style="dim", no_wrap=True))
     return grid

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reqscope.ui.run_view import RunView
-
 from minengine.errors import ReqscopeError
 from minengine.metrics import ItlStats, RequestMetrics, itl_stats, request_metrics
+from reqscope.ui.run_view import RunView
 
 # The timeline's origin is the moment the session was created, and `client_send` is marked
 # right then, so the send time is 0 ms on every event's clock.

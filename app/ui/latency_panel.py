@@ -2,48 +2,46 @@
 
 from __future__ import annotations
 
-from reqscope.ui.frame import Frame
-from reqscope.ui.glyphs import ms, rate, sparkline
-from reqscope.ui.latency import latency_figures
-from reqscope.ui.panel import Panel
 from rich.console import Group, RenderableType
 from rich.text import Text
 
+from reqscope.ui.frame import Frame
+from reqscope.ui.glyphs import columns, ms, rate, sparkline
+from reqscope.ui.latency import LatencyFigures, latency_figures
+from reqscope.ui.panel import Panel
+
+_CHART_MAX_ROWS = 10
+
 
 class LatencyPanel(Panel):
-    """Label/value pairs, the ITL sparkline, and the prefill figures."""
+    """Label/value pairs, the prefill figures, then the ITLs as a chart (or a sparkline when cramped)."""
 
     TITLE = "Latency"
 
     def draw(self, frame: Frame, width: int, height: int) -> RenderableType:
         fig = latency_figures(frame.view)
-        m, itl = fig.metrics, fig.itl
-        pairs = [
-            ("TTFT", ms(m.ttft_ms if m else None)),
-            ("E2E", ms(m.e2e_ms if m else None)),
-            ("last ITL", ms(fig.last_itl_ms)),
-            ("TPOT", ms(m.tpot_ms if m else None, 2)),
-            ("ITL mean", ms(itl.mean if itl else None, 2)),
-            ("ITL median", ms(itl.median if itl else None, 2)),
-            ("ITL p95", ms(itl.p95 if itl else None, 2)),
-            ("ITL max", ms(itl.max if itl else None, 2)),
-            ("decode", rate(m.decode_output_tokens_per_second if m else None)),
-            ("whole req.", rate(m.whole_request_output_tokens_per_second if m else None)),
-        ]
-        lines = _pairs(pairs, width)
-        spark_width = max(width - 5, 1)
-        spark = Text(no_wrap=True)
-        spark.append("ITL ", style="dim")
-        spark.append(sparkline(fig.itls_ms, spark_width), style="cyan")
-        lines.append(spark)
-        if fig.itls_ms:
-            tail = fig.itls_ms[-spark_width:]
-            lines.append(Text(f"    {min(tail):.1f}–{max(tail):.1f} ms over the last {len(tail)} gaps", style="dim", no_wrap=True))
-        lines.append(_prefill(fig.prefill_ms, fig.prompt_tokens))
+        lines = _pairs(_figures(fig), width) + [_prefill(fig.prefill_ms, fig.prompt_tokens)]
         if len(frame.prefill_history) > 1:
             history = " · ".join(f"{n} tok {t:.1f} ms" for n, t in frame.prefill_history[-6:])
             lines.append(Text(f"prefill by prompt length: {history}", style="dim", no_wrap=True, overflow="ellipsis"))
+        lines += _itl_chart(fig.itls_ms, width, height - len(lines))
         return Group(*lines[: max(height, 1)])
+
+
+def _figures(fig: LatencyFigures) -> list[tuple[str, str]]:
+    m, itl = fig.metrics, fig.itl
+    return [
+        ("TTFT", ms(m.ttft_ms if m else None)),
+        ("E2E", ms(m.e2e_ms if m else None)),
+        ("last ITL", ms(fig.last_itl_ms)),
+        ("TPOT", ms(m.tpot_ms if m else None, 2)),
+        ("ITL mean", ms(itl.mean if itl else None, 2)),
+        ("ITL median", ms(itl.median if itl else None, 2)),
+        ("ITL p95", ms(itl.p95 if itl else None, 2)),
+        ("ITL max", ms(itl.max if itl else None, 2)),
+        ("decode", rate(m.decode_output_tokens_per_second if m else None)),
+        ("whole req.", rate(m.whole_request_output_tokens_per_second if m else None)),
+    ]
 
 
 def _pairs(pairs: list[tuple[str, str]], width: int) -> list[Text]:
@@ -69,3 +67,21 @@ def _prefill(prefill_ms: float | None, tokens: int | None) -> Text:
     per_s = tokens / (prefill_ms / 1000) if prefill_ms > 0 else 0.0
     text.append(f" for {tokens} prompt tokens ({prefill_ms / tokens:.2f} ms/token, {per_s:.0f} tok/s)")
     return text
+
+
+def _itl_chart(itls: tuple[float, ...], width: int, rows: int) -> list[Text]:
+    """The last ITLs as bars scaled to their maximum, with a caption; one sparkline line when cramped."""
+    if rows < 2:
+        return []
+    tail = itls[-(width - 1) :]
+    caption = Text(no_wrap=True, overflow="ellipsis", style="dim")
+    if not tail:
+        caption.append("ITL chart: from the second streamed token on")
+        return [caption]
+    caption.append(f"ITL of the last {len(tail)} tokens: {min(tail):.1f}–{max(tail):.1f} ms")
+    if rows < 4:
+        return [Text(sparkline(tail, width), style="cyan", no_wrap=True), caption]
+    top = max(tail)
+    each = max(1, min(3, width // len(tail)))
+    chart = columns([v / top for v in tail], min(rows - 1, _CHART_MAX_ROWS), each)
+    return [Text(line, style="cyan", no_wrap=True) for line in chart] + [caption]

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from reqscope.run_options import open_engine
-from reqscope.ui.app import ExplorerApp
-
 from minengine.request import GenerationRequest
 from minengine.trace_io import read_trace
+from reqscope.run_options import open_engine
+from reqscope.ui.app import ExplorerApp
 
 
 def launch_explorer(args: argparse.Namespace, request: GenerationRequest) -> int:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from reqscope.ui.latency import latency_figures
-from reqscope.ui.run_view import RunView
-
 from minengine.kv_cache import KVUsage
 from minengine.kv_math import kv_bytes_per_token
 from minengine.trace_io import TraceHeader
+from reqscope.ui.latency import latency_figures
+from reqscope.ui.run_view import RunView
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from reqscope.ui.frame import Frame
-from reqscope.ui.glyphs import ms
-from reqscope.ui.layout_compare import MeasuredLayout, formula_rows
-from reqscope.ui.panel import Panel
 from rich.console import Group, RenderableType
 from rich.text import Text
 
 from minengine.kv_math import KIB, MIB
+from reqscope.ui.frame import Frame
+from reqscope.ui.glyphs import ms
+from reqscope.ui.layout_compare import MeasuredLayout, formula_rows
+from reqscope.ui.panel import Panel
 
 _ROOMY = 12  # from this height on, the panel spells out the formula and spaces its sections
 
@@ -29,20 +29,19 @@ class LayoutPanel(Panel):
             formula = f"2 × {h.layers} layers × heads × {h.head_dim} dims × bytes per element"
             lines.append(_line(f"KV bytes per token = {formula}", "dim"))
         lines.append(_line(
-            f"{'formula':<8}{'heads':>6}{'per token':>12}{f'at {kv.tokens} tok':>14}{'vs model':>10}",
-            "dim underline",
+            f"{'':<5}{'heads':>6}{'per token':>11}{f'{kv.tokens} tok':>11}{'ratio':>7}", "dim underline"
         ))
         rows = formula_rows(h, kv)
         own = rows[0].bytes_per_token
         for row in rows:
             lines.append(_line(
-                f"{row.name:<8}{row.heads:>6}{row.bytes_per_token / KIB:>8.1f} KiB"
-                f"{row.bytes_now / MIB:>10.3f} MiB{row.bytes_per_token / own:>9.2f}×",
+                f"{row.name:<5}{row.heads:>6}{row.bytes_per_token / KIB:>7.1f} KiB"
+                f"{row.bytes_now / MIB:>7.3f} MiB{row.bytes_per_token / own:>6.2f}×",
                 "bold" if row is rows[0] else "",
             ))
         if height >= _ROOMY:
             lines.append(Text(""))
-        lines += _measured(frame.measured, frame.replay)
+        lines += _measured(frame.measured, frame.replay, roomy=height >= _ROOMY)
         return Group(*lines[: max(height, 1)])
 
 
@@ -50,18 +49,19 @@ def _line(text: str, style: str = "") -> Text:
     return Text(text, style=style, no_wrap=True, overflow="ellipsis")
 
 
-def _measured(measured: dict[str, MeasuredLayout], replay: bool) -> list[Text]:
-    lines = [_line(f"{'measured':<8}{'tokens':>6}{'logical':>14}{'per token':>12}{'ITL mean':>11}", "dim underline")]
+def _measured(measured: dict[str, MeasuredLayout], replay: bool, roomy: bool) -> list[Text]:
+    lines = [_line("measured, real runs of this request", "bold")] if roomy else []
+    lines.append(_line(f"{'run':<5}{'tokens':>7}{'logical':>11}{'per token':>11}{'ITL mean':>10}", "dim underline"))
     for layout in ("gqa", "mha"):
         m = measured.get(layout)
         if m is None:
-            hint = "not in this trace" if replay else "press m to run this request with it"
-            lines.append(_line(f"{layout:<8}  {hint}", "dim"))
+            hint = "not in this trace" if replay else "m runs this request with it"
+            lines.append(_line(f"{layout:<5}  {hint}", "dim"))
             continue
         running = "" if m.finished else " …"
         lines.append(_line(
-            f"{layout:<8}{m.tokens:>6}{m.logical_bytes / MIB:>10.3f} MiB{m.bytes_per_token / KIB:>8.1f} KiB"
-            f"{ms(m.itl_mean_ms):>11}{running}"
+            f"{layout:<5}{m.tokens:>7}{m.logical_bytes / MIB:>7.3f} MiB{m.bytes_per_token / KIB:>7.1f} KiB"
+            f"{ms(m.itl_mean_ms):>10}{running}"
         ))
     gqa, mha = measured.get("gqa"), measured.get("mha")
     if gqa is not None and mha is not None:

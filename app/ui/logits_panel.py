@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from reqscope.ui.frame import Frame
-from reqscope.ui.glyphs import show_piece
-from reqscope.ui.panel import Panel
+import math
+
 from rich.console import Group, RenderableType
 from rich.text import Text
 
+from minengine.events import TokenEvent
 from minengine.sampler import Candidate, SamplingParams, StepTrace
+from reqscope.ui.frame import Frame
+from reqscope.ui.glyphs import show_piece
+from reqscope.ui.panel import Panel
 
+_RECENT_MIN_ROWS = 4  # spare rows below the candidates before the recent steps are worth showing
 # Column headings, aligned with _candidate_line's fields.
-_HEADER = f"{'':2}{'#':>2}  {'token':<12} {'id':>6} {'logit':>7} {'prob':>6} {'cum.':>6}  status"
+_HEADER = f"{'':2}{'#':>2} {'token':<12} {'id':>6} {'logit':>6} {'prob':>6} {'cum.':>6}  status"
 
 
 def chain_text(params: SamplingParams) -> str:
@@ -64,6 +68,9 @@ class LogitsPanel(Panel):
         rows = _candidate_rows(trace, frame.cursor if subject.pickable else None, width)
         room = max(height - len(lines), 1)
         lines += _window(rows, frame.cursor, room)
+        spare = height - len(lines) - 1
+        if spare >= _RECENT_MIN_ROWS:
+            lines += [Text("")] + _recent_steps(frame.view.tokens, spare)
         return Group(*lines)
 
 
@@ -95,8 +102,8 @@ def _candidate_line(i: int, cand: Candidate, chosen: bool, selected: bool, width
     pointer = "›" if selected else " "
     status = f"kept {cand.final_prob:5.1%}" if cand.dropped_by is None else f"× {cand.dropped_by}"
     line = (
-        f"{pointer}{mark}{i + 1:2d}  {show_piece(cand.piece, 12):<12} {cand.token_id:>6} "
-        f"{cand.logit:7.2f} {cand.prob:6.1%} {cand.cumulative:6.1%}  {status}"
+        f"{pointer}{mark}{i + 1:2d} {show_piece(cand.piece, 12):<12} {cand.token_id:>6} "
+        f"{cand.logit:6.2f} {cand.prob:6.1%} {cand.cumulative:6.1%}  {status}"
     )
     style = "dim" if cand.dropped_by is not None else ""
     if chosen:
@@ -104,6 +111,23 @@ def _candidate_line(i: int, cand: Candidate, chosen: bool, selected: bool, width
     if selected:
         style += " reverse"
     return Text(line, style=style.strip(), no_wrap=True, overflow="ellipsis")
+
+
+def _recent_steps(tokens: list[TokenEvent], rows: int) -> list[Text]:
+    """The last committed tokens: probability, survivors, entropy, forced or sampled."""
+    heading = f"{'step':>5} {'token':<12} {'p model':>7} {'kept':>6} {'H nats':>7}"
+    lines = [Text(heading, style="dim underline", no_wrap=True)]
+    for token in tokens[-(rows - 1) :]:
+        trace = token.trace
+        if trace is None:
+            continue
+        how = " forced" if token.forced else ""
+        lines.append(Text(
+            f"{token.index + 1:>5} {show_piece(token.piece, 12):<12} {math.exp(trace.chosen_logprob):7.1%} "
+            f"{trace.kept:>6} {trace.entropy:7.2f}{how}",
+            no_wrap=True, overflow="ellipsis",
+        ))
+    return lines
 
 
 def _window(rows: list[tuple[int | None, Text]], cursor: int, room: int) -> list[Text]:

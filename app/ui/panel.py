@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from reqscope.ui.frame import Frame
 from rich.console import RenderableType
 from rich.text import Text
 from textual.widget import Widget
+
+from reqscope.ui.frame import Frame
 
 
 class Panel(Widget):

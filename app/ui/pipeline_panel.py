@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from rich.console import Group, RenderableType
+from rich.text import Text
+
 from reqscope.ui.frame import Frame
 from reqscope.ui.panel import Panel
 from reqscope.ui.run_view import PIPELINE
-from rich.console import Group, RenderableType
-from rich.text import Text
 
 
 class PipelinePanel(Panel):
@@ -27,7 +28,8 @@ class PipelinePanel(Panel):
             else:
                 style = "dim"
             names.append(_fit(name, cell), style=style)
-            times.append(_fit("" if duration is None else _duration(duration), cell), style=style if style != "bold" else "")
+            shown = "" if duration is None else _duration(duration)
+            times.append(_fit(shown, cell), style="" if style == "bold" else style)
         return Group(names, times)
 
 

@@ -25,9 +25,10 @@ class PromptForm(ModalScreen[PromptChoice | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "run", "Run")]
 
-    def __init__(self, current: PromptChoice) -> None:
+    def __init__(self, current: PromptChoice, focus: str = "prompt") -> None:
         super().__init__()
         self.current = current
+        self.focus_field = focus
 
     def compose(self) -> ComposeResult:
         with Vertical(id="prompt-box") as box:
@@ -43,7 +44,7 @@ class PromptForm(ModalScreen[PromptChoice | None]):
                 yield Button("Cancel", id="cancel")
 
     def on_mount(self) -> None:
-        self.query_one("#prompt-input", TextArea).focus()
+        self.query_one(f"#{self.focus_field}-input").focus()
 
     @on(Button.Pressed, "#run")
     def action_run(self) -> None:

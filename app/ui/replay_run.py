@@ -7,10 +7,9 @@ the events before it, so stepping back is exact.
 
 from __future__ import annotations
 
-from reqscope.ui.run_view import RunView
-
 from minengine.events import Event, StepReady, TokenEvent
 from minengine.trace_io import TraceHeader
+from reqscope.ui.run_view import RunView
 
 
 class ReplayRun:

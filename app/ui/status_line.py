@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from reqscope.ui.frame import Frame
 from rich.text import Text
+
+from reqscope.ui.frame import Frame
 
 _STATE_STYLE = {
     "running": "bold green",
@@ -16,7 +17,7 @@ _STATE_STYLE = {
 
 
 def status_text(frame: Frame, source_name: str = "", playing: bool = False) -> Text:
-    """One line; the model description is cut first when the terminal is narrow."""
+    """One line; the model description (and the replayed file's name) is cut first when narrow."""
     h, p, view = frame.header, frame.params, frame.view
     text = Text(no_wrap=True, overflow="ellipsis")
     text.append(" reqscope ", style="bold reverse")
@@ -33,6 +34,8 @@ def status_text(frame: Frame, source_name: str = "", playing: bool = False) -> T
     kv = view.kv
     layout = kv.layout if kv is not None else "?"
     text.append(f" {frame.request_id} · {settings} · seed {p.seed} · {layout} cache ")
-    name = source_name or h.model.rstrip("/").split("/")[-1]
-    text.append(f"· {name}: {h.layers}L {h.q_heads}q/{h.kv_heads}kv {h.device} {h.dtype}", style="dim")
+    model = h.model.rstrip("/").split("/")[-1]
+    text.append(f"· {model}: {h.layers}L {h.q_heads}q/{h.kv_heads}kv {h.device} {h.dtype}", style="dim")
+    if source_name:
+        text.append(f" · from {source_name}", style="dim")
     return text

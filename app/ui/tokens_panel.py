@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 
-from reqscope.ui.frame import Frame
-from reqscope.ui.glyphs import prob_style, show_piece
-from reqscope.ui.panel import Panel
 from rich.console import Group, RenderableType
 from rich.text import Text
 
 from minengine.events import TokenEvent
+from reqscope.ui.frame import Frame
+from reqscope.ui.glyphs import prob_style, show_piece
+from reqscope.ui.panel import Panel
 
 # Wrapping at chip boundaries wastes part of each line; keep the strip inside its rows.
 _WRAP_SLACK = 0.8

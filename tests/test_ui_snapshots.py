@@ -1,0 +1,55 @@
+"""Snapshots of the explorer's main layouts, drawn from the recorded trace (no clocks, no memory readings)."""
+
+from __future__ import annotations
+
+from textual.widgets import Input
+from ui_fixtures import replay_app
+
+SMALL = (80, 24)
+LARGE = (160, 50)
+
+
+def test_step_mode_logits_small(snap_compare):
+    assert snap_compare(replay_app(), press=["s", "s", "s"], terminal_size=SMALL)
+
+
+def test_kv_cache_small(snap_compare):
+    assert snap_compare(replay_app(), press=["s", "s", "s", "s", "s", "2"], terminal_size=SMALL)
+
+
+def test_gqa_vs_mha_small(snap_compare):
+    assert snap_compare(replay_app(), press=["end", "3"], terminal_size=SMALL)
+
+
+def test_latency_small(snap_compare):
+    assert snap_compare(replay_app(), press=["end", "4"], terminal_size=SMALL)
+
+
+def test_every_panel_large_mid_run(snap_compare):
+    assert snap_compare(replay_app(), press=["s"] * 6, terminal_size=LARGE)
+
+
+def test_every_panel_large_finished(snap_compare):
+    assert snap_compare(replay_app(), press=["end"], terminal_size=LARGE)
+
+
+def test_help_screen(snap_compare):
+    assert snap_compare(replay_app(), press=["question_mark"], terminal_size=SMALL)
+
+
+def test_recorded_step_refiltered_with_lower_top_p(snap_compare):
+    async def lower_top_p(pilot):
+        await pilot.press("s", "o")
+        await pilot.pause()
+        pilot.app.screen.query_one("#field-top_p", Input).value = "0.5"
+        await pilot.click("#apply")
+        await pilot.pause()
+
+    assert snap_compare(replay_app(), run_before=lower_top_p, terminal_size=(100, 30))
+
+
+def test_no_color(snap_compare, monkeypatch):
+    monkeypatch.setenv("NO_COLOR", "1")
+    app = replay_app()
+    assert app.no_color
+    assert snap_compare(app, press=["end"], terminal_size=SMALL)
