@@ -5,7 +5,7 @@ Each stage reproduces the Hugging Face transformers warper of the same name exac
 token always kept); only the order in which they run changes between engines (see
 `sampling_params`). Greedy (temperature 0) bypasses the chain: the argmax of the raw logits.
 
-Two costs shape the code. A full-vocabulary sort costs ~50 argmaxes on a CPU, so top-p sorts
+Two costs shape the code. Sorting a 49k vocabulary costs ~80 argmaxes on a CPU, so top-p sorts
 only its survivors when an earlier stage has cut the vocabulary, and otherwise decides from an
 unsorted top-k (see `_top_p_by_estimate`). And `torch.multinomial` draws one exponential per
 vocabulary entry, so by default the token is drawn by inverse CDF from a single uniform; the
@@ -154,9 +154,7 @@ def _top_p_sorted(scores: torch.Tensor, threshold: float) -> torch.Tensor:
     return order[~removed_sorted]
 
 
-def _top_p_on_survivors(
-    scores: torch.Tensor, alive: torch.Tensor, threshold: float
-) -> torch.Tensor | None:
+def _top_p_on_survivors(scores: torch.Tensor, alive: torch.Tensor, threshold: float) -> torch.Tensor | None:
     """Exact top-p when only the `alive` ids are finite, sorting just those.
 
     HF's ascending sort puts every -inf first, so its sorted row equals -inf padding followed
@@ -216,6 +214,7 @@ class _ChainRun:
     cuts: tuple[tuple[str, _Live], ...]  # (stage, what it left) for each stage that cut, in order
     top_p_input: _Live  # what the top_p stage saw, whether or not it was on
     top_p_output: _Live | None  # what it left, None when it was off
+    scaled: torch.Tensor | None = None  # the whole row divided by T, when the chain made one
 
 
 def _as_row(logits: torch.Tensor) -> torch.Tensor:
@@ -232,12 +231,13 @@ def _run_chain(logits: torch.Tensor, params: SamplingParams) -> _ChainRun:
         return _ChainRun(winner, (("temperature", winner),), live, None)
 
     cuts: list[tuple[str, _Live]] = []
-    top_p_input, top_p_output = live, None
+    top_p_input, top_p_output, scaled = live, None, None
     for stage in params.order:
         before = live
         if stage == "temperature":
             if params.temperature != 1:
                 live = _temperature(live, params.temperature)
+                scaled = live.scores if live.alive is None else None
             continue
         if stage == "top_p":
             top_p_input = live
@@ -250,12 +250,10 @@ def _run_chain(logits: torch.Tensor, params: SamplingParams) -> _ChainRun:
             live = _min_p(live, params.min_p)
         if live is not before:
             cuts.append((stage, live))
-    return _ChainRun(live, tuple(cuts), top_p_input, top_p_output)
+    return _ChainRun(live, tuple(cuts), top_p_input, top_p_output, scaled)
 
 
-def filter_logits(
-    logits: torch.Tensor, params: SamplingParams
-) -> tuple[torch.Tensor, torch.Tensor]:
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the chain without sampling.
 
     Returns the filtered scores (temperature applied where it ran, -inf for dropped tokens)
@@ -331,6 +329,32 @@ class StepTrace:
     vocab_size: int = 0
 
 
+@dataclass(frozen=True)
+class _Display:
+    """The temperature-scaled distribution a trace reports (temperature 0 shows T=1)."""
+
+    scaled: torch.Tensor
+    probs: torch.Tensor
+    log_normaliser: torch.Tensor  # logsumexp(scaled), 0-dim
+    entropy: float
+
+
+def _display(logits: torch.Tensor, params: SamplingParams, run: _ChainRun, peak: int) -> _Display:
+    if params.temperature in (0, 1):
+        scaled = logits
+    elif run.scaled is not None:  # the chain already divided the whole row
+        scaled = run.scaled
+    else:
+        scaled = logits / params.temperature
+    probs = torch.softmax(scaled, dim=-1)
+    # H = -sum p log p = -log p_peak - sum p (z - z_peak): both terms small, so no cancellation.
+    neg_log_peak = -torch.log(probs[peak])
+    entropy = float(neg_log_peak - torch.dot(probs, scaled - scaled[peak]))
+    if not math.isfinite(entropy):  # a -inf logit: 0 * -inf poisons the dot product
+        entropy = float(torch.special.entr(probs).sum())
+    return _Display(scaled, probs, scaled[peak] + neg_log_peak, entropy)
+
+
 def _build_trace(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -342,41 +366,37 @@ def _build_trace(
     forced: bool,
     uniform: float | None,
 ) -> StepTrace:
-    display_t = params.temperature or 1.0
-    scaled = logits / display_t if display_t != 1 else logits
-    log_probs = torch.log_softmax(scaled, dim=-1)
-    probs = log_probs.exp()
-    entropy = -float(torch.dot(probs, log_probs))
-    if not math.isfinite(entropy):  # a -inf logit: 0 * -inf poisons the dot product
-        entropy = float(torch.special.entr(probs).sum())
-    raw_log_probs = log_probs if display_t == 1 else torch.log_softmax(logits, dim=-1)
-    top_p_lse = _logsumexp(run.top_p_input)
+    best_logits, best_ids = _top_values(logits, min(top_n, logits.numel()))
+    # Among equal logits the higher id comes first: the order HF's ascending sort reverses to.
+    ranked = sorted(zip(best_ids.tolist(), best_logits.tolist(), strict=True), key=lambda c: (-c[1], -c[0]))
+    shown = _display(logits, params, run, peak=ranked[0][0])
+    if shown.scaled is logits:
+        chosen_logprob = float(logits[chosen] - shown.log_normaliser)
+    else:
+        chosen_logprob = float(torch.log_softmax(logits, dim=-1)[chosen])
+    # Most often top_p saw exactly the displayed row, whose normaliser is already known.
+    top_p_lse = shown.log_normaliser if run.top_p_input.scores is shown.scaled else _logsumexp(run.top_p_input)
     top_p_cut = None
     if run.top_p_output is not None:
         top_p_cut = float(torch.exp(_logsumexp(run.top_p_output) - top_p_lse))
 
-    best_logits, best_ids = _top_values(logits, min(top_n, logits.numel()))
-    # Among equal logits the higher id comes first: the order HF's ascending sort reverses to.
-    ranked = sorted(
-        zip(best_ids.tolist(), best_logits.tolist(), strict=True), key=lambda c: (-c[1], -c[0])
-    )
     ids = torch.tensor([tid for tid, _ in ranked], dtype=torch.long, device=logits.device)
-    columns = torch.stack(
-        (probs[ids], torch.exp(run.top_p_input.scores[ids] - top_p_lse), final_probs[ids])
+    prob, top_p_prob, final_prob = torch.stack(
+        (shown.probs[ids], torch.exp(run.top_p_input.scores[ids] - top_p_lse), final_probs[ids])
     ).tolist()
     dead_after = [(stage, (live.scores[ids] == _NEG_INF).tolist()) for stage, live in run.cuts]
     candidates, cumulative = [], 0.0
     for i, (tid, logit) in enumerate(ranked):
-        cumulative += columns[1][i]
+        cumulative += top_p_prob[i]
         candidates.append(
             Candidate(
                 token_id=tid,
                 piece=piece(tid),
                 logit=logit,
-                prob=columns[0][i],
+                prob=prob[i],
                 dropped_by=next((stage for stage, dead in dead_after if dead[i]), None),
                 cumulative=cumulative,
-                final_prob=columns[2][i],
+                final_prob=final_prob[i],
             )
         )
 
@@ -388,9 +408,9 @@ def _build_trace(
         candidates=tuple(candidates),
         chosen_id=chosen,
         chosen_piece=piece(chosen),
-        chosen_logprob=float(raw_log_probs[chosen]),
+        chosen_logprob=chosen_logprob,
         sample_logprob=0.0 if params.greedy else sample_logprob,
-        entropy=entropy,
+        entropy=shown.entropy,
         kept=_count_alive(run.final),
         top_p_cut=top_p_cut,
         forced=forced,
@@ -478,17 +498,13 @@ def explain_candidates(
     elif n_unseen:
         chosen_local = len(candidates)
     else:
-        raise ValueError(
-            f"token {chosen_id} is not among the recorded candidates and no unseen mass is left"
-        )
+        raise ValueError(f"token {chosen_id} is not among the recorded candidates and no unseen mass is left")
 
     def local_piece(i: int) -> str:
         return candidates[i].piece if i < len(candidates) else chosen_piece
 
     trace = _explain_row(logits, params, chosen_local, local_piece, len(candidates), forced)
-    remapped = tuple(
-        dataclasses.replace(c, token_id=candidates[c.token_id].token_id) for c in trace.candidates
-    )
+    remapped = tuple(dataclasses.replace(c, token_id=candidates[c.token_id].token_id) for c in trace.candidates)
     return dataclasses.replace(
         trace,
         candidates=remapped,
@@ -541,9 +557,7 @@ class Sampler:
             self.seed = self._reseed(params.seed)
         self.params = params
 
-    def _draw(
-        self, final: _Live, ids: torch.Tensor | None, probs: torch.Tensor
-    ) -> tuple[int, float | None]:
+    def _draw(self, final: _Live, ids: torch.Tensor | None, probs: torch.Tensor) -> tuple[int, float | None]:
         """One token from the chain's result; returns (token, uniform drawn or None)."""
         if self.draw == "multinomial":  # HF's exact call, on HF's full-row probabilities
             row_probs = torch.softmax(final.scores, dim=-1)
@@ -586,13 +600,20 @@ class Sampler:
         run = _run_chain(logits, self.params)
         ids, probs = _final_distribution(run.final)
         if self.params.greedy:
-            chosen, uniform = int(torch.argmax(logits)), None
+            chosen, uniform = int(run.final.alive[0]), None
         else:
             chosen, uniform = self._draw(run.final, ids, probs)
         if force is not None:
             chosen = force
         trace = _build_trace(
-            logits, self.params, run, _over_row(ids, probs, n), chosen, piece, top_n,
-            force is not None, uniform,
+            logits,
+            self.params,
+            run,
+            _over_row(ids, probs, n),
+            chosen,
+            piece,
+            top_n,
+            force is not None,
+            uniform,
         )
         return chosen, trace

@@ -114,9 +114,7 @@ def test_top_k_keeps_ties_with_the_kth(order):
     logits = torch.tensor([3.0, 1.0, 2.0, 0.0, 2.0])
     assert kept_ids(SamplingParams(top_k=2, order=order), logits) == {0, 2, 4}
     assert kept_ids(SamplingParams(top_k=1, order=order), logits) == {0}
-    assert dropped_by(SamplingParams(top_k=1, order=order), logits) == [
-        None, "top_k", "top_k", "top_k", "top_k"
-    ]
+    assert dropped_by(SamplingParams(top_k=1, order=order), logits) == [None, "top_k", "top_k", "top_k", "top_k"]
 
 
 @pytest.mark.parametrize("order", list(NAMED_ORDERS.values()))
@@ -403,8 +401,11 @@ def test_replay_from_recorded_candidates():
     for params in (recorded, recorded.with_(top_p=0.5), recorded.with_(top_k=3, min_p=0.1)):
         full = explain(logits, params, trace.candidates[1].token_id, piece)
         replay = explain_candidates(
-            trace.candidates, params, trace.candidates[1].token_id,
-            recorded_temperature=0.8, vocab_size=8000,
+            trace.candidates,
+            params,
+            trace.candidates[1].token_id,
+            recorded_temperature=0.8,
+            vocab_size=8000,
         )
         assert [c.token_id for c in replay.candidates] == [c.token_id for c in full.candidates]
         assert [c.dropped_by for c in replay.candidates] == [c.dropped_by for c in full.candidates]
