@@ -19,7 +19,6 @@ import regex
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from reqscope.cli import main
 from safetensors import safe_open
 from tiny_gguf import CHAT_TEMPLATE, ROPE_THETA, TinyGGUF, reference_state_dict, write_tiny_gguf
 from tokenizers import Tokenizer
@@ -29,6 +28,7 @@ from minengine.errors import ConfigError, ModelNotFoundError, ReqscopeError, Tok
 from minengine.gguf_import import convert_gguf
 from minengine.pull_progress import PullProgress
 from minengine.safetensors_shards import INDEX_FILE, write_checkpoint
+from reqscope.cli import main
 
 IDS = [1, 20, 75, 140, 201, 266, 269, 2, 9, 33, 100]
 KYOTO = "Show me wheelchair-accessible hotels in Kyoto"

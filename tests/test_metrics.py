@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from reqscope.cli import main
 
 from minengine.errors import RequestError
 from minengine.metrics import (
@@ -21,6 +20,7 @@ from minengine.metrics import (
     percentile,
     request_metrics,
 )
+from reqscope.cli import main
 
 DATA = Path(__file__).parent / "data"
 WORKED_EXAMPLE = DATA / "request-timeline.csv"  # 150 tokens, first at 190 ms, last at 3915 ms

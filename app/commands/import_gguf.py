@@ -6,10 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from reqscope.commands.progress_line import ProgressLine
-
 from minengine.errors import ReqscopeError
 from minengine.gguf_import import DTYPES, convert_gguf
+from reqscope.commands.progress_line import ProgressLine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,9 +6,8 @@ import argparse
 import sys
 from collections.abc import Iterable, Iterator
 
-from reqscope.run_options import DEFAULT_PROMPT, add_run_arguments, open_engine, request_from_args, stderr_progress
-
 from minengine.events import Event
+from reqscope.run_options import DEFAULT_PROMPT, add_run_arguments, open_engine, request_from_args, stderr_progress
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
