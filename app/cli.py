@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("reqscope.commands.plan", "KV-memory and latency arithmetic for any model"),
     "replay": ("reqscope.commands.replay", "replay a recorded trace in the explorer, without a model"),
     "bench": ("reqscope.commands.bench", "benchmark minengine against Hugging Face transformers"),
+    "serve": ("reqscope.commands.serve", "serve the model over an OpenAI-compatible HTTP API"),
 }
 
 
