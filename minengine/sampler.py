@@ -127,10 +127,13 @@ def _top_k(live: _Live, k: int) -> _Live:
 
 def _min_p(live: _Live, min_p: float) -> _Live:
     probs = torch.softmax(live.scores, dim=-1)  # over the whole row, for HF's exact values
+    alive_probs = probs if live.alive is None else probs[live.alive]
+    threshold = min_p * alive_probs.amax()
+    if not bool(threshold > 0):  # min_p below float32's range removes nothing, as in HF
+        return live
     if live.alive is None:
-        return live.keep_only(torch.nonzero(probs >= min_p * probs.amax()).squeeze(1))
-    alive_probs = probs[live.alive]
-    return live.keep_only(live.alive[alive_probs >= min_p * alive_probs.amax()])
+        return live.keep_only(torch.nonzero(probs >= threshold).squeeze(1))
+    return live.keep_only(live.alive[alive_probs >= threshold])
 
 
 def _top_p(live: _Live, top_p: float) -> _Live:

@@ -186,7 +186,9 @@ def test_greedy_keeps_only_the_raw_argmax():
 
 # -- parity with transformers --------------------------------------------------------------------
 
-grid_logits = st.lists(st.integers(-40, 40).map(lambda v: v / 4), min_size=1, max_size=300)
+grid_logits = st.lists(
+    st.integers(-41, 40).map(lambda v: v / 4 if v > -41 else NEG_INF), min_size=1, max_size=300
+).filter(lambda values: max(values) > NEG_INF)
 hf_params = st.builds(
     SamplingParams,
     temperature=st.sampled_from([1.0, 0.05, 0.3, 0.7, 1.3, 5.0]),
@@ -199,7 +201,8 @@ hf_params = st.builds(
 @settings(max_examples=300, deadline=None)
 @given(values=grid_logits, params=hf_params)
 def test_hf_order_matches_transformers_warpers(values, params):
-    # The coarse grid makes ties common, including ties straddling the top-k and top-p cuts.
+    # The coarse grid makes ties common, including ties straddling the top-k and top-p cuts;
+    # some logits arrive already -inf, as from a caller's mask.
     logits = torch.tensor(values)
     assert torch.equal(filter_logits(logits, params)[0], hf_filter(logits, params))
 
@@ -496,3 +499,22 @@ def test_cuda_matches_cpu():
     assert [cpu.sample(x) for x in steps] == [cuda.sample(x.cuda()) for x in steps]
     filtered, _ = filter_logits(steps[0].cuda(), params)
     assert torch.equal(filtered.cpu().isinf(), hf_filter(steps[0], params).isinf())
+
+
+def test_min_p_below_float32_range_removes_nothing():
+    logits = torch.tensor([0.0, -200.0, float("-inf"), 1.0])
+    params = SamplingParams(min_p=1e-60)
+    assert torch.equal(filter_logits(logits, params)[0], hf_filter(logits, params))
+    assert explain(logits, params, 3, piece).kept == 3
+
+
+def test_masked_logits_never_drawn_and_traced():
+    logits = logits_of(0.5, 0.3, 0.2, 0.1)
+    logits[1] = NEG_INF  # masked by the caller
+    sampler = Sampler(SamplingParams(seed=0))
+    drawn = {sampler.sample(logits) for _ in range(200)}
+    assert drawn == {0, 2, 3}
+    trace = explain(logits, SamplingParams(), 0, piece)
+    probs = [0.5 / 0.8, 0.2 / 0.8, 0.1 / 0.8]
+    assert trace.entropy == pytest.approx(-sum(p * math.log(p) for p in probs), abs=1e-6)
+    assert trace.kept == 3
