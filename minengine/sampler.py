@@ -384,10 +384,14 @@ def _build_trace(
         top_p_cut = float(torch.exp(_logsumexp(run.top_p_output) - top_p_lse))
 
     ids = torch.tensor([tid for tid, _ in ranked], dtype=torch.long, device=logits.device)
-    prob, top_p_prob, final_prob = torch.stack(
-        (shown.probs[ids], torch.exp(run.top_p_input.scores[ids] - top_p_lse), final_probs[ids])
+    # One gather per row and a single transfer: per-candidate tensor ops would dominate.
+    prob, top_p_scores, final_prob, *after_cuts = torch.stack(
+        [row[ids] for row in (shown.probs, run.top_p_input.scores, final_probs)]
+        + [live.scores[ids] for _, live in run.cuts]
     ).tolist()
-    dead_after = [(stage, (live.scores[ids] == _NEG_INF).tolist()) for stage, live in run.cuts]
+    top_p_log_normaliser = float(top_p_lse)
+    top_p_prob = [math.exp(score - top_p_log_normaliser) for score in top_p_scores]
+    stage_scores = [(stage, after) for (stage, _), after in zip(run.cuts, after_cuts, strict=True)]
     candidates, cumulative = [], 0.0
     for i, (tid, logit) in enumerate(ranked):
         cumulative += top_p_prob[i]
@@ -397,7 +401,7 @@ def _build_trace(
                 piece=piece(tid),
                 logit=logit,
                 prob=prob[i],
-                dropped_by=next((stage for stage, dead in dead_after if dead[i]), None),
+                dropped_by=next((stage for stage, after in stage_scores if after[i] == _NEG_INF), None),
                 cumulative=cumulative,
                 final_prob=final_prob[i],
             )
