@@ -211,7 +211,9 @@ class RequestSession:
                 if req.trace:
                     token, trace = self._sampler.sample_traced(logits, tok.piece, req.top_n, force=forced)
                 else:
-                    token = forced if forced is not None else self._sampler.sample(logits)
+                    # Draw even when forced, so the generator advances as in the traced path.
+                    token = self._sampler.sample(logits)
+                    token = forced if forced is not None else token
                 self.pending_logits = None
                 generated.append(token)
                 eos = token in tok.eos_ids
