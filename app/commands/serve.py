@@ -1,0 +1,108 @@
+"""`reqscope serve`: an OpenAI-compatible HTTP server on minengine.
+
+Binds to 127.0.0.1 unless told otherwise. One request decodes at a time; others wait in a
+bounded queue (503 once it is full). Each finished request's telemetry goes to `--telemetry
+FILE` as a JSON line. Stop with Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import os
+import sys
+
+from minengine.errors import ReqscopeError
+from minengine.kv_math import KIB
+from minengine.sampler import SamplingParams
+from reqscope.commands._argtypes import non_negative, positive_whole_number, whole_number
+from reqscope.run_options import open_engine, stderr_progress
+from reqscope.serve_app import ServeConfig, build_app
+from reqscope.serve_gateway import GatewayConfig
+from reqscope.serve_runner import serve_forever
+from reqscope.serve_telemetry import TelemetryLog
+
+API_KEY_ENV = "REQSCOPE_API_KEY"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model, network, gateway and telemetry flags."""
+    m = parser.add_argument_group("model")
+    m.add_argument("--model", metavar="PATH", help="model folder (default: the pulled SmolLM2-135M-Instruct)")
+    m.add_argument("--served-model-name", metavar="NAME", help="name clients pass as `model` (default: folder name)")
+    m.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    m.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    m.add_argument("--kv-budget-mib", type=float, help="KV memory budget for admission (default: half of free memory)")
+    m.add_argument(
+        "--sampler-order", default="vllm", metavar="ORDER", help="hf, llama.cpp, vllm or a comma list (default vllm)"
+    )
+    m.add_argument(
+        "--default-max-tokens", type=positive_whole_number, default=256, help="chat max_tokens when a request omits it"
+    )
+    n = parser.add_argument_group("network")
+    n.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    n.add_argument("--port", type=whole_number, default=8000, help="port (default 8000; 0 picks a free one)")
+    g = parser.add_argument_group("gateway")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help=f"require this bearer token (repeatable; also ${API_KEY_ENV})",
+    )
+    g.add_argument("--rate-limit", type=non_negative, default=600.0, help="requests per minute per key (0 = off)")
+    g.add_argument("--rate-burst", type=positive_whole_number, default=20, help="requests allowed at once per key")
+    g.add_argument("--max-body-kib", type=positive_whole_number, default=1024, help="largest request body (KiB)")
+    g.add_argument("--max-queue", type=whole_number, default=16, help="requests that may wait for admission")
+    parser.add_argument("--telemetry", metavar="FILE", help="append one JSON telemetry line per finished request")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model and serve until interrupted."""
+    if args.port > 65535:
+        print(f"reqscope: error: --port {args.port} is not a TCP port (0-65535)", file=sys.stderr)
+        return 2
+    order = SamplingParams.parse_order(args.sampler_order)
+    engine = open_engine(args, progress=stderr_progress)
+    keys = frozenset(k for k in [*args.api_key, os.environ.get(API_KEY_ENV, "")] if k)
+    config = ServeConfig(
+        model_name=args.served_model_name or engine.model_dir.name,
+        gateway=GatewayConfig(
+            api_keys=keys,
+            max_body_bytes=args.max_body_kib * KIB,
+            rate_per_minute=args.rate_limit or None,
+            rate_burst=args.rate_burst,
+        ),
+        sampler_order=order,
+        default_max_tokens=args.default_max_tokens,
+        max_queue=args.max_queue,
+    )
+    app = build_app(engine, config, TelemetryLog(args.telemetry))
+    if not keys and not _is_loopback(args.host):
+        stderr_progress(f"warning: listening on {args.host} without --api-key; anyone who can reach it can use it")
+
+    def ready(url: str) -> None:
+        auth = "API key required" if keys else "no API key"
+        stderr_progress(
+            f"serving {config.model_name!r} at {url}/v1 ({engine.describe()}; one request decodes at a time, "
+            f"queue {config.max_queue}; {auth}); Ctrl-C stops"
+        )
+
+    try:
+        asyncio.run(serve_forever(app, args.host, args.port, ready))
+    except KeyboardInterrupt:
+        print("reqscope: stopped", file=sys.stderr)
+    except OSError as exc:  # the port is taken, or the address is not this machine's
+        reason = exc.strerror or exc
+        raise ReqscopeError(f"cannot listen on {args.host}:{args.port}: {reason}; pick another --port") from None
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,111 @@
+"""Helpers for the serving tests: `reqscope serve` on loopback over the chatty tiny model.
+
+Every server listens on 127.0.0.1 on a free port; no test reaches any other address.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from urllib.parse import urlsplit
+
+from minengine.engine import Engine
+from minengine.events import DoneEvent, RequestResult
+from minengine.request import GenerationRequest
+from reqscope.serve_app import ServeConfig, build_app
+from reqscope.serve_gateway import GatewayConfig
+from reqscope.serve_runner import start_in_thread
+from reqscope.serve_telemetry import TelemetryLog
+
+MODEL = "chatty"
+KEY = "test-key"
+
+
+@dataclass(frozen=True)
+class Served:
+    """A running server: its base URL (without /v1) and its telemetry."""
+
+    url: str
+    telemetry: TelemetryLog
+    engine: Engine
+
+    @property
+    def v1(self) -> str:
+        """The OpenAI base URL."""
+        return self.url + "/v1"
+
+
+@contextmanager
+def serving(engine: Engine, gateway: GatewayConfig | None = None, **config) -> Iterator[Served]:
+    """Serve `engine` on 127.0.0.1 (a free port) for the duration of the block."""
+    settings = replace(ServeConfig(MODEL), gateway=gateway or GatewayConfig(api_keys=frozenset({KEY})), **config)
+    telemetry = TelemetryLog()
+    server = start_in_thread(build_app(engine, settings, telemetry), "127.0.0.1", 0)
+    try:
+        yield Served(server.url, telemetry, engine)
+    finally:
+        server.stop()
+
+
+@dataclass(frozen=True)
+class RawResponse:
+    """A response as bytes, with its status and headers."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> dict:
+        """The body parsed as JSON."""
+        return json.loads(self.body)
+
+
+def raw_request(
+    url: str,
+    method: str,
+    path: str,
+    body: bytes | dict | None = None,
+    headers: dict[str, str] | None = None,
+    chunked: bool = False,
+) -> RawResponse:
+    """One HTTP request with the standard library, so the bytes on the wire are the server's own."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    payload = json.dumps(body).encode() if isinstance(body, dict) else body
+    sent_headers = {"Content-Type": "application/json", **(headers or {})}
+    try:
+        if chunked:
+            conn.request(method, path, body=iter([payload]), headers=sent_headers, encode_chunked=True)
+        else:
+            conn.request(method, path, body=payload, headers=sent_headers)
+        resp = conn.getresponse()
+        return RawResponse(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
+    finally:
+        conn.close()
+
+
+def authorized(headers: dict[str, str] | None = None) -> dict[str, str]:
+    """Headers carrying the test API key."""
+    return {"Authorization": f"Bearer {KEY}", **(headers or {})}
+
+
+def chat_body(text: str = "Hello there", **fields) -> dict:
+    """A chat completion body for the served model."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], **fields}
+
+
+def sse_payloads(body: bytes) -> list[str]:
+    """The data of each server-sent event, checking the framing on the way."""
+    text = body.decode("utf-8")
+    assert text.endswith("\n\n"), "every event ends with a blank line"
+    events = text[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    return [e[len("data: ") :] for e in events]
+
+
+def engine_result(engine: Engine, request: GenerationRequest) -> RequestResult:
+    """Run `request` on the engine directly (the reference the server must match)."""
+    return next(e for e in engine.generate(request) if isinstance(e, DoneEvent)).result
