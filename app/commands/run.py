@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterable, Iterator
 
 from minengine.events import Event
+from reqscope.endpoint_options import add_endpoint_arguments
 from reqscope.run_options import DEFAULT_PROMPT, add_run_arguments, open_engine, request_from_args, stderr_progress
 
 
@@ -20,12 +21,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--export", metavar="DIR", help="write timeline CSV, metrics JSON, token trace and a Perfetto trace to DIR"
     )
     add_run_arguments(parser)
+    add_endpoint_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run one request in the chosen mode; exit code 1 when the request failed."""
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     request = request_from_args(args, prompt)
+    if args.endpoint:
+        from reqscope.endpoint_run import run_endpoint
+
+        return run_endpoint(args, request)
     headless = args.plain or args.json or not sys.stdout.isatty()
     if not headless:
         from reqscope.ui.launch import launch_explorer
