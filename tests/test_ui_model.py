@@ -269,3 +269,16 @@ def test_glyphs():
     assert sparkline([1.0, 2.0, 3.0], 3) == "▁▅█"
     assert sparkline([5.0] * 10, 4) == "▄▄▄▄"
     assert columns([0.5, 1.0], 2) == [" █", "██"]
+
+
+def test_the_closing_line_names_the_outcome():
+    from minengine.events import RequestResult, Usage
+    from minengine.metrics import request_metrics
+    from reqscope.ui.launch import outcome
+
+    view = RunView()
+    assert outcome(view) == "left while running (0 tokens generated)"
+    metrics = request_metrics(0.0, 100.0, 220.0, 4, [100.0, 130.0, 170.0, 220.0])
+    view.apply(DoneEvent(RequestResult("req-1", "length", "abcd", (1, 2, 3, 4), Usage(10, 4), (), (), metrics,
+                                       0.0, None, ())))
+    assert outcome(view) == "length: 4 tokens, TTFT 100.0 ms, TPOT 40.00 ms, decode 25.00 tok/s, E2E 220.0 ms"

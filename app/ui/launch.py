@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from minengine.request import GenerationRequest
 from minengine.trace_io import read_trace
 from reqscope.run_options import open_engine
 from reqscope.ui.app import ExplorerApp
+from reqscope.ui.run_view import RunView
 
 
 def launch_explorer(args: argparse.Namespace, request: GenerationRequest) -> int:
-    """Open the explorer on `request`, loading the engine from the shared run flags."""
+    """Open the explorer on `request`, loading the engine from the shared run flags.
+
+    When the screen closes, one line on stderr keeps the outcome of the last run (or the
+    reason the engine could not start, with exit code 1).
+    """
     app = ExplorerApp.live_run(lambda progress: open_engine(args, progress=progress), request)
     code = app.run()
-    return _exit_code(app, code)
+    if app.load_error is not None:
+        print(f"reqscope: error: {app.load_error}", file=sys.stderr)
+        return 1
+    if app.request is not None:
+        print(f"reqscope: {app.request.request_id} {outcome(app.view)}", file=sys.stderr)
+    if app.last_export is not None:
+        print(f"reqscope: exported to {app.last_export}", file=sys.stderr)
+    return code or 0
 
 
 def launch_replay(trace: str | Path) -> int:
@@ -25,9 +38,18 @@ def launch_replay(trace: str | Path) -> int:
     return app.run() or 0
 
 
-def _exit_code(app: ExplorerApp, code: int | None) -> int:
-    if app.load_error is not None:
-        # The screen is gone: repeat the reason on the terminal, as the text modes would.
-        print(f"reqscope: error: {app.load_error}")
-        return 1
-    return code or 0
+def outcome(view: RunView) -> str:
+    """How the run on screen ended, with its headline figures."""
+    result = view.result
+    if result is None:
+        return f"left while running ({len(view.tokens)} tokens generated)"
+    if result.error:
+        return f"failed: {result.error}"
+    text = f"{result.finish_reason}: {result.usage.completion_tokens} tokens"
+    m = result.metrics
+    if m is not None:
+        text += f", TTFT {m.ttft_ms:.1f} ms"
+        if m.tpot_ms is not None and m.decode_output_tokens_per_second is not None:
+            text += f", TPOT {m.tpot_ms:.2f} ms, decode {m.decode_output_tokens_per_second:.2f} tok/s"
+        text += f", E2E {m.e2e_ms:.1f} ms"
+    return text

@@ -40,6 +40,9 @@ class LayoutPanel(Panel):
                 "bold" if row is rows[0] else "",
             ))
         if height >= _ROOMY:
+            share = h.q_heads // max(h.kv_heads, 1)
+            lines.append(Text(f"{h.kv_heads} KV heads, each shared by {share} query heads; MHA keeps one per "
+                              f"query head, MQA one for all", style="dim"))
             lines.append(Text(""))
         lines += _measured(frame.measured, frame.replay, roomy=height >= _ROOMY)
         return Group(*lines[: max(height, 1)])
@@ -65,11 +68,12 @@ def _measured(measured: dict[str, MeasuredLayout], replay: bool, roomy: bool) ->
         ))
     gqa, mha = measured.get("gqa"), measured.get("mha")
     if gqa is not None and mha is not None:
-        ratio = Text(no_wrap=True, overflow="ellipsis")
-        ratio.append(f"MHA/GQA: {mha.bytes_per_token / gqa.bytes_per_token:.2f}× bytes", style="bold")
-        if mha.tokens == gqa.tokens:
-            ratio.append(f" (same {gqa.tokens} tokens: {mha.logical_bytes / gqa.logical_bytes:.2f}×)")
+        same = f" ({mha.logical_bytes / gqa.logical_bytes:.2f}× at {gqa.tokens} tokens each)" if (
+            mha.tokens == gqa.tokens) else ""
+        lines.append(_line(f"MHA/GQA bytes {mha.bytes_per_token / gqa.bytes_per_token:.2f}×{same}", "bold"))
         if gqa.itl_mean_ms and mha.itl_mean_ms:
-            ratio.append(f", {mha.itl_mean_ms / gqa.itl_mean_ms:.2f}× ITL", style="bold")
-        lines.append(ratio)
+            lines.append(_line(
+                f"MHA/GQA ITL   {mha.itl_mean_ms / gqa.itl_mean_ms:.2f}× "
+                f"({gqa.itl_mean_ms:.1f} -> {mha.itl_mean_ms:.1f} ms mean)", "bold",
+            ))
     return lines
