@@ -157,3 +157,19 @@ def test_serve_command_listens_on_loopback_and_answers(chatty_tiny_dir, tmp_path
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_sampling_parameters_and_stop_reach_the_engine(client, engine):
+    def complete(**params) -> tuple[str, str]:
+        messages = [{"role": "user", "content": "Hello there"}]
+        response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, **params)
+        return response.choices[0].message.content, response.choices[0].finish_reason
+
+    greedy = engine_result(engine, GenerationRequest.from_prompt("Hello there", sampling=GREEDY, max_tokens=8)).text
+    # top_k=1 and min_p=1 each leave only the argmax: sampling at temperature 1 must equal greedy.
+    assert complete(temperature=1.0, top_p=1.0, extra_body={"top_k": 1}) == (greedy, "length")
+    assert complete(temperature=1.0, extra_body={"min_p": 1.0}) == (greedy, "length")
+    seeded = complete(temperature=1.0, seed=7)
+    assert seeded == complete(temperature=1.0, seed=7) and seeded[0] != greedy  # sampled, and reproducibly
+    stop = greedy[len(greedy) // 2 : len(greedy) // 2 + 3]
+    assert complete(temperature=0, stop=[stop]) == (greedy[: greedy.index(stop)], "stop")
