@@ -35,7 +35,6 @@ from reqscope.endpoint_wire import SseDecoder, StreamChunk, chat_body, error_mes
 
 REQUEST_ID_HEADER = "x-request-id"
 DEFAULT_TOP_LOGPROBS = 5
-_MAX_LINE_BYTES = 8 << 20  # one SSE line; chunks with many top logprobs run to kilobytes
 
 
 class _ConnectionProbe:
@@ -191,7 +190,7 @@ class _Reading:
     async def stream(self, resp: aiohttp.ClientResponse) -> AsyncIterator[ChunkReceived]:
         decoder = SseDecoder()
         while True:
-            line = await resp.content.readline(max_line_length=_MAX_LINE_BYTES)
+            line = await resp.content.readline()  # aiohttp bounds a line by its read buffer (128 KiB)
             if not line:
                 break  # the server closed the stream without [DONE]; keep what arrived
             data = decoder.feed(line.decode("utf-8", errors="replace").rstrip("\r\n"))
