@@ -209,8 +209,8 @@ def request_metrics(
     tpot = decode_rate = None
     if output_tokens > 1:
         tpot = decode_ms / (output_tokens - 1)
-        decode_rate = (output_tokens - 1) / (decode_ms / 1000)
-    whole_rate = output_tokens / (e2e / 1000) if e2e > 0 else None
+        decode_rate = (output_tokens - 1) * 1000 / decode_ms
+    whole_rate = output_tokens * 1000 / e2e if e2e > 0 else None
     return RequestMetrics(
         ttft_ms=ttft,
         e2e_ms=e2e,
