@@ -1,9 +1,11 @@
 """The explorer: one request on screen, live from the engine or replayed from a trace.
 
-The engine runs on a Textual thread worker (see `live_run`) and never calls into the UI per
-token: events wait in the run's inbox until the repaint timer drains them, at most
-`repaint_hz` times a second, so a fast decode is batched into few repaints and the screen's
-cost does not grow with the number of tokens (every panel draws a bounded amount).
+The engine runs on a Textual thread worker (see `live_run`). It never calls into the UI per
+token: events wait in the run's inbox, and one `EngineProgress` message wakes the UI to take
+all of them. Repaints are coalesced: at most `repaint_hz` a second, and while the engine
+decodes, spaced so that the UI thread's work stays within REPAINT_DUTY of a core (measured),
+so a slow terminal repaints less often instead of slowing decode. Every panel draws a bounded
+amount, so a repaint costs the same at token 10 and token 10,000.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from textual import events, work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.containers import Container
 from textual.geometry import Size
+from textual.message import Message
 from textual.screen import Screen
+from textual.timer import Timer
 from textual.widgets import Footer, Static
 
-from minengine.chat_template import Message
+from minengine.chat_template import Message as ChatMessage
 from minengine.device import device_memory_bytes
 from minengine.engine import Engine
 from minengine.errors import ReqscopeError
@@ -59,6 +63,12 @@ WIDE_MIN = (150, 40)  # columns, rows from which every panel is shown at once
 _LIVE_ONLY = {action_name(k) for k in keys_for(LIVE)} - {action_name(k) for k in keys_for(REPLAY)}
 _REPLAY_ONLY = {action_name(k) for k in keys_for(REPLAY)} - {action_name(k) for k in keys_for(LIVE)}
 _PLAYBACK_MS = (20.0, 500.0)  # replay plays at the recorded pace, within these bounds per token
+REPAINT_DUTY = 0.15  # the share of one core that repainting may take while the engine decodes
+_SLOWEST_REPAINT_S = 1.0  # however costly, the screen follows a decode at least once a second
+
+
+class EngineProgress(Message):
+    """The engine worker has news (events, a held step, its end); posted from its thread."""
 
 
 def renewed(request: GenerationRequest, **changes: object) -> GenerationRequest:
@@ -115,8 +125,12 @@ class ExplorerApp(App[int]):
         self._preview_cache: tuple[tuple, StepSubject | None] | None = None
         self._probe: MemoryProbe | None = None
         self._dirty = True
-        self._playing = False
-        self._played_at = 0.0
+        self._flush_pending = False
+        self._redraw_timer: Timer | None = None
+        self._last_repaint = 0.0  # monotonic time the last repaint started
+        self._repaint_cost = 0.0  # main-thread CPU seconds between the last two repaints
+        self._repaint_cpu = 0.0  # main-thread CPU time when the last repaint started
+        self._play_timer: Timer | None = None
         self._loading: LoadingScreen | None = None
         self._reported_failure = False
 
@@ -148,7 +162,6 @@ class ExplorerApp(App[int]):
         for name in DETAIL_VIEWS:
             self.query_one(f"#{name}").add_class("detail")
         self._fit_layout()
-        self.set_interval(1 / self.repaint_hz, self._pump)
         if self.replay is not None:
             self._load_replay_view()
             recorded = next((t.trace.params for t in self.replay.events if getattr(t, "trace", None)), None)
@@ -171,7 +184,7 @@ class ExplorerApp(App[int]):
             panel.set_class(name == self.compact_view, "-shown")
             keys = "  ".join(f"{i + 1} {n}" for i, n in enumerate(DETAIL_VIEWS))
             panel.border_subtitle = "" if wide else f"v next · {keys}"
-        self._dirty = True
+        self._invalidate()
 
     @property
     def held_step(self) -> int | None:
@@ -240,9 +253,9 @@ class ExplorerApp(App[int]):
         self._held = None
         self._preview_cache = None
         self._reported_failure = False
-        self.live = LiveRun(self.engine, request, paused=paused)
+        self.live = LiveRun(self.engine, request, paused=paused, wake=partial(self.post_message, EngineProgress()))
         self._drive(self.live, previous)
-        self._dirty = True
+        self._invalidate()
 
     @work(thread=True, group="engine", exit_on_error=False)
     def _drive(self, live: LiveRun, previous: LiveRun | None) -> None:
@@ -252,36 +265,57 @@ class ExplorerApp(App[int]):
         assert self.request is not None
         return renewed(self.request, sampling=self.params, max_tokens=self.max_tokens, **changes)
 
-    # -- the repaint loop ------------------------------------------------------------------------
+    # -- events in, repaints out ---------------------------------------------------------------
 
-    def _pump(self) -> None:
+    def on_engine_progress(self, message: EngineProgress) -> None:
         if self.live is not None:
-            self._drain(self.live)
-        elif self.replay is not None and self._playing:
-            self._play()
-        if self._dirty:
-            self._redraw()
+            self._take(self.live)
 
-    def _drain(self, live: LiveRun) -> None:
-        while live.inbox:
-            event = live.inbox.popleft()
+    def _take(self, live: LiveRun) -> None:
+        for event in live.take():
             self.view.apply(event)
-            self._dirty = True
             if isinstance(event, PrefillEvent):
                 self.prefill_history.append((event.prompt_tokens, event.duration_ms))
             elif isinstance(event, DoneEvent):
                 self._finished(event.result)
+        self._invalidate()
         held = live.held_at if self.view.waiting_step is not None else None
         if held != self._held:
             self._held = held
-            self._dirty = True
             self.refresh_bindings()
         if held is not None and self.params != self._applied:
             self._apply_params(live)
         if live.failure and not self._reported_failure:
             self._reported_failure = True
             self.notify(live.failure, title="the engine worker failed", severity="error", timeout=30)
-            self._dirty = True
+
+    def _invalidate(self) -> None:
+        """Ask for a repaint once the current handler is done (many asks, one repaint)."""
+        self._dirty = True
+        if not self._flush_pending:
+            self._flush_pending = True
+            self.call_next(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        if not self._dirty or self._redraw_timer is not None:
+            return
+        wait = self._last_repaint + self._repaint_interval() - time.monotonic()
+        if wait > 0 and self._decoding():
+            self._redraw_timer = self.set_timer(wait, self._timed_redraw)
+        else:
+            self._redraw()
+
+    def _timed_redraw(self) -> None:
+        self._redraw_timer = None
+        if self._dirty:
+            self._redraw()
+
+    def _repaint_interval(self) -> float:
+        return min(max(1 / self.repaint_hz, self._repaint_cost / REPAINT_DUTY), _SLOWEST_REPAINT_S)
+
+    def _decoding(self) -> bool:
+        return self.live is not None and self.view.result is None and self._held is None
 
     def _apply_params(self, live: LiveRun) -> None:
         try:
@@ -290,7 +324,7 @@ class ExplorerApp(App[int]):
             self.notify(str(exc), title="sampling not changed", severity="error")
             self.params = self._applied or self.params
         self._applied = self.params
-        self._dirty = True
+        self._invalidate()
 
     def _finished(self, result: RequestResult) -> None:
         if result.error:
@@ -301,6 +335,11 @@ class ExplorerApp(App[int]):
         if self.header is None:
             return
         self.repaints += 1
+        # Textual draws the screen some time after this returns, so the cost of a repaint is
+        # read as all the main thread's work since the previous one: drawing it, mostly.
+        cpu = time.thread_time()
+        self._repaint_cost, self._repaint_cpu = cpu - self._repaint_cpu, cpu
+        self._last_repaint = time.monotonic()
         request_id = self._request_id()
         measured = measured_layout(self.view, request_id)
         if measured is not None:
@@ -319,7 +358,7 @@ class ExplorerApp(App[int]):
             memory=self._probe.read() if self._probe is not None else None,
             prefill_history=tuple(self.prefill_history),
         )
-        self.query_one("#status", Static).update(status_text(frame, self.source_name, self._playing))
+        self.query_one("#status", Static).update(status_text(frame, self.source_name, self.playing))
         error = self.view.error or (self.live.failure if self.live else None)
         error_box = self.query_one("#error", Static)
         error_box.update(Text(f"error: {error}", style="bold") if error else "")
@@ -390,19 +429,29 @@ class ExplorerApp(App[int]):
     def _load_replay_view(self) -> None:
         assert self.replay is not None
         self.view = self.replay.view()
-        self._dirty = True
+        self._invalidate()
 
-    def _play(self) -> None:
+    @property
+    def playing(self) -> bool:
+        """True while a replay plays itself forward."""
+        return self._play_timer is not None
+
+    def _play_next(self) -> None:
+        """Show the next recorded step after the recorded gap (bounded), then schedule the one after."""
         assert self.replay is not None
+        self._play_timer = None
+        if not self.replay.forward():
+            self._invalidate()
+            return
+        self._load_replay_view()
         low, high = _PLAYBACK_MS
         delay = min(max(self.replay.next_delay_ms(), low), high) / 1000
-        now = time.monotonic()
-        if now - self._played_at < delay:
-            return
-        self._played_at = now
-        if not self.replay.forward():
-            self._playing = False
-        self._load_replay_view()
+        self._play_timer = self.set_timer(delay, self._play_next)
+
+    def _stop_playing(self) -> None:
+        if self._play_timer is not None:
+            self._play_timer.stop()
+            self._play_timer = None
 
     # -- actions -------------------------------------------------------------------------------
 
@@ -418,10 +467,13 @@ class ExplorerApp(App[int]):
     def action_toggle_run(self) -> None:
         """Run freely or pause at the next step (replay: play or stop)."""
         if self.replay is not None:
-            if not self._playing and self.replay.at_end:
-                self.replay.to_start()
-            self._playing = not self._playing
-            self._dirty = True
+            if self.playing:
+                self._stop_playing()
+            else:
+                if self.replay.at_end:
+                    self.replay.to_start()
+                self._play_next()
+            self._invalidate()
             return
         live = self._running_live()
         if live is None:
@@ -430,12 +482,12 @@ class ExplorerApp(App[int]):
             live.resume()
         else:
             live.pause()
-        self._dirty = True
+        self._invalidate()
 
     def action_step(self) -> None:
         """One token forward (live: commit it and hold; running: hold at the next step)."""
         if self.replay is not None:
-            self._playing = False
+            self._stop_playing()
             if not self.replay.forward():
                 self.notify("end of the recorded run")
             self._load_replay_view()
@@ -448,13 +500,13 @@ class ExplorerApp(App[int]):
             live.step()
         else:
             live.pause()
-        self._dirty = True
+        self._invalidate()
 
     def action_step_back(self) -> None:
         """Replay: one step back."""
         if self.replay is None:
             return
-        self._playing = False
+        self._stop_playing()
         if not self.replay.back():
             self.notify("already at the first step")
         self._load_replay_view()
@@ -462,14 +514,14 @@ class ExplorerApp(App[int]):
     def action_first_step(self) -> None:
         """Replay: the first step."""
         if self.replay is not None:
-            self._playing = False
+            self._stop_playing()
             self.replay.to_start()
             self._load_replay_view()
 
     def action_last_step(self) -> None:
         """Replay: the end of the run."""
         if self.replay is not None:
-            self._playing = False
+            self._stop_playing()
             self.replay.to_end()
             self._load_replay_view()
 
@@ -478,7 +530,7 @@ class ExplorerApp(App[int]):
         subject = self._subject()
         count = len(subject.trace.candidates) if subject else 1
         self.cursor = min(max(self.cursor + delta, 0), count - 1)
-        self._dirty = True
+        self._invalidate()
 
     def action_pick(self) -> None:
         """Commit the highlighted candidate at the held step, then hold at the next one."""
@@ -494,7 +546,7 @@ class ExplorerApp(App[int]):
             return
         self._held = None
         self.live.step()
-        self._dirty = True
+        self._invalidate()
 
     def action_sampling(self) -> None:
         """Open the sampling form (a running request pauses at its next step first)."""
@@ -507,7 +559,7 @@ class ExplorerApp(App[int]):
 
     def _preview_params(self, params: SamplingParams) -> None:
         self._previewing = params
-        self._dirty = True
+        self._invalidate()
 
     def _sampling_chosen(self, choice: SamplingChoice | None) -> None:
         self._previewing = None
@@ -517,7 +569,7 @@ class ExplorerApp(App[int]):
                 self.max_tokens = choice.max_tokens
             if self.live is not None and self._held is not None:
                 self._apply_params(self.live)
-        self._dirty = True
+        self._invalidate()
 
     def action_cancel(self) -> None:
         """Cancel the request."""
@@ -548,8 +600,8 @@ class ExplorerApp(App[int]):
     def _prompt_chosen(self, choice: PromptChoice | None) -> None:
         if choice is None:
             return
-        messages = ((Message("system", choice.system),) if choice.system.strip() else ()) + (
-            Message("user", choice.prompt),
+        messages = ((ChatMessage("system", choice.system),) if choice.system.strip() else ()) + (
+            ChatMessage("user", choice.prompt),
         )
         self.measured.clear()  # measurements of another prompt do not compare
         self._start(self._next_request(messages=messages), paused=self._stepping())

@@ -1,15 +1,18 @@
 """One request run by the engine on a worker thread, held and released by the UI.
 
 The worker pulls events from the session and drops each into `inbox` (a deque: appends and
-pops are atomic, so no lock and no call into the UI thread per token). At every `StepReady` it
-asks the gate whether to go on: running, it never waits; paused, it waits there with the next
-token's logits computed, which is the only moment the session's step controls are valid.
+pops are atomic, so no lock). It calls `wake` only when the UI has taken everything it was
+woken for, so a burst of tokens costs the UI thread one message, not one per token. At every
+`StepReady` it asks the gate whether to go on: running, it never waits; paused, it waits
+there with the next token's logits computed, which is the only moment the session's step
+controls are valid.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 
 from minengine.engine import Engine
 from minengine.events import Event, StepReady
@@ -21,9 +24,17 @@ from minengine.session import RequestSession
 class LiveRun:
     """A request on the engine, with run / pause / step / cancel and the paused-step controls."""
 
-    def __init__(self, engine: Engine, request: GenerationRequest, *, paused: bool = False) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        request: GenerationRequest,
+        *,
+        paused: bool = False,
+        wake: Callable[[], object] = lambda: None,
+    ) -> None:
         self.engine = engine
         self.request = request
+        self.wake = wake  # called from the worker thread: must be thread-safe and quick
         self.inbox: deque[Event] = deque()
         self.recorded: list[Event] = []
         self.finished = threading.Event()
@@ -33,6 +44,7 @@ class LiveRun:
         self._budget: int | None = 0 if paused else None  # steps left before holding; None = run
         self._held_at: int | None = None
         self._cancelled = False
+        self._woken = False
 
     # -- the worker side -------------------------------------------------------------------------
 
@@ -49,23 +61,40 @@ class LiveRun:
             for event in session:
                 self.recorded.append(event)
                 self.inbox.append(event)
+                self._signal()
                 if isinstance(event, StepReady):
                     self._gate(event.index)
         except Exception as exc:  # a bug must reach the screen as a message, not kill the app
             self.failure = f"{type(exc).__name__}: {exc}"
         finally:
             self.finished.set()
+            self._signal(always=True)
+
+    def _signal(self, always: bool = False) -> None:
+        if always or not self._woken:
+            self._woken = True
+            self.wake()
 
     def _gate(self, index: int) -> None:
         with self._cond:
             while self._budget == 0 and not self._cancelled:
-                self._held_at = index
+                if self._held_at != index:
+                    self._held_at = index
+                    self._signal(always=True)  # the UI must learn the step is now held
                 self._cond.wait()
             self._held_at = None
             if self._budget:
                 self._budget -= 1
 
     # -- the UI side -----------------------------------------------------------------------------
+
+    def take(self) -> list[Event]:
+        """Every event not taken yet; the next event after this wakes the UI again."""
+        self._woken = False  # first: an event appended from here on signals anew
+        events = []
+        while self.inbox:
+            events.append(self.inbox.popleft())
+        return events
 
     @property
     def held_at(self) -> int | None:
