@@ -25,6 +25,10 @@ def test_latency_small(snap_compare):
     assert snap_compare(replay_app(), press=["end", "4"], terminal_size=SMALL)
 
 
+def test_chat_template_small(snap_compare):
+    assert snap_compare(replay_app(), press=["s", "5"], terminal_size=SMALL)
+
+
 def test_every_panel_large_mid_run(snap_compare):
     assert snap_compare(replay_app(), press=["s"] * 6, terminal_size=LARGE)
 

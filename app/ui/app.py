@@ -54,11 +54,12 @@ from reqscope.ui.replay_run import ReplayRun
 from reqscope.ui.run_view import RunView
 from reqscope.ui.sampling_form import SamplingChoice, SamplingForm
 from reqscope.ui.status_line import status_text
+from reqscope.ui.template_panel import TemplatePanel
 from reqscope.ui.tokens_panel import TokensPanel
 
 EngineOpener = Callable[[Callable[[str], None]], Engine]
 
-DETAIL_VIEWS: tuple[str, ...] = ("logits", "kv", "layouts", "latency")
+DETAIL_VIEWS: tuple[str, ...] = ("logits", "kv", "layouts", "latency", "template")
 WIDE_MIN = (150, 40)  # columns, rows from which every panel is shown at once
 _LIVE_ONLY = {action_name(k) for k in keys_for(LIVE)} - {action_name(k) for k in keys_for(REPLAY)}
 _REPLAY_ONLY = {action_name(k) for k in keys_for(REPLAY)} - {action_name(k) for k in keys_for(LIVE)}
@@ -156,6 +157,7 @@ class ExplorerApp(App[int]):
             yield KVPanel(id="kv")
             yield LatencyPanel(id="latency")
             yield LayoutPanel(id="layouts")
+            yield TemplatePanel(id="template")
         yield Footer(compact=True, show_command_palette=False)
 
     def on_mount(self) -> None:

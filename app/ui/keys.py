@@ -54,6 +54,7 @@ KEYS: tuple[Key, ...] = (
     Key("2", "view('kv')", "KV", "Show the KV cache panel (small terminals)", footer=False),
     Key("3", "view('layouts')", "GQA/MHA", "Show the GQA vs MHA panel (small terminals)", footer=False),
     Key("4", "view('latency')", "Latency", "Show the latency panel (small terminals)", footer=False),
+    Key("5", "view('template')", "Template", "Show the rendered chat template (small terminals)", footer=False),
     Key("question_mark,f1", "help", "Help", "List every key"),
     Key("q", "quit", "Quit", "Leave the explorer (cancels a running request)"),
 )
