@@ -11,10 +11,15 @@ Two layouts: `gqa` keeps the model's own KV heads; `mha` stores K/V expanded to 
 query head, exactly what an otherwise identical MHA model would hold. Outputs are identical;
 bytes and decode time are not. `float8_e4m3fn` storage keeps one byte per element plus one
 float32 scale per token and head, dequantized for attention.
+
+A cache can also borrow its buffers (`buffers=`) from a lender that keeps them between
+requests, such as the static decoder behind CUDA graphs, whose captured kernels only work on
+the addresses they were captured with. Borrowed buffers are given back on `release()`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +66,8 @@ class KVCache:
         layout: str = "gqa",
         storage_dtype: torch.dtype | None = None,
         block_size: int = 16,
+        buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+        on_release: Callable[[], None] | None = None,
     ) -> None:
         if layout not in KV_LAYOUTS:
             raise ValueError(f"unknown KV layout {layout!r}; choose one of {', '.join(KV_LAYOUTS)}")
@@ -80,7 +87,12 @@ class KVCache:
         self._k_scale: list[torch.Tensor] = []
         self._v_scale: list[torch.Tensor] = []
         self.capacity = 0
-        self._allocate(capacity)
+        self.on_release = on_release
+        self.borrowed = buffers is not None  # True while K/V live in lent buffers
+        if buffers is not None:
+            self._borrow(buffers, capacity)
+        else:
+            self._allocate(capacity)
 
     # -- storage -----------------------------------------------------------------------------
 
@@ -106,6 +118,29 @@ class KVCache:
                     self._k_scale[i][:, :, :filled] = old[2][i][:, :, :filled]
                     self._v_scale[i][:, :, :filled] = old[3][i][:, :, :filled]
 
+    def _borrow(self, buffers: tuple[list[torch.Tensor], list[torch.Tensor]], tokens: int) -> None:
+        keys, values = buffers
+        n = self.cfg.num_hidden_layers
+        shape = (1, self.heads, keys[0].shape[2] if keys else 0, self.cfg.head_dim)
+        if self.quantized or len(keys) != n or len(values) != n:
+            raise ValueError("lent KV buffers need one K and one V per layer and an unquantized dtype")
+        for t in (*keys, *values):
+            if tuple(t.shape) != shape or t.dtype != self.storage_dtype or t.device != self.device:
+                got, want = f"{tuple(t.shape)} {t.dtype}", f"{shape} {self.storage_dtype}"
+                raise ValueError(f"lent KV buffer {got} does not match {want}")
+        if shape[2] < tokens:
+            raise ValueError(f"lent KV buffers hold {shape[2]} tokens, fewer than the {tokens} asked for")
+        self._k, self._v, self.capacity = list(keys), list(values), shape[2]
+
+    def note_written(self, end: int) -> None:
+        """Record that every layer now holds positions [0, end), written in place by a caller
+        that bypasses `update` (a captured decode step writing into borrowed buffers)."""
+        self.lengths = [end] * self.cfg.num_hidden_layers
+
+    def layer_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The per-layer K and V buffers, [1, heads, capacity, head_dim] each (storage dtype)."""
+        return self._k, self._v
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v [1, kv_heads, T, head_dim] at positions [start, start+T) of `layer`.
 
@@ -115,6 +150,7 @@ class KVCache:
         end = start + k.shape[2]
         if end > self.capacity:
             self._allocate(max(end, 2 * self.capacity))
+            self._give_back()  # the copy now lives in buffers of its own
         if self.layout == "mha" and self.heads != k.shape[1]:
             groups = self.heads // k.shape[1]
             k = k.repeat_interleave(groups, dim=1)
@@ -127,10 +163,11 @@ class KVCache:
                 self._load_fp8(self._k[layer], self._k_scale[layer], end),
                 self._load_fp8(self._v[layer], self._v_scale[layer], end),
             )
-        self._k[layer][:, :, start:end] = k
-        self._v[layer][:, :, start:end] = v
+        k_buf, v_buf = self._k[layer], self._v[layer]
+        k_buf.narrow(2, start, end - start).copy_(k)
+        v_buf.narrow(2, start, end - start).copy_(v)
         self.lengths[layer] = end
-        keys, values = self._k[layer][:, :, :end], self._v[layer][:, :, :end]
+        keys, values = k_buf.narrow(2, 0, end), v_buf.narrow(2, 0, end)
         if self.storage_dtype != self.compute_dtype:  # e.g. a bfloat16 cache under a float32 model
             return keys.to(self.compute_dtype), values.to(self.compute_dtype)
         return keys, values
@@ -182,7 +219,14 @@ class KVCache:
         )
 
     def release(self) -> None:
-        """Free the buffers; the cache is empty afterwards."""
+        """Free the buffers (or give borrowed ones back); the cache is empty afterwards."""
         self._k, self._v, self._k_scale, self._v_scale = [], [], [], []
         self.lengths = [0] * self.cfg.num_hidden_layers
         self.capacity = 0
+        self._give_back()
+
+    def _give_back(self) -> None:
+        if self.borrowed and self.on_release is not None:
+            self.on_release()
+        self.borrowed = False
+        self.on_release = None

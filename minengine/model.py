@@ -1,65 +1,194 @@
 """A compact decoder-only transformer (llama / mistral / qwen2 / qwen3 families).
 
 Numerics follow Hugging Face's modeling files: RMSNorm in float32 cast back before the weight
-multiply, RoPE angles in float32, SiLU-gated MLP. For speed the q/k/v projections and the
-gate/up projections are fused into single matrices at load time; the result is the same.
-Batch size is one: this engine follows one request.
+multiply, RoPE angles in float32, SiLU-gated MLP. Batch size is one: this engine follows one
+request.
+
+Decode runs one token through ~30 layers, so each of its few hundred tensor operations costs
+more in dispatch than in arithmetic, while the weights must stream from memory once per step.
+The forward pass is therefore written for few operations per layer: q/k/v and gate/up are
+fused into single matrices at load time, wide weights are stored [in, out] so a projection is
+one `mm` over a row-streamed matrix, q and k are rotated together, RMSNorm is four cheap
+operations, and single-query attention is a plain matmul/softmax/matmul (SDPA's kernels are
+built for long queries and cost more than that here).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from minengine.config import ModelConfig
 from minengine.kv_cache import KVCache
-from minengine.rope import RotaryTable, apply_rotary
+from minengine.rope import RotaryTable, rotate
 from minengine.weights import load_state_dict
 
+if TYPE_CHECKING:
+    from minengine.cuda_graph import StaticDecoder
+
 _HAS_GQA_SDPA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+_ALIGNMENT = 64  # bytes; what the CPU allocator guarantees and vector loads prefer
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, cast back, then scaled (Hugging Face's order)."""
-    dtype = x.dtype
+    """RMSNorm computed in float32, cast back, then scaled (Hugging Face's order).
+
+    Bit for bit `x * rsqrt(x.pow(2).mean(-1) + eps)`: the mean is the same sum divided by
+    the same count, written as one `addcdiv` (a third of the dispatches; `F.rms_norm` is a
+    composite of more operations than this on the CPU).
+    """
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    count = _constant(float(xf.shape[-1]), xf)
+    inv = torch.addcdiv(_constant(eps, xf), (xf * xf).sum(-1, keepdim=True), count).rsqrt_()
+    return weight * (xf * inv).to(x.dtype)
+
+
+_CONSTANTS: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _constant(value: float, like: torch.Tensor) -> torch.Tensor:
+    # 0-d tensors made once per (value, dtype, device): no step creates one, which also keeps
+    # host-to-device copies out of a CUDA graph capture.
+    key = (value, like.dtype, like.device)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
+    return t
+
+
+def _projection(*weights: torch.Tensor) -> torch.Tensor:
+    """Hugging Face [out, in] weights, stacked along `out`, as one [in, out] operand for `project`.
+
+    Wide matrices (out > in: q/k/v, gate/up, the vocabulary head) are stored transposed and
+    contiguous, so a one-token product streams the matrix row by row (y += x_i * W[i]); the
+    CPU BLAS runs that about twice as fast as one dot product per output row. Tall and square
+    ones (down, o) run as fast or faster as dot products and keep the checkpoint's layout
+    (returned as a transposed view, no copy).
+    """
+    out_features, in_features = sum(w.shape[0] for w in weights), weights[0].shape[1]
+    if out_features > in_features:
+        return torch.cat([w.t() for w in weights], dim=1)
+    return _owned(torch.cat(weights) if len(weights) > 1 else weights[0]).t()
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    # safetensors hands out tensors whose data can start mid cache line (inside a Python bytes
+    # object); a fresh allocation is aligned, so vector loads take their fast paths.
+    if t.is_contiguous() and t.data_ptr() % _ALIGNMENT == 0:
+        return t
+    return t.contiguous().clone()
+
+
+def project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] @ weight_t [in, out] (+ bias): a linear layer over a weight stored [in, out]."""
+    if bias is None:
+        return torch.mm(x, weight_t)
+    return torch.addmm(bias, x, weight_t)
 
 
 class Layer:
-    """One transformer block's weights."""
+    """One transformer block's weights; projections are stored [in, out] (see `Transformer`)."""
 
     def __init__(self, sd: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig) -> None:
         a, m = prefix + "self_attn.", prefix + "mlp."
-        self.input_norm = sd[prefix + "input_layernorm.weight"]
-        self.post_norm = sd[prefix + "post_attention_layernorm.weight"]
-        self.qkv = torch.cat([sd.pop(a + f"{p}_proj.weight") for p in "qkv"])
+        self.input_norm = _owned(sd.pop(prefix + "input_layernorm.weight"))
+        self.post_norm = _owned(sd.pop(prefix + "post_attention_layernorm.weight"))
+        self.qkv_t = _projection(*(sd.pop(a + f"{p}_proj.weight") for p in "qkv"))
         self.qkv_bias = torch.cat([sd.pop(a + f"{p}_proj.bias") for p in "qkv"]) if cfg.attention_bias else None
-        self.o = sd[a + "o_proj.weight"]
-        self.q_norm = sd.get(a + "q_norm.weight")
-        self.k_norm = sd.get(a + "k_norm.weight")
-        self.gate_up = torch.cat([sd.pop(m + "gate_proj.weight"), sd.pop(m + "up_proj.weight")])
-        self.down = sd[m + "down_proj.weight"]
+        self.o_t = _projection(sd.pop(a + "o_proj.weight"))
+        self.gate_up_t = _projection(sd.pop(m + "gate_proj.weight"), sd.pop(m + "up_proj.weight"))
+        self.down_t = _projection(sd.pop(m + "down_proj.weight"))
+        self.q_norm = sd.pop(a + "q_norm.weight", None)
+        self.k_norm = sd.pop(a + "k_norm.weight", None)
+        # qwen3 normalises each q head and each k head; one weight row per head lets a single
+        # norm call cover q and k together.
+        self.qk_norm = None
+        if self.q_norm is not None and self.k_norm is not None:
+            hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+            self.qk_norm = torch.cat([self.q_norm.expand(hq, -1), self.k_norm.expand(hkv, -1)])
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every parameter tensor of the block (for byte counts)."""
+        optional = (self.qkv_bias, self.q_norm, self.k_norm)
+        return [self.input_norm, self.post_norm, self.qkv_t, self.o_t, self.gate_up_t, self.down_t] + [
+            t for t in optional if t is not None
+        ]
 
 
 class Transformer:
-    """Weights plus the forward pass; the KV cache is passed in by the caller."""
+    """Weights plus the forward pass; the KV cache is passed in by the caller.
+
+    Every projection is held as an [in, out] operand (see `_projection` for which are copies
+    and which are views). A tied embedding is stored once, as the head's [hidden, vocab]
+    matrix; looking a token up reads a column of it.
+    """
 
     def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device) -> None:
         self.cfg = cfg
         self.device = device
         self.dtype = sd["model.embed_tokens.weight"].dtype
-        self.embed = sd["model.embed_tokens.weight"]
-        self.norm = sd["model.norm.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else sd["lm_head.weight"]
+        embed = sd.pop("model.embed_tokens.weight")
+        self.norm = _owned(sd.pop("model.norm.weight"))
+        if cfg.tie_word_embeddings:
+            self.embed, self.lm_head_t = None, _projection(embed)
+        else:
+            self.embed, self.lm_head_t = _owned(embed), _projection(sd.pop("lm_head.weight"))
+        del embed
         self.layers = [Layer(sd, f"model.layers.{i}.", cfg) for i in range(cfg.num_hidden_layers)]
         self.rope = RotaryTable(cfg, device, self.dtype)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.static_decoder: StaticDecoder | None = None
+        self.use_static_decode(device.type == "cuda")
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows for token ids [T], shaped [T, hidden]."""
+        if self.embed is not None:
+            return F.embedding(ids, self.embed)
+        return self.lm_head_t.index_select(1, ids).t()
+
+    def use_static_decode(self, enabled: bool, *, capture: bool | None = None) -> None:
+        """Decode through the static-shape step (captured in CUDA graphs unless `capture=False`).
+
+        On by default on CUDA. Caches made by `new_cache` afterwards decode that way; on the CPU
+        the static step only runs eagerly (it exists there to be tested).
+        """
+        if not enabled:
+            self.static_decoder = None
+            return
+        from minengine.cuda_graph import StaticDecoder  # it builds on this module
+
+        capture = self.device.type == "cuda" if capture is None else capture
+        self.static_decoder = StaticDecoder(self, capture=capture)
+
+    def new_cache(
+        self,
+        tokens: int,
+        *,
+        layout: str = "gqa",
+        storage_dtype: torch.dtype | None = None,
+        block_size: int = 16,
+    ) -> KVCache:
+        """A KV cache for `tokens` positions: over the static decoder's arena when that can
+        serve it (unquantized storage in the model's dtype, arena not lent out), else its own."""
+        storage = storage_dtype or self.dtype
+        if self.static_decoder is not None and storage == self.dtype:
+            cache = self.static_decoder.new_cache(tokens, layout=layout, block_size=block_size)
+            if cache is not None:
+                return cache
+        return KVCache(
+            self.cfg,
+            tokens,
+            device=self.device,
+            compute_dtype=self.dtype,
+            layout=layout,
+            storage_dtype=storage,
+            block_size=block_size,
+        )
 
     @classmethod
     def load(cls, folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Transformer:
@@ -69,11 +198,18 @@ class Transformer:
     @property
     def weight_bytes(self) -> int:
         """Bytes of all parameter tensors (the tied head counted once)."""
-        tensors = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        tensors = [self.norm, self.lm_head_t] + ([] if self.embed is None else [self.embed])
         for layer in self.layers:
-            tensors += [layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate_up, layer.down]
-            tensors += [t for t in (layer.qkv_bias, layer.q_norm, layer.k_norm) if t is not None]
+            tensors += layer.tensors()
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads: everything but an untied embedding table, of
+        which a step reads one row."""
+        row = self.cfg.hidden_size * self.lm_head_t.element_size()
+        untied = 0 if self.embed is None else self.embed.numel() * self.embed.element_size()
+        return self.weight_bytes - untied + (row if untied else 0)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False) -> torch.Tensor:
@@ -82,54 +218,86 @@ class Transformer:
         Returns logits for the last position ([vocab]) unless `all_logits`, then [T, vocab].
         Prefill passes the whole prompt at start=0; decode passes one token.
         """
+        if ids.shape[0] == 1 and self.static_decoder is not None and self.static_decoder.serves(cache):
+            return self.static_decoder.step(ids, start, cache)
         cfg = self.cfg
-        T = ids.shape[0]
-        x = F.embedding(ids, self.embed)  # [T, hidden]
-        cos, sin = self.rope.lookup(start, T)
+        eps = cfg.rms_norm_eps
+        x = self.embed_tokens(ids)  # [T, hidden]
+        cos, sin = self.rope.lookup_signed(start, ids.shape[0])
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            h = rms_norm(x, layer.input_norm, eps)
             x = x + self._attention(layer, i, h, start, cos, sin, cache)
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).split(cfg.intermediate_size, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            h = rms_norm(x, layer.post_norm, eps)
+            x = x + self.mlp(layer, h)
         if not all_logits:
             x = x[-1:]
-        x = rms_norm(x, self.norm, cfg.rms_norm_eps)
-        logits = F.linear(x, self.lm_head).float()
+        logits = project(rms_norm(x, self.norm, eps), self.lm_head_t).float()
         return logits if all_logits else logits[0]
 
-    def _attention(self, layer, index, h, start, cos, sin, cache: KVCache) -> torch.Tensor:
+    def mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+        """The SiLU-gated MLP of `layer` on normalised h [T, hidden]."""
+        gate, up = project(h, layer.gate_up_t).split(self.cfg.intermediate_size, dim=-1)
+        return project(F.silu(gate).mul_(up), layer.down_t)
+
+    def qkv_heads(self, layer: Layer, h: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q [T, Hq, d], rotated k [T, Hkv, d] and v [T, Hkv, d] of `layer` for h [T, hidden]."""
         cfg = self.cfg
-        T, d = h.shape[0], cfg.head_dim
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(T, cfg.num_attention_heads, d).transpose(0, 1).unsqueeze(0)
-        k = k.view(T, cfg.num_key_value_heads, d).transpose(0, 1).unsqueeze(0)
-        v = v.view(T, cfg.num_key_value_heads, d).transpose(0, 1).unsqueeze(0)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        keys, values = cache.update(index, k, v, start)
-        out = attend(q, keys, values, start, self.scale)  # [1, heads, T, d]
-        return F.linear(out.transpose(1, 2).reshape(T, self.q_size), layer.o)
+        T, d, hq, hkv = h.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        qkv = project(h, layer.qkv_t, layer.qkv_bias)
+        # q and k heads sit side by side in the fused output: normalise and rotate them as one.
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, hq + hkv, d)
+        if layer.qk_norm is not None:
+            qk = rms_norm(qk, layer.qk_norm, cfg.rms_norm_eps)
+        qk = rotate(qk, cos, sin)
+        return qk[:, :hq], qk[:, hq:], qkv[:, self.q_size + self.kv_size :].view(T, hkv, d)
+
+    def _attention(self, layer: Layer, index: int, h, start: int, cos, sin, cache: KVCache) -> torch.Tensor:
+        T = h.shape[0]
+        q, k, v = self.qkv_heads(layer, h, cos, sin)
+        keys, values = cache.update(index, _heads_first(k), _heads_first(v), start)
+        if T == 1:
+            out = decode_attention(q[0], keys[0], values[0], self.scale)
+        else:
+            out = attend(_heads_first(q), keys, values, start, self.scale)
+            out = out[0].transpose(0, 1).reshape(T, self.q_size)
+        return project(out, layer.o_t)
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[T, heads, d] -> [1, heads, T, d] (a view)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, hidden: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One query position: q [Hq, d] over keys/values [Hkv, L, d]; returns [1, Hq * d].
+
+    The query heads sharing a KV head are stacked as rows of one small matrix, so grouped
+    attention needs no repeated K/V. Every position is visible unless flagged in `hidden` [L]
+    (the static decode step's fixed window); hidden slots get probability exactly 0.
+    """
+    hq, d = q.shape
+    hkv = keys.shape[0]
+    # beta=0 ignores the (dummy) input; the scale rides along as the GEMM's alpha.
+    scores = torch.baddbmm(_constant(0.0, q), q.view(hkv, hq // hkv, d), keys.transpose(1, 2), beta=0, alpha=scale)
+    if hidden is not None:
+        scores.masked_fill_(hidden, float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.bmm(probs, values).view(1, hq * d)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """Causal attention of q [1, Hq, T, d] over cached k/v [1, Hkv, start+T, d].
+    """Causal attention of q [1, Hq, T, d] over cached k/v [1, Hkv, start+T, d]; returns [1, Hq, T, d].
 
-    K/V are never repeated into the cache: for one query position the query heads of a group
-    are folded into the "length" axis of their shared KV head, which needs no mask; longer
-    queries use SDPA's native GQA (or a transient expansion on torch builds without it).
+    K/V are never repeated into the cache: a single query position goes through
+    `decode_attention`; longer queries use SDPA's native GQA (or a transient expansion on
+    torch builds without it).
     """
     hq, hkv, T = q.shape[1], k.shape[1], q.shape[2]
     groups = hq // hkv
     if T == 1:
-        if groups > 1:
-            out = F.scaled_dot_product_attention(q.view(1, hkv, groups, q.shape[-1]), k, v, scale=scale)
-            return out.view(1, hq, 1, q.shape[-1])
-        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+        return decode_attention(q[0, :, 0], k[0], v[0], scale).view(1, hq, 1, q.shape[-1])
     mask = None
     causal = start == 0
     if not causal:  # a chunk after cached context: query i sees keys up to start + i

@@ -40,13 +40,24 @@ def _llama3_frequencies(inv_freq: torch.Tensor, s) -> torch.Tensor:
 
 
 class RotaryTable:
-    """cos/sin lookup by absolute position, extended in chunks as sequences grow."""
+    """cos/sin lookup by absolute position, extended in chunks as sequences grow.
+
+    Besides `cos`/`sin` it keeps `signed_sin`, sin with the first half negated: rotating by it
+    needs only a swap of the two halves of x instead of building `rotate_half(x)`, which saves
+    a negation and a concatenation per call on the decode hot path.
+    """
 
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.inv_freq = inverse_frequencies(cfg).to(device)
         self.dtype = dtype
         self.cos = torch.empty(0, cfg.head_dim, device=device, dtype=dtype)
         self.sin = torch.empty(0, cfg.head_dim, device=device, dtype=dtype)
+        self.signed_sin = torch.empty(0, cfg.head_dim, device=device, dtype=dtype)
+
+    @property
+    def length(self) -> int:
+        """Positions the tables cover now."""
+        return self.cos.shape[0]
 
     def ensure(self, length: int) -> None:
         """Make the tables cover positions [0, length)."""
@@ -58,15 +69,33 @@ class RotaryTable:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(self.dtype)
         self.sin = emb.sin().to(self.dtype)
+        half = self.sin.shape[-1] // 2
+        self.signed_sin = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
 
     def lookup(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for positions [start, start+length), shaped [length, head_dim]."""
         self.ensure(start + length)
         return self.cos[start : start + length], self.sin[start : start + length]
 
+    def lookup_signed(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for positions [start, start+length), shaped [length, 1, head_dim] for `rotate`."""
+        self.ensure(start + length)
+        return self.cos[start : start + length, None], self.signed_sin[start : start + length, None]
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [..., T, head_dim] by the angles in cos/sin [T, head_dim]."""
+    """Rotate x [..., T, head_dim] by the angles in cos/sin [T, head_dim] (Hugging Face's formula)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` for x [T, heads, head_dim] with tables from `RotaryTable.lookup_signed`.
+
+    rotate_half(x) * sin equals swap_halves(x) * signed_sin exactly (negation is exact), so the
+    result is bit for bit Hugging Face's. (`addcmul` would save an operation but its fused
+    multiply-add rounds differently.)
+    """
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)
+    return x * cos + swapped * signed_sin

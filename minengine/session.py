@@ -177,14 +177,8 @@ class RequestSession:
                 self._admission.queue_ms,
             )
 
-            self._cache = cache = KVCache(
-                eng.cfg,
-                budget_tokens,
-                device=eng.device,
-                compute_dtype=eng.dtype,
-                layout=req.kv_layout,
-                storage_dtype=storage,
-                block_size=req.block_size,
+            self._cache = cache = eng.model.new_cache(
+                budget_tokens, layout=req.kv_layout, storage_dtype=storage, block_size=req.block_size
             )
             tl.mark("prefill_start", f"{len(ids)} tokens")
             step_start = time.perf_counter()
