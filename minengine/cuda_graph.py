@@ -142,9 +142,7 @@ class StaticDecoder:
         if self.capture:
             logits = self._replay(span)
         else:
-            logits = static_decode_step(
-                self.model, self.token, self.pos, self.keys, self.values, self.positions[:span]
-            )
+            logits = static_decode_step(self.model, self.token, self.pos, self.keys, self.values, self.positions[:span])
         cache.note_written(pos + 1)
         # The captured output is overwritten by the next replay; callers keep logits longer.
         return logits.clone()

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from minengine.config import ModelConfig
 from minengine.kv_cache import KVCache
+from minengine.mapped_pages import MappedFiles
 from minengine.rope import RotaryTable, rotate
 from minengine.weights import load_state_dict
 
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from minengine.cuda_graph import StaticDecoder
 
 _HAS_GQA_SDPA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
-_ALIGNMENT = 64  # bytes; what the CPU allocator guarantees and vector loads prefer
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,20 +66,44 @@ def _projection(*weights: torch.Tensor) -> torch.Tensor:
     contiguous, so a one-token product streams the matrix row by row (y += x_i * W[i]); the
     CPU BLAS runs that about twice as fast as one dot product per output row. Tall and square
     ones (down, o) run as fast or faster as dot products and keep the checkpoint's layout
-    (returned as a transposed view, no copy).
+    (returned as a transposed view of the copy).
     """
     out_features, in_features = sum(w.shape[0] for w in weights), weights[0].shape[1]
     if out_features > in_features:
         return torch.cat([w.t() for w in weights], dim=1)
-    return _owned(torch.cat(weights) if len(weights) > 1 else weights[0]).t()
+    return torch.cat(weights).t()
 
 
-def _owned(t: torch.Tensor) -> torch.Tensor:
-    # safetensors hands out tensors whose data can start mid cache line (inside a Python bytes
-    # object); a fresh allocation is aligned, so vector loads take their fast paths.
-    if t.is_contiguous() and t.data_ptr() % _ALIGNMENT == 0:
-        return t
-    return t.contiguous().clone()
+class _Checkpoint:
+    """A loaded state dict, consumed name by name into owned (aligned, unmapped) copies.
+
+    The pages of the memory-mapped file that each copy was read from are given back at once,
+    so loading never holds the weights twice.
+    """
+
+    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
+        self.sd = sd
+        self.pages = MappedFiles()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.sd
+
+    def _consumed(self, names: tuple[str, ...], made: torch.Tensor) -> torch.Tensor:
+        for name in names:
+            self.pages.release(self.sd.pop(name))
+        return made
+
+    def copy(self, name: str) -> torch.Tensor:
+        """An owned copy of one tensor."""
+        return self._consumed((name,), self.sd[name].clone())
+
+    def projection(self, *names: str) -> torch.Tensor:
+        """The [in, out] operand built from these [out, in] weights (see `_projection`)."""
+        return self._consumed(names, _projection(*(self.sd[n] for n in names)))
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        """`copy(name)`, or None when the checkpoint has no such tensor."""
+        return self.copy(name) if name in self.sd else None
 
 
 def project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,17 +116,19 @@ def project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None =
 class Layer:
     """One transformer block's weights; projections are stored [in, out] (see `Transformer`)."""
 
-    def __init__(self, sd: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig) -> None:
+    def __init__(self, ckpt: _Checkpoint, prefix: str, cfg: ModelConfig) -> None:
         a, m = prefix + "self_attn.", prefix + "mlp."
-        self.input_norm = _owned(sd.pop(prefix + "input_layernorm.weight"))
-        self.post_norm = _owned(sd.pop(prefix + "post_attention_layernorm.weight"))
-        self.qkv_t = _projection(*(sd.pop(a + f"{p}_proj.weight") for p in "qkv"))
-        self.qkv_bias = torch.cat([sd.pop(a + f"{p}_proj.bias") for p in "qkv"]) if cfg.attention_bias else None
-        self.o_t = _projection(sd.pop(a + "o_proj.weight"))
-        self.gate_up_t = _projection(sd.pop(m + "gate_proj.weight"), sd.pop(m + "up_proj.weight"))
-        self.down_t = _projection(sd.pop(m + "down_proj.weight"))
-        self.q_norm = sd.pop(a + "q_norm.weight", None)
-        self.k_norm = sd.pop(a + "k_norm.weight", None)
+        self.input_norm = ckpt.copy(prefix + "input_layernorm.weight")
+        self.post_norm = ckpt.copy(prefix + "post_attention_layernorm.weight")
+        self.qkv_t = ckpt.projection(*(a + f"{p}_proj.weight" for p in "qkv"))
+        self.qkv_bias = None
+        if cfg.attention_bias:
+            self.qkv_bias = torch.cat([ckpt.copy(a + f"{p}_proj.bias") for p in "qkv"])
+        self.o_t = ckpt.projection(a + "o_proj.weight")
+        self.gate_up_t = ckpt.projection(m + "gate_proj.weight", m + "up_proj.weight")
+        self.down_t = ckpt.projection(m + "down_proj.weight")
+        self.q_norm = ckpt.optional(a + "q_norm.weight")
+        self.k_norm = ckpt.optional(a + "k_norm.weight")
         # qwen3 normalises each q head and each k head; one weight row per head lets a single
         # norm call cover q and k together.
         self.qk_norm = None
@@ -130,14 +156,14 @@ class Transformer:
         self.cfg = cfg
         self.device = device
         self.dtype = sd["model.embed_tokens.weight"].dtype
-        embed = sd.pop("model.embed_tokens.weight")
-        self.norm = _owned(sd.pop("model.norm.weight"))
+        ckpt = _Checkpoint(sd)
+        self.norm = ckpt.copy("model.norm.weight")
         if cfg.tie_word_embeddings:
-            self.embed, self.lm_head_t = None, _projection(embed)
+            self.embed, self.lm_head_t = None, ckpt.projection("model.embed_tokens.weight")
         else:
-            self.embed, self.lm_head_t = _owned(embed), _projection(sd.pop("lm_head.weight"))
-        del embed
-        self.layers = [Layer(sd, f"model.layers.{i}.", cfg) for i in range(cfg.num_hidden_layers)]
+            self.embed = ckpt.copy("model.embed_tokens.weight")
+            self.lm_head_t = ckpt.projection("lm_head.weight")
+        self.layers = [Layer(ckpt, f"model.layers.{i}.", cfg) for i in range(cfg.num_hidden_layers)]
         self.rope = RotaryTable(cfg, device, self.dtype)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
