@@ -56,9 +56,9 @@ def static_decode_step(
         keys[i].index_copy_(2, pos, k)
         values[i].index_copy_(2, pos, v)
         out = decode_attention(q[0], keys[i][0, :, :span], values[i][0, :, :span], model.scale, hidden)
-        x = x + project(out, layer.o_t)
+        x = x + project(out, layer.o)
         x = x + model.mlp(layer, rms_norm(x, layer.post_norm, eps))
-    return project(rms_norm(x, model.norm, eps), model.lm_head_t).float()[0]
+    return project(rms_norm(x, model.norm, eps), model.lm_head).float()[0]
 
 
 class StaticDecoder:

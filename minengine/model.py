@@ -59,19 +59,38 @@ def _constant(value: float, like: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _projection(*weights: torch.Tensor) -> torch.Tensor:
-    """Hugging Face [out, in] weights, stacked along `out`, as one [in, out] operand for `project`.
+def _chunk_count(out_features: int, device: torch.device) -> int:
+    """Column chunks for a projection: one per CPU thread (dividing `out_features`), one on CUDA."""
+    if device.type != "cpu":
+        return 1
+    chunks = max(1, torch.get_num_threads())
+    while out_features % chunks:
+        chunks -= 1
+    return chunks
 
-    Wide matrices (out > in: q/k/v, gate/up, the vocabulary head) are stored transposed and
-    contiguous, so a one-token product streams the matrix row by row (y += x_i * W[i]); the
-    CPU BLAS runs that about twice as fast as one dot product per output row. Tall and square
-    ones (down, o) run as fast or faster as dot products and keep the checkpoint's layout
-    (returned as a transposed view of the copy).
+
+def _projection(*weights: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Hugging Face [out, in] weights, stacked along `out`, as a [chunks, in, out/chunks] operand.
+
+    A one-token projection reads the whole matrix for very little arithmetic, so what matters
+    is how fast the CPU BLAS streams it. Measured on the 2-core development machine:
+
+    - wide matrices (out > in: q/k/v, gate/up, the vocabulary head) stream about twice as fast
+      stored transposed and contiguous, row by row (y += x_i * W[i]), as with one dot product per
+      output row; they are copied into that layout;
+    - tall and square ones (down, o) do better as dot products and keep the checkpoint's rows
+      (the operand is a transposed view, no copy);
+    - a single gemv uses one core, so the output columns are split into one chunk per thread
+      and `torch.bmm` runs the chunks in parallel: another 1.3-1.7x. Every output is still the
+      same dot product in the same order, so chunking changes no value.
     """
     out_features, in_features = sum(w.shape[0] for w in weights), weights[0].shape[1]
+    per_chunk = out_features // chunks
     if out_features > in_features:
-        return torch.cat([w.t() for w in weights], dim=1)
-    return torch.cat(weights).t()
+        stacked = torch.cat(weights) if len(weights) > 1 else weights[0]
+        return stacked.t().reshape(in_features, chunks, per_chunk).permute(1, 0, 2).contiguous()
+    rows = torch.cat(weights) if len(weights) > 1 else weights[0].clone()  # an owned copy either way
+    return rows.view(chunks, per_chunk, in_features).transpose(1, 2)
 
 
 class _Checkpoint:
@@ -97,20 +116,35 @@ class _Checkpoint:
         """An owned copy of one tensor."""
         return self._consumed((name,), self.sd[name].clone())
 
-    def projection(self, *names: str) -> torch.Tensor:
-        """The [in, out] operand built from these [out, in] weights (see `_projection`)."""
-        return self._consumed(names, _projection(*(self.sd[n] for n in names)))
+    def projection(self, *names: str, chunks: int | None = None) -> torch.Tensor:
+        """The [chunks, in, out/chunks] operand built from these [out, in] weights (see `_projection`).
+
+        `chunks` defaults to one per CPU thread (one on CUDA)."""
+        weights = [self.sd[n] for n in names]
+        if chunks is None:
+            chunks = _chunk_count(sum(w.shape[0] for w in weights), weights[0].device)
+        return self._consumed(names, _projection(*weights, chunks=chunks))
 
     def optional(self, name: str) -> torch.Tensor | None:
         """`copy(name)`, or None when the checkpoint has no such tensor."""
         return self.copy(name) if name in self.sd else None
 
 
-def project(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ weight_t [in, out] (+ bias): a linear layer over a weight stored [in, out]."""
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] times a [chunks, in, out/chunks] operand (+ bias [out]): a linear layer, [T, out]."""
+    y = project_chunks(x, weight, bias)
+    T = x.shape[0]
+    # One row: the chunks already lie end to end. More rows: interleave them (one copy).
+    return y.view(1, -1) if T == 1 else y.transpose(0, 1).reshape(T, -1)
+
+
+def project_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] times each chunk of the operand: [chunks, T, out/chunks] (bias added per chunk)."""
+    chunks = weight.shape[0]
+    rows = x.expand(chunks, *x.shape)
     if bias is None:
-        return torch.mm(x, weight_t)
-    return torch.addmm(bias, x, weight_t)
+        return torch.bmm(rows, weight)
+    return torch.baddbmm(bias.view(chunks, 1, -1), rows, weight)
 
 
 class Layer:
@@ -120,13 +154,14 @@ class Layer:
         a, m = prefix + "self_attn.", prefix + "mlp."
         self.input_norm = ckpt.copy(prefix + "input_layernorm.weight")
         self.post_norm = ckpt.copy(prefix + "post_attention_layernorm.weight")
-        self.qkv_t = ckpt.projection(*(a + f"{p}_proj.weight" for p in "qkv"))
+        self.qkv = ckpt.projection(*(a + f"{p}_proj.weight" for p in "qkv"))
         self.qkv_bias = None
         if cfg.attention_bias:
             self.qkv_bias = torch.cat([ckpt.copy(a + f"{p}_proj.bias") for p in "qkv"])
-        self.o_t = ckpt.projection(a + "o_proj.weight")
-        self.gate_up_t = ckpt.projection(m + "gate_proj.weight", m + "up_proj.weight")
-        self.down_t = ckpt.projection(m + "down_proj.weight")
+        self.o = ckpt.projection(a + "o_proj.weight")
+        # Two chunks, gate then up: the MLP takes them apart without reassembling columns.
+        self.gate_up = ckpt.projection(m + "gate_proj.weight", m + "up_proj.weight", chunks=2)
+        self.down = ckpt.projection(m + "down_proj.weight")
         self.q_norm = ckpt.optional(a + "q_norm.weight")
         self.k_norm = ckpt.optional(a + "k_norm.weight")
         # qwen3 normalises each q head and each k head; one weight row per head lets a single
@@ -139,7 +174,7 @@ class Layer:
     def tensors(self) -> list[torch.Tensor]:
         """Every parameter tensor of the block (for byte counts)."""
         optional = (self.qkv_bias, self.q_norm, self.k_norm)
-        return [self.input_norm, self.post_norm, self.qkv_t, self.o_t, self.gate_up_t, self.down_t] + [
+        return [self.input_norm, self.post_norm, self.qkv, self.o, self.gate_up, self.down] + [
             t for t in optional if t is not None
         ]
 
@@ -147,8 +182,8 @@ class Layer:
 class Transformer:
     """Weights plus the forward pass; the KV cache is passed in by the caller.
 
-    Every projection is held as an [in, out] operand (see `_projection` for which are copies
-    and which are views). A tied embedding is stored once, as the head's [hidden, vocab]
+    Every projection is held as a [chunks, in, out/chunks] operand (see `_projection` for the
+    layouts and why). A tied embedding is stored once, as the head's [hidden, vocab]
     matrix; looking a token up reads a column of it.
     """
 
@@ -159,10 +194,10 @@ class Transformer:
         ckpt = _Checkpoint(sd)
         self.norm = ckpt.copy("model.norm.weight")
         if cfg.tie_word_embeddings:
-            self.embed, self.lm_head_t = None, ckpt.projection("model.embed_tokens.weight")
+            self.embed, self.lm_head = None, ckpt.projection("model.embed_tokens.weight")
         else:
             self.embed = ckpt.copy("model.embed_tokens.weight")
-            self.lm_head_t = ckpt.projection("lm_head.weight")
+            self.lm_head = ckpt.projection("lm_head.weight")
         self.layers = [Layer(ckpt, f"model.layers.{i}.", cfg) for i in range(cfg.num_hidden_layers)]
         self.rope = RotaryTable(cfg, device, self.dtype)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
@@ -175,7 +210,8 @@ class Transformer:
         """Embedding rows for token ids [T], shaped [T, hidden]."""
         if self.embed is not None:
             return F.embedding(ids, self.embed)
-        return self.lm_head_t.index_select(1, ids).t()
+        per_chunk = self.lm_head.shape[2]
+        return self.lm_head[ids // per_chunk, :, ids % per_chunk]  # column `id` of the head, [T, hidden]
 
     def use_static_decode(self, enabled: bool, *, capture: bool | None = None) -> None:
         """Decode through the static-shape step (captured in CUDA graphs unless `capture=False`).
@@ -224,7 +260,7 @@ class Transformer:
     @property
     def weight_bytes(self) -> int:
         """Bytes of all parameter tensors (the tied head counted once)."""
-        tensors = [self.norm, self.lm_head_t] + ([] if self.embed is None else [self.embed])
+        tensors = [self.norm, self.lm_head] + ([] if self.embed is None else [self.embed])
         for layer in self.layers:
             tensors += layer.tensors()
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -233,7 +269,7 @@ class Transformer:
     def decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads: everything but an untied embedding table, of
         which a step reads one row."""
-        row = self.cfg.hidden_size * self.lm_head_t.element_size()
+        row = self.cfg.hidden_size * self.lm_head.element_size()
         untied = 0 if self.embed is None else self.embed.numel() * self.embed.element_size()
         return self.weight_bytes - untied + (row if untied else 0)
 
@@ -257,19 +293,19 @@ class Transformer:
             x = x + self.mlp(layer, h)
         if not all_logits:
             x = x[-1:]
-        logits = project(rms_norm(x, self.norm, eps), self.lm_head_t).float()
+        logits = project(rms_norm(x, self.norm, eps), self.lm_head).float()
         return logits if all_logits else logits[0]
 
     def mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         """The SiLU-gated MLP of `layer` on normalised h [T, hidden]."""
-        gate, up = project(h, layer.gate_up_t).split(self.cfg.intermediate_size, dim=-1)
-        return project(F.silu(gate).mul_(up), layer.down_t)
+        gate, up = project_chunks(h, layer.gate_up)
+        return project(F.silu(gate).mul_(up), layer.down)
 
     def qkv_heads(self, layer: Layer, h: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated q [T, Hq, d], rotated k [T, Hkv, d] and v [T, Hkv, d] of `layer` for h [T, hidden]."""
         cfg = self.cfg
         T, d, hq, hkv = h.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        qkv = project(h, layer.qkv_t, layer.qkv_bias)
+        qkv = project(h, layer.qkv, layer.qkv_bias)
         # q and k heads sit side by side in the fused output: normalise and rotate them as one.
         qk = qkv[:, : self.q_size + self.kv_size].view(T, hq + hkv, d)
         if layer.qk_norm is not None:
@@ -286,7 +322,7 @@ class Transformer:
         else:
             out = attend(_heads_first(q), keys, values, start, self.scale)
             out = out[0].transpose(0, 1).reshape(T, self.q_size)
-        return project(out, layer.o_t)
+        return project(out, layer.o)
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
