@@ -24,7 +24,7 @@ GPU_PROBE_BYTES = 4 * 1024 * 1024 * 1024
 class BandwidthProbe:
     """Read bandwidth measured two ways, in bytes per second (best of the repeats)."""
 
-    matvec: float  # [in, out] matrix times a vector, the decode projections' access pattern
+    matvec: float  # a vector times an [in, out] matrix split in one column chunk per thread
     sum: float  # a plain reduction over the same bytes
 
     @property
@@ -46,12 +46,15 @@ def probe_read_bandwidth(
 
 
 def _probe(device: torch.device, dtype: torch.dtype, nbytes: int, repeats: int) -> BandwidthProbe:
-    width = 1024
+    # The decode projections' access pattern: rows streamed, columns split one chunk per thread
+    # (one chunk on a GPU), the chunks run together by bmm.
+    chunks = torch.get_num_threads() if device.type == "cpu" else 1
+    width = 1024 * chunks
     rows = max(1, nbytes // (width * torch.empty((), dtype=dtype).element_size()))
-    matrix = torch.ones(rows, width, dtype=dtype, device=device)
-    vector = torch.ones(1, rows, dtype=dtype, device=device)
+    matrix = torch.ones(chunks, rows, width // chunks, dtype=dtype, device=device)
+    vector = torch.ones(1, 1, rows, dtype=dtype, device=device).expand(chunks, 1, rows)
     real_bytes = matrix.numel() * matrix.element_size()
-    matvec = _best_rate(lambda: torch.mm(vector, matrix), real_bytes, device, repeats)
+    matvec = _best_rate(lambda: torch.bmm(vector, matrix), real_bytes, device, repeats)
     total = _best_rate(lambda: matrix.sum(), real_bytes, device, repeats)
     return BandwidthProbe(matvec=matvec, sum=total)
 
