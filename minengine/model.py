@@ -75,20 +75,28 @@ def _projection(*weights: torch.Tensor, chunks: int) -> torch.Tensor:
     A one-token projection reads the whole matrix for very little arithmetic, so what matters
     is how fast the CPU BLAS streams it. Measured on the 2-core development machine:
 
-    - wide matrices (out > in: q/k/v, gate/up, the vocabulary head) stream about twice as fast
-      stored transposed and contiguous, row by row (y += x_i * W[i]), as with one dot product per
-      output row; they are copied into that layout;
-    - tall and square ones (down, o) do better as dot products and keep the checkpoint's rows
-      (the operand is a transposed view, no copy);
+    - much wider than tall (out >= 2 * in: gate/up, the vocabulary head), a matrix streams
+      about twice as fast stored transposed, row by row (y += x_i * W[i]), as with one dot
+      product per output row, so it is copied into that layout;
+    - the others (q/k/v, o, down) do as well or better as dot products and keep the
+      checkpoint's rows (the operand is a transposed view of a plain copy);
     - a single gemv uses one core, so the output columns are split into one chunk per thread
       and `torch.bmm` runs the chunks in parallel: another 1.3-1.7x. Every output is still the
       same dot product in the same order, so chunking changes no value.
     """
     out_features, in_features = sum(w.shape[0] for w in weights), weights[0].shape[1]
     per_chunk = out_features // chunks
-    if out_features > in_features:
-        stacked = torch.cat(weights) if len(weights) > 1 else weights[0]
-        return stacked.t().reshape(in_features, chunks, per_chunk).permute(1, 0, 2).contiguous()
+    if out_features >= 2 * in_features:
+        operand = torch.empty(chunks, in_features, per_chunk, dtype=weights[0].dtype, device=weights[0].device)
+        column = 0
+        for w in weights:  # each weight's rows land in one or more chunks' columns
+            row = 0
+            while row < w.shape[0]:
+                c, j = divmod(column, per_chunk)
+                n = min(per_chunk - j, w.shape[0] - row)
+                operand[c, :, j : j + n].copy_(w[row : row + n].t())
+                row, column = row + n, column + n
+        return operand
     rows = torch.cat(weights) if len(weights) > 1 else weights[0].clone()  # an owned copy either way
     return rows.view(chunks, per_chunk, in_features).transpose(1, 2)
 
@@ -287,12 +295,14 @@ class Transformer:
         x = self.embed_tokens(ids)  # [T, hidden]
         cos, sin = self.rope.lookup_signed(start, ids.shape[0])
         for i, layer in enumerate(self.layers):
+            # The last layer still writes every position's K/V, but when only the last
+            # position's logits are wanted nothing else of it is needed at other positions.
+            last_only = not all_logits and i == len(self.layers) - 1
             h = rms_norm(x, layer.input_norm, eps)
-            x = x + self._attention(layer, i, h, start, cos, sin, cache)
+            attended = self._attention(layer, i, h, start, cos, sin, cache, last_only)
+            x = x[-1:] + attended if last_only else x + attended
             h = rms_norm(x, layer.post_norm, eps)
             x = x + self.mlp(layer, h)
-        if not all_logits:
-            x = x[-1:]
         logits = project(rms_norm(x, self.norm, eps), self.lm_head).float()
         return logits if all_logits else logits[0]
 
@@ -313,13 +323,16 @@ class Transformer:
         qk = rotate(qk, cos, sin)
         return qk[:, :hq], qk[:, hq:], qkv[:, self.q_size + self.kv_size :].view(T, hkv, d)
 
-    def _attention(self, layer: Layer, index: int, h, start: int, cos, sin, cache: KVCache) -> torch.Tensor:
+    def _attention(
+        self, layer: Layer, index: int, h, start: int, cos, sin, cache: KVCache, last_only: bool = False
+    ) -> torch.Tensor:
+        """Attention output of `layer` ([T, hidden], or [1, hidden] for the last position only)."""
         T = h.shape[0]
         q, k, v = self.qkv_heads(layer, h, cos, sin)
         keys, values = cache.update(index, _heads_first(k), _heads_first(v), start)
-        if T == 1:
+        if T == 1 or last_only:  # the last position sees every key: no mask needed
             with OneThread(h.device):
-                out = decode_attention(q[0], keys[0], values[0], self.scale)
+                out = decode_attention(q[-1], keys[0], values[0], self.scale)
         else:
             out = attend(_heads_first(q), keys, values, start, self.scale)
             out = out[0].transpose(0, 1).reshape(T, self.q_size)
