@@ -11,6 +11,7 @@ amount, so a repaint costs the same at token 10 and token 10,000.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -64,12 +65,17 @@ WIDE_MIN = (150, 40)  # columns, rows from which every panel is shown at once
 _LIVE_ONLY = {action_name(k) for k in keys_for(LIVE)} - {action_name(k) for k in keys_for(REPLAY)}
 _REPLAY_ONLY = {action_name(k) for k in keys_for(REPLAY)} - {action_name(k) for k in keys_for(LIVE)}
 _PLAYBACK_MS = (20.0, 500.0)  # replay plays at the recorded pace, within these bounds per token
-REPAINT_DUTY = 0.15  # the share of one core that repainting may take while the engine decodes
-_SLOWEST_REPAINT_S = 1.0  # however costly, the screen follows a decode at least once a second
+REPAINT_DUTY = 0.08  # the share of one core that repainting may take while the engine decodes
+_SLOWEST_REPAINT_S = 2.0  # however costly, the screen follows a decode at least every 2 s
+GIL_SWITCH_S = 0.0005
 
 
 class EngineProgress(Message):
     """The engine worker has news (events, a held step, its end); posted from its thread."""
+
+    def __init__(self, urgent: bool) -> None:
+        super().__init__()
+        self.urgent = urgent  # a held step or the end of the run: take it now
 
 
 def renewed(request: GenerationRequest, **changes: object) -> GenerationRequest:
@@ -132,6 +138,7 @@ class ExplorerApp(App[int]):
         self._repaint_cost = 0.0  # main-thread CPU seconds between the last two repaints
         self._repaint_cpu = 0.0  # main-thread CPU time when the last repaint started
         self._play_timer: Timer | None = None
+        self._switch_interval = sys.getswitchinterval()
         self._loading: LoadingScreen | None = None
         self._reported_failure = False
 
@@ -161,6 +168,11 @@ class ExplorerApp(App[int]):
         yield Footer(compact=True, show_command_palette=False)
 
     def on_mount(self) -> None:
+        # The engine thread needs the GIL back between its kernels; while this thread draws,
+        # Python hands it over only every switch interval (5 ms by default). A shorter one
+        # keeps a repaint from stalling decode for its whole length.
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(GIL_SWITCH_S)
         for name in DETAIL_VIEWS:
             self.query_one(f"#{name}").add_class("detail")
         self._fit_layout()
@@ -255,7 +267,7 @@ class ExplorerApp(App[int]):
         self._held = None
         self._preview_cache = None
         self._reported_failure = False
-        self.live = LiveRun(self.engine, request, paused=paused, wake=partial(self.post_message, EngineProgress()))
+        self.live = LiveRun(self.engine, request, paused=paused, wake=self._wake)
         self._drive(self.live, previous)
         self._invalidate()
 
@@ -269,8 +281,13 @@ class ExplorerApp(App[int]):
 
     # -- events in, repaints out ---------------------------------------------------------------
 
+    def _wake(self, urgent: bool) -> None:
+        self.post_message(EngineProgress(urgent))  # thread-safe: Textual queues it for this thread
+
     def on_engine_progress(self, message: EngineProgress) -> None:
-        if self.live is not None:
+        # With a repaint already scheduled, tokens can wait for it: the repaint takes them all
+        # at once, and the worker stays quiet until then.
+        if self.live is not None and (message.urgent or self._redraw_timer is None):
             self._take(self.live)
 
     def _take(self, live: LiveRun) -> None:
@@ -300,16 +317,22 @@ class ExplorerApp(App[int]):
 
     def _flush(self) -> None:
         self._flush_pending = False
-        if not self._dirty or self._redraw_timer is not None:
+        if not self._dirty:
             return
         wait = self._last_repaint + self._repaint_interval() - time.monotonic()
         if wait > 0 and self._decoding():
-            self._redraw_timer = self.set_timer(wait, self._timed_redraw)
-        else:
-            self._redraw()
+            if self._redraw_timer is None:
+                self._redraw_timer = self.set_timer(wait, self._timed_redraw)
+            return
+        if self._redraw_timer is not None:  # held, finished or idle: show it now
+            self._redraw_timer.stop()
+            self._redraw_timer = None
+        self._redraw()
 
     def _timed_redraw(self) -> None:
         self._redraw_timer = None
+        if self.live is not None:
+            self._take(self.live)  # the tokens that waited for this repaint
         if self._dirty:
             self._redraw()
 
@@ -655,6 +678,7 @@ class ExplorerApp(App[int]):
 
     def on_unmount(self) -> None:
         self._stop_engine()
+        sys.setswitchinterval(self._switch_interval)
 
     def _stop_engine(self) -> None:
         if self.live is not None:

@@ -2,7 +2,8 @@
 
 The worker pulls events from the session and drops each into `inbox` (a deque: appends and
 pops are atomic, so no lock). It calls `wake` only when the UI has taken everything it was
-woken for, so a burst of tokens costs the UI thread one message, not one per token. At every
+woken for, so a burst of tokens costs the UI thread one message, not one per token; a held
+step and the end of the run always wake it (`urgent`). At every
 `StepReady` it asks the gate whether to go on: running, it never waits; paused, it waits
 there with the next token's logits computed, which is the only moment the session's step
 controls are valid.
@@ -30,11 +31,11 @@ class LiveRun:
         request: GenerationRequest,
         *,
         paused: bool = False,
-        wake: Callable[[], object] = lambda: None,
+        wake: Callable[[bool], object] = lambda urgent: None,
     ) -> None:
         self.engine = engine
         self.request = request
-        self.wake = wake  # called from the worker thread: must be thread-safe and quick
+        self.wake = wake  # wake(urgent), called from the worker thread: must be thread-safe and quick
         self.inbox: deque[Event] = deque()
         self.recorded: list[Event] = []
         self.finished = threading.Event()
@@ -68,19 +69,19 @@ class LiveRun:
             self.failure = f"{type(exc).__name__}: {exc}"
         finally:
             self.finished.set()
-            self._signal(always=True)
+            self._signal(urgent=True)
 
-    def _signal(self, always: bool = False) -> None:
-        if always or not self._woken:
+    def _signal(self, urgent: bool = False) -> None:
+        if urgent or not self._woken:
             self._woken = True
-            self.wake()
+            self.wake(urgent)
 
     def _gate(self, index: int) -> None:
         with self._cond:
             while self._budget == 0 and not self._cancelled:
                 if self._held_at != index:
                     self._held_at = index
-                    self._signal(always=True)  # the UI must learn the step is now held
+                    self._signal(urgent=True)  # the UI must learn the step is now held
                 self._cond.wait()
             self._held_at = None
             if self._budget:

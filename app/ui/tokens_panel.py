@@ -12,8 +12,6 @@ from reqscope.ui.frame import Frame
 from reqscope.ui.glyphs import prob_style, show_piece
 from reqscope.ui.panel import Panel
 
-# Wrapping at chip boundaries wastes part of each line; keep the strip inside its rows.
-_WRAP_SLACK = 0.8
 _TEMPLATE_MIN_HEIGHT = 14  # below this the rendered template gives way to the token strip
 
 
@@ -26,14 +24,12 @@ class TokensPanel(Panel):
         view = frame.view
         if view.prompt is None:
             return Text("templating and tokenizing…", style="dim")
-        lines = [self._counts(frame)]
         rows = height - 1
+        template = []
         if height >= _TEMPLATE_MIN_HEIGHT:
             template = _template_lines(view.prompt.rendered, width, height // 3)
-            lines += template
             rows -= len(template)
-        lines.append(_strip(frame, width, max(rows, 1)))
-        return Group(*lines)
+        return Group(self._counts(frame), *template, *_strip(frame, width, max(rows, 1)))
 
     @staticmethod
     def _counts(frame: Frame) -> Text:
@@ -51,7 +47,7 @@ def _template_lines(rendered: str, width: int, most: int) -> list[Text]:
     out = []
     for line in rendered.split("\n")[:most]:
         shown = line + "⏎"
-        out.append(Text(shown if len(shown) <= width else shown[: width - 1] + "…", style="italic", no_wrap=True))
+        out.append(Text(shown if len(shown) <= width else shown[: width - 1] + "…", style="dim", no_wrap=True))
     return out
 
 
@@ -69,25 +65,49 @@ def _output_chip(token: TokenEvent) -> Text:
     return chip
 
 
-def _strip(frame: Frame, width: int, rows: int) -> Text:
-    """Prompt chips, a marker, output chips; only the tail that fits in `rows` lines."""
+def _strip(frame: Frame, width: int, rows: int) -> list[Text]:
+    """The last `rows` lines of prompt chips, a marker and output chips, led by a count of what is above.
+
+    Chips are laid out here, one Text per line, rather than wrapped by Rich: only the tail is
+    ever shown, so only the chips that can fit are built.
+    """
     view = frame.view
     assert view.prompt is not None
-    chips = [
-        _chip(p.text, p.token_id, "reverse" if p.special else "") for p in view.prompt.pieces
-    ]
-    chips.append(Text("▶", style="bold"))
-    chips += [_output_chip(t) for t in view.tokens]
-    budget = int(width * rows * _WRAP_SLACK)
-    shown: list[Text] = []
+    pieces, tokens = view.prompt.pieces, view.tokens
+    total = len(pieces) + 1 + len(tokens)
+    chips: list[Text] = []
     used = 0
-    for chip in reversed(chips):
-        if used + len(chip) + 1 > budget:
-            break
-        shown.append(chip)
+    for n in range(total - 1, -1, -1):  # newest first
+        if n > len(pieces):
+            chip = _output_chip(tokens[n - len(pieces) - 1])
+        elif n == len(pieces):
+            chip = Text("▶", style="bold")
+        else:
+            chip = _chip(pieces[n].text, pieces[n].token_id, "reverse" if pieces[n].special else "")
         used += len(chip) + 1
-    shown.reverse()
-    hidden = len(chips) - len(shown)
-    if hidden:
-        shown.insert(0, Text(f"…{hidden} earlier", style="dim italic"))
-    return Text(" ").join(shown)
+        if used > width * rows:
+            break
+        chips.append(chip)
+    chips.reverse()
+    lines = _wrap(chips, width)[-rows:]
+    hidden = total - sum(len(line) for line in lines)
+    while hidden and lines[0]:
+        marker = Text(f"…{hidden}", style="dim italic")
+        if len(marker) + sum(len(c) + 1 for c in lines[0]) <= width:
+            lines[0].insert(0, marker)
+            break
+        lines[0].pop(0)  # make room for the marker on the first line
+        hidden += 1
+    return [Text(" ", no_wrap=True).join(line) for line in lines]
+
+
+def _wrap(chips: list[Text], width: int) -> list[list[Text]]:
+    lines: list[list[Text]] = [[]]
+    length = 0
+    for chip in chips:
+        if lines[-1] and length + 1 + len(chip) > width:
+            lines.append([])
+            length = 0
+        length += len(chip) + (1 if lines[-1] else 0)
+        lines[-1].append(chip)
+    return lines
