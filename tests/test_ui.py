@@ -303,8 +303,11 @@ async def test_help_and_palette_list_every_key():
         for key in keys_for("replay"):
             assert key.help in text
         await pilot.press("escape")
-        titles = {c.title for c in app.get_system_commands(app.screen)}
-        assert {k.label for k in keys_for("replay") if not k.action.startswith(("cursor", "view("))} <= titles
+        commands = {c.title: c for c in app.get_system_commands(app.screen)}
+        assert {k.label for k in keys_for("replay") if not k.action.startswith(("cursor", "view("))} <= set(commands)
+        await commands["Step"].callback()  # the palette runs the same action as the key
+        await commands["Show kv panel"].callback()
+        assert len(app.view.tokens) == 1 and app.compact_view == "kv"
 
 
 def test_replay_command_reports_a_missing_trace_in_one_line(tmp_path, capsys):

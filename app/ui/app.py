@@ -709,4 +709,4 @@ class ExplorerApp(App[int]):
             yield SystemCommand(key.label, f"{key.help} [{key.display}]", partial(self.run_action, key.action))
         for i, name in enumerate(DETAIL_VIEWS):
             yield SystemCommand(f"Show {name} panel", f"Small terminals: show the {name} panel [{i + 1}]",
-                                partial(self.action_view, name))
+                                partial(self.run_action, f"view({name!r})"))
