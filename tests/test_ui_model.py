@@ -282,3 +282,22 @@ def test_the_closing_line_names_the_outcome():
     view.apply(DoneEvent(RequestResult("req-1", "length", "abcd", (1, 2, 3, 4), Usage(10, 4), (), (), metrics,
                                        0.0, None, ())))
     assert outcome(view) == "length: 4 tokens, TTFT 100.0 ms, TPOT 40.00 ms, decode 25.00 tok/s, E2E 220.0 ms"
+
+
+def test_the_pacer_spaces_repaints_by_their_measured_cost():
+    from reqscope.ui.repaint_pacer import RepaintPacer
+
+    clock = {"wall": 0.0, "cpu": 0.0}
+    pacer = RepaintPacer(max_hz=30, duty=0.1, slowest_s=2.0, wall=lambda: clock["wall"], cpu=lambda: clock["cpu"])
+    assert pacer.wait_s() < 0  # nothing drawn yet: repaint at once
+    pacer.repainting()
+    assert pacer.interval_s == pytest.approx(1 / 30)  # no cost known yet: the rate cap
+    clock["cpu"] += 0.02  # drawing took 20 ms of the UI thread
+    clock["wall"] += 0.05
+    pacer.repainting()
+    assert pacer.interval_s == pytest.approx(0.2)  # 20 ms is 10% of 200 ms
+    clock["wall"] += 0.15
+    assert pacer.wait_s() == pytest.approx(0.05)
+    clock["cpu"] += 1.0  # a very slow terminal: never wait more than slowest_s
+    pacer.repainting()
+    assert pacer.interval_s == 2.0

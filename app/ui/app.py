@@ -2,17 +2,16 @@
 
 The engine runs on a Textual thread worker (see `live_run`). It never calls into the UI per
 token: events wait in the run's inbox, and one `EngineProgress` message wakes the UI to take
-all of them. Repaints are coalesced: at most `repaint_hz` a second, and while the engine
-decodes, spaced so that the UI thread's work stays within REPAINT_DUTY of a core (measured),
-so a slow terminal repaints less often instead of slowing decode. Every panel draws a bounded
-amount, so a repaint costs the same at token 10 and token 10,000.
+all of them. Repaints are coalesced and, while the engine decodes, paced by `RepaintPacer`
+(at most `repaint_hz` a second, and no more than REPAINT_DUTY of a core), so a slow terminal
+repaints less often instead of slowing decode. Every panel draws a bounded amount, so a
+repaint costs the same at token 10 and token 10,000.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-import time
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
@@ -34,7 +33,7 @@ from minengine.errors import ReqscopeError
 from minengine.events import DoneEvent, PrefillEvent, RequestResult
 from minengine.export import export_run
 from minengine.request import GenerationRequest
-from minengine.sampler import SamplingParams, explain_candidates
+from minengine.sampler import SamplingParams
 from minengine.trace_io import TraceHeader
 from reqscope.ui.export_folder import DEFAULT_ROOT, claim_run_folder
 from reqscope.ui.frame import Frame, StepSubject
@@ -51,10 +50,12 @@ from reqscope.ui.memory_probe import MemoryProbe
 from reqscope.ui.panel import Panel
 from reqscope.ui.pipeline_panel import PipelinePanel
 from reqscope.ui.prompt_form import PromptChoice, PromptForm
+from reqscope.ui.repaint_pacer import RepaintPacer
 from reqscope.ui.replay_run import ReplayRun
 from reqscope.ui.run_view import RunView
 from reqscope.ui.sampling_form import SamplingChoice, SamplingForm
 from reqscope.ui.status_line import status_text
+from reqscope.ui.step_subject import held_subject, last_token_subject, replay_subject
 from reqscope.ui.template_panel import TemplatePanel
 from reqscope.ui.tokens_panel import TokensPanel
 
@@ -85,7 +86,7 @@ def renewed(request: GenerationRequest, **changes: object) -> GenerationRequest:
 
 
 class ExplorerApp(App[int]):
-    """The explorer. Build it with `ExplorerApp.live(...)` or `ExplorerApp.replaying(...)`."""
+    """The explorer. Build it with `ExplorerApp.live_run(...)` or `ExplorerApp.replaying(...)`."""
 
     CSS_PATH = "explorer.tcss"
     TITLE = "reqscope"
@@ -99,7 +100,7 @@ class ExplorerApp(App[int]):
         replay: ReplayRun | None = None,
         start_paused: bool = False,
         export_root: Path = DEFAULT_ROOT,
-        repaint_hz: float = 30.0,
+        repaint_hz: float = 30.0,  # the most repaints a second; fewer when drawing is slow
         source_name: str = "",
     ) -> None:
         super().__init__()
@@ -111,7 +112,6 @@ class ExplorerApp(App[int]):
         self.replay = replay
         self.start_paused = start_paused
         self.export_root = export_root
-        self.repaint_hz = repaint_hz
         self.source_name = source_name
         self.engine: Engine | None = None
         self.header: TraceHeader | None = replay.header if replay else None
@@ -134,9 +134,7 @@ class ExplorerApp(App[int]):
         self._dirty = True
         self._flush_pending = False
         self._redraw_timer: Timer | None = None
-        self._last_repaint = 0.0  # monotonic time the last repaint started
-        self._repaint_cost = 0.0  # main-thread CPU seconds between the last two repaints
-        self._repaint_cpu = 0.0  # main-thread CPU time when the last repaint started
+        self.pacer = RepaintPacer(max_hz=repaint_hz, duty=REPAINT_DUTY, slowest_s=_SLOWEST_REPAINT_S)
         self._play_timer: Timer | None = None
         self._switch_interval = sys.getswitchinterval()
         self._loading: LoadingScreen | None = None
@@ -319,7 +317,7 @@ class ExplorerApp(App[int]):
         self._flush_pending = False
         if not self._dirty:
             return
-        wait = self._last_repaint + self._repaint_interval() - time.monotonic()
+        wait = self.pacer.wait_s()
         if wait > 0 and self._decoding():
             if self._redraw_timer is None:
                 self._redraw_timer = self.set_timer(wait, self._timed_redraw)
@@ -335,9 +333,6 @@ class ExplorerApp(App[int]):
             self._take(self.live)  # the tokens that waited for this repaint
         if self._dirty:
             self._redraw()
-
-    def _repaint_interval(self) -> float:
-        return min(max(1 / self.repaint_hz, self._repaint_cost / REPAINT_DUTY), _SLOWEST_REPAINT_S)
 
     def _decoding(self) -> bool:
         return self.live is not None and self.view.result is None and self._held is None
@@ -360,11 +355,7 @@ class ExplorerApp(App[int]):
         if self.header is None:
             return
         self.repaints += 1
-        # Textual draws the screen some time after this returns, so the cost of a repaint is
-        # read as all the main thread's work since the previous one: drawing it, mostly.
-        cpu = time.thread_time()
-        self._repaint_cost, self._repaint_cpu = cpu - self._repaint_cpu, cpu
-        self._last_repaint = time.monotonic()
+        self.pacer.repainting()
         request_id = self._request_id()
         measured = measured_layout(self.view, request_id)
         if measured is not None:
@@ -415,39 +406,13 @@ class ExplorerApp(App[int]):
     def _subject(self) -> StepSubject | None:
         params = self._previewing or self.params
         if self.replay is not None:
-            return self._replay_subject(params)
+            return replay_subject(self.replay, params)
         if self.live is not None and self._held is not None:
-            key = (self._held, params)
+            key = (self._held, params)  # a preview filters 49k logits: once per step and settings
             if self._preview_cache is None or self._preview_cache[0] != key:
-                trace = self.live.preview(params)
-                subject = None
-                if trace is not None:
-                    label = f"step {self._held + 1} waiting · preview (enter picks)"
-                    subject = StepSubject(trace, label, pickable=True)
-                self._preview_cache = (key, subject)
+                self._preview_cache = (key, held_subject(self.live, self._held, params))
             return self._preview_cache[1]
-        return self._last_token_subject()
-
-    def _last_token_subject(self) -> StepSubject | None:
-        for token in reversed(self.view.tokens):
-            if token.trace is not None:
-                return StepSubject(token.trace, f"token {token.index + 1} committed", pickable=False)
-        return None
-
-    def _replay_subject(self, params: SamplingParams) -> StepSubject | None:
-        assert self.replay is not None
-        pending = self.replay.pending_token()
-        if pending is None or pending.trace is None:
-            return self._last_token_subject()
-        trace, label = pending.trace, f"step {pending.index + 1} · recorded"
-        if params != trace.params:
-            trace = explain_candidates(
-                trace.candidates, params, trace.chosen_id,
-                recorded_temperature=trace.params.temperature, vocab_size=trace.vocab_size,
-                chosen_piece=trace.chosen_piece, forced=trace.forced,
-            )
-            label = f"step {pending.index + 1} · recorded, re-filtered"
-        return StepSubject(trace, label, pickable=False)
+        return last_token_subject(self.view)
 
     # -- replay --------------------------------------------------------------------------------
 
