@@ -4,13 +4,13 @@ Numerics follow Hugging Face's modeling files: RMSNorm in float32 cast back befo
 multiply, RoPE angles in float32, SiLU-gated MLP. Batch size is one: this engine follows one
 request.
 
-Decode runs one token through ~30 layers, so each of its few hundred tensor operations costs
-more in dispatch than in arithmetic, while the weights must stream from memory once per step.
-The forward pass is therefore written for few operations per layer: q/k/v and gate/up are
-fused into single matrices at load time, wide weights are stored [in, out] so a projection is
-one `mm` over a row-streamed matrix, q and k are rotated together, RMSNorm is four cheap
-operations, and single-query attention is a plain matmul/softmax/matmul (SDPA's kernels are
-built for long queries and cost more than that here).
+Decode runs one token through every layer: a few hundred small operations per step, each
+costing more in dispatch than in arithmetic, while all weights stream from memory once. So the
+forward pass keeps operations few and cheap: q/k/v and gate/up are fused matrices whose layout
+is chosen for streaming (`weight_layout`), q and k are normalised and rotated together, RMSNorm
+is four dispatches, and single-query attention is a small matmul/softmax/matmul run on one
+thread (SDPA's kernels, and waking idle threads, cost more than the work at that size). In
+prefill the last layer computes only the position whose logits are returned.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from minengine.config import ModelConfig
 from minengine.kv_cache import KVCache
-from minengine.mapped_pages import MappedFiles
 from minengine.rope import RotaryTable, rotate
+from minengine.weight_layout import CheckpointReader, project, project_chunks
 from minengine.weights import load_state_dict
 
 if TYPE_CHECKING:
@@ -59,106 +59,10 @@ def _constant(value: float, like: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _chunk_count(out_features: int, device: torch.device) -> int:
-    """Column chunks for a projection: one per CPU thread (dividing `out_features`), one on CUDA."""
-    if device.type != "cpu":
-        return 1
-    chunks = max(1, torch.get_num_threads())
-    while out_features % chunks:
-        chunks -= 1
-    return chunks
-
-
-def _projection(*weights: torch.Tensor, chunks: int) -> torch.Tensor:
-    """Hugging Face [out, in] weights, stacked along `out`, as a [chunks, in, out/chunks] operand.
-
-    A one-token projection reads the whole matrix for very little arithmetic, so what matters
-    is how fast the CPU BLAS streams it. Measured on the 2-core development machine:
-
-    - much wider than tall (out >= 2 * in: gate/up, the vocabulary head), a matrix streams
-      about twice as fast stored transposed, row by row (y += x_i * W[i]), as with one dot
-      product per output row, so it is copied into that layout;
-    - the others (q/k/v, o, down) do as well or better as dot products and keep the
-      checkpoint's rows (the operand is a transposed view of a plain copy);
-    - a single gemv uses one core, so the output columns are split into one chunk per thread
-      and `torch.bmm` runs the chunks in parallel: another 1.3-1.7x. Every output is still the
-      same dot product in the same order, so chunking changes no value.
-    """
-    out_features, in_features = sum(w.shape[0] for w in weights), weights[0].shape[1]
-    per_chunk = out_features // chunks
-    if out_features >= 2 * in_features:
-        operand = torch.empty(chunks, in_features, per_chunk, dtype=weights[0].dtype, device=weights[0].device)
-        column = 0
-        for w in weights:  # each weight's rows land in one or more chunks' columns
-            row = 0
-            while row < w.shape[0]:
-                c, j = divmod(column, per_chunk)
-                n = min(per_chunk - j, w.shape[0] - row)
-                operand[c, :, j : j + n].copy_(w[row : row + n].t())
-                row, column = row + n, column + n
-        return operand
-    rows = torch.cat(weights) if len(weights) > 1 else weights[0].clone()  # an owned copy either way
-    return rows.view(chunks, per_chunk, in_features).transpose(1, 2)
-
-
-class _Checkpoint:
-    """A loaded state dict, consumed name by name into owned (aligned, unmapped) copies.
-
-    The pages of the memory-mapped file that each copy was read from are given back at once,
-    so loading never holds the weights twice.
-    """
-
-    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
-        self.sd = sd
-        self.pages = MappedFiles()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.sd
-
-    def _consumed(self, names: tuple[str, ...], made: torch.Tensor) -> torch.Tensor:
-        for name in names:
-            self.pages.release(self.sd.pop(name))
-        return made
-
-    def copy(self, name: str) -> torch.Tensor:
-        """An owned copy of one tensor."""
-        return self._consumed((name,), self.sd[name].clone())
-
-    def projection(self, *names: str, chunks: int | None = None) -> torch.Tensor:
-        """The [chunks, in, out/chunks] operand built from these [out, in] weights (see `_projection`).
-
-        `chunks` defaults to one per CPU thread (one on CUDA)."""
-        weights = [self.sd[n] for n in names]
-        if chunks is None:
-            chunks = _chunk_count(sum(w.shape[0] for w in weights), weights[0].device)
-        return self._consumed(names, _projection(*weights, chunks=chunks))
-
-    def optional(self, name: str) -> torch.Tensor | None:
-        """`copy(name)`, or None when the checkpoint has no such tensor."""
-        return self.copy(name) if name in self.sd else None
-
-
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] times a [chunks, in, out/chunks] operand (+ bias [out]): a linear layer, [T, out]."""
-    y = project_chunks(x, weight, bias)
-    T = x.shape[0]
-    # One row: the chunks already lie end to end. More rows: interleave them (one copy).
-    return y.view(1, -1) if T == 1 else y.transpose(0, 1).reshape(T, -1)
-
-
-def project_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] times each chunk of the operand: [chunks, T, out/chunks] (bias added per chunk)."""
-    chunks = weight.shape[0]
-    rows = x.expand(chunks, *x.shape)
-    if bias is None:
-        return torch.bmm(rows, weight)
-    return torch.baddbmm(bias.view(chunks, 1, -1), rows, weight)
-
-
 class Layer:
-    """One transformer block's weights; projections are stored [in, out] (see `Transformer`)."""
+    """One transformer block's weights (projections as `weight_layout` operands)."""
 
-    def __init__(self, ckpt: _Checkpoint, prefix: str, cfg: ModelConfig) -> None:
+    def __init__(self, ckpt: CheckpointReader, prefix: str, cfg: ModelConfig) -> None:
         a, m = prefix + "self_attn.", prefix + "mlp."
         self.input_norm = ckpt.copy(prefix + "input_layernorm.weight")
         self.post_norm = ckpt.copy(prefix + "post_attention_layernorm.weight")
@@ -190,16 +94,16 @@ class Layer:
 class Transformer:
     """Weights plus the forward pass; the KV cache is passed in by the caller.
 
-    Every projection is held as a [chunks, in, out/chunks] operand (see `_projection` for the
-    layouts and why). A tied embedding is stored once, as the head's [hidden, vocab]
-    matrix; looking a token up reads a column of it.
+    Every projection is held as a [chunks, in, out/chunks] operand (`weight_layout` says which
+    layout and why). A tied embedding is stored once, as the head's operand; looking a token up
+    reads a column of it.
     """
 
     def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device) -> None:
         self.cfg = cfg
         self.device = device
         self.dtype = sd["model.embed_tokens.weight"].dtype
-        ckpt = _Checkpoint(sd)
+        ckpt = CheckpointReader(sd)
         self.norm = ckpt.copy("model.norm.weight")
         if cfg.tie_word_embeddings:
             self.embed, self.lm_head = None, ckpt.projection("model.embed_tokens.weight")
