@@ -20,7 +20,8 @@ import torch
 
 from minengine.kv_cache import KVCache
 from minengine.kv_math import blocks_for
-from minengine.model import Transformer, decode_attention, project, rms_norm
+from minengine.model import Transformer, decode_attention, rms_norm
+from minengine.weight_layout import project
 
 SPAN = 256  # attention window granularity, in tokens
 MIN_ARENA_TOKENS = 1024

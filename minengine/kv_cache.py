@@ -125,7 +125,7 @@ class KVCache:
         if self.quantized or len(keys) != n or len(values) != n:
             raise ValueError("lent KV buffers need one K and one V per layer and an unquantized dtype")
         for t in (*keys, *values):
-            if tuple(t.shape) != shape or t.dtype != self.storage_dtype or t.device != self.device:
+            if tuple(t.shape) != shape or t.dtype != self.storage_dtype or t.device.type != self.device.type:
                 got, want = f"{tuple(t.shape)} {t.dtype}", f"{shape} {self.storage_dtype}"
                 raise ValueError(f"lent KV buffer {got} does not match {want}")
         if shape[2] < tokens:
