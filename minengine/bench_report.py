@@ -119,7 +119,8 @@ def format_table(report: BenchReport) -> str:
         f"OpenMP wait policy {m.omp_wait_policy}",
         f"torch {m.torch}, transformers {m.transformers}, python {m.python}; "
         f"{cfg.rounds} rounds alternating the engines",
-        "medians with (min .. max) over rounds; speedup = minengine speed / transformers speed, per round",
+        "medians with (min .. max) over rounds; speedup = minengine speed / transformers speed, per round; "
+        f"prefill: best of {cfg.prefill_repeats} per round",
         "",
         f"{'':<28} {'minengine':>30} {'transformers':>30}   speedup",
     ]
