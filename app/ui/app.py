@@ -352,8 +352,8 @@ class ExplorerApp(App[int]):
 
     def _redraw(self) -> None:
         self._dirty = False
-        if self.header is None:
-            return
+        if self.header is None or not self.query("#status"):
+            return  # not started yet, or a paced repaint firing while the app shuts down
         self.repaints += 1
         self.pacer.repainting()
         request_id = self._request_id()
