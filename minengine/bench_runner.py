@@ -211,6 +211,17 @@ def long_prompt_ids(engine: Engine, tokens: int) -> list[int]:
     return ids[:tokens]
 
 
+@dataclass(frozen=True)
+class _Workload:
+    """The two engines and the inputs both get."""
+
+    engine: Engine
+    reference: TransformersReference
+    request: GenerationRequest  # the short chat prompt, greedy, with the explorer's trace on
+    short_ids: list[int]
+    long_ids: list[int]
+
+
 def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda message: None) -> BenchReport:
     """Run the whole benchmark described by `config`."""
     if config.rounds < 1 or config.new_tokens < 2:
@@ -219,59 +230,16 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
         torch.set_num_threads(config.threads)
     load_before = os.getloadavg()
     progress(f"loading minengine and transformers from {config.model_dir}")
-    engine = Engine(config.model_dir, device=config.device, dtype=config.dtype)
-    model = engine.model
-    if engine.device.type == "cuda":
-        model.use_static_decode(config.cuda_graph)
-    eos = sorted(engine.tokenizer.eos_ids)
-    reference = TransformersReference(config.model_dir, engine.device, engine.dtype, pad_token_id=eos[0] if eos else 0)
-    tok = engine.tokenizer
-    request = GenerationRequest.from_prompt(
-        config.prompt, sampling=SamplingParams(temperature=0.0), max_tokens=config.new_tokens, trace=True
-    )
-    short_ids = tok.encode(tok.render(list(request.messages)))
-    long_ids = long_prompt_ids(engine, config.long_prompt_tokens)
-
-    # Warm-up (discarded): first-call costs, allocator growth, the static arena at its
-    # largest size, graph capture; it also fixes how many tokens the explorer request makes.
+    work = _workload(config)
     progress("warm-up round")
-    prefill_ms(model, long_ids)
-    greedy_decode(model, long_ids, 2)
-    reference.prefill_ms(long_ids)
-    greedy_decode(model, short_ids, config.new_tokens)
-    reference.decode(short_ids, 4)
-    explorer_tokens = len(explorer_decode(engine, request).tokens)
-    probe_read_bandwidth(engine.device, engine.dtype, config.probe_bytes)
-
+    explorer_tokens = _warm_up(work, config)
     raw = _Round({"ours": [], "theirs": []}, {"ours": [], "theirs": []}, {"ours": [], "theirs": []}, [], [], [])
     for r in range(config.rounds):
         progress(f"round {r + 1} of {config.rounds}")
-        ours_first = r % 2 == 0
-        raw.probes.append(probe_read_bandwidth(engine.device, engine.dtype, config.probe_bytes))
-        for which in ("ours", "theirs") if ours_first else ("theirs", "ours"):
-            if which == "ours":
-                raw.prefill_short["ours"].append(_best_of(config.prefill_repeats, lambda: prefill_ms(model, short_ids)))
-                raw.prefill_long["ours"].append(_best_of(config.prefill_repeats, lambda: prefill_ms(model, long_ids)))
-                raw.decode["ours"].append(greedy_decode(model, short_ids, config.new_tokens))
-            else:
-                raw.prefill_short["theirs"].append(
-                    _best_of(config.prefill_repeats, lambda: reference.prefill_ms(short_ids))
-                )
-                raw.prefill_long["theirs"].append(
-                    _best_of(config.prefill_repeats, lambda: reference.prefill_ms(long_ids))
-                )
-                raw.decode["theirs"].append(reference.decode(short_ids, config.new_tokens))
-        for which in ("bare", "explorer") if ours_first else ("explorer", "bare"):
-            if which == "bare":
-                raw.bare.append(greedy_decode(model, short_ids, explorer_tokens))
-            else:
-                raw.explorer.append(explorer_decode(engine, request))
-
-    device_memory = _device_memory(engine, raw, len(long_ids) + config.new_tokens, long_ids)
-    start, memory = _launches(config, engine, len(short_ids)) if config.warm_launches > 0 else (None, None)
-    per_token = kv_bytes_per_token(
-        engine.cfg.num_hidden_layers, engine.cfg.num_key_value_heads, engine.cfg.head_dim, engine.dtype.itemsize
-    )
+        _measure_round(work, config, raw, ours_first=r % 2 == 0, explorer_tokens=explorer_tokens)
+    engine, model = work.engine, work.engine.model
+    device_memory = _device_memory(engine, raw, len(work.long_ids) + config.new_tokens, work.long_ids)
+    start, memory = _launches(config, engine, len(work.short_ids)) if config.warm_launches > 0 else (None, None)
     machine = MachineInfo(
         device=_device_name(engine.device),
         dtype=str(engine.dtype).removeprefix("torch."),
@@ -281,20 +249,22 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
         load_after=os.getloadavg(),
         omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),
         torch=torch.__version__,
-        transformers=reference.version,
+        transformers=work.reference.version,
         python=platform.python_version(),
         model=config.model_dir.name,
         weight_bytes=model.weight_bytes,
         decode_weight_bytes=model.decode_weight_bytes,
-        kv_bytes_per_token=per_token,
+        kv_bytes_per_token=_kv_bytes_per_token(engine),
     )
     ours_rates = [run.tokens_per_second for run in raw.decode["ours"]]
     theirs_rates = [run.tokens_per_second for run in raw.decode["theirs"]]
-    bytes_per_step = decode_bytes_per_step(model.decode_weight_bytes, per_token, len(short_ids), config.new_tokens - 1)
+    bytes_per_step = decode_bytes_per_step(
+        model.decode_weight_bytes, machine.kv_bytes_per_token, len(work.short_ids), config.new_tokens - 1
+    )
     return BenchReport(
         machine=machine,
         config=config,
-        short_prompt_tokens=len(short_ids),
+        short_prompt_tokens=len(work.short_ids),
         prefill_short=_timed("ms", raw.prefill_short),
         prefill_long=_timed("ms", raw.prefill_long),
         decode=Comparison(
@@ -302,11 +272,68 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
         ),
         parity=_parity(raw.decode["ours"][0].tokens, raw.decode["theirs"][0].tokens),
         roofline=_roofline(raw.probes, ours_rates, bytes_per_step),
-        explorer=_explorer(raw.bare, raw.explorer, request.top_n),
+        explorer=_explorer(raw.bare, raw.explorer, work.request.top_n),
         start=start,
         memory=memory,
         device_memory=device_memory,
     )
+
+
+def _workload(config: BenchConfig) -> _Workload:
+    engine = Engine(config.model_dir, device=config.device, dtype=config.dtype)
+    if engine.device.type == "cuda":
+        engine.model.use_static_decode(config.cuda_graph)
+    eos = sorted(engine.tokenizer.eos_ids)
+    reference = TransformersReference(config.model_dir, engine.device, engine.dtype, pad_token_id=eos[0] if eos else 0)
+    request = GenerationRequest.from_prompt(
+        config.prompt, sampling=SamplingParams(temperature=0.0), max_tokens=config.new_tokens, trace=True
+    )
+    tok = engine.tokenizer
+    short_ids = tok.encode(tok.render(list(request.messages)))
+    return _Workload(engine, reference, request, short_ids, long_prompt_ids(engine, config.long_prompt_tokens))
+
+
+def _warm_up(work: _Workload, config: BenchConfig) -> int:
+    """One discarded pass over everything; returns how many tokens the explorer request makes.
+
+    It pays first-call costs (allocator growth, kernel selection, graph capture) and grows the
+    static arena to its largest size before anything is timed.
+    """
+    model = work.engine.model
+    prefill_ms(model, work.long_ids)
+    greedy_decode(model, work.long_ids, 2)
+    work.reference.prefill_ms(work.long_ids)
+    greedy_decode(model, work.short_ids, config.new_tokens)
+    work.reference.decode(work.short_ids, 4)
+    probe_read_bandwidth(work.engine.device, work.engine.dtype, config.probe_bytes)
+    return len(explorer_decode(work.engine, work.request).tokens)
+
+
+def _measure_round(
+    work: _Workload, config: BenchConfig, raw: _Round, *, ours_first: bool, explorer_tokens: int
+) -> None:
+    """One measured round, each pair of runs in the given order."""
+    model, reference, repeats = work.engine.model, work.reference, config.prefill_repeats
+    raw.probes.append(probe_read_bandwidth(work.engine.device, work.engine.dtype, config.probe_bytes))
+    for which in ("ours", "theirs") if ours_first else ("theirs", "ours"):
+        if which == "ours":
+            raw.prefill_short[which].append(_best_of(repeats, lambda: prefill_ms(model, work.short_ids)))
+            raw.prefill_long[which].append(_best_of(repeats, lambda: prefill_ms(model, work.long_ids)))
+            raw.decode[which].append(greedy_decode(model, work.short_ids, config.new_tokens))
+        else:
+            raw.prefill_short[which].append(_best_of(repeats, lambda: reference.prefill_ms(work.short_ids)))
+            raw.prefill_long[which].append(_best_of(repeats, lambda: reference.prefill_ms(work.long_ids)))
+            raw.decode[which].append(reference.decode(work.short_ids, config.new_tokens))
+    for which in ("bare", "explorer") if ours_first else ("explorer", "bare"):
+        if which == "bare":
+            raw.bare.append(greedy_decode(model, work.short_ids, explorer_tokens))
+        else:
+            raw.explorer.append(explorer_decode(work.engine, work.request))
+
+
+def _kv_bytes_per_token(engine: Engine) -> int:
+    c = engine.cfg
+    return kv_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, engine.dtype.itemsize)
 
 
 def _best_of(repeats: int, run: Callable[[], float]) -> float:
@@ -390,13 +417,10 @@ def _launches(config: BenchConfig, engine: Engine, prompt_tokens: int) -> tuple[
     start = StartResult(launches[0].first_token_s, Spread.of(warm), heavy_imports(plain_imports(run, env=env)))
     if engine.device.type == "cuda":
         return start, None  # weights live in device memory there; see DeviceMemoryResult
-    per_token = kv_bytes_per_token(
-        engine.cfg.num_hidden_layers, engine.cfg.num_key_value_heads, engine.cfg.head_dim, engine.dtype.itemsize
-    )
     memory = MemoryResult(
         peak_rss_bytes=max(launch.peak_rss_bytes for launch in launches),
         weight_bytes=engine.model.weight_bytes,
-        kv_bytes=blocks_for(prompt_tokens + config.launch_max_tokens, 16) * 16 * per_token,
+        kv_bytes=blocks_for(prompt_tokens + config.launch_max_tokens, 16) * 16 * _kv_bytes_per_token(engine),
         allowance_bytes=config.memory_allowance_bytes,
     )
     return start, memory
