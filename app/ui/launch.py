@@ -16,8 +16,8 @@ from reqscope.ui.run_view import RunView
 def launch_explorer(args: argparse.Namespace, request: GenerationRequest) -> int:
     """Open the explorer on `request`, loading the engine from the shared run flags.
 
-    When the screen closes, one line on stderr keeps the outcome of the last run (or the
-    reason the engine could not start, with exit code 1).
+    When the screen closes, one line on stderr keeps the outcome of the last run. The exit
+    code is 1 when the engine could not start or the last run failed, as in the text modes.
     """
     app = ExplorerApp.live_run(lambda progress: open_engine(args, progress=progress), request)
     code = app.run()
@@ -28,6 +28,8 @@ def launch_explorer(args: argparse.Namespace, request: GenerationRequest) -> int
         print(f"reqscope: {app.request.request_id} {outcome(app.view)}", file=sys.stderr)
     if app.last_export is not None:
         print(f"reqscope: exported to {app.last_export}", file=sys.stderr)
+    if app.view.error is not None:
+        return 1
     return code or 0
 
 
