@@ -6,7 +6,7 @@ import io
 
 import pytest
 from rich.console import Console
-from textual.widgets import Input, Static
+from textual.widgets import Input, Log, Static, TextArea
 from ui_fixtures import TRACE, finished, held_at, kyoto_request, live_app, replay_app, wait_for
 
 from minengine.engine import Engine
@@ -23,6 +23,7 @@ from reqscope.ui.keys import keys_for
 from reqscope.ui.latency import latency_figures
 from reqscope.ui.loading_screen import LoadingScreen
 from reqscope.ui.panel import Panel
+from reqscope.ui.prompt_form import PromptForm
 from reqscope.ui.sampling_form import SamplingForm
 
 pytestmark = pytest.mark.anyio
@@ -182,6 +183,23 @@ async def test_restart_runs_the_request_again_with_a_new_id(default_engine):
         assert app.view.result.usage.completion_tokens == 2
 
 
+async def test_editing_the_system_prompt_and_prompt_runs_them(default_engine):
+    app = live_app(default_engine, kyoto_request(max_tokens=1))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await finished(pilot, app)
+        await pilot.press("p")  # the prompt form, starting in the system prompt field
+        await wait_for(pilot, lambda: isinstance(app.screen, PromptForm))
+        app.screen.query_one("#system-input", Input).value = "You answer in French."
+        app.screen.query_one("#prompt-input", TextArea).text = "Name one temple in Kyoto."
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.view.prompt is not None and "French" in app.view.prompt.rendered)
+        await finished(pilot, app)
+        parts = {p.name: p.tokens for p in app.view.prompt.parts}
+        assert parts["system"] > 0 and sum(parts.values()) == len(app.view.prompt.pieces)
+        assert "Name one temple in Kyoto." in app.view.prompt.rendered
+        assert [m.role for m in app.request.messages] == ["system", "user"]
+
+
 async def test_kv_budget_error_is_shown_in_the_app_which_stays_usable(chatty_tiny_dir):
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=10_000)
     app = live_app(engine, kyoto_request())
@@ -207,6 +225,7 @@ async def test_engine_that_cannot_load_is_reported_on_the_loading_screen():
     async with app.run_test() as pilot:
         await wait_for(pilot, lambda: app.load_error is not None)
         assert isinstance(app.screen, LoadingScreen)
+        assert app.screen.query_one(Log).lines == ["loading /nowhere"]  # progress shown as it came
         assert "does not exist" in panel_text(app, "#loading-error")
         await pilot.press("q")
     assert app.return_code == 0
