@@ -75,11 +75,13 @@ def _layer_fractions(kv: KVUsage) -> list[tuple[float, float]]:
 
 def _bars(kv: KVUsage, width: int, rows: int) -> list[Text]:
     fractions = _layer_fractions(kv)
-    columns = math.ceil(len(fractions) / rows)
-    cell = width // columns
+    caption = Text("MiB per layer; ░ = block rounding", style="dim", no_wrap=True,
+                   overflow="ellipsis")
+    per_line = math.ceil(len(fractions) / (rows - 1))
+    cell = width // per_line
     bar_width = cell - 12  # "L00 " + bar + " 0.000 "
     if bar_width >= _MIN_BAR:
-        return _horizontal(kv, fractions, rows, cell, bar_width)
+        return [caption, *_horizontal(kv, fractions, rows - 1, cell, bar_width)]
     return _vertical(fractions, width, rows)
 
 
