@@ -28,8 +28,9 @@ def architecture_for(ref: str) -> Architecture:
     raise ConfigError(f"--config {ref!r} is neither a card ({', '.join(cards)}) nor a model folder or config.json")
 
 
-def planned_kv(arch: Architecture, prompt_tokens: int, output_tokens: int) -> Plan:
-    """KV per token, for the prompt, and at the stop, for the counts the server reported."""
+def planned_kv(arch: Architecture, prompt_tokens: int | None = None, output_tokens: int | None = None) -> Plan:
+    """KV per token, for the prompt, and at the stop, for the counts known (the server's usage)."""
     kv_dtype = next((d for d in (arch.kv_dtype, arch.weight_dtype) if d in KV_DTYPES), DEFAULT_DTYPE)
-    inputs = PlanInputs(kv_dtype=kv_dtype, prompt_tokens=prompt_tokens, output_tokens=max(output_tokens, 1))
+    output = None if output_tokens is None else max(output_tokens, 1)
+    inputs = PlanInputs(kv_dtype=kv_dtype, prompt_tokens=prompt_tokens, output_tokens=output)
     return plan(arch, inputs)

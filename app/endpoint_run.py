@@ -28,9 +28,11 @@ def run_endpoint(args: argparse.Namespace, request: GenerationRequest) -> int:
     if args.export:
         print("reqscope: error: --export is not available with --endpoint", file=sys.stderr)
         return 2
-    if not (args.plain or args.json) and sys.stdout.isatty():
-        print("reqscope: the explorer UI does not drive an endpoint yet; showing plain output", file=sys.stderr)
     arch = architecture_for(args.config) if args.config else None
+    if not (args.plain or args.json) and sys.stdout.isatty():
+        from reqscope.ui.launch import launch_endpoint_explorer
+
+        return launch_endpoint_explorer(args, request, arch)
 
     def kv_plan_for(result: EndpointResult) -> Plan | None:
         if arch is None or result.usage is None:
@@ -47,7 +49,7 @@ def run_endpoint(args: argparse.Namespace, request: GenerationRequest) -> int:
 async def _run(args: argparse.Namespace, request: GenerationRequest, kv_plan_for) -> EndpointResult:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     async with EndpointClient(args.endpoint, api_key=api_key, new_connection=args.new_connection) as client:
-        model = await _model_name(client, args.endpoint, args.model)
+        model = await model_name(client, args.endpoint, args.model)
         events = client.stream_chat(request, model)
         if args.json:
             from reqscope.endpoint_jsonl import print_endpoint_jsonl
@@ -58,7 +60,8 @@ async def _run(args: argparse.Namespace, request: GenerationRequest, kv_plan_for
         return await print_endpoint_plain(events, kv_plan_for)
 
 
-async def _model_name(client: EndpointClient, endpoint: str, wanted: str | None) -> str:
+async def model_name(client: EndpointClient, endpoint: str, wanted: str | None) -> str:
+    """`wanted`, or the first model the server lists; checks the URL and the key on the way."""
     try:
         names = await client.models()
     except aiohttp.ClientResponseError as exc:

@@ -90,7 +90,7 @@ class ExplorerApp(App[int]):
 
     CSS_PATH = "explorer.tcss"
     TITLE = "reqscope"
-    BINDINGS = bindings()
+    BINDINGS = bindings(LIVE, REPLAY)
 
     def __init__(
         self,

@@ -8,9 +8,13 @@ from textual.binding import Binding
 
 LIVE = "live"
 REPLAY = "replay"
+ENDPOINT = "endpoint"  # the endpoint explorer (`--endpoint URL`): its own app, keys and panels
 BOTH = frozenset({LIVE, REPLAY})
 LIVE_ONLY = frozenset({LIVE})
 REPLAY_ONLY = frozenset({REPLAY})
+ENDPOINT_ONLY = frozenset({ENDPOINT})
+LIVE_AND_ENDPOINT = frozenset({LIVE, ENDPOINT})
+EVERY = frozenset({LIVE, REPLAY, ENDPOINT})
 
 
 @dataclass(frozen=True)
@@ -42,31 +46,44 @@ KEYS: tuple[Key, ...] = (
     Key("up,k", "cursor(-1)", "Up", "Move the candidate cursor up", footer=False),
     Key("down,j", "cursor(1)", "Down", "Move the candidate cursor down", footer=False),
     Key("enter", "pick", "Pick", "Commit the highlighted candidate as the next token (while paused)", LIVE_ONLY),
+    Key("o", "sampling", "Sample", "Change temperature, top-k, top-p, min-p, seed or max tokens for the next request",
+        ENDPOINT_ONLY),
+    Key("up,k", "cursor(-1)", "Up", "Show an earlier chunk's logprobs", ENDPOINT_ONLY, footer=False),
+    Key("down,j", "cursor(1)", "Down", "Show a later chunk's logprobs (the last one: follow the newest)",
+        ENDPOINT_ONLY, footer=False),
     Key("c", "cancel", "Cancel", "Cancel the request (it stops before the next model step)", LIVE_ONLY, footer=False),
-    Key("r", "restart", "Restart", "Run the same prompt again with the current settings", LIVE_ONLY, footer=False),
-    Key("e", "edit_prompt", "Prompt", "Edit the prompt (and the system prompt), then run again", LIVE_ONLY),
-    Key("p", "edit_system", "System", "Edit the system prompt (and the prompt), then run again", LIVE_ONLY,
+    Key("c", "cancel", "Cancel", "Cancel the request: close the stream (a server that notices stops decoding)",
+        ENDPOINT_ONLY),
+    Key("r", "restart", "Restart", "Run the same prompt again with the current settings", LIVE_AND_ENDPOINT,
+        footer=False),
+    Key("e", "edit_prompt", "Prompt", "Edit the prompt (and the system prompt), then run again", LIVE_AND_ENDPOINT),
+    Key("p", "edit_system", "System", "Edit the system prompt (and the prompt), then run again", LIVE_AND_ENDPOINT,
         footer=False),
     Key("m", "switch_layout", "GQA/MHA", "Re-run this request with the other KV cache layout (gqa or mha)", LIVE_ONLY),
     Key("x", "export", "Export", "Export the finished run (timeline CSV, metrics, trace, Perfetto) to a new folder"),
-    Key("v", "next_view", "View", "Show the next detail panel (small terminals)"),
+    Key("v", "next_view", "View", "Show the next detail panel (small terminals)", EVERY),
     Key("1", "view('logits')", "Logits", "Show the logits panel (small terminals)", footer=False),
     Key("2", "view('kv')", "KV", "Show the KV cache panel (small terminals)", footer=False),
     Key("3", "view('layouts')", "GQA/MHA", "Show the GQA vs MHA panel (small terminals)", footer=False),
     Key("4", "view('latency')", "Latency", "Show the latency panel (small terminals)", footer=False),
     Key("5", "view('template')", "Template", "Show the rendered chat template (small terminals)", footer=False),
-    Key("question_mark,f1", "help", "Help", "List every key"),
-    Key("q", "quit", "Quit", "Leave the explorer (cancels a running request)"),
+    Key("1", "view('logits')", "Logprobs", "Show the top logprobs panel (small terminals)", ENDPOINT_ONLY,
+        footer=False),
+    Key("2", "view('kv')", "KV", "Show the KV cache panel (small terminals)", ENDPOINT_ONLY, footer=False),
+    Key("3", "view('latency')", "Latency", "Show the latency panel (small terminals)", ENDPOINT_ONLY, footer=False),
+    Key("4", "view('timeline')", "Timeline", "Show the timeline panel (small terminals)", ENDPOINT_ONLY, footer=False),
+    Key("question_mark,f1", "help", "Help", "List every key", EVERY),
+    Key("q", "quit", "Quit", "Leave the explorer (cancels a running request)", EVERY),
 )
 
 
-def bindings() -> list[Binding]:
-    """Textual bindings for KEYS (the footer shows those marked `footer`)."""
-    return [Binding(k.keys, k.action, k.label, show=k.footer) for k in KEYS]
+def bindings(*modes: str) -> list[Binding]:
+    """Textual bindings for the keys of `modes` (the footer shows those marked `footer`)."""
+    return [Binding(k.keys, k.action, k.label, show=k.footer) for k in KEYS if k.modes & set(modes)]
 
 
 def keys_for(mode: str) -> list[Key]:
-    """The keys that do something in `mode` ("live" or "replay")."""
+    """The keys that do something in `mode` ("live", "replay" or "endpoint")."""
     return [k for k in KEYS if mode in k.modes]
 
 

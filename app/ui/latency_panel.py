@@ -20,11 +20,11 @@ class LatencyPanel(Panel):
 
     def draw(self, frame: Frame, width: int, height: int) -> RenderableType:
         fig = latency_figures(frame.view)
-        lines = _pairs(_figures(fig), width) + [_prefill(fig.prefill_ms, fig.prompt_tokens)]
+        lines = pairs(_figures(fig), width) + [_prefill(fig.prefill_ms, fig.prompt_tokens)]
         if len(frame.prefill_history) > 1:
             history = " · ".join(f"{n} tok {t:.1f} ms" for n, t in frame.prefill_history[-6:])
             lines.append(Text(f"prefill by prompt length: {history}", style="dim", no_wrap=True, overflow="ellipsis"))
-        lines += _itl_chart(fig.itls_ms, width, height - len(lines))
+        lines += itl_chart(fig.itls_ms, width, height - len(lines))
         return Group(*lines[: max(height, 1)])
 
 
@@ -44,13 +44,14 @@ def _figures(fig: LatencyFigures) -> list[tuple[str, str]]:
     ]
 
 
-def _pairs(pairs: list[tuple[str, str]], width: int) -> list[Text]:
+def pairs(items: list[tuple[str, str]], width: int) -> list[Text]:
+    """Label/value pairs, two to a line when there is room."""
     per_line = 2 if width >= 44 else 1
     cell = width // per_line
     lines = []
-    for start in range(0, len(pairs), per_line):
+    for start in range(0, len(items), per_line):
         line = Text(no_wrap=True)
-        for label, value in pairs[start : start + per_line]:
+        for label, value in items[start : start + per_line]:
             line.append(f"{label:<11}", style="dim")
             line.append(value.ljust(cell - 11), style="bold")
         lines.append(line)
@@ -69,16 +70,16 @@ def _prefill(prefill_ms: float | None, tokens: int | None) -> Text:
     return text
 
 
-def _itl_chart(itls: tuple[float, ...], width: int, rows: int) -> list[Text]:
+def itl_chart(itls: tuple[float, ...], width: int, rows: int, unit: str = "tokens") -> list[Text]:
     """The last ITLs as bars scaled to their maximum, with a caption; one sparkline line when cramped."""
     if rows < 2:
         return []
     tail = itls[-(width - 1) :]
     caption = Text(no_wrap=True, overflow="ellipsis", style="dim")
     if not tail:
-        caption.append("ITL chart: from the second streamed token on")
+        caption.append(f"ITL chart: from the second streamed {unit[:-1]} on")
         return [caption]
-    caption.append(f"ITL of the last {len(tail)} tokens: {min(tail):.1f}–{max(tail):.1f} ms")
+    caption.append(f"ITL of the last {len(tail)} {unit}: {min(tail):.1f}–{max(tail):.1f} ms")
     if rows < 4:
         return [Text(sparkline(tail, width), style="cyan", no_wrap=True), caption]
     top = max(tail)

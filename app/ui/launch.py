@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
+from minengine.cards import Architecture
 from minengine.request import GenerationRequest
 from minengine.trace_io import read_trace
+from reqscope.endpoint_options import API_KEY_ENV
 from reqscope.run_options import open_engine
 from reqscope.ui.app import ExplorerApp
+from reqscope.ui.endpoint_view import EndpointView
 from reqscope.ui.run_view import RunView
 
 
@@ -31,6 +35,48 @@ def launch_explorer(args: argparse.Namespace, request: GenerationRequest) -> int
     if app.view.error is not None:
         return 1
     return code or 0
+
+
+def launch_endpoint_explorer(args: argparse.Namespace, request: GenerationRequest, arch: Architecture | None) -> int:
+    """Open the endpoint explorer on `request` against args.endpoint (`--endpoint URL`).
+
+    As with the engine explorer, one line on stderr keeps the last request's outcome after
+    the screen closes, and the exit code is 1 when the server could not be used or the last
+    request failed.
+    """
+    from reqscope.ui.endpoint_app import EndpointApp
+    from reqscope.ui.endpoint_worker import EndpointTarget
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    target = EndpointTarget(args.endpoint, api_key=api_key, model=args.model, new_connection=args.new_connection)
+    app = EndpointApp(target, request, arch=arch)
+    code = app.run()
+    if app.load_error is not None:
+        print(f"reqscope: error: {app.load_error}", file=sys.stderr)
+        return 1
+    result = app.view.result
+    if result is not None:
+        print(f"reqscope: {result.request_id or app.request.request_id} {endpoint_outcome(app.view)}", file=sys.stderr)
+        if result.error:
+            return 1
+    return code or 0
+
+
+def endpoint_outcome(view: EndpointView) -> str:
+    """How the endpoint request on screen ended, with the client's headline figures."""
+    result = view.result
+    if result is None:
+        return "cancelled" if view.cancelled else f"left while streaming ({len(view.chunks)} chunks)"
+    if result.error:
+        return f"failed: {result.error}"
+    text = f"{result.finish_reason or 'done'}: {result.output_tokens} tokens in {result.chunks} chunks"
+    m = result.metrics
+    if m is not None:
+        text += f", TTFT {m.ttft_ms:.1f} ms"
+        if m.tpot_ms is not None:
+            text += f", TPOT {m.tpot_ms:.2f} ms"
+        text += f", E2E {m.e2e_ms:.1f} ms (client clock)"
+    return text
 
 
 def launch_replay(trace: str | Path) -> int:

@@ -27,16 +27,18 @@ class PipelinePanel(Panel):
                 style = "bold"
             else:
                 style = "dim"
-            names.append(_fit(name, cell), style=style)
-            shown = "" if duration is None else _duration(duration)
-            times.append(_fit(shown, cell), style="" if style == "bold" else style)
+            names.append(fit_cell(name, cell), style=style)
+            shown = "" if duration is None else duration_text(duration)
+            times.append(fit_cell(shown, cell), style="" if style == "bold" else style)
         return Group(names, times)
 
 
-def _duration(value_ms: float) -> str:
+def duration_text(value_ms: float) -> str:
+    """A stage duration in ms, or in seconds from 10 s on."""
     return f"{value_ms / 1000:.2f}s" if value_ms >= 10_000 else f"{value_ms:.1f}ms"
 
 
-def _fit(text: str, width: int) -> str:
+def fit_cell(text: str, width: int) -> str:
+    """`text` in a cell `width` wide: one leading space, cut with an ellipsis when too long."""
     text = text if len(text) < width else text[: width - 2] + "…"
     return (" " + text).ljust(width)

@@ -85,16 +85,21 @@ class SamplingForm(ModalScreen[SamplingChoice | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, current: SamplingChoice, preview: Callable[[SamplingParams], None]) -> None:
+    def __init__(
+        self, current: SamplingChoice, preview: Callable[[SamplingParams], None], omit: frozenset[str] = frozenset()
+    ) -> None:
         super().__init__()
         self.current = current
         self.preview = preview
+        self.omit = omit  # fields that mean nothing here (the sampler order, on a server that picks its own)
 
     def compose(self) -> ComposeResult:
         values = form_values(self.current)
         with Vertical(id="form-box") as box:
             box.border_title = "Sampling"
             for name, label, hint in FIELDS:
+                if name in self.omit:
+                    continue
                 with Horizontal(classes="form-row"):
                     yield Label(label, classes="form-label")
                     yield Input(values[name], id=f"field-{name}", placeholder=hint, classes="form-input")
@@ -104,7 +109,11 @@ class SamplingForm(ModalScreen[SamplingChoice | None]):
                 yield Button("Cancel", id="cancel")
 
     def _values(self) -> dict[str, str]:
-        return {name: self.query_one(f"#field-{name}", Input).value for name, _, _ in FIELDS}
+        values = form_values(self.current)  # omitted fields keep their current value
+        for name, _, _ in FIELDS:
+            if name not in self.omit:
+                values[name] = self.query_one(f"#field-{name}", Input).value
+        return values
 
     def _read(self) -> SamplingChoice | None:
         error = self.query_one("#form-error", Static)

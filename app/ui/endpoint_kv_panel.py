@@ -1,0 +1,88 @@
+"""The KV cache of a model served elsewhere: not observable from the client, computed by the planner instead.
+
+An OpenAI-compatible endpoint keeps its cache inside its engine; nothing on the wire says how
+big it is or how it is laid out. With `--config` naming the served model's shape, the planner's
+formula (2 x layers x KV heads x head dim x bytes per element, per token) gives what the cache
+logically holds for the tokens counted so far, and what the same model would hold with MHA.
+Every figure here is computed, and the panel says so.
+"""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.text import Text
+
+from minengine.cards import Architecture
+from minengine.errors import ReqscopeError
+from minengine.kv_math import KIB, MIB
+from reqscope.endpoint_kv import planned_kv
+from reqscope.ui.endpoint_frame import EndpointFrame
+from reqscope.ui.endpoint_view import EndpointView
+from reqscope.ui.glyphs import bar
+from reqscope.ui.panel import Panel
+
+
+class EndpointKVPanel(Panel[EndpointFrame]):
+    """Why per-layer KV is not shown, then the planner's figures for --config, GQA against MHA."""
+
+    TITLE = "KV cache (computed, not observed)"
+    WAITING = "sending…"
+
+    def draw(self, frame: EndpointFrame, width: int, height: int) -> RenderableType:
+        lines = [Text("per-layer KV: not exposed by the endpoint (the cache lives inside the server's engine)",
+                      style="bold", no_wrap=True, overflow="ellipsis")]
+        if frame.arch is None:
+            lines.append(Text(
+                "pass --config MODEL (a card name, a model folder or a config.json) for the planner's computed KV",
+                style="dim",
+            ))
+            return Group(*lines)
+        return Group(*lines, *_planned(frame.arch, frame.view, width))
+
+
+def _planned(arch: Architecture, view: EndpointView, width: int) -> list[Text]:
+    usage = view.result.usage if view.result is not None else None
+    prompt = usage.prompt_tokens if usage is not None else None
+    output, source = view.output_tokens()
+    try:
+        plan = planned_kv(arch, prompt, output if output else None)
+    except ReqscopeError as exc:  # e.g. MLA or sliding windows: the standard formula does not apply
+        return [Text(f"the planner cannot compute this model's KV: {exc}", style="yellow")]
+    mem = plan.memory
+    shape = Text(no_wrap=True, overflow="ellipsis")
+    shape.append(f"{arch.name}", style="bold")
+    shape.append(f": {arch.layers} layers × {arch.kv_heads} KV heads ({arch.q_heads} query) × {arch.head_dim}"
+                 f" · {plan.inputs.kv_dtype} · {mem.kv_bytes_per_token / KIB:.1f} KiB/token")
+    # The cache holds every prompt token and every output token but the newest, which is never fed back.
+    held_output = max(output - 1, 0)
+    counted = Text(no_wrap=True, overflow="ellipsis")
+    if prompt is None:
+        counted.append(f"output so far {output} tokens ({source}): ", style="bold")
+        counted.append(f"{held_output * mem.kv_bytes_per_token / MIB:.3f} MiB", style="bold green")
+        counted.append(" · the prompt's share once the server reports usage", style="dim")
+        tokens = held_output
+    else:
+        tokens = prompt + held_output
+        counted.append(f"{prompt} prompt + {held_output} output tokens: ", style="bold")
+        counted.append(f"{tokens * mem.kv_bytes_per_token / MIB:.3f} MiB", style="bold green")
+        counted.append(f" (prompt alone {mem.prompt_kv_bytes / MIB:.3f} MiB)")
+    per_layer = Text(f"each layer holds {tokens * mem.kv_bytes_per_token / arch.layers / MIB:.4f} MiB of it "
+                     "(every layer caches the same number of tokens)", style="dim", no_wrap=True, overflow="ellipsis")
+    return [shape, counted, per_layer, *_layouts(arch, mem.kv_bytes_per_token, mem.kv_bytes_per_token_mha,
+                                                 mem.kv_bytes_per_token_mqa, tokens, width)]
+
+
+def _layouts(arch: Architecture, gqa: int, mha: int, mqa: int, tokens: int, width: int) -> list[Text]:
+    """The same token count in each layout, as bars scaled to MHA."""
+    lines = [Text("the same tokens, other layouts:", style="dim", no_wrap=True)]
+    bar_width = max(width - 34, 6)
+    rows = [("MHA", mha), (f"GQA {arch.q_heads // arch.kv_heads}:1", gqa), ("MQA", mqa)]
+    if arch.kv_heads in (1, arch.q_heads):  # the model is MHA or MQA itself: no separate GQA row
+        rows.pop(1)
+    for name, per_token in rows:
+        line = Text(no_wrap=True, overflow="ellipsis")
+        line.append(f"{name:<9}", style="bold" if per_token == gqa else "dim")
+        line.append(bar(per_token / mha if mha else 0.0, bar_width), style="green" if per_token == gqa else "dim")
+        line.append(f" {tokens * per_token / MIB:9.3f} MiB  {per_token / KIB:6.1f} KiB/tok")
+        lines.append(line)
+    return lines

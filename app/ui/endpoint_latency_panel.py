@@ -1,0 +1,66 @@
+"""Client-observed latency: TTFT, ITL per chunk, TPOT per token, rates, E2E, and the server's TTFT beside it."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.text import Text
+
+from reqscope.endpoint_events import EndpointResult
+from reqscope.ui.endpoint_frame import EndpointFrame
+from reqscope.ui.glyphs import ms, rate
+from reqscope.ui.latency_panel import itl_chart, pairs
+from reqscope.ui.panel import Panel
+
+
+class EndpointLatencyPanel(Panel[EndpointFrame]):
+    """The client's figures, the client-vs-server TTFT split when the server reports one, the ITL chart."""
+
+    TITLE = "Latency (client clock)"
+    WAITING = "sending…"
+
+    def draw(self, frame: EndpointFrame, width: int, height: int) -> RenderableType:
+        view = frame.view
+        m = view.metrics()
+        itl = m.itl if m is not None else None
+        gaps = view.itls_ms()
+        figures = [
+            ("TTFT", ms(m.ttft_ms if m else None)),
+            ("E2E", ms(m.e2e_ms if m else None)),
+            ("last ITL", ms(gaps[-1] if gaps else None)),
+            ("TPOT", ms(m.tpot_ms if m else None, 2)),
+            ("ITL mean", ms(itl.mean if itl else None, 2)),
+            ("ITL median", ms(itl.median if itl else None, 2)),
+            ("ITL p95", ms(itl.p95 if itl else None, 2)),
+            ("ITL max", ms(itl.max if itl else None, 2)),
+            ("decode", rate(m.decode_output_tokens_per_second if m else None)),
+            ("whole req.", rate(m.whole_request_output_tokens_per_second if m else None)),
+        ]
+        tokens, source = view.output_tokens()
+        note = Text(no_wrap=True, overflow="ellipsis", style="dim")
+        note.append(f"ITL per chunk ({len(view.chunks)}), TPOT per token ({tokens}, from {source})")
+        lines = [*pairs(figures, width), note, *_server_lines(view.result)]
+        lines += itl_chart(tuple(gaps), width, height - len(lines), unit="chunks")
+        return Group(*lines[: max(height, 1)])
+
+
+def _server_lines(result: EndpointResult | None) -> list[Text]:
+    """Client TTFT against the server's own, and where the difference went."""
+    if result is None:
+        return [Text("server's view: after the stream ends (reqscope serve reports it)", style="dim")]
+    t = result.ttft
+    if t is None:
+        why = "the server sent no timing report" if result.server is None else "no first token to compare"
+        return [Text(f"server's view: {why} (reqscope serve sends one)", style="dim", no_wrap=True,
+                     overflow="ellipsis")]
+    first = Text(no_wrap=True, overflow="ellipsis")
+    first.append("TTFT      ", style="dim")
+    first.append(f"client {t.client_ms:.1f} ms", style="bold")
+    first.append(" · ")
+    first.append(f"server {t.server_ms:.1f} ms", style="bold")
+    first.append(" · ")
+    first.append(f"outside the server {t.outside_server_ms:.1f} ms", style="bold yellow")
+    inside = [f"{name} {value:.1f}" for name, value in
+              (("gateway", t.gateway_ms), ("queue", t.queue_ms), ("prefill", t.prefill_ms)) if value is not None]
+    second = Text(no_wrap=True, overflow="ellipsis", style="dim")
+    second.append(f"          server side: {' · '.join(inside)} ms; outside: connection, network, HTTP")
+    return [first, second]
