@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from minengine import layout_cache
 from minengine.config import ModelConfig
 from minengine.kv_cache import KVCache
 from minengine.rope import RotaryTable, rotate
-from minengine.weight_layout import CheckpointReader, project, project_chunks
-from minengine.weights import load_state_dict
+from minengine.weight_layout import CheckpointReader, WeightSource, project, project_chunks
+from minengine.weights import checkpoint_files, load_state_dict
 
 if TYPE_CHECKING:
     from minengine.cuda_graph import StaticDecoder
@@ -62,7 +63,7 @@ def _constant(value: float, like: torch.Tensor) -> torch.Tensor:
 class Layer:
     """One transformer block's weights (projections as `weight_layout` operands)."""
 
-    def __init__(self, ckpt: CheckpointReader, prefix: str, cfg: ModelConfig) -> None:
+    def __init__(self, ckpt: WeightSource, prefix: str, cfg: ModelConfig) -> None:
         a, m = prefix + "self_attn.", prefix + "mlp."
         self.input_norm = ckpt.copy(prefix + "input_layernorm.weight")
         self.post_norm = ckpt.copy(prefix + "post_attention_layernorm.weight")
@@ -99,12 +100,13 @@ class Transformer:
     reads a column of it.
     """
 
-    def __init__(self, cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor] | WeightSource, device: torch.device) -> None:
+        """Build from a validated state dict, or from a reader (a cached layout, a recording reader)."""
         self.cfg = cfg
         self.device = device
-        self.dtype = sd["model.embed_tokens.weight"].dtype
-        ckpt = CheckpointReader(sd)
+        ckpt = CheckpointReader(weights) if isinstance(weights, dict) else weights
         self.norm = ckpt.copy("model.norm.weight")
+        self.dtype = self.norm.dtype
         if cfg.tie_word_embeddings:
             self.embed, self.lm_head = None, ckpt.projection("model.embed_tokens.weight")
         else:
@@ -166,8 +168,24 @@ class Transformer:
 
     @classmethod
     def load(cls, folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Transformer:
-        """Load and validate the safetensors checkpoint in `folder`."""
-        return cls(cfg, load_state_dict(folder, cfg, dtype, device), device)
+        """Load and validate the safetensors checkpoint in `folder`.
+
+        On the CPU the built layout is cached beside the checkpoint and mapped on later loads
+        (`layout_cache`); the checkpoint is validated whenever the layout is built.
+        """
+        if device.type != "cpu" or not layout_cache.enabled():
+            return cls(cfg, load_state_dict(folder, cfg, dtype, device), device)
+        path = layout_cache.layout_path(folder, layout_cache.layout_key(folder, checkpoint_files(folder), dtype))
+        cached = layout_cache.open_layout(path)
+        if cached is not None:
+            try:
+                return cls(cfg, cached, device)
+            except (KeyError, RuntimeError):
+                pass  # a layout that does not fit this build: rebuild it below
+        recorder = layout_cache.RecordingReader(CheckpointReader(load_state_dict(folder, cfg, dtype, device)))
+        model = cls(cfg, recorder, device)
+        layout_cache.write_layout(path, recorder.made)
+        return model
 
     @property
     def weight_bytes(self) -> int:

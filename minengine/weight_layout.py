@@ -9,6 +9,8 @@ dict tensor by tensor and hands the memory-mapped pages back as it goes (`Checkp
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from minengine.mapped_pages import MappedFiles
@@ -54,6 +56,15 @@ def projection_operand(*weights: torch.Tensor, chunks: int) -> torch.Tensor:
         return operand
     rows = torch.cat(weights) if len(weights) > 1 else weights[0].clone()  # an owned copy either way
     return rows.view(chunks, per_chunk, in_features).transpose(1, 2)
+
+
+class WeightSource(Protocol):
+    """What the model asks of its weights while it is built (`CheckpointReader` or a cached layout)."""
+
+    def __contains__(self, name: str) -> bool: ...
+    def copy(self, name: str) -> torch.Tensor: ...
+    def projection(self, *names: str, chunks: int | None = None) -> torch.Tensor: ...
+    def optional(self, name: str) -> torch.Tensor | None: ...
 
 
 class CheckpointReader:
