@@ -197,6 +197,9 @@ class _Reading:
             if data is None:
                 continue
             if data.strip() == "[DONE]":
+                # Read to the end of the body (the chunked terminator): aiohttp pools a connection
+                # again only once its response is fully read, and closes it otherwise.
+                await resp.content.read()
                 break
             chunk = parse_chunk(data)
             if chunk.error is not None:

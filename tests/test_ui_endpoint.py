@@ -82,7 +82,7 @@ async def test_a_streamed_request_is_drawn_with_the_clients_and_the_servers_figu
 
         answer = screen_text(app, "#tokens")
         assert f"output {TOKENS}/{TOKENS} tokens (usage)" in answer
-        assert f"prompt {result.usage.prompt_tokens} tokens (usage)" in answer
+        assert f"prompt {result.usage.prompt_tokens} · output" in answer
         assert f"in {result.chunks} chunks" in answer
 
         m = result.metrics
@@ -93,9 +93,10 @@ async def test_a_streamed_request_is_drawn_with_the_clients_and_the_servers_figu
         assert f"ITL median {m.itl.median:.2f} ms" in latency
         t = result.ttft
         assert t.server_ms == pytest.approx(server.metrics.ttft_ms)
-        assert f"client {t.client_ms:.1f} ms · server {t.server_ms:.1f} ms" in latency
-        assert f"outside the server {t.outside_server_ms:.1f} ms" in latency
-        assert f"prefill {t.prefill_ms:.1f}" in latency
+        assert f"client     {t.client_ms:.1f} ms" in latency and f"server     {t.server_ms:.1f} ms" in latency
+        assert f"outside    {t.outside_server_ms:.1f} ms" in latency
+        assert f"prefill    {t.prefill_ms:.1f} ms" in latency
+        assert t.client_ms - t.server_ms == pytest.approx(t.outside_server_ms)
 
         timeline = screen_text(app, "#timeline")
         for name in ("client_send", "first_byte", "first_visible_token", "last_visible_token", "completed"):

@@ -31,6 +31,7 @@ from minengine.cards import Architecture
 from minengine.chat_template import Message as ChatMessage
 from minengine.errors import ReqscopeError
 from minengine.request import GenerationRequest
+from reqscope.endpoint_events import StreamEnded
 from reqscope.ui.app import renewed
 from reqscope.ui.endpoint_frame import EndpointFrame
 from reqscope.ui.endpoint_kv_panel import EndpointKVPanel
@@ -49,6 +50,7 @@ from reqscope.ui.repaint_pacer import RepaintPacer
 from reqscope.ui.sampling_form import SamplingChoice, SamplingForm
 
 DETAIL_VIEWS: tuple[str, ...] = ("logits", "kv", "latency", "timeline")
+_VIEW_LABELS = {"logits": "logprobs"}  # the panel ids match the engine explorer's; the logits here are logprobs
 WIDE_MIN = (150, 40)  # columns, rows from which every panel is shown at once
 
 
@@ -121,7 +123,7 @@ class EndpointApp(App[int]):
         size = size or self.size
         wide = size.width >= WIDE_MIN[0] and size.height >= WIDE_MIN[1]
         self.query_one("#body").set_class(wide, "-wide")
-        keys = "  ".join(f"{i + 1} {n}" for i, n in enumerate(DETAIL_VIEWS))
+        keys = "  ".join(f"{i + 1} {_VIEW_LABELS.get(n, n)}" for i, n in enumerate(DETAIL_VIEWS))
         for name in DETAIL_VIEWS:
             panel = self.query_one(f"#{name}", Panel)
             panel.set_class(name == self.compact_view, "-shown")
@@ -183,29 +185,39 @@ class EndpointApp(App[int]):
             self._take()
 
     def _take(self) -> None:
+        """Fold in the events waiting in the run's inbox; the next event wakes this thread again."""
         run = self.run_
         if run is None:
             return
-        for event in run.take():
+        events = run.take()
+        for event in events:
             self.view.apply(event)
-        if run.finished.is_set() and self.view.result is None:
+        ended = run.finished.is_set() and self.view.result is None and not self.view.cancelled
+        if ended:  # closed before the stream's end: cancelled by a key, or the client failed
             self.view.cancelled = run.cancelled
-        if self.view.error:
+            if run.failure:
+                self.notify(run.failure, title="the endpoint client failed", severity="error", timeout=30)
+        if any(isinstance(e, StreamEnded) for e in events) and self.view.error:
             self.notify(self.view.error, title="request failed", severity="error", timeout=30)
-        self._invalidate()
+        if events or ended:
+            self._invalidate()
 
     # -- repaints ------------------------------------------------------------------------------
 
-    def _invalidate(self) -> None:
-        """Ask for a repaint; while the answer streams, repaints are paced by the pacer."""
+    def _invalidate(self, now: bool = False) -> None:
+        """Ask for a repaint; while the answer streams, repaints are paced, except for a key's (`now`)."""
         self._dirty = True
+        streaming = self._streaming() and not now
         if self._redraw_timer is not None:
-            return
+            if streaming:
+                return  # the paced repaint already on its way will show this too
+            self._redraw_timer.stop()  # the stream ended or a key was pressed: show it now
+            self._redraw_timer = None
         wait = self.pacer.wait_s()
-        if wait > 0 and self._streaming():
+        if wait > 0 and streaming:
             self._redraw_timer = self.set_timer(wait, self._timed_redraw)
         else:
-            self.call_next(self._redraw)
+            self.call_next(self._timed_redraw)  # take what waits in the inbox too: it wakes no one until taken
 
     def _timed_redraw(self) -> None:
         self._redraw_timer = None
@@ -244,7 +256,7 @@ class EndpointApp(App[int]):
     def state(self) -> str:
         """Where the request on screen stands, in one word or two."""
         view = self.view
-        if self.load_error is not None:
+        if self.load_error is not None or (self.run_ is not None and self.run_.failure):
             return "error"
         if self.run_ is None:
             return "connecting"
@@ -265,7 +277,7 @@ class EndpointApp(App[int]):
             return
         at = (count - 1 if self.cursor is None else self.cursor) + delta
         self.cursor = None if at >= count - 1 else max(at, 0)
-        self._invalidate()
+        self._invalidate(now=True)
 
     def action_cancel(self) -> None:
         """Close the stream of the request on screen."""
@@ -319,6 +331,7 @@ class EndpointApp(App[int]):
         """Show one detail panel on small terminals."""
         self.compact_view = name
         self._fit_layout()
+        self._invalidate(now=True)
 
     def action_help(self) -> None:
         """The help screen."""

@@ -29,8 +29,8 @@ class EndpointKVPanel(Panel[EndpointFrame]):
     WAITING = "sending…"
 
     def draw(self, frame: EndpointFrame, width: int, height: int) -> RenderableType:
-        lines = [Text("per-layer KV: not exposed by the endpoint (the cache lives inside the server's engine)",
-                      style="bold", no_wrap=True, overflow="ellipsis")]
+        lines = [Text("per-layer KV: not exposed by the endpoint", style="bold", no_wrap=True, overflow="ellipsis"),
+                 Text("(the cache lives inside the server's engine)", style="dim", no_wrap=True, overflow="ellipsis")]
         if frame.arch is None:
             lines.append(Text(
                 "pass --config MODEL (a card name, a model folder or a config.json) for the planner's computed KV",
@@ -50,32 +50,35 @@ def _planned(arch: Architecture, view: EndpointView, width: int) -> list[Text]:
         return [Text(f"the planner cannot compute this model's KV: {exc}", style="yellow")]
     mem = plan.memory
     shape = Text(no_wrap=True, overflow="ellipsis")
-    shape.append(f"{arch.name}", style="bold")
-    shape.append(f": {arch.layers} layers × {arch.kv_heads} KV heads ({arch.q_heads} query) × {arch.head_dim}"
-                 f" · {plan.inputs.kv_dtype} · {mem.kv_bytes_per_token / KIB:.1f} KiB/token")
+    shape.append(f"planner: {arch.name}", style="bold")
+    dims = Text(f"{arch.layers} layers × {arch.kv_heads} KV heads ({arch.q_heads} query) × {arch.head_dim}",
+                no_wrap=True, overflow="ellipsis")
+    dims.append(f"\n{plan.inputs.kv_dtype} · {mem.kv_bytes_per_token / KIB:.1f} KiB/token")
     # The cache holds every prompt token and every output token but the newest, which is never fed back.
     held_output = max(output - 1, 0)
     counted = Text(no_wrap=True, overflow="ellipsis")
     if prompt is None:
-        counted.append(f"output so far {output} tokens ({source}): ", style="bold")
-        counted.append(f"{held_output * mem.kv_bytes_per_token / MIB:.3f} MiB", style="bold green")
-        counted.append(" · the prompt's share once the server reports usage", style="dim")
         tokens = held_output
+        counted.append(f"output so far {output} ({source}): ", style="bold")
+        counted.append(f"{tokens * mem.kv_bytes_per_token / MIB:.3f} MiB", style="bold green")
+        later = Text("the prompt's share once the server reports usage", style="dim", no_wrap=True,
+                     overflow="ellipsis")
     else:
         tokens = prompt + held_output
         counted.append(f"{prompt} prompt + {held_output} output tokens: ", style="bold")
         counted.append(f"{tokens * mem.kv_bytes_per_token / MIB:.3f} MiB", style="bold green")
-        counted.append(f" (prompt alone {mem.prompt_kv_bytes / MIB:.3f} MiB)")
-    per_layer = Text(f"each layer holds {tokens * mem.kv_bytes_per_token / arch.layers / MIB:.4f} MiB of it "
-                     "(every layer caches the same number of tokens)", style="dim", no_wrap=True, overflow="ellipsis")
-    return [shape, counted, per_layer, *_layouts(arch, mem.kv_bytes_per_token, mem.kv_bytes_per_token_mha,
-                                                 mem.kv_bytes_per_token_mqa, tokens, width)]
+        later = Text(f"prompt alone {mem.prompt_kv_bytes / MIB:.3f} MiB · "
+                     f"per layer {tokens * mem.kv_bytes_per_token / arch.layers / MIB:.4f} MiB", style="dim",
+                     no_wrap=True, overflow="ellipsis")
+    layouts = _layouts(arch, mem.kv_bytes_per_token, mem.kv_bytes_per_token_mha, mem.kv_bytes_per_token_mqa,
+                       tokens, width)
+    return [shape, dims, counted, later, *layouts]
 
 
 def _layouts(arch: Architecture, gqa: int, mha: int, mqa: int, tokens: int, width: int) -> list[Text]:
     """The same token count in each layout, as bars scaled to MHA."""
-    lines = [Text("the same tokens, other layouts:", style="dim", no_wrap=True)]
-    bar_width = max(width - 34, 6)
+    lines = [Text("the same tokens in each layout:", style="dim", no_wrap=True)]
+    bar_width = max(width - 31, 4)
     rows = [("MHA", mha), (f"GQA {arch.q_heads // arch.kv_heads}:1", gqa), ("MQA", mqa)]
     if arch.kv_heads in (1, arch.q_heads):  # the model is MHA or MQA itself: no separate GQA row
         rows.pop(1)
@@ -83,6 +86,6 @@ def _layouts(arch: Architecture, gqa: int, mha: int, mqa: int, tokens: int, widt
         line = Text(no_wrap=True, overflow="ellipsis")
         line.append(f"{name:<9}", style="bold" if per_token == gqa else "dim")
         line.append(bar(per_token / mha if mha else 0.0, bar_width), style="green" if per_token == gqa else "dim")
-        line.append(f" {tokens * per_token / MIB:9.3f} MiB  {per_token / KIB:6.1f} KiB/tok")
+        line.append(f" {tokens * per_token / MIB:9.3f} MiB {per_token / KIB:5.1f} KiB")
         lines.append(line)
     return lines

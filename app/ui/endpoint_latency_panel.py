@@ -38,29 +38,31 @@ class EndpointLatencyPanel(Panel[EndpointFrame]):
         tokens, source = view.output_tokens()
         note = Text(no_wrap=True, overflow="ellipsis", style="dim")
         note.append(f"ITL per chunk ({len(view.chunks)}), TPOT per token ({tokens}, from {source})")
-        lines = [*pairs(figures, width), note, *_server_lines(view.result)]
+        lines = [*pairs(figures, width), note, *_server_lines(view.result, width)]
         lines += itl_chart(tuple(gaps), width, height - len(lines), unit="chunks")
         return Group(*lines[: max(height, 1)])
 
 
-def _server_lines(result: EndpointResult | None) -> list[Text]:
+def _server_lines(result: EndpointResult | None, width: int) -> list[Text]:
     """Client TTFT against the server's own, and where the difference went."""
     if result is None:
-        return [Text("server's view: after the stream ends (reqscope serve reports it)", style="dim")]
+        return [Text("server's view: once the stream ends (reqscope serve reports it)", style="dim", no_wrap=True,
+                     overflow="ellipsis")]
     t = result.ttft
     if t is None:
         why = "the server sent no timing report" if result.server is None else "no first token to compare"
         return [Text(f"server's view: {why} (reqscope serve sends one)", style="dim", no_wrap=True,
                      overflow="ellipsis")]
-    first = Text(no_wrap=True, overflow="ellipsis")
-    first.append("TTFT      ", style="dim")
-    first.append(f"client {t.client_ms:.1f} ms", style="bold")
-    first.append(" · ")
-    first.append(f"server {t.server_ms:.1f} ms", style="bold")
-    first.append(" · ")
-    first.append(f"outside the server {t.outside_server_ms:.1f} ms", style="bold yellow")
-    inside = [f"{name} {value:.1f}" for name, value in
-              (("gateway", t.gateway_ms), ("queue", t.queue_ms), ("prefill", t.prefill_ms)) if value is not None]
-    second = Text(no_wrap=True, overflow="ellipsis", style="dim")
-    second.append(f"          server side: {' · '.join(inside)} ms; outside: connection, network, HTTP")
-    return [first, second]
+    heading = Text("TTFT: client clock vs server clock", style="dim underline", no_wrap=True,
+                   overflow="ellipsis")
+    figures = [
+        ("client", ms(t.client_ms)),
+        ("server", ms(t.server_ms)),
+        ("outside", ms(t.outside_server_ms)),
+        ("gateway", ms(t.gateway_ms)),
+        ("queue", ms(t.queue_ms)),
+        ("prefill", ms(t.prefill_ms)),
+    ]
+    note = Text("outside the server: connection, network, HTTP (the client's clock only)", style="dim",
+                no_wrap=True, overflow="ellipsis")
+    return [heading, *pairs(figures, width), note]

@@ -31,7 +31,7 @@ class EndpointLogprobsPanel(Panel[EndpointFrame]):
 
     def draw(self, frame: EndpointFrame, width: int, height: int) -> RenderableType:
         view = frame.view
-        chain = Text(no_wrap=True, overflow="ellipsis")
+        chain = Text()
         chain.append(chain_text(frame.request.sampling), style="bold")
         chain.append("  (applied by the server)", style="dim")
         if not view.chunks:

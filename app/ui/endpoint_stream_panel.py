@@ -50,7 +50,7 @@ class AnswerPanel(Panel[EndpointFrame]):
         usage = view.result.usage if view.result is not None else None
         counts = Text(no_wrap=True, overflow="ellipsis")
         if usage is not None:
-            counts.append(f"prompt {usage.prompt_tokens} tokens (usage) · ", style="bold")
+            counts.append(f"prompt {usage.prompt_tokens} · ", style="bold")
         counts.append(f"output {tokens}/{frame.request.max_tokens} tokens ({source})", style="bold")
         counts.append(f" in {len(view.chunks)} chunks")
         if view.chunks and tokens > len(view.chunks):

@@ -74,8 +74,8 @@ def _server(report: ServerReport | None, done: bool) -> list[Text]:
         note = "server stages: none reported (only reqscope serve sends them)" if done else (
             "server stages: with the last chunk, when the server reports them")
         return [Text(""), Text(note, style="dim", no_wrap=True, overflow="ellipsis")]
-    lines = [Text(""), Text(f"{'server stage':<22}{'ms':>10}  (server clock, x-request-id {report.request_id or '-'})",
-                            style="dim underline", no_wrap=True, overflow="ellipsis")]
+    lines = [Text(""), Text(f"{'server stage':<22}{'ms':>10}  own clock", style="dim underline", no_wrap=True,
+                            overflow="ellipsis")]
     for name, value in report.stages_ms:
         lines.append(Text(f"{name:<22}{value:>10.2f}", no_wrap=True))
     return lines
