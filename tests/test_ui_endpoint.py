@@ -247,3 +247,38 @@ def test_the_client_timeline_folds_chunks_into_one_row():
     assert view.stage_ms("connect") == 0.4 and view.stage_ms("first byte") == 1.5
     assert view.stage_ms("first token") == 8.0 and view.stage_ms("stream") == 4.0
     assert view.current_stage() == "stream" and view.output_tokens() == (5, "chunks")
+
+
+def _run_headless(monkeypatch, keys_after_done: tuple[str, ...] = ("q",)) -> None:
+    """Make the CLI believe it is on a terminal and run the endpoint explorer headless under a pilot."""
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    original = EndpointApp.run
+
+    async def drive(pilot) -> None:
+        app = pilot.app
+        await wait_for(pilot, lambda: app.view.result is not None or app.load_error is not None, timeout=60)
+        await pilot.press(*keys_after_done)
+
+    monkeypatch.setattr(EndpointApp, "run", lambda self: original(self, headless=True, auto_pilot=drive))
+
+
+def test_the_cli_opens_the_endpoint_explorer_on_a_terminal(served, monkeypatch, capsys):
+    from reqscope.cli import main
+
+    _run_headless(monkeypatch)
+    code = main(["--endpoint", served.v1, "--api-key", KEY, "--max-tokens", "5", "--temperature", "0", "Hi"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("reqscope: req-") and "length: 5 tokens in" in line and "TTFT" in line
+
+
+def test_the_cli_reports_a_refused_key_as_one_line_and_exit_code_1(served, monkeypatch, capsys):
+    from reqscope.cli import main
+
+    _run_headless(monkeypatch)
+    code = main(["--endpoint", served.v1, "--api-key", "wrong", "Hi"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.strip().splitlines()[-1].startswith("reqscope: error: ") and "refused the API key" in err
+    assert "Traceback" not in err
