@@ -7,8 +7,8 @@ from rich.text import Text
 
 from reqscope.endpoint_events import EndpointResult
 from reqscope.ui.endpoint_frame import EndpointFrame
-from reqscope.ui.glyphs import ms, rate
-from reqscope.ui.latency_panel import itl_chart, pairs
+from reqscope.ui.glyphs import ms
+from reqscope.ui.latency_panel import itl_chart, metric_figures, pairs
 from reqscope.ui.panel import Panel
 
 
@@ -23,18 +23,7 @@ class EndpointLatencyPanel(Panel[EndpointFrame]):
         m = view.metrics()
         itl = m.itl if m is not None else None
         gaps = view.itls_ms()
-        figures = [
-            ("TTFT", ms(m.ttft_ms if m else None)),
-            ("E2E", ms(m.e2e_ms if m else None)),
-            ("last ITL", ms(gaps[-1] if gaps else None)),
-            ("TPOT", ms(m.tpot_ms if m else None, 2)),
-            ("ITL mean", ms(itl.mean if itl else None, 2)),
-            ("ITL median", ms(itl.median if itl else None, 2)),
-            ("ITL p95", ms(itl.p95 if itl else None, 2)),
-            ("ITL max", ms(itl.max if itl else None, 2)),
-            ("decode", rate(m.decode_output_tokens_per_second if m else None)),
-            ("whole req.", rate(m.whole_request_output_tokens_per_second if m else None)),
-        ]
+        figures = metric_figures(m, itl, gaps[-1] if gaps else None)
         tokens, source = view.output_tokens()
         note = Text(no_wrap=True, overflow="ellipsis", style="dim")
         note.append(f"ITL per chunk ({len(view.chunks)}), TPOT per token ({tokens}, from {source})")

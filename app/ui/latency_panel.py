@@ -5,9 +5,10 @@ from __future__ import annotations
 from rich.console import Group, RenderableType
 from rich.text import Text
 
+from minengine.metrics import ItlStats, RequestMetrics
 from reqscope.ui.frame import Frame
 from reqscope.ui.glyphs import columns, ms, rate, sparkline
-from reqscope.ui.latency import LatencyFigures, latency_figures
+from reqscope.ui.latency import latency_figures
 from reqscope.ui.panel import Panel
 
 _CHART_MAX_ROWS = 10
@@ -20,7 +21,8 @@ class LatencyPanel(Panel):
 
     def draw(self, frame: Frame, width: int, height: int) -> RenderableType:
         fig = latency_figures(frame.view)
-        lines = pairs(_figures(fig), width) + [_prefill(fig.prefill_ms, fig.prompt_tokens)]
+        figures = metric_figures(fig.metrics, fig.itl, fig.last_itl_ms)
+        lines = pairs(figures, width) + [_prefill(fig.prefill_ms, fig.prompt_tokens)]
         if len(frame.prefill_history) > 1:
             history = " · ".join(f"{n} tok {t:.1f} ms" for n, t in frame.prefill_history[-6:])
             lines.append(Text(f"prefill by prompt length: {history}", style="dim", no_wrap=True, overflow="ellipsis"))
@@ -28,12 +30,12 @@ class LatencyPanel(Panel):
         return Group(*lines[: max(height, 1)])
 
 
-def _figures(fig: LatencyFigures) -> list[tuple[str, str]]:
-    m, itl = fig.metrics, fig.itl
+def metric_figures(m: RequestMetrics | None, itl: ItlStats | None, last_itl_ms: float | None) -> list[tuple[str, str]]:
+    """The headline latency figures as label/value pairs, an en dash where not known yet."""
     return [
         ("TTFT", ms(m.ttft_ms if m else None)),
         ("E2E", ms(m.e2e_ms if m else None)),
-        ("last ITL", ms(fig.last_itl_ms)),
+        ("last ITL", ms(last_itl_ms)),
         ("TPOT", ms(m.tpot_ms if m else None, 2)),
         ("ITL mean", ms(itl.mean if itl else None, 2)),
         ("ITL median", ms(itl.median if itl else None, 2)),

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from minengine.cards import Architecture
+from minengine.metrics import RequestMetrics
 from minengine.request import GenerationRequest
 from minengine.trace_io import read_trace
 from reqscope.endpoint_options import API_KEY_ENV
@@ -70,13 +71,7 @@ def endpoint_outcome(view: EndpointView) -> str:
     if result.error:
         return f"failed: {result.error}"
     text = f"{result.finish_reason or 'done'}: {result.output_tokens} tokens in {result.chunks} chunks"
-    m = result.metrics
-    if m is not None:
-        text += f", TTFT {m.ttft_ms:.1f} ms"
-        if m.tpot_ms is not None:
-            text += f", TPOT {m.tpot_ms:.2f} ms"
-        text += f", E2E {m.e2e_ms:.1f} ms (client clock)"
-    return text
+    return text + headline(result.metrics) + (" (client clock)" if result.metrics else "")
 
 
 def launch_replay(trace: str | Path) -> int:
@@ -93,11 +88,14 @@ def outcome(view: RunView) -> str:
         return f"left while running ({len(view.tokens)} tokens generated)"
     if result.error:
         return f"failed: {result.error}"
-    text = f"{result.finish_reason}: {result.usage.completion_tokens} tokens"
-    m = result.metrics
-    if m is not None:
-        text += f", TTFT {m.ttft_ms:.1f} ms"
-        if m.tpot_ms is not None and m.decode_output_tokens_per_second is not None:
-            text += f", TPOT {m.tpot_ms:.2f} ms, decode {m.decode_output_tokens_per_second:.2f} tok/s"
-        text += f", E2E {m.e2e_ms:.1f} ms"
-    return text
+    return f"{result.finish_reason}: {result.usage.completion_tokens} tokens" + headline(result.metrics)
+
+
+def headline(m: RequestMetrics | None) -> str:
+    """", TTFT …, TPOT …, decode …, E2E …" for an outcome line; empty without metrics."""
+    if m is None:
+        return ""
+    text = f", TTFT {m.ttft_ms:.1f} ms"
+    if m.tpot_ms is not None and m.decode_output_tokens_per_second is not None:
+        text += f", TPOT {m.tpot_ms:.2f} ms, decode {m.decode_output_tokens_per_second:.2f} tok/s"
+    return text + f", E2E {m.e2e_ms:.1f} ms"
