@@ -6,9 +6,12 @@ what the server recorded in its own telemetry; no test reaches an address outsid
 
 from __future__ import annotations
 
+import asyncio
 import io
+import json
 
 import pytest
+from aiohttp import web
 from rich.console import Console
 from serve_harness import KEY, MODEL, serving
 from textual.widgets import Input, Static
@@ -19,6 +22,9 @@ from minengine.engine import Engine
 from minengine.kv_math import KIB, MIB, kv_bytes_per_token
 from minengine.request import GenerationRequest
 from minengine.sampler import SamplingParams
+from reqscope.cli import main
+from reqscope.endpoint_events import ChunkReceived, ConnectionReady, RequestSent, ResponseStarted
+from reqscope.serve_runner import start_in_thread
 from reqscope.ui.endpoint_app import EndpointApp
 from reqscope.ui.endpoint_timeline_panel import client_events
 from reqscope.ui.endpoint_view import EndpointView
@@ -234,8 +240,6 @@ async def test_help_lists_the_endpoint_keys(served):
 
 
 def test_the_client_timeline_folds_chunks_into_one_row():
-    from reqscope.endpoint_events import ChunkReceived, ConnectionReady, RequestSent, ResponseStarted
-
     view = EndpointView.of([
         RequestSent(0.0, "http://127.0.0.1:1/v1", "m"),
         ConnectionReady(0.5, False, 0.4),
@@ -263,8 +267,6 @@ def _run_headless(monkeypatch, keys_after_done: tuple[str, ...] = ("q",)) -> Non
 
 
 def test_the_cli_opens_the_endpoint_explorer_on_a_terminal(served, monkeypatch, capsys):
-    from reqscope.cli import main
-
     _run_headless(monkeypatch)
     code = main(["--endpoint", served.v1, "--api-key", KEY, "--max-tokens", "5", "--temperature", "0", "Hi"])
     err = capsys.readouterr().err
@@ -274,11 +276,47 @@ def test_the_cli_opens_the_endpoint_explorer_on_a_terminal(served, monkeypatch, 
 
 
 def test_the_cli_reports_a_refused_key_as_one_line_and_exit_code_1(served, monkeypatch, capsys):
-    from reqscope.cli import main
-
     _run_headless(monkeypatch)
     code = main(["--endpoint", served.v1, "--api-key", "wrong", "Hi"])
     err = capsys.readouterr().err
     assert code == 1
     assert err.strip().splitlines()[-1].startswith("reqscope: error: ") and "refused the API key" in err
     assert "Traceback" not in err
+
+
+async def _foreign_stream(request):
+    """A server that is not reqscope's: 3 tokens per chunk, usage at the end, no logprobs, no timing report."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for i in range(4):
+        await asyncio.sleep(0.05)
+        chunk = {"choices": [{"index": 0, "delta": {"content": f"w{i}a w{i}b w{i}c "}, "finish_reason": None}]}
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+           "usage": {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}}
+    await response.write(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n")
+    return response
+
+
+async def test_a_foreign_server_without_logprobs_or_a_report_is_drawn_honestly():
+    foreign = web.Application()
+    foreign.router.add_post("/v1/chat/completions", _foreign_stream)
+    server = start_in_thread(foreign, "127.0.0.1", 0)  # no /v1/models: the model must be named
+    try:
+        app = EndpointApp(EndpointTarget(server.url + "/v1", model="foreign"), request())
+        async with app.run_test(size=LARGE) as pilot:
+            await finished(pilot, app)
+            result = app.view.result
+            assert (result.output_tokens, result.output_tokens_source, result.chunks) == (12, "usage", 4)
+            assert "output 12/12 tokens (usage) in 4 chunks · 3.00 tokens per chunk" in screen_text(app, "#tokens")
+            assert "returned no logprobs" in screen_text(app, "#logits")
+            latency = screen_text(app, "#latency")
+            m = result.metrics
+            assert m.tpot_ms == pytest.approx((m.e2e_ms - m.ttft_ms) / 11)
+            assert m.itl.mean > 2.5 * m.tpot_ms  # 3 tokens a chunk: a chunk's gap spans three tokens' time
+            assert f"TPOT       {m.tpot_ms:.2f} ms" in latency and f"ITL mean   {m.itl.mean:.2f} ms" in latency
+            assert "the server sent no timing report" in latency
+            assert "none reported" in screen_text(app, "#timeline")
+            assert "model foreign" in screen_text(app, "#status")
+    finally:
+        server.stop()
