@@ -78,7 +78,7 @@ def _planned(arch: Architecture, view: EndpointView, width: int) -> list[Text]:
 def _layouts(arch: Architecture, gqa: int, mha: int, mqa: int, tokens: int, width: int) -> list[Text]:
     """The same token count in each layout, as bars scaled to MHA."""
     lines = [Text("the same tokens in each layout:", style="dim", no_wrap=True)]
-    bar_width = max(width - 31, 4)
+    bar_width = max(width - 34, 4)
     rows = [("MHA", mha), (f"GQA {arch.q_heads // arch.kv_heads}:1", gqa), ("MQA", mqa)]
     if arch.kv_heads in (1, arch.q_heads):  # the model is MHA or MQA itself: no separate GQA row
         rows.pop(1)
