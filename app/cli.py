@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from minengine.errors import ReqscopeError
+from minengine.omp_env import prefer_passive_wait
 
 # verb -> (module, one-line help). The default verb (no name given) is "run".
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -51,6 +52,7 @@ def _top_help() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `reqscope` console script."""
+    prefer_passive_wait()  # before any verb's module imports torch
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
         print(_top_help())

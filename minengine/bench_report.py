@@ -149,7 +149,8 @@ def format_table(report: BenchReport) -> str:
         s = report.start
         lines += [
             "",
-            f"reqscope --plain to first token: first launch {s.cold_first_token_s:.2f} s (page cache not dropped), "
+            f"reqscope --plain to first token: first launch {s.cold_first_token_s:.2f} s "
+            "(builds the weight layout cache; page cache not dropped), "
             f"warm {_spread(s.warm_first_token_s)} s over {s.warm_first_token_s.n} launches",
         ]
     if report.memory is not None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from minengine import layout_cache
 from minengine.bench_runs import DecodeRun, explorer_decode, greedy_decode, prefill_ms
 from minengine.bench_start import PlainRun, child_environment, heavy_imports, launch_plain, plain_imports
 from minengine.bench_stats import Spread, overhead_percent, ratios
@@ -412,6 +413,8 @@ def _device_memory(engine: Engine, raw: _Round, tokens: int, long_ids: list[int]
 def _launches(config: BenchConfig, engine: Engine, prompt_tokens: int) -> tuple[StartResult, MemoryResult | None]:
     env = child_environment(drop=("OMP_WAIT_POLICY",) if config.omp_policy_set_by_bench else ())
     run = PlainRun(config.prompt, config.launch_max_tokens, config.model_dir, config.device, config.dtype)
+    # The cold launch is a first run: it builds (and caches) the CPU weight layout itself.
+    layout_cache.clear(config.model_dir)
     launches = [launch_plain(run, env=env) for _ in range(1 + config.warm_launches)]
     warm = [launch.first_token_s for launch in launches[1:]]
     start = StartResult(launches[0].first_token_s, Spread.of(warm), heavy_imports(plain_imports(run, env=env)))

