@@ -35,6 +35,7 @@ from minengine.export import export_run
 from minengine.request import GenerationRequest
 from minengine.sampler import SamplingParams
 from minengine.trace_io import TraceHeader
+from reqscope.ui.detail_layout import fit_panels, mark_detail_panels, next_view
 from reqscope.ui.export_folder import DEFAULT_ROOT, claim_run_folder
 from reqscope.ui.frame import Frame, StepSubject
 from reqscope.ui.help_screen import HelpScreen
@@ -51,6 +52,7 @@ from reqscope.ui.panel import Panel
 from reqscope.ui.pipeline_panel import PipelinePanel
 from reqscope.ui.prompt_form import PromptChoice, PromptForm
 from reqscope.ui.repaint_pacer import RepaintPacer
+from reqscope.ui.repaint_scheduler import RepaintScheduler
 from reqscope.ui.replay_run import ReplayRun
 from reqscope.ui.run_view import RunView
 from reqscope.ui.sampling_form import SamplingChoice, SamplingForm
@@ -62,7 +64,6 @@ from reqscope.ui.tokens_panel import TokensPanel
 EngineOpener = Callable[[Callable[[str], None]], Engine]
 
 DETAIL_VIEWS: tuple[str, ...] = ("logits", "kv", "layouts", "latency", "template")
-WIDE_MIN = (150, 40)  # columns, rows from which every panel is shown at once
 _LIVE_ONLY = {action_name(k) for k in keys_for(LIVE)} - {action_name(k) for k in keys_for(REPLAY)}
 _REPLAY_ONLY = {action_name(k) for k in keys_for(REPLAY)} - {action_name(k) for k in keys_for(LIVE)}
 _PLAYBACK_MS = (20.0, 500.0)  # replay plays at the recorded pace, within these bounds per token
@@ -131,10 +132,9 @@ class ExplorerApp(App[int]):
         self._held: int | None = None
         self._preview_cache: tuple[tuple, StepSubject | None] | None = None
         self._probe: MemoryProbe | None = None
-        self._dirty = True
-        self._flush_pending = False
-        self._redraw_timer: Timer | None = None
         self.pacer = RepaintPacer(max_hz=repaint_hz, duty=REPAINT_DUTY, slowest_s=_SLOWEST_REPAINT_S)
+        self.repaint = RepaintScheduler(self, self.pacer, take=self._take_live, draw=self._redraw,
+                                        streaming=self._decoding)
         self._play_timer: Timer | None = None
         self._switch_interval = sys.getswitchinterval()
         self._loading: LoadingScreen | None = None
@@ -171,8 +171,7 @@ class ExplorerApp(App[int]):
         # keeps a repaint from stalling decode for its whole length.
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(GIL_SWITCH_S)
-        for name in DETAIL_VIEWS:
-            self.query_one(f"#{name}").add_class("detail")
+        mark_detail_panels(self, DETAIL_VIEWS)
         self._fit_layout()
         if self.replay is not None:
             self._load_replay_view()
@@ -188,14 +187,7 @@ class ExplorerApp(App[int]):
         self._fit_layout(event.size)
 
     def _fit_layout(self, size: Size | None = None) -> None:
-        size = size or self.size
-        wide = size.width >= WIDE_MIN[0] and size.height >= WIDE_MIN[1]
-        self.query_one("#body").set_class(wide, "-wide")
-        for name in DETAIL_VIEWS:
-            panel = self.query_one(f"#{name}", Panel)
-            panel.set_class(name == self.compact_view, "-shown")
-            keys = "  ".join(f"{i + 1} {n}" for i, n in enumerate(DETAIL_VIEWS))
-            panel.border_subtitle = "" if wide else f"v next · {keys}"
+        fit_panels(self, size or self.size, DETAIL_VIEWS, self.compact_view)
         self._invalidate()
 
     @property
@@ -206,7 +198,7 @@ class ExplorerApp(App[int]):
     @property
     def needs_repaint(self) -> bool:
         """True while a change waits for the next repaint."""
-        return self._dirty
+        return self.repaint.dirty
 
     @property
     def subject(self) -> StepSubject | None:
@@ -285,54 +277,38 @@ class ExplorerApp(App[int]):
     def on_engine_progress(self, message: EngineProgress) -> None:
         # With a repaint already scheduled, tokens can wait for it: the repaint takes them all
         # at once, and the worker stays quiet until then.
-        if self.live is not None and (message.urgent or self._redraw_timer is None):
+        if message.urgent or not self.repaint.paced:
+            self._take_live()
+
+    def _take_live(self) -> None:
+        if self.live is not None:
             self._take(self.live)
 
     def _take(self, live: LiveRun) -> None:
-        for event in live.take():
+        events = live.take()
+        for event in events:
             self.view.apply(event)
             if isinstance(event, PrefillEvent):
                 self.prefill_history.append((event.prompt_tokens, event.duration_ms))
             elif isinstance(event, DoneEvent):
                 self._finished(event.result)
-        self._invalidate()
+        if events:
+            self._invalidate()
         held = live.held_at if self.view.waiting_step is not None else None
         if held != self._held:
             self._held = held
             self.refresh_bindings()
+            self._invalidate()
         if held is not None and self.params != self._applied:
             self._apply_params(live)
         if live.failure and not self._reported_failure:
             self._reported_failure = True
             self.notify(live.failure, title="the engine worker failed", severity="error", timeout=30)
+            self._invalidate()
 
     def _invalidate(self) -> None:
         """Ask for a repaint once the current handler is done (many asks, one repaint)."""
-        self._dirty = True
-        if not self._flush_pending:
-            self._flush_pending = True
-            self.call_next(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_pending = False
-        if not self._dirty:
-            return
-        wait = self.pacer.wait_s()
-        if wait > 0 and self._decoding():
-            if self._redraw_timer is None:
-                self._redraw_timer = self.set_timer(wait, self._timed_redraw)
-            return
-        if self._redraw_timer is not None:  # held, finished or idle: show it now
-            self._redraw_timer.stop()
-            self._redraw_timer = None
-        self._redraw()
-
-    def _timed_redraw(self) -> None:
-        self._redraw_timer = None
-        if self.live is not None:
-            self._take(self.live)  # the tokens that waited for this repaint
-        if self._dirty:
-            self._redraw()
+        self.repaint.invalidate()
 
     def _decoding(self) -> bool:
         return self.live is not None and self.view.result is None and self._held is None
@@ -351,7 +327,6 @@ class ExplorerApp(App[int]):
             self.notify(result.error, title="request failed", severity="error", timeout=30)
 
     def _redraw(self) -> None:
-        self._dirty = False
         if self.header is None or not self.query("#status"):
             return  # not started yet, or a paced repaint firing while the app shuts down
         self.repaints += 1
@@ -624,7 +599,7 @@ class ExplorerApp(App[int]):
 
     def action_next_view(self) -> None:
         """Cycle the detail panel shown on small terminals."""
-        self.action_view(DETAIL_VIEWS[(DETAIL_VIEWS.index(self.compact_view) + 1) % len(DETAIL_VIEWS)])
+        self.action_view(next_view(DETAIL_VIEWS, self.compact_view))
 
     def action_view(self, name: str) -> None:
         """Show one detail panel on small terminals."""

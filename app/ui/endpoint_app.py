@@ -24,7 +24,6 @@ from textual.containers import Container
 from textual.geometry import Size
 from textual.message import Message
 from textual.screen import Screen
-from textual.timer import Timer
 from textual.widgets import Footer, Static
 
 from minengine.cards import Architecture
@@ -33,6 +32,7 @@ from minengine.errors import ReqscopeError
 from minengine.request import GenerationRequest
 from reqscope.endpoint_events import StreamEnded
 from reqscope.ui.app import renewed
+from reqscope.ui.detail_layout import fit_panels, mark_detail_panels, next_view
 from reqscope.ui.endpoint_frame import EndpointFrame
 from reqscope.ui.endpoint_kv_panel import EndpointKVPanel
 from reqscope.ui.endpoint_latency_panel import EndpointLatencyPanel
@@ -47,11 +47,11 @@ from reqscope.ui.keys import ENDPOINT, bindings, keys_for
 from reqscope.ui.panel import Panel
 from reqscope.ui.prompt_form import PromptChoice, PromptForm
 from reqscope.ui.repaint_pacer import RepaintPacer
+from reqscope.ui.repaint_scheduler import RepaintScheduler
 from reqscope.ui.sampling_form import SamplingChoice, SamplingForm
 
 DETAIL_VIEWS: tuple[str, ...] = ("logits", "kv", "latency", "timeline")
 _VIEW_LABELS = {"logits": "logprobs"}  # the panel ids match the engine explorer's; the logits here are logprobs
-WIDE_MIN = (150, 40)  # columns, rows from which every panel is shown at once
 
 
 class EndpointProgress(Message):
@@ -91,9 +91,8 @@ class EndpointApp(App[int]):
         self.compact_view = DETAIL_VIEWS[0]
         self.load_error: str | None = None
         self.repaints = 0
-        self.pacer = RepaintPacer(max_hz=repaint_hz)
-        self._dirty = True
-        self._redraw_timer: Timer | None = None
+        self.repaint = RepaintScheduler(self, RepaintPacer(max_hz=repaint_hz), take=self._take, draw=self._redraw,
+                                        streaming=self._streaming)
 
     # -- layout --------------------------------------------------------------------------------
 
@@ -110,24 +109,15 @@ class EndpointApp(App[int]):
         yield Footer(compact=True, show_command_palette=False)
 
     def on_mount(self) -> None:
-        for name in DETAIL_VIEWS:
-            self.query_one(f"#{name}").add_class("detail")
+        mark_detail_panels(self, DETAIL_VIEWS)
         self._fit_layout()
-        self._redraw()
         self._connect()
 
     def on_resize(self, event: events.Resize) -> None:
         self._fit_layout(event.size)
 
     def _fit_layout(self, size: Size | None = None) -> None:
-        size = size or self.size
-        wide = size.width >= WIDE_MIN[0] and size.height >= WIDE_MIN[1]
-        self.query_one("#body").set_class(wide, "-wide")
-        keys = "  ".join(f"{i + 1} {_VIEW_LABELS.get(n, n)}" for i, n in enumerate(DETAIL_VIEWS))
-        for name in DETAIL_VIEWS:
-            panel = self.query_one(f"#{name}", Panel)
-            panel.set_class(name == self.compact_view, "-shown")
-            panel.border_subtitle = "" if wide else f"v next · {keys}"
+        fit_panels(self, size or self.size, DETAIL_VIEWS, self.compact_view, _VIEW_LABELS)
         self._invalidate()
 
     @property
@@ -138,7 +128,7 @@ class EndpointApp(App[int]):
     @property
     def needs_repaint(self) -> bool:
         """True while a change waits for the next repaint."""
-        return self._dirty
+        return self.repaint.dirty
 
     # -- the client ----------------------------------------------------------------------------
 
@@ -181,7 +171,7 @@ class EndpointApp(App[int]):
         self.post_message(EndpointProgress(urgent))  # thread-safe
 
     def on_endpoint_progress(self, message: EndpointProgress) -> None:
-        if self.run_ is not None and (message.urgent or self._redraw_timer is None):
+        if message.urgent or not self.repaint.paced:
             self._take()
 
     def _take(self) -> None:
@@ -206,33 +196,16 @@ class EndpointApp(App[int]):
 
     def _invalidate(self, now: bool = False) -> None:
         """Ask for a repaint; while the answer streams, repaints are paced, except for a key's (`now`)."""
-        self._dirty = True
-        streaming = self._streaming() and not now
-        if self._redraw_timer is not None:
-            if streaming:
-                return  # the paced repaint already on its way will show this too
-            self._redraw_timer.stop()  # the stream ended or a key was pressed: show it now
-            self._redraw_timer = None
-        wait = self.pacer.wait_s()
-        if wait > 0 and streaming:
-            self._redraw_timer = self.set_timer(wait, self._timed_redraw)
-        else:
-            self.call_next(self._timed_redraw)  # take what waits in the inbox too: it wakes no one until taken
-
-    def _timed_redraw(self) -> None:
-        self._redraw_timer = None
-        self._take()
-        self._redraw()
+        self.repaint.invalidate(now)
 
     def _streaming(self) -> bool:
         return self.run_ is not None and not self.view.done
 
     def _redraw(self) -> None:
-        if not self._dirty or not self.query("#status"):
-            return
-        self._dirty = False
+        if not self.query("#status"):
+            return  # a paced repaint firing while the app shuts down
         self.repaints += 1
-        self.pacer.repainting()
+        self.repaint.pacer.repainting()
         frame = EndpointFrame(
             view=self.view,
             url=self.target.url,
@@ -325,7 +298,7 @@ class EndpointApp(App[int]):
 
     def action_next_view(self) -> None:
         """Cycle the detail panel shown on small terminals."""
-        self.action_view(DETAIL_VIEWS[(DETAIL_VIEWS.index(self.compact_view) + 1) % len(DETAIL_VIEWS)])
+        self.action_view(next_view(DETAIL_VIEWS, self.compact_view))
 
     def action_view(self, name: str) -> None:
         """Show one detail panel on small terminals."""
