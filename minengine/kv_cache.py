@@ -86,6 +86,8 @@ class KVCache:
         self._v: list[torch.Tensor] = []
         self._k_scale: list[torch.Tensor] = []
         self._v_scale: list[torch.Tensor] = []
+        self._heads_of: list[torch.Tensor] | None = None  # the buffers `_head_views` were made from
+        self._head_views: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self.capacity = 0
         self.on_release = on_release
         self.borrowed = buffers is not None  # True while K/V live in lent buffers
@@ -136,6 +138,16 @@ class KVCache:
         """Record that every layer now holds positions [0, end), written in place by a caller
         that bypasses `update` (a captured decode step writing into borrowed buffers)."""
         self.lengths = [end] * self.cfg.num_hidden_layers
+
+    def head_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer K and V buffers without the batch dimension, [heads, capacity, head_dim].
+
+        Made once per set of buffers: the decode step writes and reads through them every step.
+        """
+        if self._heads_of is not self._k:
+            self._head_views = ([k[0] for k in self._k], [v[0] for v in self._v])
+            self._heads_of = self._k
+        return self._head_views
 
     def layer_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The per-layer K and V buffers, [1, heads, capacity, head_dim] each (storage dtype)."""

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from minengine import layout_cache
 from minengine.config import ModelConfig
+from minengine.decode_step import EagerDecoder
 from minengine.kv_cache import KVCache
 from minengine.rope import RotaryTable, rotate
 from minengine.weight_layout import CheckpointReader, WeightSource, project, project_chunks
@@ -119,6 +120,7 @@ class Transformer:
         self.scale = cfg.head_dim**-0.5
         self.static_decoder: StaticDecoder | None = None
         self.use_static_decode(device.type == "cuda")
+        self.eager_decoder = EagerDecoder(self)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows for token ids [T], shaped [T, hidden]."""
@@ -210,8 +212,11 @@ class Transformer:
         Returns logits for the last position ([vocab]) unless `all_logits`, then [T, vocab].
         Prefill passes the whole prompt at start=0; decode passes one token.
         """
-        if ids.shape[0] == 1 and self.static_decoder is not None and self.static_decoder.serves(cache):
-            return self.static_decoder.step(ids, start, cache)
+        if ids.shape[0] == 1:
+            if self.static_decoder is not None and self.static_decoder.serves(cache):
+                return self.static_decoder.step(ids, start, cache)
+            if self.eager_decoder.serves(cache, start):
+                return self.eager_decoder.step(ids, start, cache)
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         x = self.embed_tokens(ids)  # [T, hidden]
