@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from minengine.device import resolve_device
 from minengine.engine import Engine
 from minengine.errors import RequestError
 from minengine.kv_cache import KV_DTYPES, KV_LAYOUTS
@@ -25,6 +26,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     m.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     m.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    m.add_argument(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replay each decode step as a captured CUDA graph (default: on with CUDA; an error on the CPU)",
+    )
     s = parser.add_argument_group("sampling")
     s.add_argument("--system", metavar="TEXT", help="system message sent before the prompt")
     s.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
@@ -83,14 +90,21 @@ def resolve_model_dir(args: argparse.Namespace, progress: Callable[[str], None] 
 
 
 def open_engine(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> Engine:
-    """Resolve the model folder and load it with the flags' device, dtype and KV budget."""
+    """Resolve the model folder and load it with the flags' device, dtype, KV budget and CUDA-graph choice."""
     if args.kv_budget_mib is not None and args.kv_budget_mib <= 0:
         raise RequestError("--kv-budget-mib must be greater than 0")
+    cuda_graph = getattr(args, "cuda_graph", None)  # verbs without the flag keep the engine's default
+    if cuda_graph and resolve_device(args.device).type != "cuda":
+        # Asked for by name, a graph that cannot exist is an error, not a silent no-op.
+        raise RequestError("--cuda-graph needs a CUDA device; this run is on the CPU (drop it, or use --device cuda)")
     model_dir = resolve_model_dir(args, progress)
     if progress is not None:
         progress(f"loading {model_dir}")
     budget = int(args.kv_budget_mib * MIB) if args.kv_budget_mib is not None else None
-    return Engine(model_dir, device=args.device, dtype=args.dtype, kv_budget_bytes=budget)
+    engine = Engine(model_dir, device=args.device, dtype=args.dtype, kv_budget_bytes=budget)
+    if cuda_graph is not None and engine.device.type == "cuda":
+        engine.model.use_static_decode(cuda_graph)
+    return engine
 
 
 def stderr_progress(message: str) -> None:
