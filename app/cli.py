@@ -8,6 +8,7 @@ stdout is not a terminal). Other verbs live in `reqscope.commands.<verb>`; each 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 
@@ -60,7 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     verb = argv[0] if argv and argv[0] in SUBCOMMANDS else "run"
     if argv and argv[0] == verb:
         argv = argv[1:]
-    parser = build_parser(verb)
+    # Importing a verb (torch, for most) creates a few million objects that live as long as the
+    # process; the collector's full passes over them cost about half a second of every start
+    # (measured: first token 3.0 s -> 2.5 s). So: no collection while importing, then those
+    # objects are frozen out of every later pass; collection itself stays on.
+    gc.disable()
+    try:
+        parser = build_parser(verb)
+    finally:
+        gc.freeze()
+        gc.enable()
     args = parser.parse_args(argv)
     module = importlib.import_module(SUBCOMMANDS[verb][0])
     try:

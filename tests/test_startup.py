@@ -44,3 +44,13 @@ def test_plain_path_skips_modules_it_does_not_need(chatty_tiny_dir):
     assert "torch" in modules and "minengine" in modules  # the listing works
     for unneeded in ("textual", "transformers", "gguf", "psutil"):
         assert unneeded not in modules
+
+
+def test_the_collector_is_back_on_after_the_verb_is_imported():
+    code = (
+        "import gc\nfrom reqscope import cli\n"
+        "try:\n    cli.main(['plan', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print(gc.isenabled(), gc.get_freeze_count() > 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "True True", done.stderr
