@@ -38,8 +38,10 @@ class Scratch:
     v: torch.Tensor  # [Hkv, d] view of v in `qkv`
     rotated: torch.Tensor  # [1, Hq+Hkv, d]
     swapped_term: torch.Tensor  # [1, Hq+Hkv, d]
-    q: torch.Tensor  # [Hq, d] view of `rotated`
+    q: torch.Tensor  # [Hkv, Hq/Hkv, d] view of `rotated`: the query heads of each KV head as rows
     k: torch.Tensor  # [Hkv, d] view of `rotated`
+    attended: torch.Tensor  # [Hkv, Hq/Hkv, d]
+    attended_row: torch.Tensor  # [1, Hq*d] view of `attended`
     o: torch.Tensor  # [chunks, 1, hidden/chunks]
     gate_up: torch.Tensor  # [2, 1, ff]: gate, then up
     down: torch.Tensor  # [chunks, 1, hidden/chunks]
@@ -56,14 +58,17 @@ def _scratch(model: Transformer) -> Scratch:
     flat = qkv.view(1, -1)
     qk = flat[:, : (hq + hkv) * d].view(1, hq + hkv, d)
     rotated = torch.empty_like(qk)
+    attended = torch.empty(hkv, hq // hkv, d, dtype=model.dtype, device=model.device)
     return Scratch(
         qkv=qkv,
         qk=qk,
         v=flat[0, (hq + hkv) * d :].view(hkv, d),
         rotated=rotated,
         swapped_term=torch.empty_like(qk),
-        q=rotated[0, :hq],
+        q=rotated[0, :hq].view(hkv, hq // hkv, d),
         k=rotated[0, hq:],
+        attended=attended,
+        attended_row=attended.view(1, hq * d),
         o=out(layer.o),
         gate_up=out(layer.gate_up),
         down=out(layer.down),
@@ -89,7 +94,7 @@ class EagerDecoder:
 
     def step(self, ids: torch.Tensor, pos: int, cache: KVCache) -> torch.Tensor:
         """Logits [vocab] (float32) for the token `ids` [1] at `pos`; writes its K/V into `cache`."""
-        from minengine.model import OneThread, decode_attention, rms_norm  # model imports this module
+        from minengine.model import OneThread, _constant, rms_norm  # model imports this module
 
         model, s = self.model, self._buffers()
         eps, scale, end = model.cfg.rms_norm_eps, model.scale, pos + 1
@@ -97,23 +102,35 @@ class EagerDecoder:
         keys, values = cache.head_views()
         one_thread = OneThread(model.device)
         x = model.embed_tokens(ids)  # [1, hidden], a fresh tensor: residuals are added in place
+        zero = _constant(0.0, x)
+        norm = rms_norm
+        if x.dtype == torch.float32:  # rms_norm's casts are no-ops: skip their calls
+            eps_t, count_t = _constant(eps, x), _constant(float(x.shape[-1]), x)
+
+            def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+                return weight * (x * torch.addcdiv(eps_t, (x * x).sum(-1, keepdim=True), count_t).rsqrt_())
+
         for i, layer in enumerate(model.layers):
-            _project(rms_norm(x, layer.input_norm, eps), layer.qkv, s.qkv, layer.qkv_bias)
+            _project(norm(x, layer.input_norm, eps), layer.qkv, s.qkv, layer.qkv_bias)
             qk = s.qk if layer.qk_norm is None else rms_norm(s.qk, layer.qk_norm, eps)
             torch.mul(qk, cos, out=s.rotated)
             torch.mul(qk.roll(qk.shape[-1] // 2, dims=-1), sin, out=s.swapped_term)
             s.rotated.add_(s.swapped_term)
             keys[i].select(1, pos).copy_(s.k)
             values[i].select(1, pos).copy_(s.v)
-            with one_thread:
-                attended = decode_attention(s.q, keys[i].narrow(1, 0, end), values[i].narrow(1, 0, end), scale)
-            x.add_(_project(attended, layer.o, s.o).view(1, -1))
-            _project(rms_norm(x, layer.post_norm, eps), layer.gate_up, s.gate_up)
+            with one_thread:  # `decode_attention`'s operations, into the scratch buffer
+                scores = torch.baddbmm(zero, s.q, keys[i].narrow(1, 0, end).transpose(1, 2), beta=0, alpha=scale)
+                probs = scores.softmax(dim=-1, dtype=torch.float32)
+                if probs.dtype != x.dtype:
+                    probs = probs.to(x.dtype)
+                torch.bmm(probs, values[i].narrow(1, 0, end), out=s.attended)
+            x.add_(_project(s.attended_row, layer.o, s.o).view(1, -1))
+            _project(norm(x, layer.post_norm, eps), layer.gate_up, s.gate_up)
             gate, up = s.gate_up[0], s.gate_up[1]
             F.silu(gate, inplace=True).mul_(up)
             x.add_(_project(gate, layer.down, s.down).view(1, -1))
         cache.note_written(end)
-        logits = torch.bmm(rms_norm(x, model.norm, eps).expand(model.lm_head.shape[0], 1, -1), model.lm_head)
+        logits = torch.bmm(norm(x, model.norm, eps).expand(model.lm_head.shape[0], 1, -1), model.lm_head)
         return logits.view(-1).float()
 
     def _buffers(self) -> Scratch:

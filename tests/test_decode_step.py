@@ -16,9 +16,9 @@ CPU = torch.device("cpu")
 PROMPT, STEPS = 12, 6
 
 
-def _load(folder):
+def _load(folder, dtype=torch.float32):
     cfg = ModelConfig.from_file(folder)
-    return cfg, Transformer.load(folder, cfg, torch.float32, CPU)
+    return cfg, Transformer.load(folder, cfg, dtype, CPU)
 
 
 def _decode(model, cfg, *, lean: bool, **cache_options) -> list[torch.Tensor]:
@@ -27,7 +27,7 @@ def _decode(model, cfg, *, lean: bool, **cache_options) -> list[torch.Tensor]:
     if not lean:
         model.eager_decoder.serves = lambda cache, pos: False
     try:
-        cache = KVCache(cfg, PROMPT + STEPS, device=CPU, compute_dtype=torch.float32, **cache_options)
+        cache = KVCache(cfg, PROMPT + STEPS, device=CPU, compute_dtype=model.dtype, **cache_options)
         ids = torch.randint(3, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(3))
         out = [model.forward(ids, 0, cache)]
         for step in range(STEPS):
@@ -37,9 +37,10 @@ def _decode(model, cfg, *, lean: bool, **cache_options) -> list[torch.Tensor]:
         model.eager_decoder.serves = serves
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", [s.name for s in SPECS])
-def test_lean_step_is_bit_for_bit_the_general_one(tiny_models, name):
-    cfg, model = _load(tiny_models[name][0])
+def test_lean_step_is_bit_for_bit_the_general_one(tiny_models, name, dtype):
+    cfg, model = _load(tiny_models[name][0], dtype)
     lean, general = _decode(model, cfg, lean=True), _decode(model, cfg, lean=False)
     for a, b in zip(lean, general, strict=True):
         assert torch.equal(a, b)
