@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class Scratch:
-    """One thread's step buffers, and the fixed views into them."""
+    """One thread's step buffers, and the fixed views into them (`_out` shapes: [chunks, 1, n/chunks])."""
 
-    qkv: torch.Tensor  # [chunks, 1, (q+2kv)/chunks]: the projection's output, chunks end to end
+    qkv: torch.Tensor  # the fused projection's output, chunks end to end
     qk: torch.Tensor  # [1, Hq+Hkv, d] view of q and k in `qkv`
     v: torch.Tensor  # [Hkv, d] view of v in `qkv`
     rotated: torch.Tensor  # [1, Hq+Hkv, d]
@@ -42,9 +42,13 @@ class Scratch:
     k: torch.Tensor  # [Hkv, d] view of `rotated`
     attended: torch.Tensor  # [Hkv, Hq/Hkv, d]
     attended_row: torch.Tensor  # [1, Hq*d] view of `attended`
-    o: torch.Tensor  # [chunks, 1, hidden/chunks]
+    o: torch.Tensor
+    o_row: torch.Tensor  # [1, hidden] view of `o`
     gate_up: torch.Tensor  # [2, 1, ff]: gate, then up
-    down: torch.Tensor  # [chunks, 1, hidden/chunks]
+    gate: torch.Tensor  # [1, ff] views of `gate_up`
+    up: torch.Tensor
+    down: torch.Tensor
+    down_row: torch.Tensor  # [1, hidden] view of `down`
 
 
 def _scratch(model: Transformer) -> Scratch:
@@ -54,7 +58,7 @@ def _scratch(model: Transformer) -> Scratch:
     def out(operand: torch.Tensor) -> torch.Tensor:
         return torch.empty(operand.shape[0], 1, operand.shape[2], dtype=model.dtype, device=model.device)
 
-    qkv = out(layer.qkv)
+    qkv, o, gate_up, down = out(layer.qkv), out(layer.o), out(layer.gate_up), out(layer.down)
     flat = qkv.view(1, -1)
     qk = flat[:, : (hq + hkv) * d].view(1, hq + hkv, d)
     rotated = torch.empty_like(qk)
@@ -69,9 +73,13 @@ def _scratch(model: Transformer) -> Scratch:
         k=rotated[0, hq:],
         attended=attended,
         attended_row=attended.view(1, hq * d),
-        o=out(layer.o),
-        gate_up=out(layer.gate_up),
-        down=out(layer.down),
+        o=o,
+        o_row=o.view(1, -1),
+        gate_up=gate_up,
+        gate=gate_up[0],
+        up=gate_up[1],
+        down=down,
+        down_row=down.view(1, -1),
     )
 
 
@@ -94,15 +102,16 @@ class EagerDecoder:
 
     def step(self, ids: torch.Tensor, pos: int, cache: KVCache) -> torch.Tensor:
         """Logits [vocab] (float32) for the token `ids` [1] at `pos`; writes its K/V into `cache`."""
-        from minengine.model import OneThread, _constant, rms_norm  # model imports this module
+        from minengine.model import _constant, rms_norm  # model imports this module
 
         model, s = self.model, self._buffers()
         eps, scale, end = model.cfg.rms_norm_eps, model.scale, pos + 1
         cos, sin = model.rope.lookup_signed(pos, 1)
         keys, values = cache.head_views()
-        one_thread = OneThread(model.device)
+        # Attention runs on one thread (see `model.OneThread`), set inline: this loop is hot.
+        threads = torch.get_num_threads() if model.device.type == "cpu" else 1
         x = model.embed_tokens(ids)  # [1, hidden], a fresh tensor: residuals are added in place
-        zero = _constant(0.0, x)
+        zero, half = _constant(0.0, x), model.cfg.head_dim // 2
         norm = rms_norm
         if x.dtype == torch.float32:  # rms_norm's casts are no-ops: skip their calls
             eps_t, count_t = _constant(eps, x), _constant(float(x.shape[-1]), x)
@@ -111,24 +120,33 @@ class EagerDecoder:
                 return weight * (x * torch.addcdiv(eps_t, (x * x).sum(-1, keepdim=True), count_t).rsqrt_())
 
         for i, layer in enumerate(model.layers):
-            _project(norm(x, layer.input_norm, eps), layer.qkv, s.qkv, layer.qkv_bias)
+            h = norm(x, layer.input_norm, eps)
+            if layer.qkv_bias is None:
+                torch.bmm(h.expand(s.qkv.shape[0], 1, -1), layer.qkv, out=s.qkv)
+            else:
+                _project(h, layer.qkv, s.qkv, layer.qkv_bias)
             qk = s.qk if layer.qk_norm is None else rms_norm(s.qk, layer.qk_norm, eps)
             torch.mul(qk, cos, out=s.rotated)
-            torch.mul(qk.roll(qk.shape[-1] // 2, dims=-1), sin, out=s.swapped_term)
+            torch.mul(qk.roll(half, dims=-1), sin, out=s.swapped_term)
             s.rotated.add_(s.swapped_term)
             keys[i].select(1, pos).copy_(s.k)
             values[i].select(1, pos).copy_(s.v)
-            with one_thread:  # `decode_attention`'s operations, into the scratch buffer
-                scores = torch.baddbmm(zero, s.q, keys[i].narrow(1, 0, end).transpose(1, 2), beta=0, alpha=scale)
-                probs = scores.softmax(dim=-1, dtype=torch.float32)
-                if probs.dtype != x.dtype:
-                    probs = probs.to(x.dtype)
-                torch.bmm(probs, values[i].narrow(1, 0, end), out=s.attended)
-            x.add_(_project(s.attended_row, layer.o, s.o).view(1, -1))
-            _project(norm(x, layer.post_norm, eps), layer.gate_up, s.gate_up)
-            gate, up = s.gate_up[0], s.gate_up[1]
-            F.silu(gate, inplace=True).mul_(up)
-            x.add_(_project(gate, layer.down, s.down).view(1, -1))
+            # `decode_attention`'s operations, into the scratch buffer.
+            if threads > 1:
+                torch.set_num_threads(1)
+            scores = torch.baddbmm(zero, s.q, keys[i].narrow(1, 0, end).transpose(1, 2), beta=0, alpha=scale)
+            probs = scores.softmax(dim=-1, dtype=torch.float32)
+            if probs.dtype != x.dtype:
+                probs = probs.to(x.dtype)
+            torch.bmm(probs, values[i].narrow(1, 0, end), out=s.attended)
+            if threads > 1:
+                torch.set_num_threads(threads)
+            torch.bmm(s.attended_row.expand(s.o.shape[0], 1, -1), layer.o, out=s.o)
+            x.add_(s.o_row)
+            torch.bmm(norm(x, layer.post_norm, eps).expand(2, 1, -1), layer.gate_up, out=s.gate_up)
+            F.silu(s.gate, inplace=True).mul_(s.up)
+            torch.bmm(s.gate.expand(s.down.shape[0], 1, -1), layer.down, out=s.down)
+            x.add_(s.down_row)
         cache.note_written(end)
         logits = torch.bmm(norm(x, model.norm, eps).expand(model.lm_head.shape[0], 1, -1), model.lm_head)
         return logits.view(-1).float()
