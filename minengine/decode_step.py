@@ -108,7 +108,7 @@ class EagerDecoder:
         eps, scale, end = model.cfg.rms_norm_eps, model.scale, pos + 1
         cos, sin = model.rope.lookup_signed(pos, 1)
         keys, values = cache.head_views()
-        # Attention runs on one thread (see `model.OneThread`), set inline: this loop is hot.
+        # Attention runs on one thread (see `threads.OneThread`), set inline: this loop is hot.
         threads = torch.get_num_threads() if model.device.type == "cpu" else 1
         x = model.embed_tokens(ids)  # [1, hidden], a fresh tensor: residuals are added in place
         zero, half = _constant(0.0, x), model.cfg.head_dim // 2

@@ -26,6 +26,7 @@ from minengine.config import ModelConfig
 from minengine.decode_step import EagerDecoder
 from minengine.kv_cache import KVCache
 from minengine.rope import RotaryTable, rotate
+from minengine.threads import OneThread
 from minengine.weight_layout import CheckpointReader, WeightSource, project, project_chunks
 from minengine.weights import checkpoint_files, load_state_dict
 
@@ -264,29 +265,6 @@ class Transformer:
             out = attend(_heads_first(q), keys, values, start, self.scale)
             out = out[0].transpose(0, 1).reshape(T, self.q_size)
         return project(out, layer.o)
-
-
-class OneThread:
-    """Run a block on one intra-op thread (CPU only), then restore the thread count.
-
-    Single-query attention is a handful of operations on a few kilobytes, yet its batched
-    matmuls and softmax open parallel regions; waking the other threads for them costs more
-    than the work (measured 115 us against 30 us per layer on 2 cores, most of it waiting).
-    Switching the count costs about a microsecond.
-    """
-
-    __slots__ = ("threads",)
-
-    def __init__(self, device: torch.device) -> None:
-        self.threads = torch.get_num_threads() if device.type == "cpu" else 1
-
-    def __enter__(self) -> None:
-        if self.threads > 1:
-            torch.set_num_threads(1)
-
-    def __exit__(self, *exc) -> None:
-        if self.threads > 1:
-            torch.set_num_threads(self.threads)
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
