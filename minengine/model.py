@@ -10,7 +10,9 @@ forward pass keeps operations few and cheap: q/k/v and gate/up are fused matrice
 is chosen for streaming (`weight_layout`), q and k are normalised and rotated together, RMSNorm
 is four dispatches, and single-query attention is a small matmul/softmax/matmul run on one
 thread (SDPA's kernels, and waking idle threads, cost more than the work at that size). In
-prefill the last layer computes only the position whose logits are returned.
+prefill the last layer computes only the position whose logits are returned. A single-token
+step over an ordinary cache runs `decode_step.EagerDecoder`: the same arithmetic in the same
+order, into scratch buffers, with a third fewer operations.
 """
 
 from __future__ import annotations
