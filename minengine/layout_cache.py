@@ -144,6 +144,8 @@ def write_layout(path: Path, tensors: dict[str, torch.Tensor]) -> bool:
     Written directly from the tensors' memory: `safetensors.torch.save_file` would first copy
     every tensor into a bytes object, briefly holding the weights twice.
     """
+    if any(t.dtype not in _DTYPE_NAMES for t in tensors.values()):
+        return False  # a dtype this format does not name: load without a cache
     header: dict[str, object] = {}
     transposed: list[str] = []
     stored: list[torch.Tensor] = []
