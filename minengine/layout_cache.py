@@ -11,7 +11,8 @@ copy-on-write, so nothing done in memory can reach the file.
 The key covers everything the layout depends on: the checkpoint files (name, size, mtime),
 config.json, the dtype, the CPU thread count (it sets the column chunks) and this format's
 version. A folder keeps one layout; a missing, stale or unreadable one is rebuilt, and a
-folder that cannot be written to simply gets no cache. `REQSCOPE_LAYOUT_CACHE=0` turns it off.
+folder that cannot be written to simply gets no cache. Only the folders of pulled models (under
+reqscope's models home) get one unless `REQSCOPE_LAYOUT_CACHE=1`; `=0` turns it off.
 """
 
 from __future__ import annotations
@@ -41,7 +42,23 @@ ALIGN = 64
 
 def enabled() -> bool:
     """False when the environment turns the cache off."""
-    return os.environ.get(DISABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get(DISABLE_ENV, "auto").strip().lower() not in ("0", "false", "no", "off")
+
+
+def wanted(folder: Path) -> bool:
+    """Whether to cache `folder`'s layout: by default only for models reqscope pulled itself.
+
+    The cache is as large as the weights, so it is not written into a folder the user brought
+    (`--model PATH`) unless `REQSCOPE_LAYOUT_CACHE=1` asks for it; `0` turns it off everywhere.
+    """
+    setting = os.environ.get(DISABLE_ENV, "auto").strip().lower()
+    if not enabled():
+        return False
+    if setting in ("1", "true", "yes", "on", "all"):
+        return True
+    from minengine.pull import models_home  # platformdirs: only needed once a CPU load asks
+
+    return models_home().resolve() in folder.resolve().parents
 
 
 def layout_key(folder: Path, files: list[Path], dtype: torch.dtype) -> str:

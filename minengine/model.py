@@ -175,10 +175,10 @@ class Transformer:
     def load(cls, folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Transformer:
         """Load and validate the safetensors checkpoint in `folder`.
 
-        On the CPU the built layout is cached beside the checkpoint and mapped on later loads
-        (`layout_cache`); the checkpoint is validated whenever the layout is built.
+        On the CPU the built layout of a pulled model is cached beside its checkpoint and mapped
+        on later loads (`layout_cache`); the checkpoint is validated whenever the layout is built.
         """
-        if device.type != "cpu" or not layout_cache.enabled():
+        if device.type != "cpu" or not layout_cache.wanted(folder):
             return cls(cfg, load_state_dict(folder, cfg, dtype, device), device)
         path = layout_cache.layout_path(folder, layout_cache.layout_key(folder, checkpoint_files(folder), dtype))
         cached = layout_cache.open_layout(path)

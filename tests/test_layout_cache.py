@@ -17,6 +17,12 @@ from minengine.model import Transformer
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def _cache_every_folder(monkeypatch):
+    """These tests load copies in tmp folders, which by default get no cache: ask for one."""
+    monkeypatch.setenv(layout_cache.DISABLE_ENV, "1")
+
+
 def _copy(tiny_models, name, tmp_path):
     folder = tmp_path / name
     shutil.copytree(tiny_models[name][0], folder, ignore=shutil.ignore_patterns(layout_cache.CACHE_DIR))
@@ -95,3 +101,15 @@ def test_a_folder_that_cannot_be_written_still_loads(tiny_models, tmp_path, monk
 
 def _refuse(*args, **kwargs):
     raise PermissionError("read-only folder")
+
+
+def test_by_default_only_pulled_models_get_a_cache(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.delenv(layout_cache.DISABLE_ENV)
+    monkeypatch.setenv("REQSCOPE_HOME", str(tmp_path / "home"))
+    brought = _copy(tiny_models, "llama-gqa", tmp_path)  # a folder the user passed with --model
+    _load(brought)
+    assert _layouts(brought) == []  # as large as the weights: not written into the user's folder
+    (tmp_path / "home").mkdir()
+    pulled = _copy(tiny_models, "llama-gqa", tmp_path / "home")
+    _load(pulled)
+    assert len(_layouts(pulled)) == 1
