@@ -11,23 +11,11 @@ import sys
 from pathlib import Path
 
 from minengine import bench_env  # first: sets the OpenMP policy before torch loads
+from minengine.argtypes import positive_whole_number as count
+from minengine.argtypes import whole_number
 from minengine.bench_report import dumps, format_table, targets
 from minengine.bench_runner import DEFAULT_PROMPT, BenchConfig, run_bench
 from minengine.errors import ReqscopeError
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (got {value})")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more (got {value})")
-    return value
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,14 +23,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PATH", help="model folder (default: the pulled SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--threads", type=_positive, help="torch threads for both engines (default: torch's own)")
-    parser.add_argument("--rounds", type=_positive, default=5, help="measured rounds (default 5)")
-    parser.add_argument("--new-tokens", type=_positive, default=128, help="greedy tokens per decode run (default 128)")
-    parser.add_argument("--long-prompt-tokens", type=_positive, default=1025, help="long prefill prompt (default 1025)")
+    parser.add_argument("--threads", type=count, help="torch threads for both engines (default: torch's own)")
+    parser.add_argument("--rounds", type=count, default=5, help="measured rounds (default 5)")
+    parser.add_argument("--new-tokens", type=count, default=128, help="greedy tokens per decode run (default 128)")
+    parser.add_argument("--long-prompt-tokens", type=count, default=1025, help="long prefill prompt (default 1025)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the short chat prompt")
     parser.add_argument(
         "--launches",
-        type=_non_negative,
+        type=whole_number,
         default=3,
         help="warm `reqscope --plain` launches after the first, for start-up and memory (0 skips launching)",
     )

@@ -16,11 +16,11 @@ import argparse
 import json
 import sys
 
+from minengine.argtypes import positive, whole_number
 from minengine.kv_math import MIB, kv_bytes_per_token
 from minengine.metrics import MetricsInputError, SystemWindow, request_latency, request_metrics
 from minengine.planner import tokens_at_stop
 from minengine.timeline_csv import read_timeline
-from reqscope.commands._argtypes import positive, whole_number
 
 SCOPE = (
     "full causal attention with one K and one V vector per KV head (MHA/GQA/MQA); "

@@ -17,6 +17,12 @@ from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
+from minengine.argtypes import (
+    non_negative,
+    positive,
+    positive_whole_number,
+    whole_number,
+)
 from minengine.cards import Architecture, load_cards
 from minengine.config import ModelConfig
 from minengine.errors import ConfigError
@@ -30,12 +36,6 @@ from minengine.planner import (
     PlanInputs,
     parse_memory_size,
     plan,
-)
-from reqscope.commands._argtypes import (
-    non_negative,
-    positive,
-    positive_whole_number,
-    whole_number,
 )
 
 _SHAPE_FLAGS = ("layers", "q_heads", "kv_heads", "head_dim")

@@ -13,10 +13,10 @@ import ipaddress
 import os
 import sys
 
+from minengine.argtypes import non_negative, positive_whole_number, whole_number
 from minengine.errors import ReqscopeError
 from minengine.kv_math import KIB
 from minengine.sampler import SamplingParams
-from reqscope.commands._argtypes import non_negative, positive_whole_number, whole_number
 from reqscope.run_options import open_engine, stderr_progress
 from reqscope.serve_app import ServeConfig, build_app
 from reqscope.serve_gateway import GatewayConfig

@@ -1,4 +1,8 @@
-"""argparse `type=` converters for numeric flags, so bad numbers fail as one-line usage errors."""
+"""argparse `type=` converters for numeric flags, so bad numbers fail as one-line usage errors.
+
+In the engine package because `python -m minengine.bench` parses flags too; the CLI's verbs use them
+from here.
+"""
 
 from __future__ import annotations
 
