@@ -97,25 +97,11 @@ def build_trace(
 ) -> StepTrace:
     """The trace of one step: the top candidates and what the chain did to each.
 
-    Built on one thread: its dozen passes over a vocabulary row are each too short to pay for
-    waking a second one (measured 1.9 ms a step on two threads, 1.3 ms on one), and every
-    trace, drawn or explained later, then sums in the same order.
+    Callers run it on one thread (`OneThread`, as `Sampler.sample_traced` and `explain` do): its
+    dozen passes over a vocabulary row are each too short to pay for waking a second one
+    (measured 1.9 ms a step on two threads, 1.3 ms on one), and every trace, drawn or explained
+    later, then sums in the same order.
     """
-    with OneThread(logits.device):
-        return _build_trace(logits, params, run, final_probs, chosen, piece, top_n, forced, uniform)
-
-
-def _build_trace(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    run: ChainRun,
-    final_probs: torch.Tensor,
-    chosen: int,
-    piece: Callable[[int], str],
-    top_n: int,
-    forced: bool,
-    uniform: float | None,
-) -> StepTrace:
     best_logits, best_ids = top_values(logits, min(top_n, logits.numel()))
     # Among equal logits the higher id comes first: the order HF's ascending sort reverses to.
     ranked = sorted(zip(best_ids.tolist(), best_logits.tolist(), strict=True), key=lambda c: (-c[1], -c[0]))
@@ -181,9 +167,10 @@ def _explain_row(
     top_n: int,
     forced: bool,
 ) -> StepTrace:
-    run = run_chain(logits, params)
-    final_probs = over_row(*final_distribution(run.final), logits.numel())
-    return build_trace(logits, params, run, final_probs, chosen, piece, top_n, forced, None)
+    with OneThread(logits.device):
+        run = run_chain(logits, params)
+        final_probs = over_row(*final_distribution(run.final), logits.numel())
+        return build_trace(logits, params, run, final_probs, chosen, piece, top_n, forced, None)
 
 
 def explain(

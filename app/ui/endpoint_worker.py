@@ -46,7 +46,6 @@ class EndpointRequest:
         self.request = request
         self.wake = wake  # called from the client's thread: must be thread-safe and quick
         self.inbox: deque[ClientEvent] = deque()
-        self.recorded: list[ClientEvent] = []
         self.cancelled = False
         self.failure: str | None = None  # an unexpected exception in the client, as one line
         self.finished = threading.Event()
@@ -55,7 +54,6 @@ class EndpointRequest:
 
     def push(self, event: ClientEvent) -> None:
         """Hand one event to the UI (client thread)."""
-        self.recorded.append(event)
         self.inbox.append(event)
         if not self._woken or isinstance(event, StreamEnded):
             self._woken = True
