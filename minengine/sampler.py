@@ -17,7 +17,15 @@ from typing import Literal
 import torch
 
 from minengine.sampler_chain import Live, as_row, filter_logits, final_distribution, over_row, run_chain
-from minengine.sampler_trace import Candidate, StepTrace, build_trace, check_token, explain, explain_candidates
+from minengine.sampler_trace import (
+    Candidate,
+    StepTrace,
+    build_trace,
+    check_token,
+    explain,
+    explain_candidates,
+    greedy_trace,
+)
 from minengine.sampling_params import (
     HF_ORDER,
     LLAMA_CPP_ORDER,
@@ -135,6 +143,10 @@ class Sampler:
         n = logits.numel()
         if force is not None:
             check_token(force, n)
+        if self.params.greedy:
+            trace = greedy_trace(logits, self.params, force, piece, top_n, force is not None)
+            if trace is not None:
+                return trace.chosen_id, trace
         run = run_chain(logits, self.params)
         ids, probs = final_distribution(run.final)
         if self.params.greedy:

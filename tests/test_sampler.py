@@ -316,6 +316,53 @@ def test_greedy_is_argmax_and_draws_nothing():
     assert greedy.sample(logits) == fresh.sample(logits)
 
 
+def _general_greedy_trace(logits, params, chosen, top_n, forced):
+    """The trace the full chain builds for a greedy step (what `greedy_trace` must reproduce)."""
+    from minengine.sampler_chain import final_distribution, over_row, run_chain
+    from minengine.sampler_trace import build_trace
+
+    run = run_chain(logits, params)
+    final_probs = over_row(*final_distribution(run.final), logits.numel())
+    chosen = int(run.final.alive[0]) if chosen is None else chosen
+    return build_trace(logits, params, run, final_probs, chosen, piece, top_n, forced, None)
+
+
+def _tied_rows():
+    row = llm_like(3000, 4)
+    top = float(row.max())
+    two_way = row.clone()
+    two_way[[7, 2900]] = top  # the argmax is the lower id; the display order puts 2900 first
+    wide = row.clone()
+    wide[torch.arange(100, 130)] = top  # more ties than candidates: the shortcut must step aside
+    masked = row.clone()
+    masked[::3] = NEG_INF
+    return [row, two_way, wide, masked, torch.zeros(50), torch.full((5,), 1.5)]
+
+
+@pytest.mark.parametrize("top_n", [1, 2, 20, 64])
+def test_greedy_trace_shortcut_equals_the_full_chain(top_n):
+    from minengine.sampler_trace import greedy_trace
+
+    params = SamplingParams(temperature=0, top_k=5, top_p=0.5)
+    taken = 0
+    for row in _tied_rows():
+        for chosen in (None, int(row.argmin())):
+            fast = greedy_trace(row, params, chosen, piece, top_n, chosen is not None)
+            if fast is None:  # ties beyond the candidates (or a non-finite top): the full chain decides
+                assert bool((row == row.max()).sum() >= min(max(top_n, 2), row.numel()))
+                continue
+            taken += 1
+            assert fast == _general_greedy_trace(row, params, chosen, top_n, chosen is not None)
+    assert taken >= 4
+    # Through the sampler and `explain`, the answer is the same whichever path ran.
+    for row in _tied_rows():
+        token, trace = Sampler(params).sample_traced(row, piece, top_n)
+        assert token == int(torch.argmax(row)) == trace.chosen_id
+        assert trace == _general_greedy_trace(row, params, None, top_n, False)
+        assert explain(row, params, token, piece, top_n) == trace
+    assert greedy_trace(torch.tensor([1.0, float("nan")]), params, None, piece, 2, False) is None
+
+
 def test_forcing_advances_the_generator_like_a_draw():
     params = SamplingParams(temperature=1.0, seed=21)
     steps = [llm_like(2000, s) for s in range(4)]
