@@ -3,6 +3,11 @@
 Targets are checked here, on the measured medians, never in timed unit tests: a benchmark can
 say "not met on this machine right now" with the figures beside it, a unit test could only
 flake. Each target line shows the goal, the value and PASS or FAIL.
+
+The roofline target is read against the matvec probe, the measure the issue states it in ("a
+large float32 matrix-vector product here reads about 40 GB/s, so the memory roofline is near
+75 tokens/s"). A plain sum streams faster still on some CPUs (here ~20 GB/s against ~16), so
+the fraction of that stricter ceiling is printed beside it, never hidden.
 """
 
 from __future__ import annotations
@@ -44,10 +49,10 @@ def targets(report: BenchReport) -> list[Target]:
             report.decode.speedup.median >= DECODE_SPEEDUP_GOAL,
         ),
         Target(
-            "decode bandwidth / measured roofline",
+            "decode bandwidth / measured roofline (matvec probe)",
             f">= {ROOFLINE_GOAL:.0%}",
-            f"{report.roofline.fraction.median:.0%}",
-            report.roofline.fraction.median >= ROOFLINE_GOAL,
+            f"{report.roofline.matvec_fraction.median:.0%} ({report.roofline.fraction.median:.0%} of the faster probe)",
+            report.roofline.matvec_fraction.median >= ROOFLINE_GOAL,
         ),
         Target(
             f"prefill of {report.config.long_prompt_tokens} tokens vs transformers",
@@ -136,7 +141,8 @@ def format_table(report: BenchReport) -> str:
         f"sum {_spread(r.probe_sum_bytes_per_s, '.1f', 1e-9)} GB/s",
         f"decode reads {r.bytes_per_step / MIB:.1f} MiB per step (weights {m.decode_weight_bytes / MIB:.1f} MiB + KV "
         f"{m.kv_bytes_per_token / 1024:.1f} KiB/token); roofline {_spread(r.ceiling_tokens_per_s, '.1f')} tok/s",
-        f"achieved {_spread(r.achieved_bytes_per_s, '.1f', 1e-9)} GB/s = {_spread(r.fraction, '.0%')} of the roofline",
+        f"achieved {_spread(r.achieved_bytes_per_s, '.1f', 1e-9)} GB/s = {_spread(r.matvec_fraction, '.0%')} of the "
+        f"matvec probe, {_spread(r.fraction, '.0%')} of the faster probe",
     ]
     e = report.explorer
     lines += [

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from minengine import layout_cache
-from minengine.bench_runs import DecodeRun, explorer_decode, greedy_decode, prefill_ms
+from minengine.bench_runs import DecodeRun, explorer_beside_bare, greedy_decode, prefill_ms
 from minengine.bench_start import PlainRun, child_environment, heavy_imports, launch_plain, plain_imports
 from minengine.bench_stats import Spread, overhead_percent, ratios
 from minengine.device import device_memory_bytes, synchronize
@@ -101,7 +101,8 @@ class RooflineResult:
     peak_bytes_per_s: Spread
     bytes_per_step: float
     achieved_bytes_per_s: Spread
-    fraction: Spread
+    fraction: Spread  # of the peak (the faster probe): the strict reading
+    matvec_fraction: Spread  # of the matvec probe: the issue's measure of the roofline
     ceiling_tokens_per_s: Spread
 
 
@@ -233,11 +234,11 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
     progress(f"loading minengine and transformers from {config.model_dir}")
     work = _workload(config)
     progress("warm-up round")
-    explorer_tokens = _warm_up(work, config)
+    _warm_up(work, config)
     raw = _Round({"ours": [], "theirs": []}, {"ours": [], "theirs": []}, {"ours": [], "theirs": []}, [], [], [])
     for r in range(config.rounds):
         progress(f"round {r + 1} of {config.rounds}")
-        _measure_round(work, config, raw, ours_first=r % 2 == 0, explorer_tokens=explorer_tokens)
+        _measure_round(work, config, raw, ours_first=r % 2 == 0)
     engine, model = work.engine, work.engine.model
     device_memory = _device_memory(engine, raw, len(work.long_ids) + config.new_tokens, work.long_ids)
     start, memory = _launches(config, engine, len(work.short_ids)) if config.warm_launches > 0 else (None, None)
@@ -294,8 +295,8 @@ def _workload(config: BenchConfig) -> _Workload:
     return _Workload(engine, reference, request, short_ids, long_prompt_ids(engine, config.long_prompt_tokens))
 
 
-def _warm_up(work: _Workload, config: BenchConfig) -> int:
-    """One discarded pass over everything; returns how many tokens the explorer request makes.
+def _warm_up(work: _Workload, config: BenchConfig) -> None:
+    """One discarded pass over everything.
 
     It pays first-call costs (allocator growth, kernel selection, graph capture) and grows the
     static arena to its largest size before anything is timed.
@@ -307,12 +308,10 @@ def _warm_up(work: _Workload, config: BenchConfig) -> int:
     greedy_decode(model, work.short_ids, config.new_tokens)
     work.reference.decode(work.short_ids, 4)
     probe_read_bandwidth(work.engine.device, work.engine.dtype, config.probe_bytes)
-    return len(explorer_decode(work.engine, work.request).tokens)
+    explorer_beside_bare(work.engine, work.request, work.short_ids)
 
 
-def _measure_round(
-    work: _Workload, config: BenchConfig, raw: _Round, *, ours_first: bool, explorer_tokens: int
-) -> None:
+def _measure_round(work: _Workload, config: BenchConfig, raw: _Round, *, ours_first: bool) -> None:
     """One measured round, each pair of runs in the given order."""
     model, reference, repeats = work.engine.model, work.reference, config.prefill_repeats
     raw.probes.append(probe_read_bandwidth(work.engine.device, work.engine.dtype, config.probe_bytes))
@@ -325,11 +324,9 @@ def _measure_round(
             raw.prefill_short[which].append(_best_of(repeats, lambda: reference.prefill_ms(work.short_ids)))
             raw.prefill_long[which].append(_best_of(repeats, lambda: reference.prefill_ms(work.long_ids)))
             raw.decode[which].append(reference.decode(work.short_ids, config.new_tokens))
-    for which in ("bare", "explorer") if ours_first else ("explorer", "bare"):
-        if which == "bare":
-            raw.bare.append(greedy_decode(model, work.short_ids, explorer_tokens))
-        else:
-            raw.explorer.append(explorer_decode(work.engine, work.request))
+    bare, explorer = explorer_beside_bare(work.engine, work.request, work.short_ids)
+    raw.bare.append(bare)
+    raw.explorer.append(explorer)
 
 
 def _kv_bytes_per_token(engine: Engine) -> int:
@@ -369,6 +366,7 @@ def _roofline(probes: list[BandwidthProbe], rates: list[float], bytes_per_step: 
         bytes_per_step=bytes_per_step,
         achieved_bytes_per_s=Spread.of(achieved),
         fraction=Spread.of([roofline_fraction(a, p) for a, p in zip(achieved, peaks, strict=True)]),
+        matvec_fraction=Spread.of([roofline_fraction(a, p.matvec) for a, p in zip(achieved, probes, strict=True)]),
         ceiling_tokens_per_s=Spread.of([roofline_tokens_per_second(bytes_per_step, p) for p in peaks]),
     )
 

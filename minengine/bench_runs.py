@@ -3,12 +3,15 @@
 The bare loop is what decode costs with nothing watching: `Transformer.forward` and an argmax
 that stays on the device. The explorer's path is a full request session with everything the
 UI shows switched on (a sampler trace with top candidates every step, per-layer KV accounting,
-timeline events). Both are clocked after each model step, like the reference, so their
-rates compare the same thing.
+timeline events). For the overhead the two decode side by side, one step of each in turn
+(`explorer_beside_bare`): a slow spell of the machine then lands on both instead of on
+whichever happened to run during it, which on a shared 2-core machine moved the figure by
+several percent from one run to the next.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -65,20 +68,41 @@ def greedy_decode(model: Transformer, ids: list[int], new_tokens: int) -> Decode
     return DecodeRun(tokens, tuple(clock.durations_ms()))
 
 
-def explorer_decode(engine: Engine, request: GenerationRequest) -> DecodeRun:
-    """Run `request` as a session and clock each token as the consumer receives it.
+def explorer_beside_bare(engine: Engine, request: GenerationRequest, ids: list[int]) -> tuple[DecodeRun, DecodeRun]:
+    """(bare, explorer): `request`'s session and the bare loop over the prompt `ids`, stepped in turn.
 
-    The session synchronises each step itself (the sampler needs the token on the host), so
-    the host clock is the honest one here on every device.
+    After each token the session yields, the bare loop takes its own step for the same position,
+    so step k of each runs next to step k of the other. Each step is clocked alone on the host:
+    the explorer's from its resumption to its next token (model step, trace, KV accounting,
+    events), the bare loop's as forward + argmax + reading the token back, which the session
+    does too (its sampler needs the token on the host). Prefills are not decode steps and are
+    not clocked. Both runs make as many tokens as the session does.
     """
-    clock = StepClock(torch.device("cpu"))
-    tokens: list[int] = []
-    for event in engine.start(request):
-        if isinstance(event, TokenEvent):
-            clock.mark()
-            tokens.append(event.token_id)
-        elif isinstance(event, DoneEvent) and event.result.error:
-            raise ReqscopeError(f"the benchmark request failed: {event.result.error}")
-    if len(tokens) < 2:
+    model = engine.model
+    bare_tokens: list[int] = []
+    explorer_tokens: list[int] = []
+    bare_ms: list[float] = []
+    explorer_ms: list[float] = []
+    cache = model.new_cache(len(ids) + request.max_tokens)
+    try:
+        current = model.forward(torch.tensor(ids, device=model.device), 0, cache).argmax().view(1)
+        bare_tokens.append(int(current))
+        resumed = time.perf_counter()
+        for event in engine.start(request):
+            if isinstance(event, DoneEvent) and event.result.error:
+                raise ReqscopeError(f"the benchmark request failed: {event.result.error}")
+            if not isinstance(event, TokenEvent):
+                continue
+            if explorer_tokens:  # the first token ends the session's prefill
+                explorer_ms.append((time.perf_counter() - resumed) * 1000)
+                start = time.perf_counter()
+                current = model.forward(current, len(ids) + len(bare_tokens) - 1, cache).argmax().view(1)
+                bare_tokens.append(int(current))
+                bare_ms.append((time.perf_counter() - start) * 1000)
+            explorer_tokens.append(event.token_id)
+            resumed = time.perf_counter()
+    finally:
+        cache.release()
+    if len(explorer_tokens) < 2:
         raise ReqscopeError("the benchmark request produced fewer than 2 tokens; use a prompt with a longer answer")
-    return DecodeRun(tuple(tokens), tuple(clock.durations_ms()))
+    return DecodeRun(tuple(bare_tokens), tuple(bare_ms)), DecodeRun(tuple(explorer_tokens), tuple(explorer_ms))

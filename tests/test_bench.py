@@ -104,7 +104,9 @@ def test_targets_follow_the_numbers(smoke_report):
     good = _synthetic_report(
         smoke_report,
         decode=replace(smoke_report.decode, speedup=Spread(1.6, 1.5, 1.7, 3)),
-        roofline=replace(smoke_report.roofline, fraction=Spread(0.61, 0.6, 0.7, 3)),
+        roofline=replace(
+            smoke_report.roofline, matvec_fraction=Spread(0.61, 0.6, 0.7, 3), fraction=Spread(0.5, 0.4, 0.6, 3)
+        ),
         prefill_long=replace(smoke_report.prefill_long, speedup=Spread(1.0, 0.9, 1.1, 3)),
         explorer=replace(smoke_report.explorer, overhead_percent=Spread(4.9, 1.0, 8.0, 3), same_tokens=True),
     )
@@ -115,9 +117,11 @@ def test_targets_follow_the_numbers(smoke_report):
     bad = _synthetic_report(
         good,
         decode=replace(good.decode, speedup=Spread(1.49, 1.4, 1.6, 3)),
+        roofline=replace(good.roofline, matvec_fraction=Spread(0.59, 0.5, 0.7, 3), fraction=Spread(0.9, 0.8, 1.0, 3)),
         explorer=replace(good.explorer, overhead_percent=Spread(5.1, 1.0, 8.0, 3)),
     )
     by_name = {t.name: t.passed for t in targets(bad)}
+    assert not by_name["decode bandwidth / measured roofline (matvec probe)"]
     assert not by_name["decode speed vs transformers"]
     assert not by_name["explorer overhead on decode"]
     memory = replace(good.memory, peak_rss_bytes=good.memory.budget_bytes + 1)
@@ -155,7 +159,7 @@ def test_smoke_run_produces_every_key(smoke_report):
         assert data[key]["speedup"]["n"] == 2 and data[key]["speedup"]["median"] > 0
     assert data["prefill_long"]["minengine"]["median"] > 0
     assert data["machine"]["weight_bytes"] > 0 and data["machine"]["kv_bytes_per_token"] > 0
-    assert 0 < data["roofline"]["fraction"]["median"] < 5
+    assert 0 < data["roofline"]["fraction"]["median"] <= data["roofline"]["matvec_fraction"]["median"] < 5
     assert data["roofline"]["bytes_per_step"] > data["machine"]["decode_weight_bytes"] > 0
     # Same model, same ids, float32 on both sides: greedy decode agrees token for token.
     assert data["parity"] == {"tokens": 6, "matching_prefix": 6, "identical": True}
@@ -175,6 +179,22 @@ def test_smoke_report_reads_as_a_table(smoke_report):
     assert len(verdicts) == len(targets(smoke_report)) and set(verdicts) <= {"PASS", "FAIL"}
 
 
+def test_explorer_and_bare_loop_step_in_turn(chatty_tiny_dir):
+    from minengine.bench_runs import explorer_beside_bare, greedy_decode
+    from minengine.engine import Engine
+    from minengine.request import GenerationRequest
+    from minengine.sampler import SamplingParams
+
+    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32")
+    request = GenerationRequest.from_prompt("hi", sampling=SamplingParams(temperature=0.0), max_tokens=7, trace=True)
+    ids = engine.tokenizer.encode(engine.tokenizer.render(list(request.messages)))
+    bare, explorer = explorer_beside_bare(engine, request, ids)
+    assert bare.tokens == explorer.tokens == greedy_decode(engine.model, ids, len(bare.tokens)).tokens
+    # One clocked decode step per token after the first (which ends each prefill), on both sides.
+    assert len(bare.step_ms) == len(explorer.step_ms) == len(explorer.tokens) - 1 >= 1
+    assert min(bare.step_ms) > 0 and min(explorer.step_ms) > 0
+
+
 # -- gpu-check -------------------------------------------------------------------------------------------
 
 
@@ -186,3 +206,14 @@ def test_gpu_check_refuses_without_cuda():
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "no CUDA device" in lines[0], done.stderr
+
+
+def test_gpu_check_summary_reads_the_bench_report(smoke_report):
+    # The summary's keys track the report's: a renamed field would otherwise surface only on a GPU.
+    import runpy
+
+    gpu_check = runpy.run_path(str(ROOT / "scripts" / "gpu-check"), run_name="gpu_check")
+    summary = gpu_check["summary"](json.loads(json.dumps(to_json(smoke_report))))
+    assert summary["decode_speedup_vs_transformers"] == smoke_report.decode.speedup.median
+    assert summary["hbm_roofline_fraction_of_matvec_probe"] == smoke_report.roofline.matvec_fraction.median
+    assert summary["kv_bytes_computed"] is None  # CPU: no device memory section
