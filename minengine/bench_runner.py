@@ -19,7 +19,14 @@ from pathlib import Path
 import torch
 
 from minengine import layout_cache
-from minengine.bench_runs import DecodeRun, explorer_beside_bare, greedy_decode, prefill_ms
+from minengine.bench_runs import (
+    DecodeRun,
+    RooflineRun,
+    decode_beside_probes,
+    explorer_beside_bare,
+    greedy_decode,
+    prefill_ms,
+)
 from minengine.bench_start import PlainRun, child_environment, heavy_imports, launch_plain, plain_imports
 from minengine.bench_stats import Spread, overhead_percent, ratios
 from minengine.device import device_memory_bytes, synchronize
@@ -30,10 +37,9 @@ from minengine.kv_cache import KVCache
 from minengine.kv_math import MIB, blocks_for, kv_bytes_per_token
 from minengine.request import GenerationRequest
 from minengine.roofline import (
-    BandwidthProbe,
+    ReadProbe,
     achieved_bandwidth,
     decode_bytes_per_step,
-    probe_read_bandwidth,
     roofline_fraction,
     roofline_tokens_per_second,
 )
@@ -99,7 +105,9 @@ class RooflineResult:
     probe_matvec_bytes_per_s: Spread
     probe_sum_bytes_per_s: Spread
     peak_bytes_per_s: Spread
+    probe_bytes: int  # one pass of either probe
     bytes_per_step: float
+    decode_tokens_per_s: Spread  # the bare loop, between the probe passes
     achieved_bytes_per_s: Spread
     fraction: Spread  # of the peak (the faster probe): the strict reading
     matvec_fraction: Spread  # of the matvec probe: the issue's measure of the roofline
@@ -199,7 +207,7 @@ class _Round:
     prefill_short: dict[str, list[float]]
     prefill_long: dict[str, list[float]]
     decode: dict[str, list[DecodeRun]]
-    probes: list[BandwidthProbe]
+    roofline: list[RooflineRun]
     bare: list[DecodeRun]
     explorer: list[DecodeRun]
 
@@ -236,9 +244,13 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
     progress("warm-up round")
     _warm_up(work, config)
     raw = _Round({"ours": [], "theirs": []}, {"ours": [], "theirs": []}, {"ours": [], "theirs": []}, [], [], [])
+    probe = ReadProbe(work.engine.device, work.engine.dtype, config.probe_bytes)
+    decode_beside_probes(work.engine.model, work.short_ids, 3, probe)  # warm-up
     for r in range(config.rounds):
         progress(f"round {r + 1} of {config.rounds}")
         _measure_round(work, config, raw, ours_first=r % 2 == 0)
+        raw.roofline.append(decode_beside_probes(work.engine.model, work.short_ids, config.new_tokens, probe))
+    probe.release()
     engine, model = work.engine, work.engine.model
     device_memory = _device_memory(engine, raw, len(work.long_ids) + config.new_tokens, work.long_ids)
     start, memory = _launches(config, engine, len(work.short_ids)) if config.warm_launches > 0 else (None, None)
@@ -273,7 +285,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
             "tokens/s", Spread.of(ours_rates), Spread.of(theirs_rates), Spread.of(ratios(ours_rates, theirs_rates))
         ),
         parity=_parity(raw.decode["ours"][0].tokens, raw.decode["theirs"][0].tokens),
-        roofline=_roofline(raw.probes, ours_rates, bytes_per_step),
+        roofline=_roofline(raw.roofline, bytes_per_step),
         explorer=_explorer(raw.bare, raw.explorer, work.request.top_n),
         start=start,
         memory=memory,
@@ -307,14 +319,12 @@ def _warm_up(work: _Workload, config: BenchConfig) -> None:
     work.reference.prefill_ms(work.long_ids)
     greedy_decode(model, work.short_ids, config.new_tokens)
     work.reference.decode(work.short_ids, 4)
-    probe_read_bandwidth(work.engine.device, work.engine.dtype, config.probe_bytes)
     explorer_beside_bare(work.engine, work.request, work.short_ids)
 
 
 def _measure_round(work: _Workload, config: BenchConfig, raw: _Round, *, ours_first: bool) -> None:
     """One measured round, each pair of runs in the given order."""
     model, reference, repeats = work.engine.model, work.reference, config.prefill_repeats
-    raw.probes.append(probe_read_bandwidth(work.engine.device, work.engine.dtype, config.probe_bytes))
     for which in ("ours", "theirs") if ours_first else ("theirs", "ours"):
         if which == "ours":
             raw.prefill_short[which].append(_best_of(repeats, lambda: prefill_ms(model, work.short_ids)))
@@ -356,17 +366,21 @@ def _parity(ours: tuple[int, ...], theirs: tuple[int, ...]) -> Parity:
     return Parity(tokens=max(len(ours), len(theirs)), matching_prefix=prefix)
 
 
-def _roofline(probes: list[BandwidthProbe], rates: list[float], bytes_per_step: float) -> RooflineResult:
+def _roofline(runs: list[RooflineRun], bytes_per_step: float) -> RooflineResult:
+    rates = [run.tokens_per_second for run in runs]
     achieved = [achieved_bandwidth(bytes_per_step, rate) for rate in rates]
-    peaks = [p.peak for p in probes]
+    matvec = [run.matvec_bytes_per_second for run in runs]
+    peaks = [max(run.matvec_bytes_per_second, run.sum_bytes_per_second) for run in runs]
     return RooflineResult(
-        probe_matvec_bytes_per_s=Spread.of([p.matvec for p in probes]),
-        probe_sum_bytes_per_s=Spread.of([p.sum for p in probes]),
+        probe_matvec_bytes_per_s=Spread.of(matvec),
+        probe_sum_bytes_per_s=Spread.of([run.sum_bytes_per_second for run in runs]),
         peak_bytes_per_s=Spread.of(peaks),
+        probe_bytes=runs[0].probe_bytes,
         bytes_per_step=bytes_per_step,
+        decode_tokens_per_s=Spread.of(rates),
         achieved_bytes_per_s=Spread.of(achieved),
         fraction=Spread.of([roofline_fraction(a, p) for a, p in zip(achieved, peaks, strict=True)]),
-        matvec_fraction=Spread.of([roofline_fraction(a, p.matvec) for a, p in zip(achieved, probes, strict=True)]),
+        matvec_fraction=Spread.of([roofline_fraction(a, p) for a, p in zip(achieved, matvec, strict=True)]),
         ceiling_tokens_per_s=Spread.of([roofline_tokens_per_second(bytes_per_step, p) for p in peaks]),
     )
 

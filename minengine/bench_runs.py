@@ -17,11 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from minengine.bench_timer import StepClock
+from minengine.device import synchronize
 from minengine.engine import Engine
 from minengine.errors import ReqscopeError
 from minengine.events import DoneEvent, TokenEvent
 from minengine.model import Transformer
 from minengine.request import GenerationRequest
+from minengine.roofline import ReadProbe
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,32 @@ class DecodeRun:
     def tokens_per_second(self) -> float:
         """Decode steps per second (one token per step)."""
         return 1000.0 * len(self.step_ms) / sum(self.step_ms)
+
+
+@dataclass(frozen=True)
+class RooflineRun:
+    """Decode steps and read-bandwidth probe passes taken in turn, each summed over the run."""
+
+    steps: int
+    decode_seconds: float  # the decode steps alone
+    probe_bytes: int  # one probe pass
+    matvec_seconds: float  # all matvec passes (one after each step)
+    sum_seconds: float  # all sum passes (one after each step)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode steps per second, probes excluded."""
+        return self.steps / self.decode_seconds
+
+    @property
+    def matvec_bytes_per_second(self) -> float:
+        """Read bandwidth of the matvec passes."""
+        return self.steps * self.probe_bytes / self.matvec_seconds
+
+    @property
+    def sum_bytes_per_second(self) -> float:
+        """Read bandwidth of the sum passes."""
+        return self.steps * self.probe_bytes / self.sum_seconds
 
 
 def prefill_ms(model: Transformer, ids: list[int]) -> float:
@@ -106,3 +134,29 @@ def explorer_beside_bare(engine: Engine, request: GenerationRequest, ids: list[i
     if len(explorer_tokens) < 2:
         raise ReqscopeError("the benchmark request produced fewer than 2 tokens; use a prompt with a longer answer")
     return DecodeRun(tuple(bare_tokens), tuple(bare_ms)), DecodeRun(tuple(explorer_tokens), tuple(explorer_ms))
+
+
+def decode_beside_probes(model: Transformer, ids: list[int], new_tokens: int, probe: ReadProbe) -> RooflineRun:
+    """The bare greedy loop with one matvec and one sum pass of `probe` after every decode step.
+
+    Each is clocked alone (host clock, device synchronised), so decode and probe see the machine
+    at the same moments and both are averages over the same span. The alternative, a best-of-N
+    probe taken before a decode run, sets a quiet moment's bandwidth against a whole run's and
+    moved the fraction by tens of points on a shared machine. A step streams every weight
+    anyway, so a probe pass between steps leaves the next step nothing warmer or colder.
+    """
+    cache = model.new_cache(len(ids) + new_tokens)
+    decode = matvec = total = 0.0
+    try:
+        current = model.forward(torch.tensor(ids, device=model.device), 0, cache).argmax().view(1)
+        for step in range(new_tokens - 1):
+            synchronize(model.device)
+            start = time.perf_counter()
+            current = model.forward(current, len(ids) + step, cache).argmax().view(1)
+            synchronize(model.device)
+            decode += time.perf_counter() - start
+            matvec += probe.matvec_seconds()
+            total += probe.sum_seconds()
+    finally:
+        cache.release()
+    return RooflineRun(new_tokens - 1, decode, probe.nbytes, matvec, total)

@@ -2,15 +2,15 @@
 
 A batch-1 decode step multiplies one vector by every weight matrix and attends over every
 cached position, so it must read all weights plus the K/V cache once; at that size arithmetic
-is negligible and the read bandwidth sets the ceiling. `probe_read_bandwidth` measures that
-bandwidth on the spot (a large matrix-vector product in the engine's layout, and a plain sum),
-so a decode rate can be expressed as the fraction of the ceiling it reaches on this machine now.
+is negligible and the read bandwidth sets the ceiling. `ReadProbe` measures that bandwidth on
+the spot, one pass at a time (a large matrix-vector product in the engine's layout, and a plain
+sum), so the benchmark can take its passes between decode steps and express a decode rate as
+the fraction of the ceiling the machine offered at the same moments.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -20,55 +20,44 @@ PROBE_BYTES = 512 * 1024 * 1024  # well past any CPU cache; ~0.1 ms of HBM on a 
 GPU_PROBE_BYTES = 4 * 1024 * 1024 * 1024
 
 
-@dataclass(frozen=True)
-class BandwidthProbe:
-    """Read bandwidth measured two ways, in bytes per second (best of the repeats)."""
+class ReadProbe:
+    """A buffer of about `nbytes` (default: past any cache on `device`) streamed once per pass."""
 
-    matvec: float  # a vector times an [in, out] matrix split in one column chunk per thread
-    sum: float  # a plain reduction over the same bytes
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32, nbytes: int | None = None) -> None:
+        if nbytes is None:
+            nbytes = GPU_PROBE_BYTES if device.type == "cuda" else PROBE_BYTES
+        self.device = device
+        # The decode projections' access pattern: rows streamed, columns split one chunk per
+        # thread (one chunk on a GPU), the chunks run together by bmm.
+        chunks = torch.get_num_threads() if device.type == "cpu" else 1
+        width = 1024 * chunks
+        rows = max(1, nbytes // (width * torch.empty((), dtype=dtype).element_size()))
+        self._matrix = torch.ones(chunks, rows, width // chunks, dtype=dtype, device=device)
+        self._vector = torch.ones(1, 1, rows, dtype=dtype, device=device).expand(chunks, 1, rows)
+        self.nbytes = self._matrix.numel() * self._matrix.element_size()
+        self.matvec_seconds()  # first touch and kernel selection stay out of every timing
+        self.sum_seconds()
 
-    @property
-    def peak(self) -> float:
-        """The better of the two: the fastest streaming read observed."""
-        return max(self.matvec, self.sum)
+    def matvec_seconds(self) -> float:
+        """One pass as a vector times the [in, out] matrix, in seconds."""
+        return self._timed(lambda: torch.bmm(self._vector, self._matrix))
 
+    def sum_seconds(self) -> float:
+        """One pass as a plain reduction, in seconds."""
+        return self._timed(self._matrix.sum)
 
-def probe_read_bandwidth(
-    device: torch.device, dtype: torch.dtype = torch.float32, nbytes: int | None = None, repeats: int = 5
-) -> BandwidthProbe:
-    """Measure how fast `device` streams `nbytes` of `dtype` from memory."""
-    if nbytes is None:
-        nbytes = GPU_PROBE_BYTES if device.type == "cuda" else PROBE_BYTES
-    probe = _probe(device, dtype, nbytes, repeats)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # hand the probe's gigabytes back before the engines run
-    return probe
-
-
-def _probe(device: torch.device, dtype: torch.dtype, nbytes: int, repeats: int) -> BandwidthProbe:
-    # The decode projections' access pattern: rows streamed, columns split one chunk per thread
-    # (one chunk on a GPU), the chunks run together by bmm.
-    chunks = torch.get_num_threads() if device.type == "cpu" else 1
-    width = 1024 * chunks
-    rows = max(1, nbytes // (width * torch.empty((), dtype=dtype).element_size()))
-    matrix = torch.ones(chunks, rows, width // chunks, dtype=dtype, device=device)
-    vector = torch.ones(1, 1, rows, dtype=dtype, device=device).expand(chunks, 1, rows)
-    real_bytes = matrix.numel() * matrix.element_size()
-    matvec = _best_rate(lambda: torch.bmm(vector, matrix), real_bytes, device, repeats)
-    total = _best_rate(lambda: matrix.sum(), real_bytes, device, repeats)
-    return BandwidthProbe(matvec=matvec, sum=total)
-
-
-def _best_rate(fn, nbytes: int, device: torch.device, repeats: int) -> float:
-    fn()  # first touch and kernel selection stay out of the timing
-    synchronize(device)
-    best = float("inf")
-    for _ in range(repeats):
+    def _timed(self, fn) -> float:
+        synchronize(self.device)
         start = time.perf_counter()
         fn()
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
+        synchronize(self.device)
+        return time.perf_counter() - start
+
+    def release(self) -> None:
+        """Hand the buffer back (on CUDA, to the device too) before anything else needs the memory."""
+        del self._matrix, self._vector
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def decode_bytes_per_step(weight_bytes: int, kv_bytes_per_token: int, prompt_tokens: int, steps: int) -> float:

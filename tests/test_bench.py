@@ -195,6 +195,22 @@ def test_explorer_and_bare_loop_step_in_turn(chatty_tiny_dir):
     assert min(bare.step_ms) > 0 and min(explorer.step_ms) > 0
 
 
+def test_decode_runs_between_probe_passes(chatty_tiny_dir):
+    from minengine.bench_runs import decode_beside_probes
+    from minengine.engine import Engine
+    from minengine.roofline import ReadProbe
+
+    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32")
+    probe = ReadProbe(torch.device("cpu"), torch.float32, nbytes=4 * MIB)
+    assert 3.5 * MIB <= probe.nbytes <= 4 * MIB  # whole rows of the probe's matrix
+    run = decode_beside_probes(engine.model, [1, 2, 3], 6, probe)
+    probe.release()
+    assert run.steps == 5 and run.probe_bytes == probe.nbytes
+    assert run.tokens_per_second > 0 and run.matvec_bytes_per_second > 0 and run.sum_bytes_per_second > 0
+    # Rates are totals over the run: 5 passes of each probe, 5 decode steps.
+    assert run.matvec_bytes_per_second == pytest.approx(5 * probe.nbytes / run.matvec_seconds)
+
+
 # -- gpu-check -------------------------------------------------------------------------------------------
 
 
