@@ -85,6 +85,22 @@ def _display(logits: torch.Tensor, params: SamplingParams, run: ChainRun, peak: 
     return _Display(scaled, probs, scaled[peak] + neg_log_peak, entropy)
 
 
+def _candidates(
+    ranked: list[tuple[int, float]],
+    piece: Callable[[int], str],
+    prob: list[float],
+    top_p_prob: list[float],
+    dropped_by: list[str | None],
+    final_prob: list[float],
+) -> tuple[Candidate, ...]:
+    """The candidates in display order; `cumulative` adds top_p's probabilities down the ranking."""
+    out, cumulative = [], 0.0
+    for i, (tid, logit) in enumerate(ranked):
+        cumulative += top_p_prob[i]
+        out.append(Candidate(tid, piece(tid), logit, prob[i], dropped_by[i], cumulative, final_prob[i]))
+    return tuple(out)
+
+
 def build_trace(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -126,27 +142,15 @@ def build_trace(
     top_p_log_normaliser = float(top_p_lse)
     top_p_prob = [math.exp(score - top_p_log_normaliser) for score in top_p_scores]
     stage_scores = [(stage, after) for (stage, _), after in zip(run.cuts, after_cuts, strict=True)]
-    candidates, cumulative = [], 0.0
-    for i, (tid, logit) in enumerate(ranked):
-        cumulative += top_p_prob[i]
-        candidates.append(
-            Candidate(
-                token_id=tid,
-                piece=piece(tid),
-                logit=logit,
-                prob=prob[i],
-                dropped_by=next((stage for stage, after in stage_scores if after[i] == NEG_INF), None),
-                cumulative=cumulative,
-                final_prob=final_prob[i],
-            )
-        )
+    dropped_by = [next((stage for stage, after in stage_scores if after[i] == NEG_INF), None) for i in range(len(prob))]
+    candidates = _candidates(ranked, piece, prob, top_p_prob, dropped_by, final_prob)
 
     chosen_final = float(final_probs[chosen])
     sample_logprob = math.log(chosen_final) if chosen_final > 0 else NEG_INF
     return StepTrace(
         order=params.order,
         params=params,
-        candidates=tuple(candidates),
+        candidates=candidates,
         chosen_id=chosen,
         chosen_piece=piece(chosen),
         chosen_logprob=chosen_logprob,
@@ -193,27 +197,21 @@ def greedy_trace(
     greedy = ChainRun(Live(logits), (), Live(logits), None)  # what _display reads: no scaled row
     shown = _display(logits, params, greedy, peak=ranked[0][0])
     ids = torch.tensor([tid for tid, _ in ranked], dtype=torch.long, device=logits.device)
-    prob = shown.probs[ids].tolist()
     log_normaliser = float(shown.log_normaliser)
-    candidates, cumulative = [], 0.0
-    for i, (tid, logit) in enumerate(ranked):
-        cumulative += math.exp(logit - log_normaliser)
-        kept = tid == winner
-        candidates.append(
-            Candidate(
-                token_id=tid,
-                piece=piece(tid),
-                logit=logit,
-                prob=prob[i],
-                dropped_by=None if kept else "temperature",
-                cumulative=cumulative,
-                final_prob=1.0 if kept else 0.0,
-            )
-        )
+    top_p_prob = [math.exp(logit - log_normaliser) for _, logit in ranked]
+    kept = [tid == winner for tid, _ in ranked]
+    candidates = _candidates(
+        ranked,
+        piece,
+        shown.probs[ids].tolist(),
+        top_p_prob,
+        [None if k else "temperature" for k in kept],
+        [1.0 if k else 0.0 for k in kept],
+    )
     return StepTrace(
         order=params.order,
         params=params,
-        candidates=tuple(candidates),
+        candidates=candidates,
         chosen_id=chosen,
         chosen_piece=piece(chosen),
         chosen_logprob=float(logits[chosen] - shown.log_normaliser),
