@@ -1,8 +1,9 @@
 """The benchmark's schedule: one warm-up round, then measured rounds that alternate the engines.
 
 Every round measures, for minengine and for transformers on the same token ids: prefill of a
-short chat prompt, prefill of a long prompt, and greedy decode; plus the machine's read
-bandwidth (for the roofline) and the explorer's path against the bare loop. The order of the
+short chat prompt, prefill of a long prompt, and greedy decode; plus minengine's greedy decode
+between passes of a read-bandwidth probe (the roofline) and the explorer's session stepping
+beside the bare loop (its overhead). The order of the
 two engines flips every round (AB, BA, AB, ...), so a machine that speeds up or slows down
 during the run favours neither, and every ratio is taken within a round. Launches of the real
 `reqscope --plain` command (start-up time, peak memory, imports) run last, in subprocesses.
@@ -241,16 +242,16 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
     load_before = os.getloadavg()
     progress(f"loading minengine and transformers from {config.model_dir}")
     work = _workload(config)
-    progress("warm-up round")
-    _warm_up(work, config)
     raw = _Round({"ours": [], "theirs": []}, {"ours": [], "theirs": []}, {"ours": [], "theirs": []}, [], [], [])
     probe = ReadProbe(work.engine.device, work.engine.dtype, config.probe_bytes)
-    decode_beside_probes(work.engine.model, work.short_ids, 3, probe)  # warm-up
-    for r in range(config.rounds):
-        progress(f"round {r + 1} of {config.rounds}")
-        _measure_round(work, config, raw, ours_first=r % 2 == 0)
-        raw.roofline.append(decode_beside_probes(work.engine.model, work.short_ids, config.new_tokens, probe))
-    probe.release()
+    try:
+        progress("warm-up round")
+        _warm_up(work, config, probe)
+        for r in range(config.rounds):
+            progress(f"round {r + 1} of {config.rounds}")
+            _measure_round(work, config, raw, probe, ours_first=r % 2 == 0)
+    finally:
+        probe.release()
     engine, model = work.engine, work.engine.model
     device_memory = _device_memory(engine, raw, len(work.long_ids) + config.new_tokens, work.long_ids)
     start, memory = _launches(config, engine, len(work.short_ids)) if config.warm_launches > 0 else (None, None)
@@ -307,7 +308,7 @@ def _workload(config: BenchConfig) -> _Workload:
     return _Workload(engine, reference, request, short_ids, long_prompt_ids(engine, config.long_prompt_tokens))
 
 
-def _warm_up(work: _Workload, config: BenchConfig) -> None:
+def _warm_up(work: _Workload, config: BenchConfig, probe: ReadProbe) -> None:
     """One discarded pass over everything.
 
     It pays first-call costs (allocator growth, kernel selection, graph capture) and grows the
@@ -320,9 +321,10 @@ def _warm_up(work: _Workload, config: BenchConfig) -> None:
     greedy_decode(model, work.short_ids, config.new_tokens)
     work.reference.decode(work.short_ids, 4)
     explorer_beside_bare(work.engine, work.request, work.short_ids)
+    decode_beside_probes(model, work.short_ids, 3, probe)
 
 
-def _measure_round(work: _Workload, config: BenchConfig, raw: _Round, *, ours_first: bool) -> None:
+def _measure_round(work: _Workload, config: BenchConfig, raw: _Round, probe: ReadProbe, *, ours_first: bool) -> None:
     """One measured round, each pair of runs in the given order."""
     model, reference, repeats = work.engine.model, work.reference, config.prefill_repeats
     for which in ("ours", "theirs") if ours_first else ("theirs", "ours"):
@@ -337,6 +339,7 @@ def _measure_round(work: _Workload, config: BenchConfig, raw: _Round, *, ours_fi
     bare, explorer = explorer_beside_bare(work.engine, work.request, work.short_ids)
     raw.bare.append(bare)
     raw.explorer.append(explorer)
+    raw.roofline.append(decode_beside_probes(model, work.short_ids, config.new_tokens, probe))
 
 
 def _kv_bytes_per_token(engine: Engine) -> int:
