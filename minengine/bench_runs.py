@@ -12,6 +12,7 @@ several percent from one run to the next.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -103,37 +104,57 @@ def explorer_beside_bare(engine: Engine, request: GenerationRequest, ids: list[i
     so step k of each runs next to step k of the other. Each step is clocked alone on the host:
     the explorer's from its resumption to its next token (model step, trace, KV accounting,
     events), the bare loop's as forward + argmax + reading the token back, which the session
-    does too (its sampler needs the token on the host). Prefills are not decode steps and are
-    not clocked. Both runs make as many tokens as the session does.
+    does too (its sampler needs the token on the host). Prefills are not clocked. Both runs make
+    as many tokens as the session does. With CUDA graphs the two cannot interleave (decode runs
+    in one K/V arena, lent to one cache at a time), so there the session runs first, then the
+    bare loop.
     """
-    model = engine.model
-    bare_tokens: list[int] = []
-    explorer_tokens: list[int] = []
-    bare_ms: list[float] = []
-    explorer_ms: list[float] = []
-    cache = model.new_cache(len(ids) + request.max_tokens)
+    session = _session_steps(engine, request)
+    bare = _bare_steps(engine.model, ids, request.max_tokens)
+    try:
+        if engine.model.static_decoder is None:
+            pairs = [(step, next(bare)) for step in session]
+        else:
+            explorer = list(session)
+            pairs = [(step, next(bare)) for step in explorer]
+    finally:
+        bare.close()
+    if len(pairs) < 2:
+        raise ReqscopeError("the benchmark request produced fewer than 2 tokens; use a prompt with a longer answer")
+    return _run(pair[1] for pair in pairs), _run(pair[0] for pair in pairs)
+
+
+def _run(steps: Iterable[tuple[int, float | None]]) -> DecodeRun:
+    steps = list(steps)
+    return DecodeRun(tuple(t for t, _ in steps), tuple(ms for _, ms in steps if ms is not None))
+
+
+def _session_steps(engine: Engine, request: GenerationRequest) -> Iterator[tuple[int, float | None]]:
+    """(token, ms) per token of a session; the first token ends the prefill and is not timed (None)."""
+    first = True
+    resumed = time.perf_counter()
+    for event in engine.start(request):
+        if isinstance(event, DoneEvent) and event.result.error:
+            raise ReqscopeError(f"the benchmark request failed: {event.result.error}")
+        if isinstance(event, TokenEvent):
+            yield event.token_id, None if first else (time.perf_counter() - resumed) * 1000
+            first = False
+            resumed = time.perf_counter()  # the consumer's time between tokens is not the session's
+
+
+def _bare_steps(model: Transformer, ids: list[int], max_tokens: int) -> Iterator[tuple[int, float | None]]:
+    """(token, ms) per token of the bare loop, up to `max_tokens`; the prefill's token is not timed."""
+    cache = model.new_cache(len(ids) + max_tokens)
     try:
         current = model.forward(torch.tensor(ids, device=model.device), 0, cache).argmax().view(1)
-        bare_tokens.append(int(current))
-        resumed = time.perf_counter()
-        for event in engine.start(request):
-            if isinstance(event, DoneEvent) and event.result.error:
-                raise ReqscopeError(f"the benchmark request failed: {event.result.error}")
-            if not isinstance(event, TokenEvent):
-                continue
-            if explorer_tokens:  # the first token ends the session's prefill
-                explorer_ms.append((time.perf_counter() - resumed) * 1000)
-                start = time.perf_counter()
-                current = model.forward(current, len(ids) + len(bare_tokens) - 1, cache).argmax().view(1)
-                bare_tokens.append(int(current))
-                bare_ms.append((time.perf_counter() - start) * 1000)
-            explorer_tokens.append(event.token_id)
-            resumed = time.perf_counter()
+        yield int(current), None
+        for pos in range(len(ids), len(ids) + max_tokens - 1):
+            start = time.perf_counter()
+            current = model.forward(current, pos, cache).argmax().view(1)
+            token = int(current)
+            yield token, (time.perf_counter() - start) * 1000
     finally:
         cache.release()
-    if len(explorer_tokens) < 2:
-        raise ReqscopeError("the benchmark request produced fewer than 2 tokens; use a prompt with a longer answer")
-    return DecodeRun(tuple(bare_tokens), tuple(bare_ms)), DecodeRun(tuple(explorer_tokens), tuple(explorer_ms))
 
 
 def decode_beside_probes(model: Transformer, ids: list[int], new_tokens: int, probe: ReadProbe) -> RooflineRun:

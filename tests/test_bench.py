@@ -193,6 +193,15 @@ def test_explorer_and_bare_loop_step_in_turn(chatty_tiny_dir):
     # One clocked decode step per token after the first (which ends each prefill), on both sides.
     assert len(bare.step_ms) == len(explorer.step_ms) == len(explorer.tokens) - 1 >= 1
     assert min(bare.step_ms) > 0 and min(explorer.step_ms) > 0
+    # With the static step (CUDA graphs on a GPU; run eagerly here) there is one K/V arena, so the
+    # runs take turns, each borrowing it: both decode through it, and the tokens are the same.
+    engine.model.use_static_decode(True, capture=False)
+    lent = []
+    original = engine.model.static_decoder.new_cache
+    engine.model.static_decoder.new_cache = lambda *a, **k: lent.append(original(*a, **k)) or lent[-1]
+    static_bare, static_explorer = explorer_beside_bare(engine, request, ids)
+    assert static_bare.tokens == static_explorer.tokens == bare.tokens
+    assert len(lent) == 2 and all(cache is not None for cache in lent)
 
 
 def test_decode_runs_between_probe_passes(chatty_tiny_dir):
