@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from minengine.bench_timer import StepClock
-from minengine.device import synchronize
 from minengine.engine import Engine
 from minengine.errors import ReqscopeError
 from minengine.events import DoneEvent, TokenEvent
@@ -160,24 +159,21 @@ def _bare_steps(model: Transformer, ids: list[int], max_tokens: int) -> Iterator
 def decode_beside_probes(model: Transformer, ids: list[int], new_tokens: int, probe: ReadProbe) -> RooflineRun:
     """The bare greedy loop with one matvec and one sum pass of `probe` after every decode step.
 
-    Each is clocked alone (host clock, device synchronised), so decode and probe see the machine
-    at the same moments and both are averages over the same span. The alternative, a best-of-N
-    probe taken before a decode run, sets a quiet moment's bandwidth against a whole run's and
-    moved the fraction by tens of points on a shared machine. A step streams every weight
-    anyway, so a probe pass between steps leaves the next step nothing warmer or colder.
+    Each is clocked alone on the host (a step ends when its token is read back, a probe pass
+    synchronises the device), so decode and probe see the machine at the same moments and both
+    are averages over the same span. The alternative, a best-of-N probe taken before a decode
+    run, sets a quiet moment's bandwidth against a whole run's and moved the fraction by tens of
+    points on a shared machine. A step streams every weight anyway, so a probe pass between
+    steps leaves the next step nothing warmer or colder.
     """
-    cache = model.new_cache(len(ids) + new_tokens)
-    decode = matvec = total = 0.0
+    steps = _bare_steps(model, ids, new_tokens)
+    decode_ms = matvec = total = 0.0
     try:
-        current = model.forward(torch.tensor(ids, device=model.device), 0, cache).argmax().view(1)
-        for step in range(new_tokens - 1):
-            synchronize(model.device)
-            start = time.perf_counter()
-            current = model.forward(current, len(ids) + step, cache).argmax().view(1)
-            synchronize(model.device)
-            decode += time.perf_counter() - start
-            matvec += probe.matvec_seconds()
-            total += probe.sum_seconds()
+        for _, ms in steps:
+            if ms is not None:  # the prefill's token is not a decode step
+                decode_ms += ms
+                matvec += probe.matvec_seconds()
+                total += probe.sum_seconds()
     finally:
-        cache.release()
-    return RooflineRun(new_tokens - 1, decode, probe.nbytes, matvec, total)
+        steps.close()
+    return RooflineRun(new_tokens - 1, decode_ms / 1000, probe.nbytes, matvec, total)
