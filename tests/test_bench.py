@@ -242,3 +242,18 @@ def test_gpu_check_summary_reads_the_bench_report(smoke_report):
     assert summary["decode_speedup_vs_transformers"] == smoke_report.decode.speedup.median
     assert summary["hbm_roofline_fraction_of_matvec_probe"] == smoke_report.roofline.matvec_fraction.median
     assert summary["kv_bytes_computed"] is None  # CPU: no device memory section
+
+
+def test_bench_command_prints_json_with_every_target(chatty_tiny_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "minengine.bench", "--model", str(chatty_tiny_dir), "--device", "cpu"]
+    cmd += ["--dtype", "float32", "--rounds", "1", "--new-tokens", "4", "--long-prompt-tokens", "24"]
+    cmd += ["--launches", "0", "--json", "--output", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = json.loads(done.stdout)
+    assert printed == json.loads(out.read_text(encoding="utf-8"))
+    names = {t["name"] for t in printed["targets"]}
+    assert "decode bandwidth / measured roofline (matvec probe)" in names and "explorer overhead on decode" in names
+    assert printed["start"] is None and printed["roofline"]["probe_bytes"] > 0
+    assert printed["roofline"]["decode_tokens_per_s"]["n"] == 1
