@@ -12,7 +12,6 @@ import torch
 from minengine.sampler_chain import (
     NEG_INF,
     ChainRun,
-    Live,
     as_row,
     count_alive,
     final_distribution,
@@ -69,11 +68,11 @@ class _Display:
     entropy: float
 
 
-def _display(logits: torch.Tensor, params: SamplingParams, run: ChainRun, peak: int) -> _Display:
+def _display(logits: torch.Tensor, params: SamplingParams, chain_scaled: torch.Tensor | None, peak: int) -> _Display:
     if params.temperature in (0, 1):
         scaled = logits
-    elif run.scaled is not None:  # the chain already divided the whole row
-        scaled = run.scaled
+    elif chain_scaled is not None:  # the chain already divided the whole row
+        scaled = chain_scaled
     else:
         scaled = logits / params.temperature
     probs = torch.softmax(scaled, dim=-1)
@@ -122,7 +121,7 @@ def build_trace(
     best_logits, best_ids = top_values(logits, min(top_n, logits.numel()))
     # Among equal logits the higher id comes first: the order HF's ascending sort reverses to.
     ranked = sorted(zip(best_ids.tolist(), best_logits.tolist(), strict=True), key=lambda c: (-c[1], -c[0]))
-    shown = _display(logits, params, run, peak=ranked[0][0])
+    shown = _display(logits, params, run.scaled, peak=ranked[0][0])
     if shown.scaled is logits:
         chosen_logprob = float(logits[chosen] - shown.log_normaliser)
     else:
@@ -194,8 +193,7 @@ def greedy_trace(
     winner = min(tid for tid, logit in ranked if logit == top)  # torch.argmax: the first maximum
     ranked = ranked[: min(top_n, n)]
     chosen = winner if chosen is None else chosen
-    greedy = ChainRun(Live(logits), (), Live(logits), None)  # what _display reads: no scaled row
-    shown = _display(logits, params, greedy, peak=ranked[0][0])
+    shown = _display(logits, params, None, peak=ranked[0][0])
     ids = torch.tensor([tid for tid, _ in ranked], dtype=torch.long, device=logits.device)
     log_normaliser = float(shown.log_normaliser)
     top_p_prob = [math.exp(logit - log_normaliser) for _, logit in ranked]
