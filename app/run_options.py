@@ -8,12 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from minengine.device import resolve_device
-from minengine.engine import Engine
+from minengine.engine.engine import Engine
+from minengine.engine.request import GenerationRequest
 from minengine.errors import RequestError
-from minengine.kv_cache import KV_DTYPES, KV_LAYOUTS
-from minengine.kv_math import MIB
-from minengine.request import GenerationRequest
-from minengine.sampler import SamplingParams
+from minengine.kv.arithmetic import MIB
+from minengine.kv.cache import KV_DTYPES, KV_LAYOUTS
+from minengine.sampling.sampler import SamplingParams
 
 DEFAULT_PROMPT = "Show me wheelchair-accessible hotels in Kyoto"
 
@@ -80,7 +80,7 @@ def resolve_model_dir(args: argparse.Namespace, progress: Callable[[str], None] 
     """--model, or the default model (pulled first when missing)."""
     if args.model:
         return Path(args.model).expanduser()
-    from minengine.pull import ensure_default_model
+    from minengine.hub.pull import ensure_default_model
 
     def report(event) -> None:
         if progress is not None:

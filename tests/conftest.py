@@ -25,7 +25,7 @@ def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The converted SmolLM2-135M-Instruct folder (pulled on first use)."""
-    from minengine.pull import ensure_default_model
+    from minengine.hub.pull import ensure_default_model
 
     return ensure_default_model()
 
@@ -33,7 +33,7 @@ def default_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def default_engine(default_model_dir):
     """The real default model loaded in float32 on the CPU."""
-    from minengine.engine import Engine
+    from minengine.engine.engine import Engine
 
     return Engine(default_model_dir, device="cpu", dtype="float32", kv_budget_bytes=1 << 30)
 
@@ -58,6 +58,6 @@ def chatty_tiny_dir(tmp_path_factory, default_model_dir) -> Path:
 @pytest.fixture(scope="session")
 def chatty_engine(chatty_tiny_dir):
     """Engine over the chatty tiny model (CPU, float32, 64 MiB KV budget)."""
-    from minengine.engine import Engine
+    from minengine.engine.engine import Engine
 
     return Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20)

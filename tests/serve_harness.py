@@ -12,13 +12,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
-from minengine.engine import Engine
-from minengine.events import DoneEvent, RequestResult
-from minengine.request import GenerationRequest
-from reqscope.serve_app import ServeConfig, build_app
-from reqscope.serve_gateway import GatewayConfig
-from reqscope.serve_runner import start_in_thread
-from reqscope.serve_telemetry import TelemetryLog
+from minengine.engine.engine import Engine
+from minengine.engine.events import DoneEvent, RequestResult
+from minengine.engine.request import GenerationRequest
+from reqscope.serve.app import ServeConfig, build_app
+from reqscope.serve.gateway import GatewayConfig
+from reqscope.serve.runner import start_in_thread
+from reqscope.serve.telemetry import TelemetryLog
 
 MODEL = "chatty"
 KEY = "test-key"

@@ -6,12 +6,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from minengine.engine import Engine
-from minengine.request import GenerationRequest
-from minengine.sampler import SamplingParams
-from minengine.trace_io import read_trace
+from minengine.engine.engine import Engine
+from minengine.engine.request import GenerationRequest
+from minengine.record.trace_io import read_trace
+from minengine.sampling.sampler import SamplingParams
 from reqscope.run_options import DEFAULT_PROMPT
-from reqscope.ui.app import ExplorerApp
+from reqscope.ui.run.app import ExplorerApp
 
 # A real run of the default model, recorded with:
 #   reqscope --plain --export DIR --max-tokens 12 "Show me wheelchair-accessible hotels in Kyoto"

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from minengine.errors import ReqscopeError
-from minengine.gguf_import import DTYPES, convert_gguf
-from reqscope.commands.progress_line import ProgressLine
+from minengine.gguf.convert import DTYPES, convert_gguf
+from reqscope.console.progress_line import ProgressLine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,10 +17,10 @@ import json
 import sys
 
 from minengine.argtypes import positive, whole_number
-from minengine.kv_math import MIB, kv_bytes_per_token
-from minengine.metrics import MetricsInputError, SystemWindow, request_latency, request_metrics
-from minengine.planner import tokens_at_stop
-from minengine.timeline_csv import read_timeline
+from minengine.engine.metrics import MetricsInputError, SystemWindow, request_latency, request_metrics
+from minengine.kv.arithmetic import MIB, kv_bytes_per_token
+from minengine.plan.planner import tokens_at_stop
+from minengine.record.timeline_csv import read_timeline
 
 SCOPE = (
     "full causal attention with one K and one V vector per KV head (MHA/GQA/MQA); "

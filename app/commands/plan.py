@@ -23,11 +23,11 @@ from minengine.argtypes import (
     positive_whole_number,
     whole_number,
 )
-from minengine.cards import Architecture, load_cards
 from minengine.config import ModelConfig
 from minengine.errors import ConfigError
-from minengine.kv_math import GIB, KIB, MIB
-from minengine.planner import (
+from minengine.kv.arithmetic import GIB, KIB, MIB
+from minengine.plan.cards import Architecture, load_cards
+from minengine.plan.planner import (
     DEFAULT_DTYPE,
     KV_DTYPES,
     WEIGHT_BYTES,

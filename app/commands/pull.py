@@ -6,8 +6,8 @@ import argparse
 import sys
 import time
 
-from minengine.pull import default_model_dir, is_model_dir, pull_default_model
-from reqscope.commands.progress_line import ProgressLine
+from minengine.hub.pull import default_model_dir, is_model_dir, pull_default_model
+from reqscope.console.progress_line import ProgressLine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

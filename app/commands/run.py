@@ -6,8 +6,8 @@ import argparse
 import sys
 from collections.abc import Iterable, Iterator
 
-from minengine.events import Event
-from reqscope.endpoint_options import add_endpoint_arguments
+from minengine.engine.events import Event
+from reqscope.endpoint.options import add_endpoint_arguments
 from reqscope.run_options import DEFAULT_PROMPT, add_run_arguments, open_engine, request_from_args, stderr_progress
 
 
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     request = request_from_args(args, prompt)
     if args.endpoint:
-        from reqscope.endpoint_run import run_endpoint
+        from reqscope.endpoint.run import run_endpoint
 
         return run_endpoint(args, request)
     headless = args.plain or args.json or not sys.stdout.isatty()
@@ -41,17 +41,18 @@ def run(args: argparse.Namespace) -> int:
     recorded: list = []
     events = _recording(engine.start(request), recorded)
     if args.json:
-        from reqscope.jsonl import print_jsonl
+        from reqscope.console.jsonl import print_jsonl
 
         result = print_jsonl(events)
     else:
-        from reqscope.plain import print_plain
+        from reqscope.console.plain import print_plain
 
         result = print_plain(engine, events)
     if args.export:
-        from minengine.export import export_run
+        from minengine.record.export import export_run
+        from minengine.record.trace_io import trace_header
 
-        written = export_run(result, args.export, recorded, engine.trace_header())
+        written = export_run(result, args.export, recorded, trace_header(engine))
         print(f"reqscope: exported {len(written)} files to {args.export}", file=sys.stderr)
     if result.error:
         print(f"reqscope: error: {result.error}", file=sys.stderr)

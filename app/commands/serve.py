@@ -15,13 +15,13 @@ import sys
 
 from minengine.argtypes import non_negative, positive_whole_number, whole_number
 from minengine.errors import ReqscopeError
-from minengine.kv_math import KIB
-from minengine.sampler import SamplingParams
+from minengine.kv.arithmetic import KIB
+from minengine.sampling.sampler import SamplingParams
 from reqscope.run_options import open_engine, stderr_progress
-from reqscope.serve_app import ServeConfig, build_app
-from reqscope.serve_gateway import GatewayConfig
-from reqscope.serve_runner import serve_forever
-from reqscope.serve_telemetry import TelemetryLog
+from reqscope.serve.app import ServeConfig, build_app
+from reqscope.serve.gateway import GatewayConfig
+from reqscope.serve.runner import serve_forever
+from reqscope.serve.telemetry import TelemetryLog
 
 API_KEY_ENV = "REQSCOPE_API_KEY"
 

@@ -7,15 +7,15 @@ import os
 import sys
 from pathlib import Path
 
-from minengine.cards import Architecture
-from minengine.metrics import RequestMetrics
-from minengine.request import GenerationRequest
-from minengine.trace_io import read_trace
-from reqscope.endpoint_options import API_KEY_ENV
+from minengine.engine.metrics import RequestMetrics
+from minengine.engine.request import GenerationRequest
+from minengine.plan.cards import Architecture
+from minengine.record.trace_io import read_trace
+from reqscope.endpoint.options import API_KEY_ENV
 from reqscope.run_options import open_engine
-from reqscope.ui.app import ExplorerApp
-from reqscope.ui.endpoint_view import EndpointView
-from reqscope.ui.run_view import RunView
+from reqscope.ui.endpoint.view import EndpointView
+from reqscope.ui.run.app import ExplorerApp
+from reqscope.ui.run.view import RunView
 
 
 def launch_explorer(args: argparse.Namespace, request: GenerationRequest) -> int:
@@ -45,8 +45,8 @@ def launch_endpoint_explorer(args: argparse.Namespace, request: GenerationReques
     the screen closes, and the exit code is 1 when the server could not be used or the last
     request failed.
     """
-    from reqscope.ui.endpoint_app import EndpointApp
-    from reqscope.ui.endpoint_worker import EndpointTarget
+    from reqscope.ui.endpoint.app import EndpointApp
+    from reqscope.ui.endpoint.worker import EndpointTarget
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     target = EndpointTarget(args.endpoint, api_key=api_key, model=args.model, new_connection=args.new_connection)

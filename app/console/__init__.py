@@ -1,0 +1,1 @@
+"""Headless output on a terminal or a pipe: plain text, JSON lines, progress lines."""

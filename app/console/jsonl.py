@@ -1,0 +1,73 @@
+"""Headless JSON mode: one JSON object per line, flushed as each event happens."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+from dataclasses import asdict
+from typing import TextIO
+
+from minengine.engine.events import DoneEvent, Event, RequestResult, StageEvent, TokenEvent
+
+
+def _emit(out: TextIO, record: dict) -> None:
+    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    out.flush()
+
+
+def print_jsonl(events: Iterable[Event], out: TextIO | None = None) -> RequestResult:
+    """Write stage, token and done (or error) records; return the result."""
+    out = out or sys.stdout
+    result: RequestResult | None = None
+    for ev in events:
+        if isinstance(ev, StageEvent):
+            _emit(
+                out,
+                {
+                    "event": "stage",
+                    "name": ev.name,
+                    "t_ms": round(ev.end_ms, 3),
+                    "duration_ms": round(ev.duration_ms, 3),
+                },
+            )
+        elif isinstance(ev, TokenEvent):
+            _emit(
+                out,
+                {
+                    "event": "token",
+                    "index": ev.index,
+                    "token_id": ev.token_id,
+                    "text": ev.text,
+                    "t_ms": round(ev.t_ms, 3),
+                    "itl_ms": None if ev.itl_ms is None else round(ev.itl_ms, 3),
+                    "kv_logical_bytes": ev.kv.logical_bytes,
+                    "kv_physical_bytes": ev.kv.physical_bytes,
+                },
+            )
+        elif isinstance(ev, DoneEvent):
+            result = ev.result
+    assert result is not None, "a session always ends with a DoneEvent"
+    if result.error:
+        _emit(out, {"event": "error", "message": result.error})
+    else:
+        _emit(out, done_record(result))
+    return result
+
+
+def done_record(r: RequestResult) -> dict:
+    """The closing record: finish reason, usage and the request's metrics."""
+    m = r.metrics
+    metrics = None
+    if m is not None:
+        metrics = {
+            "ttft_ms": m.ttft_ms,
+            "e2e_ms": m.e2e_ms,
+            "tpot_ms": m.tpot_ms,
+            "itl_ms": None
+            if m.itl is None
+            else {k: getattr(m.itl, k) for k in ("mean", "median", "p90", "p99", "max")},
+            "decode_output_tokens_per_second": m.decode_output_tokens_per_second,
+            "whole_request_output_tokens_per_second": m.whole_request_output_tokens_per_second,
+        }
+    return {"event": "done", "finish_reason": r.finish_reason, "usage": asdict(r.usage), "metrics": metrics}

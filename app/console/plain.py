@@ -1,0 +1,108 @@
+"""Headless text mode: the answer on stdout, stages and a timing summary on stderr."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import TextIO
+
+from minengine.engine.engine import Engine
+from minengine.engine.events import (
+    AdmitEvent,
+    DoneEvent,
+    Event,
+    PrefillEvent,
+    PromptEvent,
+    RequestResult,
+    StageEvent,
+    TokenEvent,
+)
+from minengine.kv.arithmetic import KIB, MIB
+
+
+def print_plain(
+    engine: Engine, events: Iterable[Event], out: TextIO | None = None, err: TextIO | None = None
+) -> RequestResult:
+    """Stream `events` as text; return the request's result."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    result: RequestResult | None = None
+    streamed = ""
+    print(f"· model     {engine.describe()}  (loaded in {engine.load_ms:.0f} ms)", file=err, flush=True)
+    for ev in events:
+        if isinstance(ev, StageEvent) and ev.name not in ("decode", "complete"):
+            print(f"· {ev.name:<9} {ev.duration_ms:9.2f} ms  {ev.detail}", file=err, flush=True)
+        elif isinstance(ev, PromptEvent):
+            parts = " + ".join(f"{p.tokens} {p.name}" for p in ev.parts)
+            print(f"· prompt    {len(ev.pieces)} tokens = {parts}", file=err, flush=True)
+        elif isinstance(ev, AdmitEvent):
+            print(
+                f"· budget    {ev.prompt_tokens}+{ev.max_tokens} of {ev.context_limit} tokens, "
+                f"KV {ev.kv_needed_bytes / MIB:.1f} of {ev.kv_budget_bytes / MIB:.1f} MiB",
+                file=err,
+                flush=True,
+            )
+        elif isinstance(ev, PrefillEvent):
+            print("", file=err, flush=True)
+        elif isinstance(ev, TokenEvent) and ev.text:
+            out.write(ev.text)
+            out.flush()
+            streamed += ev.text
+        elif isinstance(ev, DoneEvent):
+            result = ev.result
+    assert result is not None, "a session always ends with a DoneEvent"
+    if result.text.startswith(streamed) and len(result.text) > len(streamed):
+        out.write(result.text[len(streamed) :])
+    out.write("\n")
+    out.flush()
+    print(summary(engine, result), file=err, flush=True)
+    return result
+
+
+def summary(engine: Engine, r: RequestResult) -> str:
+    """A llama.cpp-style timing summary of a finished request."""
+    lines = [""]
+    if r.error:
+        lines.append(f"error: {r.error}")
+    stages = {s.name: s for s in r.stages}
+    lines.append(
+        f"finish    {r.finish_reason}   prompt {r.usage.prompt_tokens} tokens, "
+        f"output {r.usage.completion_tokens} tokens"
+    )
+    lines.append(f"load      {engine.load_ms:9.2f} ms")
+    if "prefill" in stages:
+        p = stages["prefill"].duration_ms
+        n = r.usage.prompt_tokens
+        lines.append(f"prefill   {p:9.2f} ms / {n:5d} tokens ({p / n:7.2f} ms/token, {1000 * n / p:8.2f} tokens/s)")
+    m = r.metrics
+    if m is not None:
+        if "decode" in stages and m.output_tokens > 1:
+            d = stages["decode"].duration_ms
+            lines.append(
+                f"decode    {d:9.2f} ms / {m.output_tokens - 1:5d} tokens "
+                f"({m.tpot_ms:7.2f} ms/token, {m.decode_output_tokens_per_second:8.2f} tokens/s)"
+            )
+        lines.append(f"TTFT      {m.ttft_ms:9.2f} ms")
+        if m.tpot_ms is not None:
+            lines.append(f"TPOT      {m.tpot_ms:9.2f} ms/token")
+        if m.itl is not None:
+            i = m.itl
+            lines.append(
+                f"ITL       mean {i.mean:.2f}  median {i.median:.2f}  p90 {i.p90:.2f}  "
+                f"p99 {i.p99:.2f}  max {i.max:.2f} ms"
+            )
+        lines.append(
+            f"E2E       {m.e2e_ms:9.2f} ms   "
+            f"({m.whole_request_output_tokens_per_second or 0:.2f} tokens/s whole request)"
+        )
+        accounted = sum(s.duration_ms for s in r.stages if s.name != "complete")
+        lines.append(f"unaccounted {m.e2e_ms - accounted:7.2f} ms (outside the named stages)")
+    if r.kv_peak is not None:
+        kv = r.kv_peak
+        lines.append(
+            f"KV        {kv.bytes_per_token / KIB:.1f} KiB/token ({kv.bytes_per_token} B), {kv.tokens} tokens: "
+            f"logical {kv.logical_bytes / MIB:.2f} MiB, physical {kv.physical_bytes / MIB:.2f} MiB "
+            f"({kv.blocks} blocks of {kv.block_size}, {kv.layout}, {kv.dtype})"
+        )
+    lines.append(f"sampler   logits -> {' -> '.join(r.sampler_order)} -> dist")
+    return "\n".join(lines)

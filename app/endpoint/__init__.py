@@ -1,0 +1,1 @@
+"""`reqscope --endpoint URL`: one request against any OpenAI-compatible server, timed from the client."""

@@ -1,0 +1,131 @@
+"""What the endpoint client emits while one request streams from an OpenAI-compatible server.
+
+A consumer (the plain and JSON printers, later the UI) receives, in order: RequestSent,
+ConnectionReady, ResponseStarted, one ChunkReceived per chunk of visible text, and always a
+closing StreamEnded whose result says whether it failed. Every time is in milliseconds on the
+client's monotonic clock, counted from the send, so `RequestSent.t_ms` is 0. Events can arrive
+a little after the moment they record (the connection is known only once the response headers
+are in), so consumers should place them by `t_ms`, not by arrival.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minengine.engine.events import Usage
+from minengine.engine.metrics import RequestMetrics
+from minengine.engine.timeline import TimelineEvent
+from reqscope.openai.logprobs import TokenLogprob
+
+
+@dataclass(frozen=True)
+class RequestSent:
+    """The request left the client (the timeline's origin, `client_send`)."""
+
+    t_ms: float
+    url: str
+    model: str
+
+
+@dataclass(frozen=True)
+class ConnectionReady:
+    """The connection the request went over: opened for it, or reused from an earlier request."""
+
+    t_ms: float
+    reused: bool
+    connect_ms: float | None  # time to open it (TCP, TLS); None when reused
+
+
+@dataclass(frozen=True)
+class ResponseStarted:
+    """The status line and headers arrived (time to first byte)."""
+
+    t_ms: float
+    status: int
+    request_id: str | None  # the server's x-request-id, when it sends one
+
+
+@dataclass(frozen=True)
+class ChunkReceived:
+    """One streamed chunk of visible text; index 0 is the first visible token."""
+
+    index: int
+    t_ms: float
+    text: str
+    itl_ms: float | None  # gap since the previous chunk; None for the first
+    logprobs: tuple[TokenLogprob, ...]  # one per token the chunk carries, when the server sends them
+
+
+@dataclass(frozen=True)
+class ServerReport:
+    """The server's own measurements of the request (only `reqscope serve` sends them).
+
+    Times are on the server's clock, counted from the moment its HTTP handler saw the request.
+    """
+
+    request_id: str | None
+    ttft_ms: float | None
+    e2e_ms: float | None
+    tpot_ms: float | None
+    queue_ms: float | None
+    output_tokens: int | None
+    stages_ms: tuple[tuple[str, float], ...]  # (stage, duration) in lifecycle order
+    events_ms: tuple[tuple[str, float], ...]  # (timeline event, time) in time order
+
+    def stage_ms(self, name: str) -> float | None:
+        """Duration of one server stage (gateway, template, tokenize, admit, prefill, ...)."""
+        return next((ms for stage, ms in self.stages_ms if stage == name), None)
+
+
+@dataclass(frozen=True)
+class TtftComparison:
+    """Client-observed against server-observed TTFT.
+
+    The server's TTFT already contains its gateway, queue and prefill; what the client sees
+    beyond it (`outside_server_ms`) is connection setup, the network both ways, HTTP parsing
+    before the server's clock starts and the client's own reading.
+    """
+
+    client_ms: float
+    server_ms: float
+    gateway_ms: float | None
+    queue_ms: float | None
+    prefill_ms: float | None
+
+    @property
+    def outside_server_ms(self) -> float:
+        """Client TTFT minus server TTFT."""
+        return self.client_ms - self.server_ms
+
+
+@dataclass(frozen=True)
+class EndpointResult:
+    """Everything the client measured about one request."""
+
+    url: str
+    model: str
+    status: int | None  # HTTP status; None when no response arrived
+    request_id: str | None
+    finish_reason: str | None
+    text: str
+    usage: Usage | None  # as the server reported it
+    output_tokens: int  # O, the token count TPOT and the rates divide by
+    output_tokens_source: str  # "usage", "logprobs" or "chunks" (one token per chunk assumed)
+    chunks: int  # chunks of visible text; ITL has one fewer gaps
+    timeline: tuple[TimelineEvent, ...]
+    metrics: RequestMetrics | None  # ITL per chunk in metrics.itl, TPOT per token; None without text
+    connection_reused: bool | None
+    connect_ms: float | None
+    server: ServerReport | None
+    ttft: TtftComparison | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class StreamEnded:
+    """The request finished (or failed: `result.error`)."""
+
+    result: EndpointResult
+
+
+ClientEvent = RequestSent | ConnectionReady | ResponseStarted | ChunkReceived | StreamEnded

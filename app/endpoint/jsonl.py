@@ -1,0 +1,126 @@
+"""JSON lines for an endpoint request: one object per client event, flushed as it happens.
+
+Records: `sent`, `connection`, `response`, one `chunk` per chunk of visible text, then `done`
+(or `error`). Times are milliseconds on the client's clock from the send.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
+from typing import TextIO
+
+from minengine.engine.metrics import RequestMetrics
+from minengine.plan.planner import Plan
+from reqscope.endpoint.events import (
+    ChunkReceived,
+    ClientEvent,
+    ConnectionReady,
+    EndpointResult,
+    RequestSent,
+    ResponseStarted,
+    StreamEnded,
+)
+
+
+def _emit(out: TextIO, record: dict) -> None:
+    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    out.flush()
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+async def print_endpoint_jsonl(
+    events: AsyncIterator[ClientEvent],
+    kv_plan_for: Callable[[EndpointResult], Plan | None] | None = None,
+    out: TextIO | None = None,
+) -> EndpointResult:
+    """Write one record per event; return the result."""
+    out = out or sys.stdout
+    result: EndpointResult | None = None
+    async for ev in events:
+        if isinstance(ev, RequestSent):
+            _emit(out, {"event": "sent", "url": ev.url, "model": ev.model, "t_ms": _ms(ev.t_ms)})
+        elif isinstance(ev, ConnectionReady):
+            record = {"event": "connection", "reused": ev.reused, "connect_ms": _ms(ev.connect_ms)}
+            _emit(out, {**record, "t_ms": _ms(ev.t_ms)})
+        elif isinstance(ev, ResponseStarted):
+            record = {"event": "response", "status": ev.status, "request_id": ev.request_id}
+            _emit(out, {**record, "t_ms": _ms(ev.t_ms)})
+        elif isinstance(ev, ChunkReceived):
+            _emit(out, chunk_record(ev))
+        elif isinstance(ev, StreamEnded):
+            result = ev.result
+    assert result is not None, "a stream always ends with StreamEnded"
+    if result.error:
+        _emit(out, {"event": "error", "status": result.status, "message": result.error})
+    else:
+        plan = kv_plan_for(result) if kv_plan_for is not None and result.usage is not None else None
+        _emit(out, done_record(result, plan))
+    return result
+
+
+def chunk_record(ev: ChunkReceived) -> dict:
+    """One chunk: its text, arrival, gap since the previous chunk and any logprobs."""
+    record = {"event": "chunk", "index": ev.index, "text": ev.text, "t_ms": _ms(ev.t_ms), "itl_ms": _ms(ev.itl_ms)}
+    if ev.logprobs:
+        record["tokens"] = len(ev.logprobs)
+        record["logprobs"] = [
+            {"token": e.token, "logprob": e.logprob, "top": [{"token": t.token, "logprob": t.logprob} for t in e.top]}
+            for e in ev.logprobs
+        ]
+    return record
+
+
+def metrics_record(m: RequestMetrics | None) -> dict | None:
+    """The same metric keys the engine's `done` record uses."""
+    if m is None:
+        return None
+    itl = None if m.itl is None else {k: getattr(m.itl, k) for k in ("mean", "median", "p90", "p99", "max")}
+    return {
+        "ttft_ms": m.ttft_ms,
+        "e2e_ms": m.e2e_ms,
+        "tpot_ms": m.tpot_ms,
+        "itl_ms": itl,
+        "decode_output_tokens_per_second": m.decode_output_tokens_per_second,
+        "whole_request_output_tokens_per_second": m.whole_request_output_tokens_per_second,
+    }
+
+
+def done_record(r: EndpointResult, plan: Plan | None) -> dict:
+    """The closing record: counts, client metrics, the server's view and planned KV."""
+    server = None
+    if r.server is not None:
+        server = {**asdict(r.server), "stages_ms": dict(r.server.stages_ms), "events_ms": dict(r.server.events_ms)}
+    ttft = None
+    if r.ttft is not None:
+        ttft = {**asdict(r.ttft), "outside_server_ms": r.ttft.outside_server_ms}
+    kv = None
+    if plan is not None:
+        mem = plan.memory
+        kv = {
+            "computed_for": plan.arch.name,
+            "kv_dtype": plan.inputs.kv_dtype,
+            "kv_bytes_per_token": mem.kv_bytes_per_token,
+            "prompt_kv_bytes": mem.prompt_kv_bytes,
+            "stop_kv_tokens": mem.stop_kv_tokens,
+            "stop_kv_bytes": mem.stop_kv_bytes,
+        }
+    return {
+        "event": "done",
+        "finish_reason": r.finish_reason,
+        "request_id": r.request_id,
+        "usage": None if r.usage is None else asdict(r.usage),
+        "output_tokens": r.output_tokens,
+        "output_tokens_source": r.output_tokens_source,
+        "chunks": r.chunks,
+        "connection": {"reused": r.connection_reused, "connect_ms": r.connect_ms},
+        "metrics": metrics_record(r.metrics),
+        "server": server,
+        "ttft_comparison": ttft,
+        "kv_planned": kv,
+    }

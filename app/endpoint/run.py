@@ -1,0 +1,80 @@
+"""`reqscope --endpoint URL`: one request against an OpenAI-compatible server, in plain or JSON mode.
+
+The client first lists the server's models (which checks the URL and the key, picks the model
+when `--model` is not given, and opens the connection the request then reuses unless
+`--new-connection` asks for a fresh one), then streams the chat completion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+import aiohttp
+
+from minengine.engine.request import GenerationRequest
+from minengine.errors import ReqscopeError
+from minengine.plan.planner import Plan
+from reqscope.endpoint.client import EndpointClient
+from reqscope.endpoint.events import EndpointResult
+from reqscope.endpoint.kv import architecture_for, planned_kv
+from reqscope.endpoint.options import API_KEY_ENV
+
+
+def run_endpoint(args: argparse.Namespace, request: GenerationRequest) -> int:
+    """Run `request` against args.endpoint; exit code 1 when the request failed, 2 for bad flags."""
+    if args.export:
+        print("reqscope: error: --export is not available with --endpoint", file=sys.stderr)
+        return 2
+    arch = architecture_for(args.config) if args.config else None
+    if not (args.plain or args.json) and sys.stdout.isatty():
+        from reqscope.ui.launch import launch_endpoint_explorer
+
+        return launch_endpoint_explorer(args, request, arch)
+
+    def kv_plan_for(result: EndpointResult) -> Plan | None:
+        if arch is None or result.usage is None:
+            return None
+        return planned_kv(arch, result.usage.prompt_tokens, result.usage.completion_tokens)
+
+    result = asyncio.run(_run(args, request, kv_plan_for if arch is not None else None))
+    if result.error:
+        print(f"reqscope: error: {result.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _run(args: argparse.Namespace, request: GenerationRequest, kv_plan_for) -> EndpointResult:
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    async with EndpointClient(args.endpoint, api_key=api_key, new_connection=args.new_connection) as client:
+        model = await model_name(client, args.endpoint, args.model)
+        events = client.stream_chat(request, model)
+        if args.json:
+            from reqscope.endpoint.jsonl import print_endpoint_jsonl
+
+            return await print_endpoint_jsonl(events, kv_plan_for)
+        from reqscope.endpoint.plain import print_endpoint_plain
+
+        return await print_endpoint_plain(events, kv_plan_for)
+
+
+async def model_name(client: EndpointClient, endpoint: str, wanted: str | None) -> str:
+    """`wanted`, or the first model the server lists; checks the URL and the key on the way."""
+    try:
+        names = await client.models()
+    except aiohttp.ClientResponseError as exc:
+        if exc.status in (401, 403):
+            message = f"{endpoint} refused the API key ({exc.message}); pass --api-key or set {API_KEY_ENV}"
+            raise ReqscopeError(message) from None
+        names = ()  # some servers have no /models; the request itself will tell
+    except ValueError:  # a body that is not the JSON model list
+        names = ()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise ReqscopeError(f"cannot reach {endpoint} ({exc}); is the server running?") from None
+    if wanted:
+        return wanted
+    if not names:
+        raise ReqscopeError(f"{endpoint} lists no models; pass --model NAME")
+    return names[0]

@@ -1,0 +1,1 @@
+"""The OpenAI wire formats: request schema, response bodies and chunks, log probabilities."""

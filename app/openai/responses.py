@@ -1,0 +1,112 @@
+"""Response bodies and server-sent-event chunks in the OpenAI formats.
+
+A stream is, in order: (chat only) a chunk announcing the assistant role, one chunk per piece
+of visible text, a chunk with the finish reason that also carries the server's own
+measurements under the `reqscope` extension key, a usage chunk with empty `choices` when
+`stream_options.include_usage` asked for one, and `data: [DONE]`. Clients that do not know
+the extension key ignore it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from minengine.engine.events import Usage
+from reqscope.openai.logprobs import TokenLogprob, chat_logprobs_json, completion_logprobs_json
+from reqscope.openai.schema import Kind
+
+SSE_DONE = b"data: [DONE]\n\n"
+EXTENSION_KEY = "reqscope"
+
+# The engine's finish reasons as the API names them ("abort" as vLLM reports a cancellation).
+_API_FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "cancelled": "abort"}
+
+
+def api_finish_reason(engine_reason: str) -> str:
+    """The OpenAI finish reason for one of the engine's."""
+    return _API_FINISH.get(engine_reason, engine_reason)
+
+
+def sse(payload: dict) -> bytes:
+    """One server-sent event carrying `payload` as JSON."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+def usage_json(usage: Usage) -> dict:
+    """OpenAI's usage object."""
+    total = usage.prompt_tokens + usage.completion_tokens
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens, "total_tokens": total}
+
+
+@dataclass(frozen=True)
+class ResponseShape:
+    """Builds every body of one response: its id, model and creation time stay fixed."""
+
+    kind: Kind
+    response_id: str
+    model: str
+    created: int
+
+    def _envelope(self, choices: list[dict], streaming: bool) -> dict:
+        if self.kind == "chat":
+            kind = "chat.completion.chunk" if streaming else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {
+            "id": self.response_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _logprobs(self, entries: Sequence[TokenLogprob] | None, text_offset: int) -> dict | None:
+        if entries is None:
+            return None
+        return chat_logprobs_json(entries) if self.kind == "chat" else completion_logprobs_json(entries, text_offset)
+
+    def role_chunk(self) -> dict:
+        """The first chat chunk: the assistant role, no text yet."""
+        delta = {"role": "assistant", "content": ""}
+        return self._envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], True)
+
+    def text_chunk(self, text: str, logprobs: Sequence[TokenLogprob] | None, text_offset: int = 0) -> dict:
+        """A chunk of visible text, with the logprobs of the tokens that produced it."""
+        choice: dict = {"index": 0, "logprobs": self._logprobs(logprobs, text_offset), "finish_reason": None}
+        if self.kind == "chat":
+            choice["delta"] = {"content": text}
+        else:
+            choice["text"] = text
+        return self._envelope([choice], True)
+
+    def finish_chunk(self, engine_reason: str, report: dict) -> dict:
+        """The chunk that ends the choice; `report` goes under the extension key."""
+        choice: dict = {"index": 0, "logprobs": None, "finish_reason": api_finish_reason(engine_reason)}
+        if self.kind == "chat":
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        return {**self._envelope([choice], True), EXTENSION_KEY: report}
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        """The closing chunk `stream_options.include_usage` asks for: no choices, only usage."""
+        return {**self._envelope([], True), "usage": usage_json(usage)}
+
+    def full_response(
+        self,
+        text: str,
+        engine_reason: str,
+        usage: Usage,
+        logprobs: Sequence[TokenLogprob] | None,
+        report: dict,
+    ) -> dict:
+        """The whole non-streaming response."""
+        choice: dict = {"index": 0, "logprobs": self._logprobs(logprobs, 0)}
+        choice["finish_reason"] = api_finish_reason(engine_reason)
+        if self.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {**self._envelope([choice], False), "usage": usage_json(usage), EXTENSION_KEY: report}

@@ -1,0 +1,285 @@
+"""OpenAI-style request bodies into GenerationRequests, and OpenAI-style errors.
+
+This is the validating half of the gateway: every problem with a body becomes an ApiError
+naming the offending field in `param`, answered with OpenAI's error object. Sampling
+parameters follow vLLM's reading of them: `top_k` -1 or 0 and `min_p` 0 switch the stage off,
+and `max_completion_tokens` wins over the older `max_tokens`. Parameters that would change
+the output but are not implemented (penalties, logit bias, tools, n > 1, ...) are refused by
+name rather than ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from minengine.engine.request import MAX_STOP_STRINGS, GenerationRequest, validate
+from minengine.errors import RequestError
+from minengine.sampling.sampler import SamplingParams
+from minengine.text.chat_template import ROLES, Message
+
+MAX_TOP_LOGPROBS = 20
+# OpenAI's default for /v1/completions; chat has no fixed default, so the server sets one.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+Kind = Literal["chat", "completion"]
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed")
+
+# Accepted only at their neutral value: anything else would change the output unannounced.
+_NEUTRAL: dict[str, object] = {
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "best_of": 1,
+    "echo": False,
+    "logit_bias": None,
+    "tools": None,
+    "tool_choice": None,
+    "functions": None,
+    "function_call": None,
+    "suffix": None,
+}
+
+
+class ApiError(Exception):
+    """A request the API answers with an error status and OpenAI's error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict:
+        """`{"error": {"message", "type", "param", "code"}}`, as OpenAI answers errors."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str) -> ApiError:
+    """A 400 naming `param`."""
+    return ApiError(400, message, param=param)
+
+
+@dataclass(frozen=True)
+class ParseOptions:
+    """Server-side settings that shape every parsed request."""
+
+    model_name: str
+    sampler_order: tuple[str, ...]
+    default_max_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """One validated call to /v1/chat/completions or /v1/completions."""
+
+    kind: Kind
+    model: str
+    generation: GenerationRequest
+    stream: bool
+    include_usage: bool
+    top_logprobs: int | None  # None: no logprobs asked for; 0: only the chosen token's
+
+
+def parse_request(kind: Kind, body: object, request_id: str, options: ParseOptions) -> ApiRequest:
+    """Validate `body` for `kind`; raise ApiError (400, or 404 for an unknown model)."""
+    if not isinstance(body, dict):
+        raise invalid("body", "the request body must be a JSON object")
+    fields = _Fields(body)
+    model = fields.required_string("model")
+    if model != options.model_name:
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist; this server serves {options.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    for name, neutral in _NEUTRAL.items():
+        if not _is_neutral(body.get(name), neutral):
+            raise invalid(name, f"{name} is not supported by this server; leave it out")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise invalid("response_format", "only plain text output is supported; leave response_format out")
+    n = fields.integer("n", 1)
+    if n != 1:
+        raise invalid("n", f"only n=1 is supported (got {n}); send separate requests instead")
+    if kind == "chat":
+        messages, raw_prompt = _messages(body.get("messages")), None
+        default_max = options.default_max_tokens
+        top_logprobs = _chat_logprobs(fields)
+    else:
+        messages, raw_prompt = (), _prompt(body.get("prompt"))
+        default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
+        top_logprobs = fields.integer("logprobs", None, low=0, high=MAX_TOP_LOGPROBS)
+    stream = fields.boolean("stream", False)
+    include_usage = _include_usage(body.get("stream_options"), stream)
+    max_tokens = fields.integer("max_completion_tokens", None, low=1)
+    if max_tokens is None:
+        max_tokens = fields.integer("max_tokens", default_max, low=1)
+    top_k = fields.integer("top_k", 0, low=-1)
+    sampling = SamplingParams(
+        temperature=fields.number("temperature", 1.0),
+        top_k=0 if top_k == -1 else top_k,
+        top_p=fields.number("top_p", 1.0),
+        min_p=fields.number("min_p", 0.0),
+        seed=fields.integer("seed", None, low=0, high=2**64 - 1),
+        order=options.sampler_order,
+    )
+    generation = GenerationRequest(
+        messages=messages,
+        raw_prompt=raw_prompt,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        stop=_stop(body.get("stop")),
+        trace=False,  # the server reports logprobs from the logits, not from sampler traces
+        request_id=request_id,
+    )
+    _check_sampling(sampling)
+    try:
+        validate(generation)
+    except RequestError as exc:
+        raise ApiError(400, str(exc)) from None
+    return ApiRequest(kind, model, generation, stream, include_usage, top_logprobs)
+
+
+def _is_neutral(value: object, neutral: object) -> bool:
+    empty_container = isinstance(value, dict | list) and not value
+    return value is None or empty_container or value == neutral
+
+
+def _check_sampling(sampling: SamplingParams) -> None:
+    """SamplingParams.validate, with the field it complains about named as `param`."""
+    try:
+        sampling.validate()
+    except RequestError as exc:
+        message = str(exc)
+        param = next((name for name in _SAMPLING_FIELDS if message.startswith(name)), None)
+        raise ApiError(400, message, param=param) from None
+
+
+def _chat_logprobs(fields: _Fields) -> int | None:
+    wanted = fields.boolean("logprobs", False)
+    top = fields.integer("top_logprobs", None, low=0, high=MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs set to true")
+    return (top or 0) if wanted else None
+
+
+def _include_usage(raw: object, stream: bool) -> bool:
+    if raw is None:
+        return False
+    if not stream:
+        raise invalid("stream_options", "stream_options is only allowed when stream is true")
+    if not isinstance(raw, dict):
+        raise invalid("stream_options", "stream_options must be an object")
+    value = raw.get("include_usage", False)
+    if not isinstance(value, bool):
+        raise invalid("stream_options.include_usage", "stream_options.include_usage must be true or false")
+    return value
+
+
+def _messages(raw: object) -> tuple[Message, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise invalid("messages", "messages must be a non-empty list of {role, content} objects")
+    messages = []
+    for i, item in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(item, dict):
+            raise invalid(where, f"{where} must be an object with role and content")
+        role = item.get("role")
+        if role == "developer":  # OpenAI's newer name for the system role
+            role = "system"
+        if role not in ROLES:
+            raise invalid(f"{where}.role", f"{where}.role {role!r} is unknown; use one of {', '.join(ROLES)}")
+        messages.append(Message(role, _content(item.get("content"), f"{where}.content")))
+    return tuple(messages)
+
+
+def _content(raw: object, where: str) -> str:
+    """A message's text: a string, or a list of text parts joined together."""
+    if raw is None:
+        return ""
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, list):
+        texts = []
+        for j, part in enumerate(raw):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"{where}[{j}]", f"{where}[{j}] must be a text part ({{type: text, text: ...}})")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(where, f"{where} must be a string or a list of text parts")
+
+
+def _prompt(raw: object) -> str:
+    if isinstance(raw, list) and len(raw) == 1:
+        raw = raw[0]
+    if not isinstance(raw, str):
+        raise invalid("prompt", "prompt must be one string (token-id prompts and batches are not supported)")
+    return raw
+
+
+def _stop(raw: object) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    stops = [raw] if isinstance(raw, str) else raw
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise invalid("stop", "stop must be a non-empty string or a list of them")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed (got {len(stops)})")
+    return tuple(stops)
+
+
+class _Fields:
+    """Typed reads of optional top-level fields, each failure naming its field."""
+
+    def __init__(self, body: dict) -> None:
+        self.body = body
+
+    def required_string(self, name: str) -> str:
+        value = self.body.get(name)
+        if not isinstance(value, str) or not value:
+            raise invalid(name, f"{name} is required and must be a string")
+        return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise invalid(name, f"{name} must be true or false (got {value!r})")
+        return value
+
+    def number(self, name: str, default: float) -> float:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise invalid(name, f"{name} must be a number (got {value!r})")
+        return float(value)
+
+    def integer(self, name: str, default: int | None, low: int | None = None, high: int | None = None) -> int | None:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise invalid(name, f"{name} must be an integer (got {value!r})")
+        if (low is not None and value < low) or (high is not None and value > high):
+            bounds = f">= {low}" if high is None else f"between {low} and {high}"
+            raise invalid(name, f"{name} must be {bounds} (got {value})")
+        return value

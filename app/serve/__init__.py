@@ -1,0 +1,1 @@
+"""`reqscope serve`: an OpenAI-compatible HTTP server over one Engine."""

@@ -1,0 +1,218 @@
+"""`reqscope serve`'s HTTP application: OpenAI-compatible routes over one minengine Engine.
+
+Routes: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models and
+GET /health. A completion request passes the gateway (`Gateway.guard`), is parsed into a
+GenerationRequest, and runs as an engine session on a worker thread (`EngineRun`). The
+response status is decided only once the scheduler has admitted the request, so a full queue
+is a 503 and a request that can never fit is a 400, never a 200 stream that fails. The engine
+admits one running request at a time; others wait in its bounded queue, and their wait is part
+of their TTFT.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from minengine.engine.engine import Engine
+from minengine.engine.events import RequestResult
+from minengine.engine.scheduler import Scheduler
+from minengine.errors import AdmissionError, QueueFullError, RequestError
+from minengine.sampling.sampler import VLLM_ORDER
+from reqscope.openai.logprobs import TokenLogprob
+from reqscope.openai.responses import SSE_DONE, ResponseShape, sse
+from reqscope.openai.schema import ApiError, ApiRequest, Kind, ParseOptions, parse_request
+from reqscope.serve.engine_session import Admitted, Crashed, Ended, EngineRun, Generated
+from reqscope.serve.gateway import Arrival, Gateway, GatewayConfig, error_response, json_errors
+from reqscope.serve.telemetry import ServedRequest, TelemetryLog, server_report
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How the server presents the engine and guards it."""
+
+    model_name: str
+    gateway: GatewayConfig = GatewayConfig()
+    sampler_order: tuple[str, ...] = VLLM_ORDER
+    default_max_tokens: int = 256
+    max_queue: int = 16
+
+
+@dataclass(frozen=True)
+class _State:
+    engine: Engine
+    config: ServeConfig
+    telemetry: TelemetryLog
+    started: int
+
+
+_STATE = web.AppKey("reqscope_serve_state", _State)
+
+
+def serving_scheduler(engine: Engine, max_queue: int) -> Scheduler:
+    """The engine's KV budget with one running request at a time and a bounded queue."""
+    return Scheduler(engine.scheduler.kv_budget_bytes, max_queue=max_queue, max_running=1)
+
+
+def build_app(engine: Engine, config: ServeConfig, telemetry: TelemetryLog | None = None) -> web.Application:
+    """The aiohttp application serving `engine` (its scheduler is replaced by `serving_scheduler`)."""
+    engine.scheduler = serving_scheduler(engine, config.max_queue)
+    gateway = Gateway(config.gateway)
+    app = web.Application(middlewares=[json_errors], client_max_size=config.gateway.max_body_bytes)
+    app[_STATE] = _State(engine, config, telemetry or TelemetryLog(), int(time.time()))
+    app.router.add_get("/health", _health)
+    app.router.add_get("/v1/models", gateway.guard(_models))
+    app.router.add_post(CHAT_PATH, gateway.guard(_chat))
+    app.router.add_post(COMPLETIONS_PATH, gateway.guard(_completions))
+    return app
+
+
+async def _health(request: web.Request) -> web.Response:
+    state: _State = request.app[_STATE]
+    scheduler = state.engine.scheduler
+    return web.json_response(
+        {"status": "ok", "model": state.config.model_name, "running": scheduler.running, "waiting": scheduler.waiting}
+    )
+
+
+async def _models(request: web.Request, _arrival: Arrival) -> web.Response:
+    state: _State = request.app[_STATE]
+    model = {
+        "id": state.config.model_name,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "reqscope",
+        "max_model_len": state.engine.cfg.max_position_embeddings,
+    }
+    return web.json_response({"object": "list", "data": [model]})
+
+
+async def _chat(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+    return await _complete(request, arrival, "chat")
+
+
+async def _completions(request: web.Request, arrival: Arrival) -> web.StreamResponse:
+    return await _complete(request, arrival, "completion")
+
+
+async def _read_json(request: web.Request) -> object:
+    raw = await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", param="body") from None
+
+
+async def _complete(request: web.Request, arrival: Arrival, kind: Kind) -> web.StreamResponse:
+    state: _State = request.app[_STATE]
+    options = ParseOptions(state.config.model_name, state.config.sampler_order, state.config.default_max_tokens)
+    api = parse_request(kind, await _read_json(request), arrival.request_id, options)
+
+    def record(result: RequestResult, disconnect_ms: float | None) -> None:
+        state.telemetry.write(ServedRequest(result, request.path, disconnect_ms))
+
+    run = EngineRun(state.engine, api.generation, arrival.timeline, top_logprobs=api.top_logprobs, on_end=record)
+    run.start()
+    try:
+        first = await run.next()
+        if not isinstance(first, Admitted):
+            return error_response(_refusal(first))
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        shape = ResponseShape(kind, prefix + api.generation.request_id, api.model, int(time.time()))
+        if api.stream:
+            return await _stream(request, arrival, api, run, shape)
+        return await _collect(api, run, shape)
+    finally:
+        # Reached early only when the handler was cancelled (client gone) or a write failed.
+        run.cancel()
+
+
+def _refusal(item: Ended | Crashed) -> ApiError:
+    """The error status for a request that ended before it was admitted."""
+    if isinstance(item, Crashed):
+        return ApiError(500, item.message, kind="server_error")
+    message = item.result.error or "the request ended before admission"
+    if isinstance(item.failure, QueueFullError):
+        return ApiError(503, message, kind="server_busy", code="queue_full", retry_after_s=1)
+    if isinstance(item.failure, AdmissionError | RequestError):
+        return ApiError(400, message, param="max_tokens" if "max_tokens" in message else None)
+    return ApiError(500, message, kind="server_error")
+
+
+async def _stream(
+    request: web.Request, arrival: Arrival, api: ApiRequest, run: EngineRun, shape: ResponseShape
+) -> web.StreamResponse:
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **arrival.headers}
+    response = web.StreamResponse(headers=headers)
+    await response.prepare(request)
+    try:
+        if api.kind == "chat":
+            await response.write(sse(shape.role_chunk()))
+        streamed, waiting_logprobs = "", []
+        while True:
+            item = await run.next()
+            if isinstance(item, Generated):
+                if item.logprob is not None:
+                    waiting_logprobs.append(item.logprob)
+                if item.token.text:
+                    # Tokens that made no text yet (half a character, a held-back stop prefix)
+                    # ride along with the chunk that finally shows their text.
+                    chunk = shape.text_chunk(item.token.text, _logprobs(api, waiting_logprobs), len(streamed))
+                    await response.write(sse(chunk))
+                    streamed += item.token.text
+                    waiting_logprobs = []
+            elif isinstance(item, Ended | Crashed):
+                await response.write(_closing(api, shape, item, streamed, waiting_logprobs))
+                break
+        await response.write_eof()
+    except ConnectionResetError:  # the client went away mid-stream
+        run.cancel()
+    return response
+
+
+def _closing(
+    api: ApiRequest, shape: ResponseShape, item: Ended | Crashed, streamed: str, logprobs: list[TokenLogprob]
+) -> bytes:
+    """Everything after the last token: leftover text, finish (or error), usage, [DONE]."""
+    if isinstance(item, Crashed):
+        return sse(ApiError(500, item.message, kind="server_error").body()) + SSE_DONE
+    result = item.result
+    out = b""
+    tail = result.text[len(streamed) :] if result.text.startswith(streamed) else ""
+    if tail or logprobs:
+        out += sse(shape.text_chunk(tail, _logprobs(api, logprobs), len(streamed)))
+    if result.error:
+        out += sse(ApiError(500, result.error, kind="server_error").body())
+    else:
+        out += sse(shape.finish_chunk(result.finish_reason, server_report(result)))
+        if api.include_usage:
+            out += sse(shape.usage_chunk(result.usage))
+    return out + SSE_DONE
+
+
+def _logprobs(api: ApiRequest, entries: list[TokenLogprob]) -> list[TokenLogprob] | None:
+    return None if api.top_logprobs is None else entries
+
+
+async def _collect(api: ApiRequest, run: EngineRun, shape: ResponseShape) -> web.Response:
+    logprobs: list[TokenLogprob] = []
+    while True:
+        item = await run.next()
+        if isinstance(item, Generated) and item.logprob is not None:
+            logprobs.append(item.logprob)
+        elif isinstance(item, Crashed):
+            return error_response(ApiError(500, item.message, kind="server_error"))
+        elif isinstance(item, Ended):
+            result = item.result
+            if result.error:
+                return error_response(ApiError(500, result.error, kind="server_error"))
+            body = shape.full_response(
+                result.text, result.finish_reason, result.usage, _logprobs(api, logprobs), server_report(result)
+            )
+            return web.json_response(body)

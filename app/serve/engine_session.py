@@ -1,0 +1,126 @@
+"""One HTTP request's engine session, run on a worker thread and read from the event loop.
+
+The session blocks (in the scheduler's queue, in prefill, in every decode step), so it runs
+on its own thread and hands the handler only what the response needs: admission, each token
+(with its logprobs when asked for) and the end. The handler awaits these in order. When the
+client goes away the handler calls `cancel()`, and the session stops before its next model
+step. The telemetry record is written from the worker as the session ends, so it exists even
+when the handler is long gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from minengine.engine.engine import Engine
+from minengine.engine.events import AdmitEvent, DoneEvent, RequestResult, StepReady, TokenEvent
+from minengine.engine.request import GenerationRequest
+from minengine.engine.timeline import Timeline
+from minengine.errors import ReqscopeError
+from reqscope.openai.logprobs import TokenLogprob
+from reqscope.serve.logprobs import LogprobProbe
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The scheduler admitted the request (after any wait in the queue)."""
+
+    event: AdmitEvent
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One token; `logprob` is set when the request asked for logprobs."""
+
+    token: TokenEvent
+    logprob: TokenLogprob | None
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The session finished; `failure` says why when it failed."""
+
+    result: RequestResult
+    failure: ReqscopeError | None
+
+
+@dataclass(frozen=True)
+class Crashed:
+    """The worker hit an unexpected exception (a bug): the response must still end."""
+
+    message: str
+
+
+RunItem = Admitted | Generated | Ended | Crashed
+
+
+class EngineRun:
+    """A request's session on a worker thread; `next()` yields its items on the event loop."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        request: GenerationRequest,
+        timeline: Timeline,
+        *,
+        top_logprobs: int | None,
+        on_end: Callable[[RequestResult, float | None], None],
+    ) -> None:
+        self.session = engine.start(request, timeline)
+        self.timeline = timeline
+        self._probe = None if top_logprobs is None else LogprobProbe(top_logprobs, engine.tokenizer.piece)
+        self._on_end = on_end
+        self._queue: asyncio.Queue[RunItem] = asyncio.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.finished = threading.Event()
+        self._over = False  # the handler has read the end
+        self.disconnect_ms: float | None = None
+
+    def start(self) -> None:
+        """Start the worker thread; call from the event loop that will read the items."""
+        self._loop = asyncio.get_running_loop()
+        name = f"reqscope-{self.session.request.request_id}"
+        threading.Thread(target=self._work, name=name, daemon=True).start()
+
+    async def next(self) -> RunItem:
+        """The next item, in the order the session produced them."""
+        item = await self._queue.get()
+        if isinstance(item, Ended | Crashed):
+            self._over = True
+        return item
+
+    def cancel(self) -> None:
+        """The client is gone: stop the session before its next step and note when.
+
+        Does nothing once the end has been read or the worker has finished.
+        """
+        if not (self._over or self.finished.is_set()) and self.disconnect_ms is None:
+            self.disconnect_ms = self.timeline.now_ms()
+            self.session.cancel()
+
+    def _post(self, item: RunItem) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed (server shutting down): nobody listens
+            self.session.cancel()
+
+    def _work(self) -> None:
+        try:
+            for event in self.session:
+                if isinstance(event, StepReady) and self._probe is not None:
+                    self._probe.capture(self.session.pending_logits)
+                elif isinstance(event, AdmitEvent):
+                    self._post(Admitted(event))
+                elif isinstance(event, TokenEvent):
+                    logprob = None if self._probe is None else self._probe.entry(event.token_id)
+                    self._post(Generated(event, logprob))
+                elif isinstance(event, DoneEvent):
+                    self._on_end(event.result, self.disconnect_ms)
+                    self._post(Ended(event.result, self.session.failure))
+        except Exception as exc:  # a bug must end the response with a 500, not hang it
+            self._post(Crashed(f"{type(exc).__name__}: {exc}"))
+        finally:
+            self.finished.set()

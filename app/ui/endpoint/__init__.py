@@ -1,0 +1,1 @@
+"""The endpoint explorer: one request streamed from a server, its view and its panels."""

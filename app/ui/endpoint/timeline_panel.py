@@ -1,0 +1,81 @@
+"""The client's timeline, event by event, and the server's stages when it reports them.
+
+Client events are on the client's clock from the send; the server's are on its own clock from
+the moment its handler saw the request, so the two columns are never subtracted from each
+other, only their spans compared (that is the latency panel's TTFT split).
+"""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.text import Text
+
+from minengine.engine.timeline import TimelineEvent
+from reqscope.endpoint.events import ServerReport
+from reqscope.ui.endpoint.frame import EndpointFrame
+from reqscope.ui.endpoint.view import EndpointView
+from reqscope.ui.panel import Panel
+
+
+class EndpointTimelinePanel(Panel[EndpointFrame]):
+    """Client events with times and gaps (the per-chunk `token` events folded into one row), then the server's."""
+
+    TITLE = "Timeline"
+    WAITING = "sending…"
+
+    def draw(self, frame: EndpointFrame, width: int, height: int) -> RenderableType:
+        view = frame.view
+        lines = [Text(f"{'client event':<22}{'t ms':>10}{'+ms':>9}  detail", style="dim underline", no_wrap=True)]
+        previous = 0.0
+        for event in client_events(view):
+            line = Text(no_wrap=True, overflow="ellipsis")
+            line.append(f"{event.name:<22}", style="bold")
+            line.append(f"{event.t_ms:>10.2f}{event.t_ms - previous:>9.2f}  ")
+            line.append(event.detail, style="dim")
+            lines.append(line)
+            previous = event.t_ms
+        lines += _server(view.result.server if view.result is not None else None, view.done)
+        if frame.new_connection:
+            lines.append(Text("--new-connection: each request opens (and pays for) its own connection", style="dim",
+                              no_wrap=True, overflow="ellipsis"))
+        return Group(*lines[: max(height, 1)])
+
+
+def client_events(view: EndpointView) -> list[TimelineEvent]:
+    """The client's timeline so far, with the chunks' `token` events folded into one row."""
+    if view.result is not None:
+        events = list(view.result.timeline)
+    else:
+        events = []
+        if view.sent is not None:
+            events.append(TimelineEvent("client_send", view.sent.t_ms, view.sent.url))
+        if view.connection is not None:
+            c = view.connection
+            name, detail = ("connection_reused", "kept alive") if c.reused else (
+                "connection_new", f"opened in {c.connect_ms or 0:.2f} ms")
+            events.append(TimelineEvent(name, c.t_ms, detail))
+        if view.response is not None:
+            events.append(TimelineEvent("first_byte", view.response.t_ms, f"HTTP {view.response.status}"))
+        if view.chunks:
+            events.append(TimelineEvent("first_visible_token", view.chunks[0].t_ms, "chunk 0"))
+            events += [TimelineEvent("token", c.t_ms) for c in view.chunks]
+    tokens = [e for e in events if e.name == "token"]
+    folded = [e for e in events if e.name != "token"]
+    if len(tokens) > 1:
+        row = TimelineEvent(f"token × {len(tokens)}", tokens[-1].t_ms, f"one per chunk, last at {tokens[-1].t_ms:.2f}")
+        at = next((i for i, e in enumerate(folded) if e.t_ms > tokens[-1].t_ms or e.name == "last_visible_token"),
+                  len(folded))
+        folded.insert(at, row)
+    return sorted(folded, key=lambda e: e.t_ms)
+
+
+def _server(report: ServerReport | None, done: bool) -> list[Text]:
+    if report is None:
+        note = "server stages: none reported (only reqscope serve sends them)" if done else (
+            "server stages: with the last chunk, when the server reports them")
+        return [Text(""), Text(note, style="dim", no_wrap=True, overflow="ellipsis")]
+    lines = [Text(""), Text(f"{'server stage':<22}{'ms':>10}  own clock", style="dim underline", no_wrap=True,
+                            overflow="ellipsis")]
+    for name, value in report.stages_ms:
+        lines.append(Text(f"{name:<22}{value:>10.2f}", no_wrap=True))
+    return lines

@@ -1,0 +1,143 @@
+"""What the endpoint explorer knows about one request: the client's events so far, folded into one record.
+
+The client's pipeline differs from the engine's: it sees a connection, the server's first
+byte, the first visible token, the stream and the end, and nothing in between. Each stage's
+time is the gap between the two client events that bound it, all on the client's clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minengine.engine.metrics import RequestMetrics
+from minengine.errors import ReqscopeError
+from reqscope.endpoint.events import (
+    ChunkReceived,
+    ClientEvent,
+    ConnectionReady,
+    EndpointResult,
+    RequestSent,
+    ResponseStarted,
+    StreamEnded,
+)
+from reqscope.endpoint.metrics import client_metrics, output_token_count
+from reqscope.openai.logprobs import TokenLogprob
+
+# The client's stages, in order: opening (or reusing) the connection, waiting for the status
+# line, waiting for the first visible token, the stream from first to last token, the close.
+CLIENT_PIPELINE: tuple[str, ...] = ("connect", "first byte", "first token", "stream", "close")
+
+
+@dataclass
+class EndpointView:
+    """Everything drawn about one endpoint request, updated one client event at a time."""
+
+    sent: RequestSent | None = None
+    connection: ConnectionReady | None = None
+    response: ResponseStarted | None = None
+    chunks: list[ChunkReceived] = field(default_factory=list)
+    result: EndpointResult | None = None
+    cancelled: bool = False  # the user closed the stream before it ended
+
+    def apply(self, event: ClientEvent) -> None:
+        """Fold one event in."""
+        if isinstance(event, RequestSent):
+            self.sent = event
+        elif isinstance(event, ConnectionReady):
+            self.connection = event
+        elif isinstance(event, ResponseStarted):
+            self.response = event
+        elif isinstance(event, ChunkReceived):
+            self.chunks.append(event)
+        elif isinstance(event, StreamEnded):
+            self.result = event.result
+
+    @classmethod
+    def of(cls, events: list[ClientEvent]) -> EndpointView:
+        """The view after `events`, in order."""
+        view = cls()
+        for event in events:
+            view.apply(event)
+        return view
+
+    # -- derived -------------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        """True once the stream ended, failed or was cancelled."""
+        return self.result is not None or self.cancelled
+
+    @property
+    def text(self) -> str:
+        """The answer as streamed so far."""
+        return self.result.text if self.result is not None else "".join(c.text for c in self.chunks)
+
+    @property
+    def error(self) -> str | None:
+        """Why the request failed, when it did."""
+        return self.result.error if self.result is not None else None
+
+    @property
+    def token_logprobs(self) -> list[TokenLogprob]:
+        """Every per-token logprob entry the server sent, in order."""
+        return [entry for chunk in self.chunks for entry in chunk.logprobs]
+
+    def output_tokens(self) -> tuple[int, str]:
+        """O so far and where it came from ("usage", "logprobs" or "chunks")."""
+        if self.result is not None:
+            return self.result.output_tokens, self.result.output_tokens_source
+        return output_token_count(None, len(self.token_logprobs), len(self.chunks))
+
+    def metrics(self) -> RequestMetrics | None:
+        """The client's metrics: the final ones once done, else the same formulas on the chunks so far."""
+        if self.result is not None:
+            return self.result.metrics
+        if not self.chunks:
+            return None
+        try:
+            return client_metrics([c.t_ms for c in self.chunks], self.output_tokens()[0])
+        except ReqscopeError:
+            return None  # two chunks on one clock tick: wait for the next
+
+    def itls_ms(self) -> list[float]:
+        """Every gap between consecutive chunks (ITL is per chunk)."""
+        return [c.itl_ms for c in self.chunks if c.itl_ms is not None]
+
+    def current_stage(self) -> str | None:
+        """The client stage in progress; None once the request ended."""
+        if self.done:
+            return None
+        if self.response is None:
+            return "connect" if self.connection is None else "first byte"
+        return "first token" if not self.chunks else "stream"
+
+    def stage_ms(self, name: str) -> float | None:
+        """How long a client stage took (so far, for the running one); None before it started."""
+        conn, resp, chunks = self.connection, self.response, self.chunks
+        if name == "connect":
+            if conn is None:
+                return None
+            return conn.connect_ms if conn.connect_ms is not None else 0.0
+        if name == "first byte":
+            return resp.t_ms - (conn.t_ms if conn else 0.0) if resp else None
+        if name == "first token":
+            return chunks[0].t_ms - resp.t_ms if chunks and resp else None
+        if name == "stream":
+            return chunks[-1].t_ms - chunks[0].t_ms if chunks else None
+        if name == "close" and self.result is not None:
+            completed = next((e.t_ms for e in reversed(self.result.timeline) if e.name == "completed"), None)
+            last = chunks[-1].t_ms if chunks else (resp.t_ms if resp else 0.0)
+            return completed - last if completed is not None else None
+        return None
+
+    def stage_detail(self, name: str) -> str:
+        """A short note for a stage: reused or new connection, HTTP status, chunk count."""
+        if name == "connect" and self.connection is not None:
+            return "reused" if self.connection.reused else "new"
+        if name == "first byte" and self.response is not None:
+            return f"HTTP {self.response.status}"
+        if name == "stream" and self.chunks:
+            return f"{len(self.chunks)} chunks"
+        if name == "close" and self.result is not None:
+            return self.result.finish_reason or ("error" if self.result.error else "")
+        return ""

@@ -1,0 +1,1 @@
+"""The run explorer's panels, one per stage of the request."""

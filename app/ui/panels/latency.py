@@ -1,0 +1,90 @@
+"""Running latency: TTFT, ITL and its spread, TPOT, both output rates, E2E, prefill against prompt length."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.text import Text
+
+from minengine.engine.metrics import ItlStats, RequestMetrics
+from reqscope.ui.glyphs import columns, ms, rate, sparkline
+from reqscope.ui.panel import Panel
+from reqscope.ui.run.frame import Frame
+from reqscope.ui.run.latency import latency_figures
+
+_CHART_MAX_ROWS = 10
+
+
+class LatencyPanel(Panel):
+    """Label/value pairs, the prefill figures, then the ITLs as a chart (or a sparkline when cramped)."""
+
+    TITLE = "Latency"
+
+    def draw(self, frame: Frame, width: int, height: int) -> RenderableType:
+        fig = latency_figures(frame.view)
+        figures = metric_figures(fig.metrics, fig.itl, fig.last_itl_ms)
+        lines = pairs(figures, width) + [_prefill(fig.prefill_ms, fig.prompt_tokens)]
+        if len(frame.prefill_history) > 1:
+            history = " · ".join(f"{n} tok {t:.1f} ms" for n, t in frame.prefill_history[-6:])
+            lines.append(Text(f"prefill by prompt length: {history}", style="dim", no_wrap=True, overflow="ellipsis"))
+        lines += itl_chart(fig.itls_ms, width, height - len(lines))
+        return Group(*lines[: max(height, 1)])
+
+
+def metric_figures(m: RequestMetrics | None, itl: ItlStats | None, last_itl_ms: float | None) -> list[tuple[str, str]]:
+    """The headline latency figures as label/value pairs, an en dash where not known yet."""
+    return [
+        ("TTFT", ms(m.ttft_ms if m else None)),
+        ("E2E", ms(m.e2e_ms if m else None)),
+        ("last ITL", ms(last_itl_ms)),
+        ("TPOT", ms(m.tpot_ms if m else None, 2)),
+        ("ITL mean", ms(itl.mean if itl else None, 2)),
+        ("ITL median", ms(itl.median if itl else None, 2)),
+        ("ITL p95", ms(itl.p95 if itl else None, 2)),
+        ("ITL max", ms(itl.max if itl else None, 2)),
+        ("decode", rate(m.decode_output_tokens_per_second if m else None)),
+        ("whole req.", rate(m.whole_request_output_tokens_per_second if m else None)),
+    ]
+
+
+def pairs(items: list[tuple[str, str]], width: int) -> list[Text]:
+    """Label/value pairs, two to a line when there is room."""
+    per_line = 2 if width >= 44 else 1
+    cell = width // per_line
+    lines = []
+    for start in range(0, len(items), per_line):
+        line = Text(no_wrap=True)
+        for label, value in items[start : start + per_line]:
+            line.append(f"{label:<11}", style="dim")
+            line.append(value.ljust(cell - 11), style="bold")
+        lines.append(line)
+    return lines
+
+
+def _prefill(prefill_ms: float | None, tokens: int | None) -> Text:
+    text = Text(no_wrap=True, overflow="ellipsis")
+    text.append("prefill    ", style="dim")
+    if prefill_ms is None or not tokens:
+        text.append("–")
+        return text
+    text.append(f"{prefill_ms:.1f} ms", style="bold")
+    per_s = tokens / (prefill_ms / 1000) if prefill_ms > 0 else 0.0
+    text.append(f" for {tokens} prompt tokens ({prefill_ms / tokens:.2f} ms/token, {per_s:.0f} tok/s)")
+    return text
+
+
+def itl_chart(itls: tuple[float, ...], width: int, rows: int, unit: str = "tokens") -> list[Text]:
+    """The last ITLs as bars scaled to their maximum, with a caption; one sparkline line when cramped."""
+    if rows < 2:
+        return []
+    tail = itls[-(width - 1) :]
+    caption = Text(no_wrap=True, overflow="ellipsis", style="dim")
+    if not tail:
+        caption.append(f"ITL chart: from the second streamed {unit[:-1]} on")
+        return [caption]
+    caption.append(f"ITL of the last {len(tail)} {unit}: {min(tail):.1f}–{max(tail):.1f} ms")
+    if rows < 4:
+        return [Text(sparkline(tail, width), style="cyan", no_wrap=True), caption]
+    top = max(tail)
+    each = max(1, min(3, width // len(tail)))
+    chart = columns([v / top for v in tail], min(rows - 1, _CHART_MAX_ROWS), each)
+    return [Text(line, style="cyan", no_wrap=True) for line in chart] + [caption]

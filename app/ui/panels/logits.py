@@ -1,0 +1,139 @@
+"""One decode step explained: the sampler chain, the top candidates, where each stage cut, the choice."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Group, RenderableType
+from rich.text import Text
+
+from minengine.engine.events import TokenEvent
+from minengine.sampling.sampler import Candidate, SamplingParams, StepTrace
+from reqscope.ui.glyphs import show_piece
+from reqscope.ui.panel import Panel
+from reqscope.ui.run.frame import Frame
+
+_RECENT_MIN_ROWS = 4  # spare rows below the candidates before the recent steps are worth showing
+# Column headings, aligned with _candidate_line's fields.
+_HEADER = f"{'':2}{'#':>2} {'token':<12} {'id':>6} {'logit':>6} {'prob':>6} {'cum.':>6}  status"
+
+
+def chain_text(params: SamplingParams) -> str:
+    """The sampler chain in the order it runs, each stage with its value or `off`."""
+    if params.greedy:
+        return "logits -> argmax (temperature 0: greedy)"
+    values = {
+        "temperature": f"temperature {params.temperature:g}" if params.temperature != 1 else "temperature off",
+        "top_k": f"top_k {params.top_k}" if params.top_k else "top_k off",
+        "top_p": f"top_p {params.top_p:g}" if params.top_p < 1 else "top_p off",
+        "min_p": f"min_p {params.min_p:g}" if params.min_p else "min_p off",
+    }
+    return " -> ".join(["logits", *(values[s] for s in params.order), "dist"])
+
+
+def cut_positions(trace: StepTrace) -> dict[int, str]:
+    """Row index -> label of the cut line drawn just above that candidate row."""
+    params, cands = trace.params, trace.candidates
+    cuts: dict[int, str] = {}
+    if params.greedy:
+        return {1: "greedy: only the argmax"} if len(cands) > 1 else {}
+    if 0 < params.top_k < len(cands):
+        cuts[params.top_k] = f"top-k {params.top_k}"
+    first_top_p = next((i for i, c in enumerate(cands) if c.dropped_by == "top_p"), None)
+    if first_top_p is not None:
+        mass = f", kept {trace.top_p_cut:.3f}" if trace.top_p_cut is not None else ""
+        cuts[first_top_p] = _join(cuts.get(first_top_p), f"top-p {params.top_p:g}{mass}")
+    first_min_p = next((i for i, c in enumerate(cands) if c.dropped_by == "min_p"), None)
+    if first_min_p is not None:
+        cuts[first_min_p] = _join(cuts.get(first_min_p), f"min-p {params.min_p:g}")
+    return cuts
+
+
+def _join(a: str | None, b: str) -> str:
+    return b if a is None else f"{a} · {b}"
+
+
+class LogitsPanel(Panel):
+    """The chain line, a summary line, then candidate rows with cut lines between them."""
+
+    TITLE = "Logits & sampling"
+
+    def draw(self, frame: Frame, width: int, height: int) -> RenderableType:
+        subject = frame.subject
+        chain = Text(chain_text(frame.params), style="bold", no_wrap=True, overflow="ellipsis")
+        if subject is None:
+            return Group(chain, Text("no step yet: logits appear after prefill", style="dim"))
+        trace = subject.trace
+        lines = [chain, _summary(subject.label, trace), Text(_HEADER[:width], style="dim underline", no_wrap=True)]
+        rows = _candidate_rows(trace, frame.cursor if subject.pickable else None, width)
+        room = max(height - len(lines), 1)
+        lines += _window(rows, frame.cursor, room)
+        spare = height - len(lines) - 1
+        if spare >= _RECENT_MIN_ROWS:
+            lines += [Text("")] + _recent_steps(frame.view.tokens, spare)
+        return Group(*lines)
+
+
+def _summary(label: str, trace: StepTrace) -> Text:
+    text = Text(no_wrap=True, overflow="ellipsis")
+    text.append(label, style="italic")
+    text.append(f"  kept {trace.kept}/{trace.vocab_size or '?'}  H {trace.entropy:.2f} nats  ")
+    text.append(f"chosen {show_piece(trace.chosen_piece, 12)}", style="bold")
+    text.append(f" logprob {trace.chosen_logprob:.2f}")
+    if trace.forced:
+        text.append(" (forced)", style="bold")
+    return text
+
+
+def _candidate_rows(trace: StepTrace, cursor: int | None, width: int) -> list[tuple[int | None, Text]]:
+    """(candidate index or None for a cut line, the line)."""
+    cuts = cut_positions(trace)
+    rows: list[tuple[int | None, Text]] = []
+    for i, cand in enumerate(trace.candidates):
+        if i in cuts:
+            label = f" {cuts[i]} "
+            rows.append((None, Text(("──" + label).ljust(width, "─"), style="yellow", no_wrap=True)))
+        rows.append((i, _candidate_line(i, cand, cand.token_id == trace.chosen_id, i == cursor, width)))
+    return rows
+
+
+def _candidate_line(i: int, cand: Candidate, chosen: bool, selected: bool, width: int) -> Text:
+    mark = "▶" if chosen else " "
+    pointer = "›" if selected else " "
+    status = f"kept {cand.final_prob:5.1%}" if cand.dropped_by is None else f"× {cand.dropped_by}"
+    line = (
+        f"{pointer}{mark}{i + 1:2d} {show_piece(cand.piece, 12):<12} {cand.token_id:>6} "
+        f"{cand.logit:6.2f} {cand.prob:6.1%} {cand.cumulative:6.1%}  {status}"
+    )
+    style = "dim" if cand.dropped_by is not None else ""
+    if chosen:
+        style += " bold"
+    if selected:
+        style += " reverse"
+    return Text(line, style=style.strip(), no_wrap=True, overflow="ellipsis")
+
+
+def _recent_steps(tokens: list[TokenEvent], rows: int) -> list[Text]:
+    """The last committed tokens: probability, survivors, entropy, forced or sampled."""
+    heading = f"{'step':>5} {'token':<12} {'p model':>7} {'kept':>6} {'H nats':>7}"
+    lines = [Text(heading, style="dim underline", no_wrap=True)]
+    for token in tokens[-(rows - 1) :]:
+        trace = token.trace
+        if trace is None:
+            continue
+        how = " forced" if token.forced else ""
+        lines.append(Text(
+            f"{token.index + 1:>5} {show_piece(token.piece, 12):<12} {math.exp(trace.chosen_logprob):7.1%} "
+            f"{trace.kept:>6} {trace.entropy:7.2f}{how}",
+            no_wrap=True, overflow="ellipsis",
+        ))
+    return lines
+
+
+def _window(rows: list[tuple[int | None, Text]], cursor: int, room: int) -> list[Text]:
+    """At most `room` rows, scrolled so the cursor's row is inside."""
+    if len(rows) <= room:
+        return [t for _, t in rows]
+    at = next((n for n, (i, _) in enumerate(rows) if i == cursor), 0)
+    start = min(max(at - room + 1, 0), len(rows) - room)
+    return [t for _, t in rows[start : start + room]]

@@ -1,0 +1,38 @@
+"""One repaint's worth of state: what every panel draws from, gathered once per frame."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minengine.record.trace_io import TraceHeader
+from minengine.sampling.sampler import SamplingParams, StepTrace
+from reqscope.ui.run.layout_compare import MeasuredLayout
+from reqscope.ui.run.memory_probe import MemoryReading
+from reqscope.ui.run.view import RunView
+
+
+@dataclass(frozen=True)
+class StepSubject:
+    """The step the logits panel explains, and how to label it."""
+
+    trace: StepTrace
+    label: str  # e.g. "step 5 waiting: preview", "token 12 committed"
+    pickable: bool  # candidates may be forced as the next token (live run, held step)
+
+
+@dataclass(frozen=True)
+class Frame:
+    """Everything drawn in one repaint."""
+
+    header: TraceHeader
+    view: RunView
+    request_id: str
+    max_tokens: int
+    params: SamplingParams  # what the next steps use (may differ from the request's)
+    state: str  # "running", "paused", "done", "cancelled", "error", "replay"
+    replay: bool
+    subject: StepSubject | None = None
+    cursor: int = 0  # highlighted candidate row in the logits panel
+    measured: dict[str, MeasuredLayout] = field(default_factory=dict)
+    memory: MemoryReading | None = None
+    prefill_history: tuple[tuple[int, float], ...] = ()  # (prompt tokens, prefill ms) per run

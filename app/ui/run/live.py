@@ -1,0 +1,153 @@
+"""One request run by the engine on a worker thread, held and released by the UI.
+
+The worker pulls events from the session and drops each into `inbox` (a deque: appends and
+pops are atomic, so no lock). It calls `wake` only when the UI has taken everything it was
+woken for, so a burst of tokens costs the UI thread one message, not one per token; a held
+step and the end of the run always wake it (`urgent`). At every
+`StepReady` it asks the gate whether to go on: running, it never waits; paused, it waits
+there with the next token's logits computed, which is the only moment the session's step
+controls are valid.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from minengine.engine.engine import Engine
+from minengine.engine.events import Event, StepReady
+from minengine.engine.request import GenerationRequest
+from minengine.engine.session import RequestSession
+from minengine.sampling.sampler import SamplingParams, StepTrace
+
+
+class LiveRun:
+    """A request on the engine, with run / pause / step / cancel and the paused-step controls."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        request: GenerationRequest,
+        *,
+        paused: bool = False,
+        wake: Callable[[bool], object] = lambda urgent: None,
+    ) -> None:
+        self.engine = engine
+        self.request = request
+        self.wake = wake  # wake(urgent), called from the worker thread: must be thread-safe and quick
+        self.inbox: deque[Event] = deque()
+        self.recorded: list[Event] = []
+        self.finished = threading.Event()
+        self.failure: str | None = None  # an unexpected exception on the worker, as one line
+        self.session: RequestSession | None = None
+        self._cond = threading.Condition()
+        self._budget: int | None = 0 if paused else None  # steps left before holding; None = run
+        self._held_at: int | None = None
+        self._cancelled = False
+        self._woken = False
+
+    # -- the worker side -------------------------------------------------------------------------
+
+    def drive(self, after: LiveRun | None = None) -> None:
+        """Run the request to its end (call on a worker thread); waits for `after` to end first."""
+        try:
+            if after is not None:
+                after.finished.wait()
+            session = self.engine.start(self.request)
+            with self._cond:
+                self.session = session
+                if self._cancelled:
+                    session.cancel()
+            for event in session:
+                self.recorded.append(event)
+                self.inbox.append(event)
+                self._signal()
+                if isinstance(event, StepReady):
+                    self._gate(event.index)
+        except Exception as exc:  # a bug must reach the screen as a message, not kill the app
+            self.failure = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.finished.set()
+            self._signal(urgent=True)
+
+    def _signal(self, urgent: bool = False) -> None:
+        if urgent or not self._woken:
+            self._woken = True
+            self.wake(urgent)
+
+    def _gate(self, index: int) -> None:
+        with self._cond:
+            while self._budget == 0 and not self._cancelled:
+                if self._held_at != index:
+                    self._held_at = index
+                    self._signal(urgent=True)  # the UI must learn the step is now held
+                self._cond.wait()
+            self._held_at = None
+            if self._budget:
+                self._budget -= 1
+
+    # -- the UI side -----------------------------------------------------------------------------
+
+    def take(self) -> list[Event]:
+        """Every event not taken yet; the next event after this wakes the UI again."""
+        self._woken = False  # first: an event appended from here on signals anew
+        events = []
+        while self.inbox:
+            events.append(self.inbox.popleft())
+        return events
+
+    @property
+    def held_at(self) -> int | None:
+        """Index of the step the worker is holding at, or None while it runs."""
+        with self._cond:
+            return self._held_at
+
+    @property
+    def pausing(self) -> bool:
+        """True when the run will hold (or holds) at the next step."""
+        with self._cond:
+            return self._budget == 0
+
+    def pause(self) -> None:
+        """Hold at the next step."""
+        with self._cond:
+            self._budget = 0
+
+    def resume(self) -> None:
+        """Run freely to the end."""
+        with self._cond:
+            self._budget = None
+            self._cond.notify_all()
+
+    def step(self) -> None:
+        """Commit one token, then hold at the step after it."""
+        with self._cond:
+            self._budget = 1
+            self._cond.notify_all()
+
+    def cancel(self) -> None:
+        """Stop the request before its next model step (also releases a held step)."""
+        with self._cond:
+            self._cancelled = True
+            if self.session is not None:
+                self.session.cancel()
+            self._cond.notify_all()
+
+    def _held_session(self) -> RequestSession:
+        session = self.session
+        if session is None or self.held_at is None:
+            raise RuntimeError("the run is not held at a step")
+        return session
+
+    def preview(self, params: SamplingParams) -> StepTrace | None:
+        """The held step re-filtered under `params` (no model run)."""
+        return self._held_session().preview(params)
+
+    def force_next(self, token_id: int) -> None:
+        """Commit `token_id` at the held step."""
+        self._held_session().force_next(token_id)
+
+    def update_sampling(self, params: SamplingParams) -> None:
+        """Use `params` from the held step on; raises RequestError when invalid."""
+        self._held_session().update_sampling(params)

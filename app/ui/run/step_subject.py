@@ -1,0 +1,46 @@
+"""Which decode step the logits panel explains, and how it is labelled.
+
+Live and held: the waiting step, re-filtered by the session under the settings on screen
+(no model run). Replay: the recorded step, re-filtered from its recorded candidates when the
+settings differ from the recorded ones. Otherwise: the last committed token's own trace.
+"""
+
+from __future__ import annotations
+
+from minengine.sampling.sampler import SamplingParams, explain_candidates
+from reqscope.ui.run.frame import StepSubject
+from reqscope.ui.run.live import LiveRun
+from reqscope.ui.run.replay import ReplayRun
+from reqscope.ui.run.view import RunView
+
+
+def held_subject(live: LiveRun, held: int, params: SamplingParams) -> StepSubject | None:
+    """The held step previewed under `params`; its candidates may be picked."""
+    trace = live.preview(params)
+    if trace is None:
+        return None
+    return StepSubject(trace, f"step {held + 1} waiting · preview (enter picks)", pickable=True)
+
+
+def replay_subject(replay: ReplayRun, params: SamplingParams) -> StepSubject | None:
+    """The recorded step at the cursor, re-filtered when `params` differ from the recorded ones."""
+    pending = replay.pending_token()
+    if pending is None or pending.trace is None:
+        return last_token_subject(replay.view())
+    trace, label = pending.trace, f"step {pending.index + 1} · recorded"
+    if params != trace.params:
+        trace = explain_candidates(
+            trace.candidates, params, trace.chosen_id,
+            recorded_temperature=trace.params.temperature, vocab_size=trace.vocab_size,
+            chosen_piece=trace.chosen_piece, forced=trace.forced,
+        )
+        label = f"step {pending.index + 1} · recorded, re-filtered"
+    return StepSubject(trace, label, pickable=False)
+
+
+def last_token_subject(view: RunView) -> StepSubject | None:
+    """The trace of the last committed token, if it has one."""
+    for token in reversed(view.tokens):
+        if token.trace is not None:
+            return StepSubject(token.trace, f"token {token.index + 1} committed", pickable=False)
+    return None

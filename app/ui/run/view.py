@@ -1,0 +1,129 @@
+"""What the explorer knows about one request: the events seen so far, folded into one record.
+
+Live runs and replays feed the same fold, so every panel draws from one place and a replay
+draws exactly what the live run drew.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minengine.engine.events import (
+    AdmitEvent,
+    DoneEvent,
+    Event,
+    PrefillEvent,
+    PromptEvent,
+    RequestResult,
+    StageEvent,
+    StepReady,
+    TokenEvent,
+)
+from minengine.engine.timeline import STAGES
+from minengine.kv.cache import KVUsage
+
+# The pipeline as the explorer shows it: the engine's stages plus `stream`, the span from the
+# first to the last visible token (decode and streaming interleave, one token at a time).
+PIPELINE: tuple[str, ...] = (*STAGES[:-1], "stream", STAGES[-1])
+
+
+@dataclass
+class RunView:
+    """Everything drawn about one request, updated one event at a time."""
+
+    stages: dict[str, StageEvent] = field(default_factory=dict)
+    prompt: PromptEvent | None = None
+    admit: AdmitEvent | None = None
+    prefill: PrefillEvent | None = None
+    tokens: list[TokenEvent] = field(default_factory=list)
+    waiting_step: int | None = None  # index of the step whose logits are waiting, if any
+    result: RequestResult | None = None
+    events_seen: int = 0
+
+    def apply(self, event: Event) -> None:
+        """Fold one event in."""
+        self.events_seen += 1
+        if isinstance(event, StageEvent):
+            self.stages[event.name] = event
+        elif isinstance(event, PromptEvent):
+            self.prompt = event
+        elif isinstance(event, AdmitEvent):
+            self.admit = event
+        elif isinstance(event, PrefillEvent):
+            self.prefill = event
+        elif isinstance(event, StepReady):
+            self.waiting_step = event.index
+        elif isinstance(event, TokenEvent):
+            self.tokens.append(event)
+            self.waiting_step = None
+        elif isinstance(event, DoneEvent):
+            self.result = event.result
+            self.waiting_step = None
+
+    @classmethod
+    def of(cls, events: list[Event]) -> RunView:
+        """The view after `events`, in order."""
+        view = cls()
+        for event in events:
+            view.apply(event)
+        return view
+
+    # -- derived -------------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        """True once the request finished (any finish reason)."""
+        return self.result is not None
+
+    @property
+    def kv(self) -> KVUsage | None:
+        """The latest KV snapshot: after the last token, else after prefill."""
+        if self.tokens:
+            return self.tokens[-1].kv
+        return self.prefill.kv if self.prefill else None
+
+    @property
+    def visible_tokens(self) -> list[TokenEvent]:
+        """Tokens that made text visible (the ones a client would have seen streamed)."""
+        return [t for t in self.tokens if t.text]
+
+    def current_stage(self) -> str | None:
+        """The stage in progress (None once the request completed)."""
+        if self.result is not None:
+            return None
+        if "prefill" in self.stages:
+            return "decode"
+        for name in STAGES:
+            if name not in self.stages:
+                return name
+        return None
+
+    def stage_ms(self, name: str) -> float | None:
+        """A stage's duration so far; running stages count up to the latest token."""
+        if name == "stream":
+            visible = self.visible_tokens
+            return visible[-1].t_ms - visible[0].t_ms if visible else None
+        if name in self.stages:
+            return self.stages[name].duration_ms
+        if name == "decode" and "prefill" in self.stages and self.tokens:
+            return self.tokens[-1].t_ms - self.stages["prefill"].end_ms
+        return None
+
+    def stage_detail(self, name: str) -> str:
+        """The short note the engine attached to a stage (token counts, queue wait...)."""
+        if name == "stream":
+            return f"{len(self.visible_tokens)} chunks"
+        event = self.stages.get(name)
+        return event.detail if event else ""
+
+    @property
+    def text(self) -> str:
+        """The answer as streamed so far (the final text once done)."""
+        if self.result is not None:
+            return self.result.text
+        return "".join(t.text for t in self.tokens)
+
+    @property
+    def error(self) -> str | None:
+        """The request's error message, when it failed."""
+        return self.result.error if self.result else None

@@ -1,0 +1,101 @@
+"""`python -m minengine.bench` (also `reqscope bench`): minengine against Hugging Face transformers.
+
+Same model, token ids and settings for both engines, alternated round by round; prints a table
+with PASS/FAIL lines for the issue's targets, or the whole report as JSON with `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from minengine.argtypes import positive_whole_number as count
+from minengine.argtypes import whole_number
+from minengine.bench import env as bench_env  # first: sets the OpenMP policy before torch loads
+from minengine.bench.report import dumps, format_table, targets
+from minengine.bench.runner import DEFAULT_PROMPT, BenchConfig, run_bench
+from minengine.errors import ReqscopeError
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's flags."""
+    parser.add_argument("--model", metavar="PATH", help="model folder (default: the pulled SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--threads", type=count, help="torch threads for both engines (default: torch's own)")
+    parser.add_argument("--rounds", type=count, default=5, help="measured rounds (default 5)")
+    parser.add_argument("--new-tokens", type=count, default=128, help="greedy tokens per decode run (default 128)")
+    parser.add_argument("--long-prompt-tokens", type=count, default=1025, help="long prefill prompt (default 1025)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the short chat prompt")
+    parser.add_argument(
+        "--launches",
+        type=whole_number,
+        default=3,
+        help="warm `reqscope --plain` launches after the first, for start-up and memory (0 skips launching)",
+    )
+    parser.add_argument(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CUDA, decode through the captured static step (default on)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--output", metavar="FILE", help="also write the JSON report to FILE")
+    parser.add_argument("--check", action="store_true", help="exit with code 1 when a target is not met")
+
+
+def config_from_args(args: argparse.Namespace, progress=None) -> BenchConfig:
+    """A BenchConfig from parsed flags (the default model is pulled first when missing)."""
+    if args.model:
+        model_dir = Path(args.model).expanduser()
+    else:
+        from minengine.hub.pull import ensure_default_model
+
+        model_dir = ensure_default_model(progress=(lambda event: progress(event.message)) if progress else None)
+    return BenchConfig(
+        model_dir=model_dir,
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        rounds=args.rounds,
+        new_tokens=args.new_tokens,
+        long_prompt_tokens=args.long_prompt_tokens,
+        prompt=args.prompt,
+        warm_launches=args.launches,
+        cuda_graph=args.cuda_graph,
+        omp_policy_set_by_bench=bench_env.SET_BY_BENCH,
+    )
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the benchmark and print it; 1 with `--check` when a target failed."""
+    config = config_from_args(args, progress=_stderr)
+    report = run_bench(config, progress=_stderr)
+    text = dumps(report)
+    print(text if args.json else format_table(report), flush=True)
+    if args.output:
+        Path(args.output).write_text(text + "\n", encoding="utf-8")
+    if args.check and not all(t.passed for t in targets(report)):
+        return 1
+    return 0
+
+
+def _stderr(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m minengine.bench`."""
+    parser = argparse.ArgumentParser(prog="python -m minengine.bench", description=__doc__.splitlines()[0])
+    add_bench_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_from_args(args)
+    except ReqscopeError as exc:
+        print(f"bench: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

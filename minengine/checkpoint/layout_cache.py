@@ -1,0 +1,205 @@
+"""The CPU weight layout, kept on disk beside the checkpoint so a warm start maps it instead of building it.
+
+Building the projection operands (`weight_layout`) copies every weight, transposing the wide
+ones: on the 2-core development machine about half a second of a 3-second start, most of it
+the kernel handing out fresh pages. Once built, the operands are written to
+`<model>/.minengine/layout-<key>.safetensors`; later loads memory-map that file, so no weight
+is copied at load and pages arrive, from the page cache, as the first forward pass reads them.
+Decode streams mapped pages as fast as owned ones (measured), and the private mapping is
+copy-on-write, so nothing done in memory can reach the file.
+
+The key covers everything the layout depends on: the checkpoint files (name, size, mtime),
+config.json, the dtype, the CPU thread count (it sets the column chunks) and this format's
+version. A folder keeps one layout; a missing, stale or unreadable one is rebuilt, and a
+folder that cannot be written to simply gets no cache. Only the folders of pulled models (under
+reqscope's models home) get one unless `REQSCOPE_LAYOUT_CACHE=1`; `=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from minengine.checkpoint.paths import models_home
+from minengine.checkpoint.weight_layout import CheckpointReader
+
+FORMAT_VERSION = 2
+CACHE_DIR = ".minengine"
+DISABLE_ENV = "REQSCOPE_LAYOUT_CACHE"
+_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_TRANSPOSED = "transposed"  # metadata: names stored as their last two dims swapped
+_PAD = "__pad"
+# Every tensor starts on a cache line, as torch's own allocations do: MKL's kernels pick their
+# code path, and with it the rounding of a sum, by the operands' alignment, so a mapped layout
+# aligned differently from a built one would give slightly different logits.
+ALIGN = 64
+
+
+def enabled() -> bool:
+    """False when the environment turns the cache off."""
+    return os.environ.get(DISABLE_ENV, "auto").strip().lower() not in ("0", "false", "no", "off")
+
+
+def wanted(folder: Path) -> bool:
+    """Whether to cache `folder`'s layout: by default only for models reqscope pulled itself.
+
+    The cache is as large as the weights, so it is not written into a folder the user brought
+    (`--model PATH`) unless `REQSCOPE_LAYOUT_CACHE=1` asks for it; `0` turns it off everywhere.
+    """
+    setting = os.environ.get(DISABLE_ENV, "auto").strip().lower()
+    if not enabled():
+        return False
+    if setting in ("1", "true", "yes", "on", "all"):
+        return True
+    return models_home().resolve() in folder.resolve().parents
+
+
+def layout_key(folder: Path, files: list[Path], dtype: torch.dtype) -> str:
+    """A digest of everything the operands built from `files` depend on."""
+    h = hashlib.sha256()
+    h.update(f"{FORMAT_VERSION}|{dtype}|{torch.get_num_threads()}|".encode())
+    config = folder / "config.json"
+    h.update(config.read_bytes() if config.is_file() else b"")
+    for path in files:
+        st = path.stat()
+        h.update(f"|{path.name}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:24]
+
+
+def layout_path(folder: Path, key: str) -> Path:
+    """Where the layout for `key` lives."""
+    return folder / CACHE_DIR / f"layout-{key}.safetensors"
+
+
+def clear(folder: Path) -> None:
+    """Remove every cached layout of `folder` (the next load builds and writes a fresh one)."""
+    for path in (folder / CACHE_DIR).glob("layout-*.safetensors"):
+        path.unlink(missing_ok=True)
+
+
+class CachedLayout:
+    """Operands read back from a layout file, answering `CheckpointReader`'s questions."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def copy(self, name: str) -> torch.Tensor:
+        """The stored tensor (a view of the mapping)."""
+        return self.tensors[name]
+
+    def projection(self, *names: str, chunks: int | None = None) -> torch.Tensor:
+        """The stored operand for these weights."""
+        return self.tensors[_projection_name(names)]
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        """The stored tensor, or None when the checkpoint had none."""
+        return self.tensors.get(name)
+
+
+class RecordingReader:
+    """A `CheckpointReader` that remembers what it handed out, under names `CachedLayout` reads."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+        self.made: dict[str, torch.Tensor] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.reader
+
+    def copy(self, name: str) -> torch.Tensor:
+        """`CheckpointReader.copy`, recorded."""
+        self.made[name] = t = self.reader.copy(name)
+        return t
+
+    def projection(self, *names: str, chunks: int | None = None) -> torch.Tensor:
+        """`CheckpointReader.projection`, recorded."""
+        self.made[_projection_name(names)] = t = self.reader.projection(*names, chunks=chunks)
+        return t
+
+    def optional(self, name: str) -> torch.Tensor | None:
+        """`CheckpointReader.optional`, recorded when present."""
+        return self.copy(name) if name in self.reader else None
+
+
+def _projection_name(names: tuple[str, ...]) -> str:
+    return "+".join(names)
+
+
+def open_layout(path: Path) -> CachedLayout | None:
+    """The layout at `path`, memory-mapped, or None when it is missing or unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            transposed = set(json.loads((handle.metadata() or {}).get(_TRANSPOSED, "[]")))
+            tensors = {}
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name.startswith(_PAD):
+                    continue
+                t = handle.get_tensor(name)
+                if t.data_ptr() % ALIGN:
+                    return None  # not written by this module: rebuilding it is the safe answer
+                tensors[name] = t.transpose(-2, -1) if name in transposed else t
+    except (SafetensorError, OSError, ValueError, RuntimeError):
+        return None
+    return CachedLayout(tensors)
+
+
+def write_layout(path: Path, tensors: dict[str, torch.Tensor]) -> bool:
+    """Write `tensors` as a safetensors file at `path` (atomically, replacing other layouts); False on failure.
+
+    Written directly from the tensors' memory: `safetensors.torch.save_file` would first copy
+    every tensor into a bytes object, briefly holding the weights twice.
+    """
+    if any(t.dtype not in _DTYPE_NAMES for t in tensors.values()):
+        return False  # a dtype this format does not name: load without a cache
+    header: dict[str, object] = {}
+    transposed: list[str] = []
+    stored: list[torch.Tensor] = []
+    offset = 0
+    for name, t in tensors.items():
+        if not t.is_contiguous() and t.dim() >= 2 and t.transpose(-2, -1).is_contiguous():
+            t = t.transpose(-2, -1)  # a transposed view of owned rows: store the rows
+            transposed.append(name)
+        t = t.contiguous()
+        if offset % ALIGN:  # safetensors allows no gaps between tensors: fill with a padding tensor
+            pad = ALIGN - offset % ALIGN
+            header[f"{_PAD}{len(stored)}"] = {"dtype": "U8", "shape": [pad], "data_offsets": [offset, offset + pad]}
+            stored.append(torch.zeros(pad, dtype=torch.uint8))
+            offset += pad
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        stored.append(t)
+        offset += size
+    header["__metadata__"] = {_TRANSPOSED: json.dumps(transposed), "format": str(FORMAT_VERSION)}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % ALIGN)  # the data, and so every tensor, starts aligned
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
+    except OSError:
+        return False
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(len(raw).to_bytes(8, "little"))
+            out.write(raw)
+            for t in stored:
+                out.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the cache from the folder's other users
+        os.replace(tmp, path)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+        return False
+    for other in path.parent.glob("layout-*.safetensors"):
+        if other != path:
+            other.unlink(missing_ok=True)
+    return True

@@ -1,0 +1,85 @@
+"""A generation request and the gateway's validation of it."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field, replace
+
+from minengine.errors import RequestError
+from minengine.kv.cache import KV_DTYPES, KV_LAYOUTS
+from minengine.sampling.sampler import SamplingParams
+from minengine.text.chat_template import ROLES, Message
+
+MAX_PAYLOAD_BYTES = 1 << 20  # message text accepted by the gateway
+MAX_STOP_STRINGS = 8
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One chat request with everything that decides how it runs."""
+
+    messages: tuple[Message, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    kv_layout: str = "gqa"
+    kv_dtype: str = "auto"
+    block_size: int = 16
+    trace: bool = True  # record a sampler trace (top candidates) for every step
+    top_n: int = 20
+    # Text fed to the model as is, without the chat template (a plain completion); `messages`
+    # is then empty.
+    raw_prompt: str | None = None
+    request_id: str = field(default_factory=lambda: "req-" + uuid.uuid4().hex[:12])
+
+    @classmethod
+    def from_prompt(cls, prompt: str, system: str | None = None, **kwargs) -> GenerationRequest:
+        """A request with one user message (and an optional system message)."""
+        messages = ((Message("system", system),) if system else ()) + (Message("user", prompt),)
+        return cls(messages=messages, **kwargs)
+
+    @classmethod
+    def from_text(cls, text: str, **kwargs) -> GenerationRequest:
+        """A plain-completion request: `text` is tokenized as is, with no chat template."""
+        return cls(messages=(), raw_prompt=text, **kwargs)
+
+    def with_(self, **changes) -> GenerationRequest:
+        """A copy with some fields changed."""
+        return replace(self, **changes)
+
+
+def validate(request: GenerationRequest, max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> None:
+    """The gateway's checks; raises RequestError naming the first bad field."""
+    if request.raw_prompt is not None:
+        if not request.raw_prompt.strip():
+            raise RequestError("the prompt is empty; give some text to send")
+        size = len(request.raw_prompt.encode("utf-8"))
+    else:
+        size = _messages_size(request.messages)
+    if size > max_payload_bytes:
+        raise RequestError(f"the prompt text is {size} bytes, over the {max_payload_bytes}-byte payload limit")
+    if request.max_tokens < 1:
+        raise RequestError(f"max_tokens must be at least 1 (got {request.max_tokens})")
+    if len(request.stop) > MAX_STOP_STRINGS:
+        raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed (got {len(request.stop)})")
+    if request.kv_layout not in KV_LAYOUTS:
+        raise RequestError(f"kv layout {request.kv_layout!r} is unknown; use {' or '.join(KV_LAYOUTS)}")
+    if request.kv_dtype not in KV_DTYPES:
+        raise RequestError(f"kv dtype {request.kv_dtype!r} is unknown; use one of {', '.join(KV_DTYPES)}")
+    if request.block_size < 1:
+        raise RequestError(f"block size must be at least 1 (got {request.block_size})")
+    request.sampling.validate()
+
+
+def _messages_size(messages: tuple[Message, ...]) -> int:
+    """Bytes of message text, after checking roles and that some user text exists."""
+    if not messages:
+        raise RequestError("the request has no messages; give a prompt")
+    size = 0
+    for i, msg in enumerate(messages):
+        if msg.role not in ROLES:
+            raise RequestError(f"messages[{i}].role {msg.role!r} is unknown; use one of {', '.join(ROLES)}")
+        size += len(msg.content.encode("utf-8"))
+    if not any(m.content.strip() for m in messages if m.role == "user"):
+        raise RequestError("the prompt is empty; give some text to send")
+    return size

@@ -1,0 +1,108 @@
+"""Admission control: a token budget and a KV-memory budget, with a waiting queue.
+
+A request is admitted when its prompt plus max_tokens fits the context, its worst-case KV
+(block-rounded) fits beside the KV already held by running requests and, when a limit on
+running requests is set, a running slot is free. If it could fit once others finish, it waits
+(the wait is part of its TTFT); if it could never fit, it is rejected with the numbers; if the
+queue is already full, it is refused with QueueFullError.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from minengine.errors import AdmissionError, QueueFullError
+from minengine.kv.arithmetic import MIB
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A granted reservation; hand it back with `Scheduler.release`."""
+
+    request_id: str
+    kv_bytes: int
+    queue_ms: float
+
+
+class Scheduler:
+    """Grants KV reservations against a byte budget; thread-safe."""
+
+    def __init__(self, kv_budget_bytes: int, max_queue: int = 16, max_running: int | None = None) -> None:
+        self.kv_budget_bytes = kv_budget_bytes
+        self.max_queue = max_queue
+        self.max_running = max_running  # None: only the KV budget limits running requests
+        self._held = 0
+        self._running = 0
+        self._waiting = 0
+        self._cond = threading.Condition()
+
+    @property
+    def held_bytes(self) -> int:
+        """KV bytes reserved by running requests."""
+        return self._held
+
+    @property
+    def running(self) -> int:
+        """Requests admitted and not yet released."""
+        return self._running
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting in the queue for admission."""
+        return self._waiting
+
+    def _must_wait(self, kv_bytes: int) -> bool:
+        slots_full = self.max_running is not None and self._running >= self.max_running
+        return slots_full or self._held + kv_bytes > self.kv_budget_bytes
+
+    def admit(
+        self,
+        request_id: str,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        context_limit: int,
+        kv_bytes: int,
+        timeout_s: float | None = None,
+        cancelled: threading.Event | None = None,
+    ) -> Admission:
+        """Reserve `kv_bytes` for a request, waiting while others hold the budget."""
+        if prompt_tokens + max_tokens > context_limit:
+            raise AdmissionError(
+                f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) = {prompt_tokens + max_tokens} "
+                f"tokens exceeds the model's context of {context_limit}; lower --max-tokens"
+            )
+        if kv_bytes > self.kv_budget_bytes:
+            raise AdmissionError(
+                f"needs {kv_bytes / MIB:.1f} MiB of KV, budget {self.kv_budget_bytes / MIB:.1f} MiB; "
+                "lower --max-tokens or raise --kv-budget-mib"
+            )
+        start = time.perf_counter()
+        with self._cond:
+            if self._must_wait(kv_bytes) and self._waiting >= self.max_queue:
+                raise QueueFullError(f"the queue is full ({self.max_queue} waiting); try again later")
+            self._waiting += 1
+            try:
+                while self._must_wait(kv_bytes):
+                    if cancelled is not None and cancelled.is_set():
+                        raise AdmissionError("cancelled while waiting in the queue")
+                    left = None if timeout_s is None else timeout_s - (time.perf_counter() - start)
+                    if left is not None and left <= 0:
+                        raise AdmissionError(
+                            f"waited {timeout_s:.1f} s in the queue for {kv_bytes / MIB:.1f} MiB of KV; try again later"
+                        )
+                    self._cond.wait(timeout=0.05 if left is None else min(left, 0.05))
+                self._held += kv_bytes
+                self._running += 1
+            finally:
+                self._waiting -= 1
+        return Admission(request_id, kv_bytes, (time.perf_counter() - start) * 1000)
+
+    def release(self, admission: Admission) -> None:
+        """Return a reservation and wake waiting requests."""
+        with self._cond:
+            self._held -= admission.kv_bytes
+            self._running -= 1
+            self._cond.notify_all()

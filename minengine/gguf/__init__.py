@@ -1,0 +1,1 @@
+"""Reading GGUF files (metadata, hyperparameters, tensors, tokenizer) and converting them into model folders."""

@@ -1,0 +1,1 @@
+"""The KV cache: block-accounted storage per layer, and the arithmetic of its size."""

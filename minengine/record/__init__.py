@@ -1,0 +1,1 @@
+"""Keeping a run: trace files, exports, the timeline CSV and telemetry."""

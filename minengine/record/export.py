@@ -1,0 +1,122 @@
+"""Write one run to a folder: timeline CSV, metrics JSON, event trace, Perfetto trace, telemetry."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from minengine.engine.events import RequestResult
+from minengine.errors import ReqscopeError
+from minengine.kv.arithmetic import MIB
+from minengine.record.telemetry import telemetry_record
+from minengine.record.timeline_csv import Timeline as CsvTimeline
+from minengine.record.timeline_csv import TimelineEvent as CsvEvent
+from minengine.record.timeline_csv import write_timeline
+from minengine.record.trace_io import TraceHeader, write_trace
+
+TIMELINE_CSV = "request-timeline.csv"
+METRICS_JSON = "request-metrics.json"
+TRACE_JSONL = "request-trace.jsonl"
+PERFETTO_JSON = "request-trace.perfetto.json"
+TELEMETRY_JSON = "request-telemetry.json"
+
+
+def export_run(result: RequestResult, folder: str | Path, events: Sequence, header: TraceHeader) -> list[Path]:
+    """Write every export file into `folder` (created if needed); return the paths."""
+    out = Path(folder)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        paths = [out / name for name in (TIMELINE_CSV, METRICS_JSON, TRACE_JSONL, PERFETTO_JSON, TELEMETRY_JSON)]
+        if result.metrics is not None:
+            write_timeline(paths[0], csv_timeline(result))
+        else:
+            paths.remove(paths[0])  # no visible token: the seed's format has nothing to hold
+        _write_json(out / METRICS_JSON, metrics_record(result))
+        write_trace(out / TRACE_JSONL, header, events)
+        _write_json(out / PERFETTO_JSON, perfetto_trace(result))
+        _write_json(out / TELEMETRY_JSON, telemetry_record(result))
+    except OSError as exc:
+        raise ReqscopeError(f"cannot export to {out}: {exc.strerror or exc}; choose another --export folder") from None
+    return paths
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def csv_timeline(r: RequestResult) -> CsvTimeline:
+    """The run's events in the seed's CSV shape; token events numbered so each name is unique."""
+    rows, n = [], 0
+    for e in r.timeline:
+        name = e.name
+        if name == "token":
+            n += 1
+            name, detail = f"token_{n}", f"token {n} id {e.detail}"
+        else:
+            detail = e.detail
+        rows.append(CsvEvent(name, round(e.t_ms, 3), detail))
+    return CsvTimeline(tuple(rows))
+
+
+def metrics_record(r: RequestResult) -> dict:
+    """request-metrics.json with the seed calculator's keys, from measured values."""
+    record: dict = {"scope": "full causal attention; measured on one request; logical unsharded KV"}
+    kv, m = r.kv_peak, r.metrics
+    if kv is not None:
+        record["kv_bytes_per_token"] = kv.bytes_per_token
+        record["prompt_kv_mib"] = kv.bytes_per_token * r.usage.prompt_tokens / MIB
+        record["stop_kv_mib"] = kv.logical_bytes / MIB
+        record["stop_kv_physical_mib"] = kv.physical_bytes / MIB
+    if m is not None:
+        record |= {
+            "ttft_ms": m.ttft_ms,
+            "e2e_ms": m.e2e_ms,
+            "tpot_ms": m.tpot_ms,
+            "decode_output_tokens_per_second": m.decode_output_tokens_per_second,
+            "whole_request_output_tokens_per_second": m.whole_request_output_tokens_per_second,
+            "output_tokens": m.output_tokens,
+        }
+        if m.itl is not None:
+            record["itl_ms"] = {k: getattr(m.itl, k) for k in ("mean", "median", "p90", "p95", "p99", "max")}
+    record["input_tokens"] = r.usage.prompt_tokens
+    record["finish_reason"] = r.finish_reason
+    return record
+
+
+def perfetto_trace(r: RequestResult) -> dict:
+    """Chrome trace-event JSON: stages as spans, tokens as instants (opens in Perfetto)."""
+    events: list[dict] = [
+        {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": f"reqscope {r.request_id}"}},
+        {"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "lifecycle"}},
+        {"name": "thread_name", "ph": "M", "pid": 1, "tid": 2, "args": {"name": "tokens"}},
+    ]
+    for s in r.stages:
+        events.append(
+            {
+                "name": s.name,
+                "cat": "stage",
+                "ph": "X",
+                "pid": 1,
+                "tid": 1,
+                "ts": round(s.start_ms * 1000, 1),
+                "dur": round(max(s.duration_ms, 0.0) * 1000, 1),
+            }
+        )
+    n = 0
+    for e in r.timeline:
+        if e.name == "token":
+            n += 1
+            events.append(
+                {
+                    "name": f"token {n}",
+                    "cat": "token",
+                    "ph": "i",
+                    "s": "t",
+                    "pid": 1,
+                    "tid": 2,
+                    "ts": round(e.t_ms * 1000, 1),
+                    "args": {"token_id": e.detail},
+                }
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -1,0 +1,28 @@
+"""The one JSON telemetry record a finished request leaves behind."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from minengine.engine.events import RequestResult
+
+
+def telemetry_record(r: RequestResult) -> dict:
+    """Request ID, stage times, token counts, queue wait, KV, errors and cancellation."""
+    m = r.metrics
+    return {
+        "request_id": r.request_id,
+        "finish_reason": r.finish_reason,
+        "cancelled": r.finish_reason == "cancelled",
+        "error": r.error,
+        "usage": asdict(r.usage),
+        "queue_wait_ms": round(r.queue_ms, 3),
+        "stages_ms": {s.name: round(s.duration_ms, 3) for s in r.stages},
+        "events_ms": {e.name: round(e.t_ms, 3) for e in r.timeline if e.name != "token"},
+        "ttft_ms": None if m is None else m.ttft_ms,
+        "e2e_ms": None if m is None else m.e2e_ms,
+        "tpot_ms": None if m is None else m.tpot_ms,
+        "kv_peak_logical_bytes": None if r.kv_peak is None else r.kv_peak.logical_bytes,
+        "kv_peak_physical_bytes": None if r.kv_peak is None else r.kv_peak.physical_bytes,
+        "sampler_order": list(r.sampler_order),
+    }

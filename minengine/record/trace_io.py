@@ -1,0 +1,153 @@
+"""Events to JSON lines and back, so a run can be exported and replayed without a model.
+
+Every event is a frozen dataclass built from other dataclasses, tuples and scalars, so one
+generic encoder/decoder driven by the type hints covers them all; a record names its event
+type in `"type"`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Iterable, Iterator
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from minengine.engine import events as ev
+from minengine.errors import ReqscopeError
+
+if TYPE_CHECKING:
+    from minengine.engine.engine import Engine
+
+EVENT_TYPES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        ev.StageEvent,
+        ev.PromptEvent,
+        ev.AdmitEvent,
+        ev.PrefillEvent,
+        ev.TokenEvent,
+        ev.StepReady,
+        ev.DoneEvent,
+    )
+}
+HEADER_TYPE = "reqscope-trace"
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceHeader:
+    """First line of a trace file: what produced it."""
+
+    model: str
+    description: str
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    device: str
+    load_ms: float
+
+
+def trace_header(engine: Engine) -> TraceHeader:
+    """What a recorded trace says about the engine that ran it."""
+    c = engine.cfg
+    return TraceHeader(
+        model=str(engine.model_dir),
+        description=engine.describe(),
+        layers=c.num_hidden_layers,
+        q_heads=c.num_attention_heads,
+        kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        dtype=str(engine.dtype).removeprefix("torch."),
+        device=engine.device.type,
+        load_ms=engine.load_ms,
+    )
+
+
+def _encode(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple | list):
+        return [_encode(v) for v in value]
+    return value
+
+
+def event_record(event) -> dict:
+    """A JSON-ready record of one event."""
+    return {"type": type(event).__name__} | _encode(event)
+
+
+@cache
+def _hints(cls: type) -> dict[str, object]:
+    return typing.get_type_hints(cls)
+
+
+def _decode(tp, value):
+    if value is None:
+        return None
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _decode(options[0], value) if len(options) == 1 else value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        inner = args[0] if args else object
+        return tuple(_decode(inner, v) for v in value)
+    if dataclasses.is_dataclass(tp):
+        hints = _hints(tp)
+        return tp(**{f.name: _decode(hints[f.name], value[f.name]) for f in dataclasses.fields(tp) if f.name in value})
+    if tp is float and isinstance(value, int):
+        return float(value)
+    return value
+
+
+def event_from_record(record: dict):
+    """Rebuild an event from `event_record` output."""
+    cls = EVENT_TYPES.get(record.get("type", ""))
+    if cls is None:
+        raise ReqscopeError(f"unknown event type {record.get('type')!r} in trace")
+    return _decode(cls, record)
+
+
+def write_trace(path: Path, header: TraceHeader, events: Iterable) -> None:
+    """Write a header line and one line per event."""
+    with path.open("w", encoding="utf-8") as out:
+        out.write(json.dumps({"type": HEADER_TYPE, "version": FORMAT_VERSION} | _encode(header)) + "\n")
+        for event in events:
+            out.write(json.dumps(event_record(event), ensure_ascii=False) + "\n")
+
+
+def read_trace(path: str | Path) -> tuple[TraceHeader, list]:
+    """Read a trace written by `write_trace`; one-line errors for anything else."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ReqscopeError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    records = list(_parse(path, lines))
+    if not records or records[0].get("type") != HEADER_TYPE:
+        raise ReqscopeError(f"{path} is not a reqscope trace (export one with --export DIR or the e key)")
+    head = records[0]
+    header = _decode(TraceHeader, head)
+    try:
+        return header, [event_from_record(r) for r in records[1:]]
+    except (KeyError, TypeError) as exc:
+        raise ReqscopeError(f"{path} has a malformed event ({exc}); was it written by another version?") from None
+
+
+def _parse(path: Path, lines: list[str]) -> Iterator[dict]:
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ReqscopeError(f"{path}:{n} is not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise ReqscopeError(f"{path}:{n} is not a JSON object")
+        yield record

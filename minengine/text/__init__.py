@@ -1,0 +1,1 @@
+"""Text in and out: the chat template, tokenizer, incremental detokenizer, stop strings and prompt parts."""

@@ -1,0 +1,56 @@
+"""Attribute each prompt token to the part of the chat template it came from.
+
+Each message's content is located in the rendered prompt; a token belongs to the message whose
+content span holds its first character. Tokens after the rendering without the generation
+prompt belong to the generation prompt; everything else (role markers, separators, text the
+template adds itself) counts as template. The parts therefore always sum to the prompt length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minengine.text.chat_template import Message
+from minengine.text.tokenizer import TokenPiece
+
+TEMPLATE = "template"
+GENERATION_PROMPT = "generation prompt"
+
+
+@dataclass(frozen=True)
+class PromptPart:
+    """How many prompt tokens one part of the template contributes."""
+
+    name: str  # "template", "system", "user", "assistant", "tool", "generation prompt"
+    tokens: int
+
+
+def prompt_parts(
+    rendered: str, rendered_without_generation_prompt: str, messages: tuple[Message, ...], pieces: list[TokenPiece]
+) -> tuple[PromptPart, ...]:
+    """Token counts per part, in order of first appearance; they sum to len(pieces)."""
+    spans: list[tuple[int, int, str]] = []
+    cursor = 0
+    for msg in messages:
+        if not msg.content:
+            continue
+        at = rendered.find(msg.content, cursor)
+        if at < 0:
+            continue  # the template rewrote the content; its tokens count as template
+        spans.append((at, at + len(msg.content), msg.role))
+        cursor = at + len(msg.content)
+    gen_start = len(rendered_without_generation_prompt)
+    if not rendered.startswith(rendered_without_generation_prompt):
+        gen_start = len(rendered)
+    counts: dict[str, int] = {}
+    for piece in pieces:
+        name = TEMPLATE
+        if piece.start >= gen_start:
+            name = GENERATION_PROMPT
+        else:
+            for a, b, role in spans:
+                if a <= piece.start < b:
+                    name = role
+                    break
+        counts[name] = counts.get(name, 0) + 1
+    return tuple(PromptPart(name, n) for name, n in counts.items())

@@ -1,0 +1,193 @@
+"""The decode paths built for CUDA: the static-shape step (checked on the CPU too) and, when a
+CUDA device is present, bfloat16 weights, graph capture and parity with transformers on it.
+
+`scripts/gpu-check` runs this file on a GPU machine; in CI only the CPU tests run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import SPECS
+
+from minengine.config import ModelConfig
+from minengine.kv.cache import KVCache
+from minengine.model.cuda_graph import SPAN, StaticDecoder
+from minengine.model.transformer import Transformer
+
+CPU = torch.device("cpu")
+PROMPT_LEN, NEW_TOKENS = 20, 12
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _prompt(vocab: int, length: int = PROMPT_LEN) -> torch.Tensor:
+    return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(1))
+
+
+def _decode(
+    model: Transformer, ids: torch.Tensor, steps: int, layout: str = "gqa"
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Greedy decode through `model.new_cache`; every step's logits and the chosen tokens."""
+    cache = model.new_cache(ids.shape[0] + steps, layout=layout)
+    logits = [model.forward(ids, 0, cache)]
+    tokens: list[int] = []
+    for i in range(steps):
+        tokens.append(int(logits[-1].argmax()))
+        logits.append(model.forward(torch.tensor([tokens[-1]], device=ids.device), ids.shape[0] + i, cache))
+    assert cache.usage().tokens == ids.shape[0] + steps
+    cache.release()
+    return logits, tokens
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-mqa", "qwen2", "qwen3", "llama3-rope"])
+@pytest.mark.parametrize("layout", ["gqa", "mha"])
+def test_static_step_matches_the_normal_path_on_cpu(tiny_models, name, layout):
+    folder, _ = tiny_models[name]
+    cfg = ModelConfig.from_file(folder)
+    model = Transformer.load(folder, cfg, torch.float32, CPU)
+    ids = _prompt(cfg.vocab_size)
+    eager_logits, eager_tokens = _decode(model, ids, NEW_TOKENS, layout)
+    model.use_static_decode(True, capture=False)
+    static_logits, static_tokens = _decode(model, ids, NEW_TOKENS, layout)
+    assert static_tokens == eager_tokens
+    for eager, static in zip(eager_logits, static_logits, strict=True):
+        assert torch.allclose(static, eager, atol=1e-5, rtol=0), (static - eager).abs().max()
+
+
+def test_static_step_crosses_a_span_boundary_and_reuses_the_arena(tiny_models):
+    folder, _ = tiny_models["llama-gqa"]
+    cfg = ModelConfig.from_file(folder)
+    model = Transformer.load(folder, cfg, torch.float32, CPU)
+    ids = _prompt(cfg.vocab_size, SPAN - 3)  # decode runs past position SPAN: a second window
+    eager_logits, eager_tokens = _decode(model, ids, 6)
+    model.use_static_decode(True, capture=False)
+    decoder = model.static_decoder
+    for _ in range(2):  # the second request reuses the arena (stale K/V from the first is masked)
+        static_logits, static_tokens = _decode(model, ids, 6)
+        assert static_tokens == eager_tokens
+        assert max((a - b).abs().max().item() for a, b in zip(static_logits, eager_logits, strict=True)) < 1e-5
+    assert decoder.capacity >= SPAN + 3
+
+
+def test_arena_is_lent_to_one_cache_at_a_time(tiny_models):
+    folder, _ = tiny_models["llama-gqa"]
+    cfg = ModelConfig.from_file(folder)
+    model = Transformer.load(folder, cfg, torch.float32, CPU)
+    model.use_static_decode(True, capture=False)
+    first = model.new_cache(40)
+    second = model.new_cache(40)
+    assert first.borrowed and model.static_decoder.serves(first)
+    assert not second.borrowed  # the arena is out: the second request gets buffers of its own
+    first.release()
+    third = model.new_cache(40)
+    assert third.borrowed
+    # Quantized storage never borrows: the static step writes the model's dtype only.
+    third.release()
+    fp8 = model.new_cache(40, storage_dtype=torch.float8_e4m3fn)
+    assert not fp8.borrowed
+
+
+def test_borrowed_cache_accounts_like_its_own(tiny_models):
+    folder, _ = tiny_models["qwen2"]
+    cfg = ModelConfig.from_file(folder)
+    model = Transformer.load(folder, cfg, torch.float32, CPU)
+    ids = _prompt(cfg.vocab_size)
+    own = KVCache(cfg, PROMPT_LEN + 5, device=CPU, compute_dtype=torch.float32)
+    model.use_static_decode(True, capture=False)
+    lent = model.new_cache(PROMPT_LEN + 5)
+    for cache in (own, lent):
+        model.forward(ids, 0, cache)
+        for i in range(5):
+            model.forward(torch.tensor([7]), PROMPT_LEN + i, cache)
+    a, b = own.usage(), lent.usage()
+    assert (a.tokens, a.logical_bytes, a.physical_bytes, a.per_layer_tokens) == (
+        b.tokens,
+        b.logical_bytes,
+        b.physical_bytes,
+        b.per_layer_tokens,
+    )
+    assert b.reserved_bytes == model.static_decoder.arena_bytes  # what the arena really holds
+
+
+def test_capture_refuses_a_cpu_model(tiny_models):
+    folder, _ = tiny_models["llama-gqa"]
+    cfg = ModelConfig.from_file(folder)
+    model = Transformer.load(folder, cfg, torch.float32, CPU)
+    with pytest.raises(ValueError, match="CUDA"):
+        StaticDecoder(model, capture=True)
+
+
+# -- on a CUDA device (scripts/gpu-check) ------------------------------------------------------
+
+
+def _cuda_model(folder, dtype):
+    cfg = ModelConfig.from_file(folder)
+    return cfg, Transformer.load(folder, cfg, dtype, torch.device("cuda"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", [s.name for s in SPECS])
+def test_cuda_float32_prefill_and_greedy_match_transformers(tiny_models, name):
+    folder, hf = tiny_models[name]
+    cfg, model = _cuda_model(folder, torch.float32)
+    ids = _prompt(cfg.vocab_size).cuda()
+    with torch.no_grad():
+        ref_model = hf.to("cuda")
+        ref_logits = ref_model(ids[None]).logits[0].float()
+        ref_tokens = ref_model.generate(
+            ids[None], max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, PROMPT_LEN:].tolist()
+        hf.to("cpu")
+    cache = model.new_cache(PROMPT_LEN)
+    ours = model.forward(ids, 0, cache, all_logits=True)
+    cache.release()
+    # TF32 or reduced-precision reductions may be on for matmuls on the GPU: a looser bound.
+    assert torch.allclose(ours, ref_logits, atol=2e-3, rtol=0), (ours - ref_logits).abs().max()
+    assert _decode(model, ids, NEW_TOKENS)[1] == ref_tokens  # through the captured graph
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "llama-mha-tied"])
+def test_cuda_graph_matches_eager_in_bfloat16(tiny_models, name):
+    folder, _ = tiny_models[name]
+    cfg, model = _cuda_model(folder, torch.bfloat16)
+    ids = _prompt(cfg.vocab_size).cuda()
+    graph_logits, graph_tokens = _decode(model, ids, NEW_TOKENS)
+    assert model.static_decoder is not None and model.static_decoder.captures >= 1
+    model.use_static_decode(False)
+    eager_logits, eager_tokens = _decode(model, ids, NEW_TOKENS)
+    assert graph_tokens == eager_tokens
+    worst = max((a - b).abs().max().item() for a, b in zip(graph_logits, eager_logits, strict=True))
+    assert worst < 0.1, worst  # bfloat16: the masked window rounds a little differently
+
+
+@needs_cuda
+@pytest.mark.slow
+def test_cuda_default_model_greedy_matches_transformers(default_model_dir):
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig.from_file(default_model_dir)
+    model = Transformer.load(default_model_dir, cfg, torch.float32, torch.device("cuda"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).cuda().eval()
+    ids = _prompt(cfg.vocab_size, 40).cuda()
+    with torch.no_grad():
+        ref = hf.generate(
+            ids[None],
+            attention_mask=torch.ones_like(ids[None]),
+            max_new_tokens=32,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=2,
+        )[0, 40:].tolist()
+    assert _decode(model, ids, 32)[1] == ref
+
+
+@needs_cuda
+def test_cuda_kv_bytes_match_the_allocator(tiny_models):
+    folder, _ = tiny_models["llama-gqa"]
+    cfg, model = _cuda_model(folder, torch.bfloat16)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    cache = KVCache(cfg, 1000, device=torch.device("cuda"), compute_dtype=torch.bfloat16)
+    allocated = torch.cuda.memory_allocated() - before
+    assert allocated == cache.usage().reserved_bytes
+    cache.release()

@@ -1,0 +1,303 @@
+"""The explorer's logic without a screen: the event fold, latency, layout arithmetic, the run gate, forms."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from minengine.engine.events import DoneEvent, PrefillEvent, StageEvent, StepReady, TokenEvent
+from minengine.errors import RequestError
+from minengine.kv.cache import KVUsage
+from minengine.record.trace_io import TraceHeader
+from minengine.sampling.sampler import Candidate, SamplingParams, StepTrace
+from reqscope.ui.glyphs import bar, columns, sparkline
+from reqscope.ui.keys import KEYS, action_name
+from reqscope.ui.panels.logits import chain_text, cut_positions
+from reqscope.ui.run.app import ExplorerApp, renewed
+from reqscope.ui.run.export_folder import claim_run_folder
+from reqscope.ui.run.latency import latency_figures
+from reqscope.ui.run.layout_compare import element_bytes, formula_rows
+from reqscope.ui.run.live import LiveRun
+from reqscope.ui.run.replay import ReplayRun
+from reqscope.ui.run.view import RunView
+from reqscope.ui.sampling_form import parse_choice
+
+SMOLLM = TraceHeader("SmolLM2-135M-Instruct", "", layers=30, q_heads=9, kv_heads=3, head_dim=64,
+                     dtype="float32", device="cpu", load_ms=0.0)
+
+
+def kv_usage(tokens: int, heads: int = 3, elem: int = 4, layers: int = 30, head_dim: int = 64) -> KVUsage:
+    per_token = 2 * layers * heads * head_dim * elem
+    return KVUsage(
+        layout="gqa", dtype="float32", tokens=tokens, block_size=16, blocks=-(-tokens // 16), layers=layers,
+        stored_heads=heads, head_dim=head_dim, bytes_per_token=per_token, logical_bytes=per_token * tokens,
+        physical_bytes=per_token * 16 * -(-tokens // 16), reserved_bytes=per_token * 64,
+        per_layer_tokens=(tokens,) * layers, per_layer_logical_bytes=(per_token // layers * tokens,) * layers,
+        per_layer_physical_bytes=(per_token // layers * 16 * -(-tokens // 16),) * layers,
+    )
+
+
+def token(index: int, t_ms: float, text: str = "x") -> TokenEvent:
+    return TokenEvent(index=index, token_id=100 + index, piece=text, text=text, t_ms=t_ms, itl_ms=None,
+                      step_ms=5.0, kv=kv_usage(10 + index), trace=None)
+
+
+def stage(name: str, start: float, end: float) -> StageEvent:
+    return StageEvent(name, start, end)
+
+
+# -- the fold ---------------------------------------------------------------------------------
+
+
+def test_run_view_tracks_the_current_stage_and_running_durations():
+    view = RunView()
+    assert view.current_stage() == "gateway"
+    for i, name in enumerate(("gateway", "template", "tokenize", "admit")):
+        view.apply(stage(name, i, i + 1))
+    assert view.current_stage() == "prefill"
+    view.apply(stage("prefill", 5.0, 40.0))
+    view.apply(PrefillEvent(10, 35.0, kv_usage(10)))
+    view.apply(StepReady(0))
+    assert view.current_stage() == "decode" and view.waiting_step == 0
+    view.apply(token(0, 50.0, ""))  # held back: not visible
+    view.apply(token(1, 60.0))
+    view.apply(token(2, 75.0))
+    assert view.waiting_step is None
+    assert view.stage_ms("decode") == 35.0  # prefill end (40) to the last token (75)
+    assert view.stage_ms("stream") == 15.0  # first visible (60) to last visible (75)
+    assert view.kv.tokens == 12 and view.text == "xx"
+
+
+def test_latency_figures_follow_the_metric_definitions():
+    view = RunView()
+    view.apply(PrefillEvent(10, 80.0, kv_usage(10)))
+    for i, t in enumerate((100.0, 130.0, 170.0, 220.0)):
+        view.apply(token(i, t))
+    fig = latency_figures(view)
+    m = fig.metrics
+    assert (m.ttft_ms, m.e2e_ms) == (100.0, 220.0)
+    assert m.tpot_ms == pytest.approx(40.0)  # (220 - 100) / (4 - 1)
+    assert m.decode_output_tokens_per_second == pytest.approx(25.0)  # 3 gaps in 0.12 s
+    assert m.whole_request_output_tokens_per_second == pytest.approx(4 / 0.22)
+    assert fig.itls_ms == (30.0, 40.0, 50.0) and fig.last_itl_ms == 50.0
+    assert (fig.itl.median, fig.itl.max) == (40.0, 50.0)
+    assert fig.prefill_ms_per_token == 8.0
+
+
+# -- GQA vs MHA -------------------------------------------------------------------------------
+
+
+def test_formula_rows_use_kv_heads_for_gqa_and_query_heads_for_mha():
+    rows = formula_rows(SMOLLM, kv_usage(57))
+    assert [(r.name, r.heads, r.bytes_per_token) for r in rows] == [
+        ("GQA", 3, 46080), ("MHA", 9, 138240), ("MQA", 1, 15360)
+    ]
+    assert rows[1].bytes_now == 138240 * 57
+    assert element_bytes(kv_usage(5, elem=2)) == 2
+
+
+def test_an_mha_model_compares_with_mqa_only():
+    header = TraceHeader("m", "", layers=2, q_heads=4, kv_heads=4, head_dim=8, dtype="float32", device="cpu",
+                         load_ms=0.0)
+    rows = formula_rows(header, kv_usage(3, heads=4, layers=2, head_dim=8))
+    assert [(r.name, r.heads) for r in rows] == [("MHA", 4), ("MQA", 1)]
+
+
+# -- the logits panel's arithmetic ---------------------------------------------------------------
+
+
+def test_chain_text_follows_the_order():
+    assert chain_text(SamplingParams(0.7, 50, 0.9, 0.0)) == (
+        "logits -> temperature 0.7 -> top_k 50 -> top_p 0.9 -> min_p off -> dist"
+    )
+    llama = SamplingParams(0.8, 40, 0.95, 0.05, order=SamplingParams.parse_order("llama.cpp"))
+    assert chain_text(llama) == "logits -> top_k 40 -> top_p 0.95 -> min_p 0.05 -> temperature 0.8 -> dist"
+    assert chain_text(SamplingParams(temperature=0)).startswith("logits -> argmax")
+
+
+def test_cut_lines_sit_above_the_first_token_each_stage_dropped():
+    dropped = [None, None, "top_p", "top_p", "top_k", "top_k"]
+    cands = tuple(
+        Candidate(i, f"t{i}", 10.0 - i, 0.1, by, 0.5 + 0.1 * i, 0.5 if by is None else 0.0)
+        for i, by in enumerate(dropped)
+    )
+    trace = StepTrace(order=SamplingParams().order, params=SamplingParams(1.0, 4, 0.6, 0.0), candidates=cands,
+                      chosen_id=0, chosen_piece="t0", chosen_logprob=-0.5, sample_logprob=-0.7, entropy=1.0,
+                      kept=2, top_p_cut=0.6, forced=False)
+    assert cut_positions(trace) == {4: "top-k 4", 2: "top-p 0.6, kept 0.600"}
+
+
+# -- replay --------------------------------------------------------------------------------------
+
+
+def test_replay_rests_at_each_step_and_steps_back_exactly():
+    events = [stage("gateway", 0, 1), StepReady(0), token(0, 10.0), StepReady(1), token(1, 25.0),
+              DoneEvent(result=None)]
+    replay = ReplayRun(SMOLLM, events)
+    assert replay.stops == [2, 4, 6] and replay.cursor == 2
+    assert replay.pending_token() == events[2] and replay.view().tokens == []
+    assert replay.forward() and replay.view().tokens == [events[2]]
+    assert replay.next_delay_ms() == 15.0
+    assert replay.forward() and replay.at_end and not replay.forward()
+    assert replay.back() and replay.back() and replay.at_start and not replay.back()
+
+
+# -- the worker's gate -------------------------------------------------------------------------
+
+
+class _FakeSession:
+    """Yields a StepReady/TokenEvent pair per token, like a RequestSession, and records controls."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+        self.produced = 0
+        self.cancelled = threading.Event()
+
+    def __iter__(self):
+        for i in range(self.tokens):
+            yield StepReady(i)
+            if self.cancelled.is_set():
+                break
+            self.produced += 1
+            yield token(i, float(i))
+        yield DoneEvent(result=None)
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+class _FakeEngine:
+    def __init__(self, session):
+        self.session = session
+
+    def start(self, request):
+        return self.session
+
+
+def _wait(predicate, timeout: float = 5.0) -> None:
+    event = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return
+        event.wait(0.01)
+    raise AssertionError("condition not reached")
+
+
+def test_the_gate_lets_exactly_one_token_through_per_step():
+    session = _FakeSession(tokens=5)
+    live = LiveRun(_FakeEngine(session), request=None, paused=True)
+    worker = threading.Thread(target=live.drive)
+    worker.start()
+    _wait(lambda: live.held_at == 0)
+    assert session.produced == 0
+    live.step()
+    _wait(lambda: live.held_at == 1)
+    assert session.produced == 1
+    live.resume()
+    _wait(live.finished.is_set)
+    assert session.produced == 5 and live.failure is None
+    assert sum(isinstance(e, TokenEvent) for e in live.inbox) == 5
+
+
+def test_cancel_releases_a_held_step():
+    session = _FakeSession(tokens=5)
+    live = LiveRun(_FakeEngine(session), request=None, paused=True)
+    worker = threading.Thread(target=live.drive)
+    worker.start()
+    _wait(lambda: live.held_at == 0)
+    live.cancel()
+    worker.join(5)
+    assert live.finished.is_set() and session.produced == 0
+    with pytest.raises(RuntimeError):
+        live.preview(SamplingParams())
+
+
+# -- forms, folders, keys, glyphs --------------------------------------------------------------
+
+
+FORM = {"temperature": "0.5", "top_k": "20", "top_p": "0.8", "min_p": "0.05", "seed": "", "max_tokens": "64",
+        "order": "llama.cpp"}
+
+
+def test_sampling_form_values_become_validated_params():
+    choice = parse_choice(FORM, SamplingParams())
+    assert choice.params == SamplingParams(0.5, 20, 0.8, 0.05, None, SamplingParams.parse_order("llama.cpp"))
+    assert choice.max_tokens == 64
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("top_p", "1.5", "top_p must be in (0, 1]"),
+        ("temperature", "warm", "temperature must be a number"),
+        ("top_k", "2.5", "top_k must be an integer"),
+        ("max_tokens", "0", "max tokens must be at least 1"),
+        ("order", "top_k,top_p", "sampler order must be"),
+    ],
+)
+def test_sampling_form_refuses_bad_values(field, value, message):
+    with pytest.raises(RequestError, match=message.replace("(", r"\(").replace("]", r"\]")):
+        parse_choice(FORM | {field: value}, SamplingParams())
+
+
+def test_run_folders_are_never_reused(tmp_path):
+    first = claim_run_folder(tmp_path, "req-1")
+    (first / "keep.txt").write_text("mine")
+    assert claim_run_folder(tmp_path, "req-1") == tmp_path / "req-1-2"
+    assert claim_run_folder(tmp_path, "req-1") == tmp_path / "req-1-3"
+    assert (first / "keep.txt").read_text() == "mine"
+
+
+def test_a_renewed_request_keeps_everything_but_its_id():
+    from ui_fixtures import kyoto_request
+
+    request = kyoto_request()
+    again = renewed(request, kv_layout="mha")
+    assert again.request_id != request.request_id
+    assert (again.messages, again.sampling, again.kv_layout) == (request.messages, request.sampling, "mha")
+
+
+def test_every_key_has_an_action_on_the_app():
+    for key in KEYS:
+        assert callable(getattr(ExplorerApp, f"action_{action_name(key)}", None)), key.action
+
+
+def test_glyphs():
+    assert bar(0.5, 4) == "██  "
+    assert bar(1 / 16, 2) == "▏ "
+    assert sparkline([1.0, 2.0, 3.0], 3) == "▁▅█"
+    assert sparkline([5.0] * 10, 4) == "▄▄▄▄"
+    assert columns([0.5, 1.0], 2) == [" █", "██"]
+
+
+def test_the_closing_line_names_the_outcome():
+    from minengine.engine.events import RequestResult, Usage
+    from minengine.engine.metrics import request_metrics
+    from reqscope.ui.launch import outcome
+
+    view = RunView()
+    assert outcome(view) == "left while running (0 tokens generated)"
+    metrics = request_metrics(0.0, 100.0, 220.0, 4, [100.0, 130.0, 170.0, 220.0])
+    view.apply(DoneEvent(RequestResult("req-1", "length", "abcd", (1, 2, 3, 4), Usage(10, 4), (), (), metrics,
+                                       0.0, None, ())))
+    assert outcome(view) == "length: 4 tokens, TTFT 100.0 ms, TPOT 40.00 ms, decode 25.00 tok/s, E2E 220.0 ms"
+
+
+def test_the_pacer_spaces_repaints_by_their_measured_cost():
+    from reqscope.ui.repaint_pacer import RepaintPacer
+
+    clock = {"wall": 0.0, "cpu": 0.0}
+    pacer = RepaintPacer(max_hz=30, duty=0.1, slowest_s=2.0, wall=lambda: clock["wall"], cpu=lambda: clock["cpu"])
+    assert pacer.wait_s() < 0  # nothing drawn yet: repaint at once
+    pacer.repainting()
+    assert pacer.interval_s == pytest.approx(1 / 30)  # no cost known yet: the rate cap
+    clock["cpu"] += 0.02  # drawing took 20 ms of the UI thread
+    clock["wall"] += 0.05
+    pacer.repainting()
+    assert pacer.interval_s == pytest.approx(0.2)  # 20 ms is 10% of 200 ms
+    clock["wall"] += 0.15
+    assert pacer.wait_s() == pytest.approx(0.05)
+    clock["cpu"] += 1.0  # a very slow terminal: never wait more than slowest_s
+    pacer.repainting()
+    assert pacer.interval_s == 2.0
