@@ -42,7 +42,7 @@ _CHUNK = 1 << 20
 
 
 def convert_gguf(*args, **kwargs) -> Path:
-    """`gguf_import.convert_gguf`, imported when a pull needs it: gguf takes 0.1 s to import,
+    """`gguf.convert.convert_gguf`, imported when a pull needs it: gguf takes 0.1 s to import,
     which every start would otherwise pay just to find the model folder."""
     from minengine.gguf.convert import convert_gguf as convert
 

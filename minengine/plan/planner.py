@@ -1,6 +1,6 @@
 """Memory and latency planning for one request on one model replica.
 
-Memory is logical, unsharded payload: the KV formula in kv_math (from KV heads, never query
+Memory is logical, unsharded payload: the KV formula in `kv.arithmetic` (from KV heads, never query
 heads) times the tokens the cache holds, and weights as params x bytes per weight. Physical
 allocation adds block rounding (reported when a block size is given), quantization scales
 (omitted), padding, workspace and activations (omitted); the notes in a Plan say so.

@@ -3,7 +3,7 @@
 Each stage reproduces the Hugging Face transformers warper of the same name exactly
 (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, with one
 token always kept); only the order in which they run changes between engines (see
-`sampling_params`).
+`sampling.params`).
 
 Sorting a 49k vocabulary costs ~80 argmaxes on a CPU, so top-p sorts only its survivors when an
 earlier stage has cut the vocabulary, and otherwise decides from an unsorted top-k (see

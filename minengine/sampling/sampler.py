@@ -4,7 +4,7 @@ Greedy (temperature 0) bypasses the chain: the argmax of the raw logits. `torch.
 draws one exponential per vocabulary entry, so by default the token is drawn by inverse CDF from
 a single uniform; the distribution sampled from is the same, only the mapping from random
 numbers to tokens differs (`draw="multinomial"` restores HF's token-for-token behaviour at its
-price). The filter stages live in `sampler_chain`, the traces in `sampler_trace`.
+price). The filter stages live in `chain`, the traces in `trace`.
 """
 
 from __future__ import annotations
