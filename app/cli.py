@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import os
 import sys
 
 from minengine.errors import ReqscopeError
@@ -54,6 +55,14 @@ def _top_help() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `reqscope` console script."""
     prefer_passive_wait()  # before any verb's module imports torch
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # also while a verb's imports load (torch takes seconds)
+        print("reqscope: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
         print(_top_help())
@@ -77,10 +86,24 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(args) or 0)
     except ReqscopeError as exc:
         print(f"reqscope: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("reqscope: interrupted", file=sys.stderr)
-        return 130
+        return exc.exit_code
+    except BrokenPipeError:
+        return _reader_left()
+
+
+def _reader_left() -> int:
+    """stdout's reader closed the pipe (`reqscope ... | head`): end quietly, as SIGPIPE would.
+
+    Whatever is still buffered for stdout can never be delivered; pointing the descriptor at
+    /dev/null lets the interpreter's final flush succeed instead of printing a second error.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
 
 
 if __name__ == "__main__":

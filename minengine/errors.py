@@ -8,6 +8,14 @@ the CLI can print it as is (no traceback) and the UI can show it in place.
 class ReqscopeError(Exception):
     """Base class: a user-facing problem with a one-line, actionable message."""
 
+    exit_code = 1  # what the command line exits with
+
+
+class NotATraceError(ReqscopeError):
+    """A file given as a recorded trace is not one (wrong bytes, wrong JSON, no header)."""
+
+    exit_code = 2  # the argument itself is wrong, as for a usage error
+
 
 class ConfigError(ReqscopeError):
     """config.json describes a model this engine cannot run exactly."""

@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--export", metavar="DIR", help="write timeline CSV, metrics JSON, token trace and a Perfetto trace to DIR"
     )
+    parser.add_argument(
+        "--force", action="store_true", help="with --export: replace the export files of an earlier run in DIR"
+    )
     add_run_arguments(parser)
     add_endpoint_arguments(parser)
 
@@ -37,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
         from reqscope.ui.launch import launch_explorer
 
         return launch_explorer(args, request)
+    if args.export:
+        from minengine.record.export import prepare_export_folder
+
+        prepare_export_folder(args.export, force=args.force)  # before the run: a bad path wastes none
     engine = open_engine(args, progress=None if args.json else stderr_progress)
     recorded: list = []
     events = _recording(engine.start(request), recorded)

@@ -69,6 +69,11 @@ class Scheduler:
         cancelled: threading.Event | None = None,
     ) -> Admission:
         """Reserve `kv_bytes` for a request, waiting while others hold the budget."""
+        if prompt_tokens >= context_limit:  # no max_tokens can help: the prompt must shrink
+            raise AdmissionError(
+                f"the prompt alone is {prompt_tokens} tokens, and the model's context holds {context_limit} "
+                "(with room for one output token); shorten the prompt or the system prompt"
+            )
         if prompt_tokens + max_tokens > context_limit:
             raise AdmissionError(
                 f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) = {prompt_tokens + max_tokens} "

@@ -1,8 +1,17 @@
-"""Write one run to a folder: timeline CSV, metrics JSON, event trace, Perfetto trace, telemetry."""
+"""Write one run to a folder: timeline CSV, metrics JSON, event trace, Perfetto trace, telemetry.
+
+One folder holds one run. A run that shows no visible token writes no timeline CSV, so writing
+a second run over a first would leave the first run's CSV beside the second's other files:
+a folder that already holds files is refused unless the caller forces it, and then the
+previous export files are removed first. The folder is prepared, and its writability
+checked, before the request runs, so a bad path costs no generation.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +29,36 @@ METRICS_JSON = "request-metrics.json"
 TRACE_JSONL = "request-trace.jsonl"
 PERFETTO_JSON = "request-trace.perfetto.json"
 TELEMETRY_JSON = "request-telemetry.json"
+EXPORT_FILES = (TIMELINE_CSV, METRICS_JSON, TRACE_JSONL, PERFETTO_JSON, TELEMETRY_JSON)
+
+
+def prepare_export_folder(folder: str | Path, *, force: bool = False) -> Path:
+    """Create `folder` for one run's export and check now that it can be written.
+
+    A folder that already holds files is refused, unless `force`: then the export files of the
+    run before are removed (other files are left alone), so no two runs' files sit side by side.
+    """
+    out = Path(folder)
+    if out.exists() and not out.is_dir():
+        raise ReqscopeError(f"--export {out} is a file, not a folder; choose a new folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        present = sorted(entry.name for entry in out.iterdir())
+        if present and not force:
+            shown = ", ".join(present[:3]) + (f" and {len(present) - 3} more" if len(present) > 3 else "")
+            raise ReqscopeError(
+                f"--export folder {out} already holds files ({shown}); choose a new folder, "
+                "or add --force to replace the export files in it"
+            )
+        for name in EXPORT_FILES:
+            (out / name).unlink(missing_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".reqscope-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        why = exc.strerror or exc
+        raise ReqscopeError(f"cannot write to --export folder {out} ({why}); choose another folder") from None
+    return out
 
 
 def export_run(result: RequestResult, folder: str | Path, events: Sequence, header: TraceHeader) -> list[Path]:
@@ -27,7 +66,7 @@ def export_run(result: RequestResult, folder: str | Path, events: Sequence, head
     out = Path(folder)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        paths = [out / name for name in (TIMELINE_CSV, METRICS_JSON, TRACE_JSONL, PERFETTO_JSON, TELEMETRY_JSON)]
+        paths = [out / name for name in EXPORT_FILES]
         if result.metrics is not None:
             write_timeline(paths[0], csv_timeline(result))
         else:

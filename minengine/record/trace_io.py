@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from minengine.engine import events as ev
-from minengine.errors import ReqscopeError
+from minengine.errors import NotATraceError, ReqscopeError
 
 if TYPE_CHECKING:
     from minengine.engine.engine import Engine
@@ -129,11 +129,18 @@ def read_trace(path: str | Path) -> tuple[TraceHeader, list]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise ReqscopeError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise NotATraceError(
+            f"{path} is not a reqscope trace (not UTF-8 text at byte {exc.start}); "
+            "export one with --export DIR or the x key"
+        ) from None
     records = list(_parse(path, lines))
     if not records or records[0].get("type") != HEADER_TYPE:
-        raise ReqscopeError(f"{path} is not a reqscope trace (export one with --export DIR or the e key)")
-    head = records[0]
-    header = _decode(TraceHeader, head)
+        raise NotATraceError(f"{path} is not a reqscope trace (export one with --export DIR or the x key)")
+    try:
+        header = _decode(TraceHeader, records[0])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise NotATraceError(f"{path} has a malformed header ({exc}); was it written by another version?") from None
     try:
         return header, [event_from_record(r) for r in records[1:]]
     except (KeyError, TypeError) as exc:
@@ -147,7 +154,7 @@ def _parse(path: Path, lines: list[str]) -> Iterator[dict]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ReqscopeError(f"{path}:{n} is not valid JSON ({exc.msg})") from None
+            raise NotATraceError(f"{path}:{n} is not valid JSON ({exc.msg}); is it a reqscope trace?") from None
         if not isinstance(record, dict):
-            raise ReqscopeError(f"{path}:{n} is not a JSON object")
+            raise NotATraceError(f"{path}:{n} is not a JSON object; is it a reqscope trace?")
         yield record

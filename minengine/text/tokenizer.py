@@ -58,6 +58,9 @@ class ModelTokenizer:
             raise TokenizerError(f"cannot load {path}: {exc}") from None
         tcfg = _read_json(folder / "tokenizer_config.json")
         self.chat_template = self._find_template(folder, tcfg)
+        # Named in every template error, so the user knows which file to fix.
+        jinja_file = folder / "chat_template.jinja"
+        self.template_origin = jinja_file if jinja_file.is_file() else folder / "tokenizer_config.json"
         self.special_tokens = {
             key: text
             for key in ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -99,12 +102,15 @@ class ModelTokenizer:
                 "this model folder has no chat template (tokenizer_config.json chat_template); "
                 "use an instruct/chat model"
             )
-        return render_chat(
-            self.chat_template,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            special_tokens=self.special_tokens,
-        )
+        try:
+            return render_chat(
+                self.chat_template,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                special_tokens=self.special_tokens,
+            )
+        except TokenizerError as exc:
+            raise TokenizerError(f"{self.template_origin}: {exc}") from None
 
     def encode(self, text: str) -> list[int]:
         """Token ids for already-templated text (no extra special tokens added)."""

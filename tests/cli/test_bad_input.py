@@ -144,3 +144,47 @@ def test_template_raise_exception_is_a_clear_error():
     template = "{{ raise_exception('Conversation roles must alternate') }}"
     with pytest.raises(TokenizerError, match="roles must alternate"):
         render_chat(template, [Message("user", "hi")], add_generation_prompt=True, special_tokens={})
+
+
+@pytest.mark.parametrize(
+    ("template", "needle"),
+    [
+        ("{% if false %}x{% endif %}", "rendered nothing"),
+        ("{{ range(10**8) | length }}", "Range too big"),
+        ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", "longer than"),
+        ("{{ 'x' * 10**9 }}", "passed"),
+        ("{{ 7 ** 99999999 }}", "power too large"),
+        ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursed too deeply"),
+        ("{{ messages[0].content / 0 }}", "failed to render"),
+    ],
+)
+def test_runaway_and_broken_templates_stop_with_one_line(template, needle):
+    with pytest.raises(TokenizerError, match=needle) as info:
+        render_chat(template, [Message("user", "hi")], add_generation_prompt=True, special_tokens={})
+    assert "\n" not in str(info.value)
+
+
+def test_budgeted_range_behaves_like_range_in_real_templates():
+    template = (
+        "{% for i in range(messages | length) | reverse %}{{ messages[i].content }}{% endfor %}"
+        "|{{ range(5)[1:3] | list }}|{{ 3 in range(5) }}|{{ range(4) | length }}|{{ 'ab' * 2 }}"
+    )
+    out = render_chat(template, [Message("user", "a"), Message("assistant", "b")], add_generation_prompt=True,
+                      special_tokens={})  # fmt: skip
+    assert out == "ba|[1, 2]|True|4|abab"
+
+
+def test_a_folder_template_failure_names_the_file_and_exits_cleanly(chatty_tiny_dir, tmp_path, capsys):
+    from reqscope.cli import main
+
+    folder = tmp_path / "m"
+    shutil.copytree(chatty_tiny_dir, folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = "{% if false %}{{ messages }}{% endif %}"
+    config_path.write_text(json.dumps(config))
+    code = main(["--plain", "--model", str(folder), "--max-tokens", "2", "hello"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert f"{config_path}: the chat template rendered nothing" in err
+    assert "Traceback" not in err

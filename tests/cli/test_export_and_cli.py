@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +124,91 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--plain", "--max-tokens", "4", "hi"],
+        ["--json", "--max-tokens", "4", "hi"],
+        ["metrics", "DATA/request-timeline.csv", "--output-tokens", "150"],
+    ],
+    ids=["plain", "json", "metrics"],
+)
+def test_a_reader_that_leaves_ends_the_command_quietly(chatty_tiny_dir, argv):
+    # `reqscope ... | head -c 0`: the pipe's read end is closed before the first write.
+    data = Path(__file__).resolve().parent.parent / "data"
+    argv = [a.replace("DATA", str(data)) for a in argv]
+    if argv[0] != "metrics":
+        argv = ["--model", str(chatty_tiny_dir), *argv]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "reqscope", *argv], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120
+        )
+    finally:
+        os.close(write_end)
+    assert proc.returncode in (0, 141), proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+
+def _export_run(chatty_tiny_dir, folder, capsys, *extra):
+    argv = ["--plain", "--model", str(chatty_tiny_dir), "--temperature", "0", "--max-tokens", "3"]
+    return _run([*argv, "--export", str(folder), *extra, "Tell me about Kyoto"], capsys)
+
+
+def test_a_second_export_into_the_same_folder_is_refused_and_writes_nothing(chatty_tiny_dir, tmp_path, capsys):
+    folder = tmp_path / "run"
+    assert _export_run(chatty_tiny_dir, folder, capsys)[0] == 0
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    code, out, err = _export_run(chatty_tiny_dir, folder, capsys)
+    assert code == 1 and out == ""  # refused before the request ran: no answer streamed
+    assert "already holds files" in err and "--force" in err and err.count("\n") == 1
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def test_force_replaces_the_earlier_runs_files_and_leaves_none_of_them(chatty_tiny_dir, tmp_path, capsys):
+    from minengine.record.export import EXPORT_FILES
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for name in EXPORT_FILES:  # an earlier run's files, and one file of the user's own
+        (folder / name).write_text("earlier run")
+    (folder / "notes.txt").write_text("mine")
+    code, _, err = _export_run(chatty_tiny_dir, folder, capsys, "--force")
+    assert code == 0, err
+    assert (folder / "notes.txt").read_text() == "mine"
+    # Every earlier export file is gone or rewritten by this run (a run with no visible token
+    # writes no CSV, and the earlier one must not stay behind either).
+    for name in EXPORT_FILES:
+        path = folder / name
+        assert not path.exists() or path.read_text() != "earlier run", name
+
+
+@pytest.mark.parametrize("kind", ["a-file", "unwritable"])
+def test_a_bad_export_path_fails_before_the_run(chatty_tiny_dir, tmp_path, capsys, kind):
+    if kind == "a-file":
+        target = tmp_path / "file.txt"
+        target.write_text("x")
+        needle = "is a file"
+    else:
+        if os.geteuid() == 0:
+            target, needle = Path("/proc/reqscope-export"), "cannot write"
+        else:
+            locked = tmp_path / "locked"
+            locked.mkdir(mode=0o500)
+            target, needle = locked / "run", "cannot write"
+    code, out, err = _export_run(chatty_tiny_dir, target, capsys)
+    assert code == 1 and out == "" and needle in err and "Traceback" not in err
+
+
+def test_ctrl_c_while_a_verb_loads_is_one_line_and_130(monkeypatch, capsys):
+    from reqscope import cli
+
+    def interrupted_import(verb):
+        raise KeyboardInterrupt  # what SIGINT does in the middle of `import torch`
+
+    monkeypatch.setattr(cli, "build_parser", interrupted_import)
+    assert cli.main(["--plain", "hi"]) == 130
+    assert capsys.readouterr().err == "reqscope: interrupted\n"

@@ -363,3 +363,18 @@ async def test_real_model_end_to_end_then_replay_the_export(default_model_dir, t
     async with replay.run_test() as pilot:
         await pilot.press("end")
         assert replay.view.result.token_ids == result.token_ids
+
+
+@pytest.mark.parametrize(
+    "content",
+    [bytes(range(256)) * 4, b'{"type": "reqscope-trace"}\n', b"[1, 2]\n", b"not json\n", b"{}\n"],
+    ids=["random-bytes", "header-without-fields", "not-an-object", "not-json", "no-header"],
+)
+def test_replay_of_a_file_that_is_no_trace_is_one_line_and_exit_2(tmp_path, capsys, content):
+    from reqscope.cli import main
+
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(content)
+    assert main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("reqscope: error: ") and str(path) in err

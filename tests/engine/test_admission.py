@@ -1,0 +1,32 @@
+"""Admission refusals say which number to change: the prompt, max_tokens or the KV budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from minengine.engine.scheduler import Scheduler
+from minengine.errors import AdmissionError
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "needle", "not_said"),
+    [
+        (2048, 1, "shorten the prompt", "--max-tokens"),  # the prompt alone fills the context
+        (4000, 16, "the prompt alone is 4000 tokens", "--max-tokens"),
+        (2000, 100, "lower --max-tokens", "shorten the prompt"),  # max_tokens is what overflows
+    ],
+)
+def test_over_context_names_what_to_change(prompt, max_tokens, needle, not_said):
+    scheduler = Scheduler(kv_budget_bytes=1 << 30)
+    with pytest.raises(AdmissionError, match=needle) as info:
+        scheduler.admit("r", prompt_tokens=prompt, max_tokens=max_tokens, context_limit=2048, kv_bytes=1)
+    assert not_said not in str(info.value)
+    assert scheduler.held_bytes == 0  # nothing reserved by a refused request
+
+
+def test_a_prompt_that_leaves_room_for_one_token_is_admitted():
+    scheduler = Scheduler(kv_budget_bytes=1 << 30)
+    admission = scheduler.admit("r", prompt_tokens=2047, max_tokens=1, context_limit=2048, kv_bytes=1)
+    assert scheduler.held_bytes == 1
+    scheduler.release(admission)
+    assert scheduler.held_bytes == 0
