@@ -12,6 +12,7 @@ import gc
 import importlib
 import os
 import sys
+from importlib import metadata
 
 from minengine.errors import ReqscopeError
 from minengine.omp_env import prefer_passive_wait
@@ -29,6 +30,38 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# A few commands per verb that work as written, shown under its --help.
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "run": (
+        'reqscope "Show me wheelchair-accessible hotels in Kyoto"',
+        'reqscope --plain --temperature 0 --max-tokens 64 "Explain a KV cache"',
+        'reqscope --json --kv-layout mha "Hello" > run.jsonl',
+        'reqscope --endpoint http://127.0.0.1:8000/v1 --plain "Hello"',
+    ),
+    "pull": ("reqscope pull",),
+    "import": ("reqscope import model.Q4_K_M.gguf ~/models/my-model",),
+    "metrics": ("reqscope metrics request-timeline.csv --output-tokens 150",),
+    "plan": ("reqscope plan --list-cards", "reqscope plan llama-3.1-8b --prompt-tokens 6000 --output-tokens 400"),
+    "replay": ("reqscope replay reqscope-runs/<id>/request-trace.jsonl",),
+    "bench": ("reqscope bench", "reqscope bench --rounds 3 --json --output bench.json"),
+    "serve": ("reqscope serve", "reqscope serve --host 0.0.0.0 --port 8000 --api-key \"$KEY\""),
+}
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, unless the help already says it in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        if action.default is None or action.default == []:
+            return f"{text} (default: not set)".lstrip()
+        if action.default is False and action.nargs == 0:
+            return f"{text} (default: off)".lstrip()
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that exits with code 2 and one line, never a usage dump plus traceback."""
 
@@ -40,16 +73,49 @@ def build_parser(verb: str) -> argparse.ArgumentParser:
     """The parser for one verb; `run` is also reachable as plain `reqscope PROMPT`."""
     module_name, help_text = SUBCOMMANDS[verb]
     prog = "reqscope" if verb == "run" else f"reqscope {verb}"
-    parser = _Parser(prog=prog, description=help_text)
+    epilog = "examples:\n" + "\n".join(f"  {line}" for line in EXAMPLES.get(verb, ()))
+    parser = _Parser(prog=prog, description=help_text, epilog=epilog, formatter_class=_HelpFormatter)
     importlib.import_module(module_name).add_arguments(parser)
+    for action in parser._actions:  # argparse prints no help line, so no default, for help=None
+        if action.help is None and action.option_strings:
+            action.help = f"one of {', '.join(map(str, action.choices))}" if action.choices else "see README"
     return parser
 
 
 def _top_help() -> str:
     lines = ["usage: reqscope [run] PROMPT [options]", "       reqscope VERB [options]", "", "verbs:"]
     lines += [f"  {verb:<8} {help_text}" for verb, (_, help_text) in SUBCOMMANDS.items()]
-    lines += ["", "`reqscope VERB --help` for a verb's options."]
+    lines += ["", "examples:"] + [f"  {EXAMPLES[verb][0]}" for verb in ("run", "plan", "serve")]
+    lines += ["", "`reqscope VERB --help` for a verb's options; `reqscope --version` for the version."]
     return "\n".join(lines)
+
+
+def version() -> str:
+    """`reqscope X.Y.Z`, from the installed package's metadata (no torch import)."""
+    try:
+        return f"reqscope {metadata.version('reqscope')}"
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "reqscope (not installed)"
+
+
+def _one_edit_apart(a: str, b: str) -> bool:
+    """Whether `a` becomes `b` by one insertion, deletion, substitution or swap of neighbours."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]]
+                                  and a[diff[1]] == b[diff[0]])  # fmt: skip
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
+
+
+def mistyped_verb(word: str) -> str | None:
+    """The verb a first word misspells by one edit (`serv` -> `serve`), or None."""
+    if not word or word.startswith("-") or not word.isalpha():
+        return None
+    matches = [verb for verb in SUBCOMMANDS if _one_edit_apart(word.lower(), verb)]
+    return matches[0] if len(matches) == 1 else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +133,16 @@ def _main(argv: list[str] | None) -> int:
     if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
         print(_top_help())
         return 0
+    if argv and argv[0] in ("-V", "--version"):
+        print(version())
+        return 0
+    if argv and (meant := mistyped_verb(argv[0])) is not None:
+        # A one-word typo of a verb would otherwise run a whole request on it as the prompt.
+        print(
+            f"reqscope: error: did you mean `reqscope {meant}`? (use `reqscope run {argv[0]}` to send it as a prompt)",
+            file=sys.stderr,
+        )
+        return 2
     verb = argv[0] if argv and argv[0] in SUBCOMMANDS else "run"
     if argv and argv[0] == verb:
         argv = argv[1:]

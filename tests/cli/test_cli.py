@@ -1,0 +1,44 @@
+"""The command line as users of vLLM and llama.cpp expect it: --version, typo help, defaults shown."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from reqscope import cli
+
+
+def test_version_names_the_installed_package(capsys):
+    from importlib import metadata
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"reqscope {metadata.version('reqscope')}\n"
+
+
+@pytest.mark.parametrize(("word", "verb"), [("serv", "serve"), ("plna", "plan"), ("pul", "pull"), ("benchh", "bench")])
+def test_a_verb_one_edit_away_is_caught_before_any_run(capsys, word, verb):
+    assert cli.main([word, "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    hint = f"(use `reqscope run {word}` to send it as a prompt)"
+    assert err == f"reqscope: error: did you mean `reqscope {verb}`? {hint}\n"
+
+
+@pytest.mark.parametrize("word", ["hello", "Kyoto", "serve me", "2+2", "replayed", "runner"])
+def test_prompts_that_are_not_typos_are_left_alone(word):
+    assert cli.mistyped_verb(word) is None
+
+
+@pytest.mark.parametrize("verb", sorted(cli.SUBCOMMANDS))
+def test_help_shows_every_options_default_and_examples(verb):
+    parser = cli.build_parser(verb)
+    text = parser.format_help()
+    assert "examples:" in text and cli.EXAMPLES[verb][0] in text
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        shown = formatter._get_help_string(action)
+        assert "default" in shown, f"{verb} {action.option_strings[0]}: no default in {shown!r}"
+    assert not re.search(r"default: None\b", text)
