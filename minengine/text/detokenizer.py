@@ -1,17 +1,17 @@
-"""Incremental detokenization that never emits half a character.
+"""Incremental detokenization that never emits half a character, through `tokenizers`' DecodeStream.
 
-Byte-level BPE tokens can split one UTF-8 character across several tokens. Decoding each
-token on its own would print replacement characters, so text is released only once the
-decoded suffix no longer ends in an incomplete sequence. A small window of previous tokens
-is re-decoded with each step so that tokenizer decoders that depend on context (leading
-spaces, byte fallback) produce the same text as decoding the whole sequence at once.
+Byte-level BPE tokens can split one UTF-8 character across several tokens, and decoders that
+depend on context (leading spaces, byte fallback) give other text for a token alone than inside
+the sequence. `tokenizers.decoders.DecodeStream` handles both in Rust: it keeps a window of
+previous tokens and returns text only once it is complete. This class adds what a request
+needs around it: the text so far, and a flush that releases whatever is still held back when
+the request ends (an incomplete character then decodes as U+FFFD, as a whole decode would).
 """
 
 from __future__ import annotations
 
 from tokenizers import Tokenizer
-
-_INCOMPLETE = "\ufffd"
+from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDetokenizer:
@@ -20,29 +20,29 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.ids: list[int] = []
-        self._prefix = 0  # start of the context window re-decoded each step
-        self._read = 0  # tokens whose text has been emitted
+        self._held = 0  # tokens pushed since the stream last released text
         self.text = ""
 
     def push(self, token_id: int) -> str:
         """Add a token; return the text it makes visible (possibly empty)."""
         self.ids.append(token_id)
-        before = self._tok.decode(self.ids[self._prefix : self._read], skip_special_tokens=self._skip)
-        after = self._tok.decode(self.ids[self._prefix :], skip_special_tokens=self._skip)
-        if after.endswith(_INCOMPLETE) or len(after) <= len(before):
-            return ""  # wait for the rest of the character (or nothing visible yet)
-        new = after[len(before) :]
-        self._prefix = self._read
-        self._read = len(self.ids)
+        new = self._stream.step(self._tok, token_id)
+        if not new:
+            self._held += 1
+            return ""
+        self._held = 0
         self.text += new
         return new
 
     def flush(self) -> str:
         """Release whatever is held back (at the end of a request)."""
-        full = self._tok.decode(self.ids[self._prefix :], skip_special_tokens=self._skip)
-        before = self._tok.decode(self.ids[self._prefix : self._read], skip_special_tokens=self._skip)
-        new = full[len(before) :] if len(full) > len(before) else ""
-        self._prefix = self._read = len(self.ids)
+        if not self._held:
+            return ""
+        full = self._tok.decode(self.ids, skip_special_tokens=self._skip)
+        new = full[len(self.text) :] if full.startswith(self.text) else ""
+        self._held = 0
+        self._stream = DecodeStream(skip_special_tokens=self._skip)  # later pushes start afresh
         self.text += new
         return new
