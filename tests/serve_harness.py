@@ -16,6 +16,7 @@ from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, RequestResult
 from minengine.engine.request import GenerationRequest
 from reqscope.serve.app import ServeConfig, build_app
+from reqscope.serve.connections import CONNECTION_GUARD, ConnectionGuard
 from reqscope.serve.gateway import GatewayConfig
 from reqscope.serve.runner import start_in_thread
 from reqscope.serve.telemetry import TelemetryLog
@@ -26,11 +27,12 @@ KEY = "test-key"
 
 @dataclass(frozen=True)
 class Served:
-    """A running server: its base URL (without /v1) and its telemetry."""
+    """A running server: its base URL (without /v1), its telemetry and its connection guard."""
 
     url: str
     telemetry: TelemetryLog
     engine: Engine
+    connections: ConnectionGuard
 
     @property
     def v1(self) -> str:
@@ -43,9 +45,10 @@ def serving(engine: Engine, gateway: GatewayConfig | None = None, **config) -> I
     """Serve `engine` on 127.0.0.1 (a free port) for the duration of the block."""
     settings = replace(ServeConfig(MODEL), gateway=gateway or GatewayConfig(api_keys=frozenset({KEY})), **config)
     telemetry = TelemetryLog()
-    server = start_in_thread(build_app(engine, settings, telemetry), "127.0.0.1", 0)
+    app = build_app(engine, settings, telemetry)
+    server = start_in_thread(app, "127.0.0.1", 0)
     try:
-        yield Served(server.url, telemetry, engine)
+        yield Served(server.url, telemetry, engine, app[CONNECTION_GUARD])
     finally:
         server.stop()
 
@@ -70,12 +73,17 @@ def raw_request(
     body: bytes | dict | None = None,
     headers: dict[str, str] | None = None,
     chunked: bool = False,
+    content_type: str | None = "application/json",
 ) -> RawResponse:
-    """One HTTP request with the standard library, so the bytes on the wire are the server's own."""
+    """One HTTP request with the standard library, so the bytes on the wire are the server's own.
+
+    `content_type` None sends no Content-Type header at all.
+    """
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
     payload = json.dumps(body).encode() if isinstance(body, dict) else body
-    sent_headers = {"Content-Type": "application/json", **(headers or {})}
+    sent_headers = {} if content_type is None else {"Content-Type": content_type}
+    sent_headers.update(headers or {})
     try:
         if chunked:
             conn.request(method, path, body=iter([payload]), headers=sent_headers, encode_chunked=True)

@@ -3,6 +3,10 @@
 Binds to 127.0.0.1 unless told otherwise. One request decodes at a time; others wait in a
 bounded queue (503 once it is full). Each finished request's telemetry goes to `--telemetry
 FILE` as a JSON line. Stop with Ctrl-C.
+
+A keyless server is the default on loopback, but an *empty* `--api-key ""` (typically an unset
+shell variable) is refused: it reads as "protect this server" and would silently give an open
+one. Slow clients are bounded by the header, body and keep-alive timeouts and a connection cap.
 """
 
 from __future__ import annotations
@@ -13,12 +17,13 @@ import ipaddress
 import os
 import sys
 
-from minengine.argtypes import non_negative, positive_whole_number, whole_number
+from minengine.argtypes import non_negative, positive, positive_whole_number, whole_number
 from minengine.errors import ReqscopeError
 from minengine.kv.arithmetic import KIB
 from minengine.sampling.sampler import SamplingParams
 from reqscope.run_options import open_engine, stderr_progress
 from reqscope.serve.app import ServeConfig, build_app
+from reqscope.serve.connections import ConnectionLimits
 from reqscope.serve.gateway import GatewayConfig
 from reqscope.serve.runner import serve_forever
 from reqscope.serve.telemetry import TelemetryLog
@@ -38,7 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sampler-order", default="vllm", metavar="ORDER", help="hf, llama.cpp, vllm or a comma list (default vllm)"
     )
     m.add_argument(
-        "--default-max-tokens", type=positive_whole_number, default=256, help="chat max_tokens when a request omits it"
+        "--default-max-tokens",
+        type=positive_whole_number,
+        default=256,
+        help="chat max_tokens when a request omits it (default %(default)s)",
     )
     n = parser.add_argument_group("network")
     n.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -51,10 +59,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY",
         help=f"require this bearer token (repeatable; also ${API_KEY_ENV})",
     )
-    g.add_argument("--rate-limit", type=non_negative, default=600.0, help="requests per minute per key (0 = off)")
-    g.add_argument("--rate-burst", type=positive_whole_number, default=20, help="requests allowed at once per key")
-    g.add_argument("--max-body-kib", type=positive_whole_number, default=1024, help="largest request body (KiB)")
-    g.add_argument("--max-queue", type=whole_number, default=16, help="requests that may wait for admission")
+    g.add_argument(
+        "--rate-limit",
+        type=non_negative,
+        default=600.0,
+        help="requests per minute per key (0 = off; default %(default)g)",
+    )
+    g.add_argument(
+        "--rate-burst",
+        type=positive_whole_number,
+        default=20,
+        help="requests allowed at once per key (default %(default)s)",
+    )
+    g.add_argument(
+        "--max-body-kib",
+        type=positive_whole_number,
+        default=1024,
+        help="largest request body in KiB (default %(default)s)",
+    )
+    g.add_argument(
+        "--max-queue", type=whole_number, default=16, help="requests that may wait for admission (default %(default)s)"
+    )
+    limits = ConnectionLimits()
+    c = parser.add_argument_group("connections")
+    c.add_argument(
+        "--header-timeout",
+        type=positive,
+        default=limits.header_timeout_s,
+        metavar="S",
+        help="seconds a client has to send a request's line and headers; then 408 and close (default %(default)g)",
+    )
+    c.add_argument(
+        "--body-timeout",
+        type=positive,
+        default=limits.body_timeout_s,
+        metavar="S",
+        help="seconds a client has to send a request's whole body; then 408 and close (default %(default)g)",
+    )
+    c.add_argument(
+        "--keepalive-timeout",
+        type=positive,
+        default=limits.keepalive_timeout_s,
+        metavar="S",
+        help="seconds an idle connection stays open between requests (default %(default)g)",
+    )
+    c.add_argument(
+        "--max-connections",
+        type=positive_whole_number,
+        default=limits.max_connections,
+        help="open connections at once; requests on any beyond get 503 and are closed (default %(default)s)",
+    )
     parser.add_argument("--telemetry", metavar="FILE", help="append one JSON telemetry line per finished request")
 
 
@@ -63,9 +117,12 @@ def run(args: argparse.Namespace) -> int:
     if args.port > 65535:
         print(f"reqscope: error: --port {args.port} is not a TCP port (0-65535)", file=sys.stderr)
         return 2
+    keys = _api_keys(args.api_key, os.environ.get(API_KEY_ENV, ""))
+    if isinstance(keys, str):
+        print(f"reqscope: error: {keys}", file=sys.stderr)
+        return 2
     order = SamplingParams.parse_order(args.sampler_order)
     engine = open_engine(args, progress=stderr_progress)
-    keys = frozenset(k for k in [*args.api_key, os.environ.get(API_KEY_ENV, "")] if k)
     config = ServeConfig(
         model_name=args.served_model_name or engine.model_dir.name,
         gateway=GatewayConfig(
@@ -77,6 +134,12 @@ def run(args: argparse.Namespace) -> int:
         sampler_order=order,
         default_max_tokens=args.default_max_tokens,
         max_queue=args.max_queue,
+        limits=ConnectionLimits(
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            keepalive_timeout_s=args.keepalive_timeout,
+            max_connections=args.max_connections,
+        ),
     )
     app = build_app(engine, config, TelemetryLog(args.telemetry))
     if not keys and not _is_loopback(args.host):
@@ -97,6 +160,24 @@ def run(args: argparse.Namespace) -> int:
         reason = exc.strerror or exc
         raise ReqscopeError(f"cannot listen on {args.host}:{args.port}: {reason}; pick another --port") from None
     return 0
+
+
+def _api_keys(flags: list[str], env: str) -> frozenset[str] | str:
+    """The keys to require, or why they cannot be used.
+
+    An empty environment variable counts as unset; an empty flag does not, since
+    `--api-key "$KEY"` with KEY unset means a key was intended. A key with surrounding spaces
+    could never match: the bearer token is read trimmed.
+    """
+    given = [(key, "--api-key", "leave the flag out") for key in flags]
+    if env:
+        given.append((env, f"${API_KEY_ENV}", "unset it"))
+    for key, where, keyless in given:
+        if not key.strip():
+            return f"{where} is empty (an unset shell variable?); give a key, or {keyless} to serve without one"
+        if key != key.strip():
+            return f"{where} has spaces around it, which a bearer token cannot carry; remove them"
+    return frozenset([*flags, *([env] if env else [])])
 
 
 def _is_loopback(host: str) -> bool:

@@ -20,6 +20,7 @@ from minengine.sampling.sampler import SamplingParams
 from minengine.text.chat_template import ROLES, Message
 
 MAX_TOP_LOGPROBS = 20
+SHOWN_CHARS = 64  # the most of a client's value an error message echoes
 # OpenAI's default for /v1/completions; chat has no fixed default, so the server sets one.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -54,6 +55,7 @@ class ApiError(Exception):
         kind: str = "invalid_request_error",
         code: str | None = None,
         retry_after_s: int | None = None,
+        close_connection: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -62,10 +64,22 @@ class ApiError(Exception):
         self.kind = kind
         self.code = code
         self.retry_after_s = retry_after_s
+        # Answer, then close the connection without waiting for the rest of the body (a stall).
+        self.close_connection = close_connection
 
     def body(self) -> dict:
         """`{"error": {"message", "type", "param", "code"}}`, as OpenAI answers errors."""
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """`value`'s repr for an error message, cut to `limit` characters.
+
+    Errors echo what the client sent so the mistake is visible, but a 100,000-character model
+    name must not come back in full: the echo is for reading, not a copy of the request.
+    """
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 1]}… ({len(text)} characters)"
 
 
 def invalid(param: str, message: str) -> ApiError:
@@ -103,7 +117,7 @@ def parse_request(kind: Kind, body: object, request_id: str, options: ParseOptio
     if model != options.model_name:
         raise ApiError(
             404,
-            f"the model {model!r} does not exist; this server serves {options.model_name!r}",
+            f"the model {shown(model)} does not exist; this server serves {shown(options.model_name)}",
             param="model",
             code="model_not_found",
         )
@@ -203,7 +217,7 @@ def _messages(raw: object) -> tuple[Message, ...]:
         if role == "developer":  # OpenAI's newer name for the system role
             role = "system"
         if role not in ROLES:
-            raise invalid(f"{where}.role", f"{where}.role {role!r} is unknown; use one of {', '.join(ROLES)}")
+            raise invalid(f"{where}.role", f"{where}.role {shown(role)} is unknown; use one of {', '.join(ROLES)}")
         messages.append(Message(role, _content(item.get("content"), f"{where}.content")))
     return tuple(messages)
 
@@ -260,7 +274,7 @@ class _Fields:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise invalid(name, f"{name} must be true or false (got {value!r})")
+            raise invalid(name, f"{name} must be true or false (got {shown(value)})")
         return value
 
     def number(self, name: str, default: float) -> float:
@@ -268,7 +282,7 @@ class _Fields:
         if value is None:
             return default
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise invalid(name, f"{name} must be a number (got {value!r})")
+            raise invalid(name, f"{name} must be a number (got {shown(value)})")
         return float(value)
 
     def integer(self, name: str, default: int | None, low: int | None = None, high: int | None = None) -> int | None:
@@ -278,8 +292,8 @@ class _Fields:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise invalid(name, f"{name} must be an integer (got {value!r})")
+            raise invalid(name, f"{name} must be an integer (got {shown(value)})")
         if (low is not None and value < low) or (high is not None and value > high):
             bounds = f">= {low}" if high is None else f"between {low} and {high}"
-            raise invalid(name, f"{name} must be {bounds} (got {value})")
+            raise invalid(name, f"{name} must be {bounds} (got {shown(value)})")
         return value

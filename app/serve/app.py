@@ -1,32 +1,34 @@
 """`reqscope serve`'s HTTP application: OpenAI-compatible routes over one minengine Engine.
 
 Routes: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models and
-GET /health. A completion request passes the gateway (`Gateway.guard`), is parsed into a
-GenerationRequest, and runs as an engine session on a worker thread (`EngineRun`). The
-response status is decided only once the scheduler has admitted the request, so a full queue
-is a 503 and a request that can never fit is a 400, never a 200 stream that fails. The engine
-admits one running request at a time; others wait in its bounded queue, and their wait is part
-of their TTFT.
+GET /health. Every request first passes two middlewares: `openai_errors` (its request ID, and
+any error as OpenAI's JSON) and `track_requests` (the connection guard's view of requests). A
+completion request then passes the gateway (`Gateway.guard`), has its body read strictly
+(`body.read_json`, bounded in time), is parsed into a GenerationRequest, and runs as an engine
+session on a worker thread (`EngineRun`). The response status is decided only once the
+scheduler has admitted the request, so a full queue is a 503 and a request that can never fit
+is a 400, never a 200 stream that fails. The engine admits one running request at a time;
+others wait in its bounded queue, and their wait is part of their TTFT.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from minengine.engine.engine import Engine
-from minengine.engine.events import RequestResult
 from minengine.engine.scheduler import Scheduler
 from minengine.errors import AdmissionError, QueueFullError, RequestError
 from minengine.sampling.sampler import VLLM_ORDER
 from reqscope.openai.logprobs import TokenLogprob
 from reqscope.openai.responses import SSE_DONE, ResponseShape, sse
 from reqscope.openai.schema import ApiError, ApiRequest, Kind, ParseOptions, parse_request
-from reqscope.serve.engine_session import Admitted, Crashed, Ended, EngineRun, Generated
-from reqscope.serve.gateway import Arrival, Gateway, GatewayConfig, error_response, json_errors
+from reqscope.serve.body import read_json
+from reqscope.serve.connections import CONNECTION_GUARD, ConnectionGuard, ConnectionLimits, track_requests
+from reqscope.serve.engine_session import Admitted, Crashed, Ended, EngineRun, Generated, SessionEnd
+from reqscope.serve.gateway import Arrival, Gateway, GatewayConfig, error_response, openai_errors
 from reqscope.serve.telemetry import ServedRequest, TelemetryLog, server_report
 
 CHAT_PATH = "/v1/chat/completions"
@@ -42,6 +44,7 @@ class ServeConfig:
     sampler_order: tuple[str, ...] = VLLM_ORDER
     default_max_tokens: int = 256
     max_queue: int = 16
+    limits: ConnectionLimits = ConnectionLimits()
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,10 @@ def build_app(engine: Engine, config: ServeConfig, telemetry: TelemetryLog | Non
     """The aiohttp application serving `engine` (its scheduler is replaced by `serving_scheduler`)."""
     engine.scheduler = serving_scheduler(engine, config.max_queue)
     gateway = Gateway(config.gateway)
-    app = web.Application(middlewares=[json_errors], client_max_size=config.gateway.max_body_bytes)
+    middlewares = [openai_errors, track_requests]  # the first wraps the rest
+    app = web.Application(middlewares=middlewares, client_max_size=config.gateway.max_body_bytes)
     app[_STATE] = _State(engine, config, telemetry or TelemetryLog(), int(time.time()))
+    app[CONNECTION_GUARD] = ConnectionGuard(config.limits)
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", gateway.guard(_models))
     app.router.add_post(CHAT_PATH, gateway.guard(_chat))
@@ -101,28 +106,21 @@ async def _completions(request: web.Request, arrival: Arrival) -> web.StreamResp
     return await _complete(request, arrival, "completion")
 
 
-async def _read_json(request: web.Request) -> object:
-    raw = await request.read()  # raises HTTPRequestEntityTooLarge past client_max_size
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}", param="body") from None
-
-
 async def _complete(request: web.Request, arrival: Arrival, kind: Kind) -> web.StreamResponse:
     state: _State = request.app[_STATE]
     options = ParseOptions(state.config.model_name, state.config.sampler_order, state.config.default_max_tokens)
-    api = parse_request(kind, await _read_json(request), arrival.request_id, options)
+    body = await read_json(request, state.config.limits.body_timeout_s)
+    api = parse_request(kind, body, arrival.request_id, options)
 
-    def record(result: RequestResult, disconnect_ms: float | None) -> None:
-        state.telemetry.write(ServedRequest(result, request.path, disconnect_ms))
+    def record(end: SessionEnd) -> None:
+        state.telemetry.write(ServedRequest(end.result, request.path, end.disconnect_ms, end.left_queue))
 
     run = EngineRun(state.engine, api.generation, arrival.timeline, top_logprobs=api.top_logprobs, on_end=record)
     run.start()
     try:
         first = await run.next()
         if not isinstance(first, Admitted):
-            return error_response(_refusal(first))
+            return error_response(_refusal(first, api, state.engine.cfg.max_position_embeddings))
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         shape = ResponseShape(kind, prefix + api.generation.request_id, api.model, int(time.time()))
         if api.stream:
@@ -133,7 +131,7 @@ async def _complete(request: web.Request, arrival: Arrival, kind: Kind) -> web.S
         run.cancel()
 
 
-def _refusal(item: Ended | Crashed) -> ApiError:
+def _refusal(item: Ended | Crashed, api: ApiRequest, context: int) -> ApiError:
     """The error status for a request that ended before it was admitted."""
     if isinstance(item, Crashed):
         return ApiError(500, item.message, kind="server_error")
@@ -141,6 +139,15 @@ def _refusal(item: Ended | Crashed) -> ApiError:
     if isinstance(item.failure, QueueFullError):
         return ApiError(503, message, kind="server_busy", code="queue_full", retry_after_s=1)
     if isinstance(item.failure, AdmissionError | RequestError):
+        prompt_tokens = item.result.usage.prompt_tokens
+        if prompt_tokens >= context:  # no max_tokens could help: the prompt is what must change
+            field = "messages" if api.kind == "chat" else "prompt"
+            return ApiError(
+                400,
+                f"the prompt is {prompt_tokens} tokens, which leaves no room in the model's context of "
+                f"{context}; shorten the {field}",
+                param=field,
+            )
         return ApiError(400, message, param="max_tokens" if "max_tokens" in message else None)
     return ApiError(500, message, kind="server_error")
 

@@ -5,7 +5,9 @@ on its own thread and hands the handler only what the response needs: admission,
 (with its logprobs when asked for) and the end. The handler awaits these in order. When the
 client goes away the handler calls `cancel()`, and the session stops before its next model
 step. The telemetry record is written from the worker as the session ends, so it exists even
-when the handler is long gone.
+when the handler is long gone. A client that leaves while its request still waits in the
+queue is told apart there (the engine reports it as an admission failure), so the record says
+it was cancelled after its real wait, not that it failed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from minengine.engine.engine import Engine
 from minengine.engine.events import AdmitEvent, DoneEvent, RequestResult, StepReady, TokenEvent
 from minengine.engine.request import GenerationRequest
 from minengine.engine.timeline import Timeline
-from minengine.errors import ReqscopeError
+from minengine.errors import AdmissionError, QueueFullError, ReqscopeError
 from reqscope.openai.logprobs import TokenLogprob
 from reqscope.serve.logprobs import LogprobProbe
 
@@ -48,6 +50,15 @@ class Ended:
 
 
 @dataclass(frozen=True)
+class SessionEnd:
+    """How a session ended, for its telemetry record."""
+
+    result: RequestResult
+    disconnect_ms: float | None  # when the handler noticed the client was gone, on the timeline
+    left_queue: bool  # the client went away before the request was admitted
+
+
+@dataclass(frozen=True)
 class Crashed:
     """The worker hit an unexpected exception (a bug): the response must still end."""
 
@@ -67,7 +78,7 @@ class EngineRun:
         timeline: Timeline,
         *,
         top_logprobs: int | None,
-        on_end: Callable[[RequestResult, float | None], None],
+        on_end: Callable[[SessionEnd], None],
     ) -> None:
         self.session = engine.start(request, timeline)
         self.timeline = timeline
@@ -78,6 +89,7 @@ class EngineRun:
         self.finished = threading.Event()
         self._over = False  # the handler has read the end
         self.disconnect_ms: float | None = None
+        self._admitted = False
 
     def start(self) -> None:
         """Start the worker thread; call from the event loop that will read the items."""
@@ -101,6 +113,12 @@ class EngineRun:
             self.disconnect_ms = self.timeline.now_ms()
             self.session.cancel()
 
+    def _left_queue(self) -> bool:
+        """The client left first, and the session then stopped at admission without running."""
+        failure = self.session.failure
+        refused = isinstance(failure, AdmissionError) and not isinstance(failure, QueueFullError)
+        return self.disconnect_ms is not None and not self._admitted and refused
+
     def _post(self, item: RunItem) -> None:
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
@@ -113,12 +131,13 @@ class EngineRun:
                 if isinstance(event, StepReady) and self._probe is not None:
                     self._probe.capture(self.session.pending_logits)
                 elif isinstance(event, AdmitEvent):
+                    self._admitted = True
                     self._post(Admitted(event))
                 elif isinstance(event, TokenEvent):
                     logprob = None if self._probe is None else self._probe.entry(event.token_id)
                     self._post(Generated(event, logprob))
                 elif isinstance(event, DoneEvent):
-                    self._on_end(event.result, self.disconnect_ms)
+                    self._on_end(SessionEnd(event.result, self.disconnect_ms, self._left_queue()))
                     self._post(Ended(event.result, self.session.failure))
         except Exception as exc:  # a bug must end the response with a 500, not hang it
             self._post(Crashed(f"{type(exc).__name__}: {exc}"))
