@@ -103,7 +103,7 @@ def open_engine(args: argparse.Namespace, progress: Callable[[str], None] | None
     budget = int(args.kv_budget_mib * MIB) if args.kv_budget_mib is not None else None
     engine = Engine(model_dir, device=args.device, dtype=args.dtype, kv_budget_bytes=budget)
     if cuda_graph is not None and engine.device.type == "cuda":
-        engine.model.use_static_decode(cuda_graph)
+        engine.runner.use_static_decode(cuda_graph)
     return engine
 
 

@@ -45,5 +45,13 @@ class AdmissionError(ReqscopeError):
     """A request cannot be admitted: token or KV-memory budget exceeded."""
 
 
+class QueueCancelledError(AdmissionError):
+    """The request was cancelled while it waited in the queue (its client left, say)."""
+
+    def __init__(self, message: str, waited_ms: float) -> None:
+        super().__init__(message)
+        self.waited_ms = waited_ms  # how long it waited before it was let go
+
+
 class QueueFullError(AdmissionError):
     """The admission queue is full; the request may succeed if sent again later."""

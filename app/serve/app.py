@@ -113,7 +113,7 @@ async def _complete(request: web.Request, arrival: Arrival, kind: Kind) -> web.S
     api = parse_request(kind, body, arrival.request_id, options)
 
     def record(end: SessionEnd) -> None:
-        state.telemetry.write(ServedRequest(end.result, request.path, end.disconnect_ms, end.left_queue))
+        state.telemetry.write(ServedRequest(end.result, request.path, end.disconnect_ms))
 
     run = EngineRun(state.engine, api.generation, arrival.timeline, top_logprobs=api.top_logprobs, on_end=record)
     run.start()

@@ -21,7 +21,7 @@ from minengine.engine.engine import Engine
 from minengine.engine.events import AdmitEvent, DoneEvent, RequestResult, StepReady, TokenEvent
 from minengine.engine.request import GenerationRequest
 from minengine.engine.timeline import Timeline
-from minengine.errors import AdmissionError, QueueFullError, ReqscopeError
+from minengine.errors import ReqscopeError
 from reqscope.openai.logprobs import TokenLogprob
 from reqscope.serve.logprobs import LogprobProbe
 
@@ -55,7 +55,6 @@ class SessionEnd:
 
     result: RequestResult
     disconnect_ms: float | None  # when the handler noticed the client was gone, on the timeline
-    left_queue: bool  # the client went away before the request was admitted
 
 
 @dataclass(frozen=True)
@@ -89,7 +88,6 @@ class EngineRun:
         self.finished = threading.Event()
         self._over = False  # the handler has read the end
         self.disconnect_ms: float | None = None
-        self._admitted = False
 
     def start(self) -> None:
         """Start the worker thread; call from the event loop that will read the items."""
@@ -113,12 +111,6 @@ class EngineRun:
             self.disconnect_ms = self.timeline.now_ms()
             self.session.cancel()
 
-    def _left_queue(self) -> bool:
-        """The client left first, and the session then stopped at admission without running."""
-        failure = self.session.failure
-        refused = isinstance(failure, AdmissionError) and not isinstance(failure, QueueFullError)
-        return self.disconnect_ms is not None and not self._admitted and refused
-
     def _post(self, item: RunItem) -> None:
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
@@ -131,13 +123,12 @@ class EngineRun:
                 if isinstance(event, StepReady) and self._probe is not None:
                     self._probe.capture(self.session.pending_logits)
                 elif isinstance(event, AdmitEvent):
-                    self._admitted = True
                     self._post(Admitted(event))
                 elif isinstance(event, TokenEvent):
                     logprob = None if self._probe is None else self._probe.entry(event.token_id)
                     self._post(Generated(event, logprob))
                 elif isinstance(event, DoneEvent):
-                    self._on_end(SessionEnd(event.result, self.disconnect_ms, self._left_queue()))
+                    self._on_end(SessionEnd(event.result, self.disconnect_ms))
                     self._post(Ended(event.result, self.session.failure))
         except Exception as exc:  # a bug must end the response with a 500, not hang it
             self._post(Crashed(f"{type(exc).__name__}: {exc}"))

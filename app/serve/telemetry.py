@@ -28,23 +28,6 @@ class ServedRequest:
     result: RequestResult
     endpoint: str
     disconnect_ms: float | None = None  # on the request's timeline; None when the client stayed
-    left_queue: bool = False  # the client went away while the request waited for admission
-
-    @property
-    def finish_reason(self) -> str:
-        """The engine's finish reason, except that a queue leaver was cancelled, not failed."""
-        return "cancelled" if self.left_queue else self.result.finish_reason
-
-    @property
-    def queue_wait_ms(self) -> float:
-        """Time spent waiting for admission; for a queue leaver, until it left."""
-        if not self.left_queue:
-            return self.result.queue_ms
-        # The engine starts waiting right after tokenizing and ends right after giving up.
-        times = {e.name: e.t_ms for e in self.result.timeline if e.name != "token"}
-        entered, ended = times.get("tokenized"), times.get("completed")
-        return 0.0 if entered is None or ended is None else ended - entered
-
     @property
     def tokens_after_disconnect(self) -> int | None:
         """Tokens the engine produced after the server noticed the client was gone."""
@@ -55,9 +38,6 @@ class ServedRequest:
     def record(self) -> dict:
         """The JSON telemetry line."""
         record = telemetry_record(self.result)
-        if self.left_queue:
-            record.update(finish_reason=self.finish_reason, cancelled=True, error=None)
-            record["queue_wait_ms"] = round(self.queue_wait_ms, 3)
         record["endpoint"] = self.endpoint
         record["client_disconnected_ms"] = None if self.disconnect_ms is None else round(self.disconnect_ms, 3)
         record["tokens_after_disconnect"] = self.tokens_after_disconnect

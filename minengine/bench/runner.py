@@ -297,7 +297,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
 def _workload(config: BenchConfig) -> _Workload:
     engine = Engine(config.model_dir, device=config.device, dtype=config.dtype)
     if engine.device.type == "cuda":
-        engine.model.use_static_decode(config.cuda_graph)
+        engine.runner.use_static_decode(config.cuda_graph)
     eos = sorted(engine.tokenizer.eos_ids)
     reference = TransformersReference(config.model_dir, engine.device, engine.dtype, pad_token_id=eos[0] if eos else 0)
     request = GenerationRequest.from_prompt(
@@ -314,24 +314,24 @@ def _warm_up(work: _Workload, config: BenchConfig, probe: ReadProbe) -> None:
     It pays first-call costs (allocator growth, kernel selection, graph capture) and grows the
     static arena to its largest size before anything is timed.
     """
-    model = work.engine.model
-    prefill_ms(model, work.long_ids)
-    greedy_decode(model, work.long_ids, 2)
+    runner = work.engine.runner
+    prefill_ms(runner, work.long_ids)
+    greedy_decode(runner, work.long_ids, 2)
     work.reference.prefill_ms(work.long_ids)
-    greedy_decode(model, work.short_ids, config.new_tokens)
+    greedy_decode(runner, work.short_ids, config.new_tokens)
     work.reference.decode(work.short_ids, 4)
     explorer_beside_bare(work.engine, work.request, work.short_ids)
-    decode_beside_probes(model, work.short_ids, 3, probe)
+    decode_beside_probes(runner, work.short_ids, 3, probe)
 
 
 def _measure_round(work: _Workload, config: BenchConfig, raw: _Round, probe: ReadProbe, *, ours_first: bool) -> None:
     """One measured round, each pair of runs in the given order."""
-    model, reference, repeats = work.engine.model, work.reference, config.prefill_repeats
+    runner, reference, repeats = work.engine.runner, work.reference, config.prefill_repeats
     for which in ("ours", "theirs") if ours_first else ("theirs", "ours"):
         if which == "ours":
-            raw.prefill_short[which].append(_best_of(repeats, lambda: prefill_ms(model, work.short_ids)))
-            raw.prefill_long[which].append(_best_of(repeats, lambda: prefill_ms(model, work.long_ids)))
-            raw.decode[which].append(greedy_decode(model, work.short_ids, config.new_tokens))
+            raw.prefill_short[which].append(_best_of(repeats, lambda: prefill_ms(runner, work.short_ids)))
+            raw.prefill_long[which].append(_best_of(repeats, lambda: prefill_ms(runner, work.long_ids)))
+            raw.decode[which].append(greedy_decode(runner, work.short_ids, config.new_tokens))
         else:
             raw.prefill_short[which].append(_best_of(repeats, lambda: reference.prefill_ms(work.short_ids)))
             raw.prefill_long[which].append(_best_of(repeats, lambda: reference.prefill_ms(work.long_ids)))
@@ -339,7 +339,7 @@ def _measure_round(work: _Workload, config: BenchConfig, raw: _Round, probe: Rea
     bare, explorer = explorer_beside_bare(work.engine, work.request, work.short_ids)
     raw.bare.append(bare)
     raw.explorer.append(explorer)
-    raw.roofline.append(decode_beside_probes(model, work.short_ids, config.new_tokens, probe))
+    raw.roofline.append(decode_beside_probes(runner, work.short_ids, config.new_tokens, probe))
 
 
 def _kv_bytes_per_token(engine: Engine) -> int:
@@ -410,10 +410,10 @@ def _device_memory(engine: Engine, raw: _Round, tokens: int, long_ids: list[int]
     cache = KVCache(engine.cfg, tokens, device=engine.device, compute_dtype=engine.dtype)
     synchronize(engine.device)
     allocated = (device_memory_bytes(engine.device) or 0) - before
-    engine.model.forward(torch.tensor(long_ids, device=engine.device), 0, cache)
+    engine.runner.forward(torch.tensor(long_ids, device=engine.device), 0, cache)
     usage = cache.usage()
     cache.release()
-    decoder = engine.model.static_decoder
+    decoder = engine.runner.static_decoder
     steps = [ms for run in raw.decode["ours"] for ms in run.step_ms]
     return DeviceMemoryResult(
         kv_allocated_bytes=allocated,

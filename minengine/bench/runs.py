@@ -1,6 +1,6 @@
 """minengine's timed runs for the benchmark: prefill, the bare greedy loop, and the explorer's path.
 
-The bare loop is what decode costs with nothing watching: `Transformer.forward` and an argmax
+The bare loop is what decode costs with nothing watching: `ModelRunner.forward` and an argmax
 that stays on the device. The explorer's path is a full request session with everything the
 UI shows switched on (a sampler trace with top candidates every step, per-layer KV accounting,
 timeline events). For the overhead the two decode side by side, one step of each in turn
@@ -23,7 +23,7 @@ from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, TokenEvent
 from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
-from minengine.model.transformer import Transformer
+from minengine.model.runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -65,29 +65,29 @@ class RooflineRun:
         return self.steps * self.probe_bytes / self.sum_seconds
 
 
-def prefill_ms(model: Transformer, ids: list[int]) -> float:
-    """Time to make a cache and run the prompt `ids` through `model`."""
-    clock = StepClock(model.device)
-    prompt = torch.tensor(ids, device=model.device)
+def prefill_ms(runner: ModelRunner, ids: list[int]) -> float:
+    """Time to make a cache and run the prompt `ids` through `runner`."""
+    clock = StepClock(runner.device)
+    prompt = torch.tensor(ids, device=runner.device)
     clock.mark()
-    cache = model.new_cache(len(ids) + 1)
-    model.forward(prompt, 0, cache)
+    cache = runner.new_cache(len(ids) + 1)
+    runner.forward(prompt, 0, cache)
     clock.mark()
     elapsed = clock.total_ms()
     cache.release()
     return elapsed
 
 
-def greedy_decode(model: Transformer, ids: list[int], new_tokens: int) -> DecodeRun:
+def greedy_decode(runner: ModelRunner, ids: list[int], new_tokens: int) -> DecodeRun:
     """The bare loop: prefill `ids`, then greedy steps until `new_tokens` tokens are chosen."""
-    clock = StepClock(model.device)
-    cache = model.new_cache(len(ids) + new_tokens)
+    clock = StepClock(runner.device)
+    cache = runner.new_cache(len(ids) + new_tokens)
     try:
-        logits = model.forward(torch.tensor(ids, device=model.device), 0, cache)
+        logits = runner.forward(torch.tensor(ids, device=runner.device), 0, cache)
         clock.mark()
         chosen = [logits.argmax().view(1)]
         for step in range(new_tokens - 1):
-            logits = model.forward(chosen[-1], len(ids) + step, cache)
+            logits = runner.forward(chosen[-1], len(ids) + step, cache)
             clock.mark()
             chosen.append(logits.argmax().view(1))
         tokens = tuple(torch.cat(chosen).tolist())
@@ -109,9 +109,9 @@ def explorer_beside_bare(engine: Engine, request: GenerationRequest, ids: list[i
     bare loop.
     """
     session = _session_steps(engine, request)
-    bare = _bare_steps(engine.model, ids, request.max_tokens)
+    bare = _bare_steps(engine.runner, ids, request.max_tokens)
     try:
-        if engine.model.static_decoder is None:
+        if engine.runner.static_decoder is None:
             pairs = [(step, next(bare)) for step in session]
         else:
             explorer = list(session)
@@ -141,22 +141,22 @@ def _session_steps(engine: Engine, request: GenerationRequest) -> Iterator[tuple
             resumed = time.perf_counter()  # the consumer's time between tokens is not the session's
 
 
-def _bare_steps(model: Transformer, ids: list[int], max_tokens: int) -> Iterator[tuple[int, float | None]]:
+def _bare_steps(runner: ModelRunner, ids: list[int], max_tokens: int) -> Iterator[tuple[int, float | None]]:
     """(token, ms) per token of the bare loop, up to `max_tokens`; the prefill's token is not timed."""
-    cache = model.new_cache(len(ids) + max_tokens)
+    cache = runner.new_cache(len(ids) + max_tokens)
     try:
-        current = model.forward(torch.tensor(ids, device=model.device), 0, cache).argmax().view(1)
+        current = runner.forward(torch.tensor(ids, device=runner.device), 0, cache).argmax().view(1)
         yield int(current), None
         for pos in range(len(ids), len(ids) + max_tokens - 1):
             start = time.perf_counter()
-            current = model.forward(current, pos, cache).argmax().view(1)
+            current = runner.forward(current, pos, cache).argmax().view(1)
             token = int(current)
             yield token, (time.perf_counter() - start) * 1000
     finally:
         cache.release()
 
 
-def decode_beside_probes(model: Transformer, ids: list[int], new_tokens: int, probe: ReadProbe) -> RooflineRun:
+def decode_beside_probes(runner: ModelRunner, ids: list[int], new_tokens: int, probe: ReadProbe) -> RooflineRun:
     """The bare greedy loop with one matvec and one sum pass of `probe` after every decode step.
 
     Each is clocked alone on the host (a step ends when its token is read back, a probe pass
@@ -166,7 +166,7 @@ def decode_beside_probes(model: Transformer, ids: list[int], new_tokens: int, pr
     points on a shared machine. A step streams every weight anyway, so a probe pass between
     steps leaves the next step nothing warmer or colder.
     """
-    steps = _bare_steps(model, ids, new_tokens)
+    steps = _bare_steps(runner, ids, new_tokens)
     decode_ms = matvec = total = 0.0
     try:
         for _, ms in steps:

@@ -112,10 +112,15 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return y.view(1, -1) if T == 1 else y.transpose(0, 1).reshape(T, -1)
 
 
-def project_chunks(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] times each chunk of the operand: [chunks, T, out/chunks] (bias added per chunk)."""
+def project_chunks(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [T, in] times each chunk of the operand: [chunks, T, out/chunks] (bias added per chunk).
+
+    `out` receives the result when given (a decode step's scratch buffer, of that shape).
+    """
     chunks = weight.shape[0]
-    rows = x.expand(chunks, *x.shape)
+    rows = x.expand(chunks, -1, -1)
     if bias is None:
-        return torch.bmm(rows, weight)
-    return torch.baddbmm(bias.view(chunks, 1, -1), rows, weight)
+        return torch.bmm(rows, weight, out=out)
+    return torch.baddbmm(bias.view(chunks, 1, -1), rows, weight, out=out)

@@ -16,6 +16,7 @@ from minengine.engine.scheduler import Scheduler
 from minengine.engine.session import RequestSession
 from minengine.engine.timeline import Timeline
 from minengine.errors import ModelNotFoundError
+from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.text.tokenizer import ModelTokenizer
 
@@ -65,6 +66,7 @@ class Engine:
         self.tokenizer = ModelTokenizer(self.model_dir)
         self.model = Transformer.load(self.model_dir, self.cfg, self.dtype, self.device)
         self.model.rope.ensure(min(self.cfg.max_position_embeddings, 4096))
+        self.runner = ModelRunner(self.model)  # requests make caches and run steps through it
         synchronize(self.device)
         self.scheduler = Scheduler(kv_budget_bytes or default_kv_budget(self.device))
         self.load_ms = (time.perf_counter() - start) * 1000

@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from minengine.errors import AdmissionError, QueueFullError
+from minengine.errors import AdmissionError, QueueCancelledError, QueueFullError
 from minengine.kv.arithmetic import MIB
 
 
@@ -92,7 +92,8 @@ class Scheduler:
             try:
                 while self._must_wait(kv_bytes):
                     if cancelled is not None and cancelled.is_set():
-                        raise AdmissionError("cancelled while waiting in the queue")
+                        waited_ms = (time.perf_counter() - start) * 1000
+                        raise QueueCancelledError("cancelled while waiting in the queue", waited_ms)
                     left = None if timeout_s is None else timeout_s - (time.perf_counter() - start)
                     if left is not None and left <= 0:
                         raise AdmissionError(

@@ -1,4 +1,21 @@
-"""One request's life in the engine: gateway, template, tokenize, admit, prefill, decode, complete.
+"""One request's life in the engine, as one function per stage of the seeds' lifecycle.
+
+`RequestSession._run` chains the stages. Each is a generator that yields its events and
+returns what the next stage needs:
+
+    _gateway    mark the arrival, validate               -> gateway stage
+    _template   render the chat template                 -> template stage; the prompt text
+    _tokenize   encode, count tokens per prompt part     -> tokenize stage, PromptEvent; the ids
+    _admit      size the KV cache, wait for the scheduler -> admit stage, AdmitEvent; the sizing
+    _prefill    one forward pass over the prompt         -> prefill stage, PrefillEvent; logits
+    _decode     sample, stream, feed back, until a stop  -> StepReady/TokenEvent pairs; finish reason
+    _complete   close the timeline, build the result     -> decode and complete stages, DoneEvent
+
+What decode produces (tokens, text, visible-token times, KV peak) lives in one `DecodeState`,
+made before the first stage so that a request failing anywhere still reports what it had. A
+failure in any stage ends the request as `error`; the KV cache and the admission are released
+whatever happens, before completion is reported. The model is reached only through
+`_new_cache` and `_forward`.
 
 A RequestSession is an iterator of events. The consumer drives it: every pull runs the engine
 up to the next event, so a consumer that stops pulling at a `StepReady` has paused decode
@@ -11,7 +28,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,8 +52,8 @@ from minengine.engine.metrics import request_metrics
 from minengine.engine.request import GenerationRequest, validate
 from minengine.engine.scheduler import Admission
 from minengine.engine.timeline import STAGE_SPANS, Timeline
-from minengine.errors import ReqscopeError, RequestError
-from minengine.kv.arithmetic import blocks_for, kv_bytes_per_token
+from minengine.errors import QueueCancelledError, ReqscopeError, RequestError
+from minengine.kv.arithmetic import kv_bytes_in_blocks, stored_kv_heads
 from minengine.kv.cache import KVCache, KVUsage
 from minengine.sampling.sampler import Sampler, SamplingParams, StepTrace, explain, filter_logits
 from minengine.text.detokenizer import IncrementalDetokenizer
@@ -43,6 +61,7 @@ from minengine.text.prompt_parts import prompt_parts
 from minengine.text.stop import StopMatcher
 
 if TYPE_CHECKING:
+    from minengine.config import ModelConfig
     from minengine.engine.engine import Engine
 
 _STAGE_BY_END = {end: (stage, start) for stage, start, end in STAGE_SPANS}
@@ -52,6 +71,47 @@ _KV_STORAGE = {
     "float16": torch.float16,
     "float8_e4m3fn": torch.float8_e4m3fn,
 }
+
+
+@dataclass(frozen=True)
+class KVSizing:
+    """The KV cache a request is admitted for."""
+
+    storage: torch.dtype  # how K/V are stored
+    tokens: int  # prompt + max_tokens: every position the request may cache
+    reserved_bytes: int  # block-rounded worst case, what the scheduler reserves
+
+
+def kv_sizing(cfg: ModelConfig, model_dtype: torch.dtype, request: GenerationRequest, prompt_tokens: int) -> KVSizing:
+    """Size the KV cache `request` needs after a `prompt_tokens`-token prompt on a model of `cfg`."""
+    storage = model_dtype if request.kv_dtype == "auto" else _KV_STORAGE[request.kv_dtype]
+    heads = stored_kv_heads(request.kv_layout, cfg.num_attention_heads, cfg.num_key_value_heads)
+    tokens = prompt_tokens + request.max_tokens
+    reserved = kv_bytes_in_blocks(
+        cfg.num_hidden_layers, heads, cfg.head_dim, storage.itemsize, tokens, request.block_size
+    )
+    return KVSizing(storage, tokens, reserved)
+
+
+@dataclass
+class DecodeState:
+    """What a request has produced so far, and what its decode loop carries from step to step."""
+
+    detok: IncrementalDetokenizer
+    stopper: StopMatcher
+    generated: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    first_visible_index: int | None = None  # the first token that made text visible
+    last_visible: tuple[int, float] | None = None  # (index, t_ms) of the latest such token
+    peak: KVUsage | None = None  # the latest cache snapshot; the cache only grows
+    pos: int = 0  # the position the next token fed to the model takes
+    step_start: float = 0.0  # perf_counter when the model step behind the waiting logits began
+    previous_t: float | None = None  # t_ms of the previous token, for the next one's ITL
+
+    @property
+    def text(self) -> str:
+        """All text released so far."""
+        return "".join(self.text_parts)
 
 
 class RequestSession:
@@ -73,6 +133,7 @@ class RequestSession:
         self._sampler: Sampler | None = None
         self._cache: KVCache | None = None
         self._admission: Admission | None = None
+        self._queue_waited_ms = 0.0  # set when the request is cancelled before admission
 
     # -- control, from the consumer (or, for cancel, any thread) -----------------------------
 
@@ -117,170 +178,231 @@ class RequestSession:
     def __iter__(self) -> Iterator[Event]:
         return self._run()
 
-    def _stage(self, end_event: str, detail: str = "") -> StageEvent:
-        t_end = self.timeline.mark(end_event, detail)
-        stage, start_event = _STAGE_BY_END[end_event]
-        return StageEvent(stage, self.timeline.time_of(start_event) or t_end, t_end, detail)
-
     def _run(self) -> Iterator[Event]:
-        eng, req, tl = self.engine, self.request, self.timeline
-        tok = eng.tokenizer
-        if tl.time_of("server_arrival") is None:  # a server marks it itself, when the HTTP request lands
-            tl.mark("server_arrival", req.request_id)
-        generated: list[int] = []
+        """The stages in order; a failure in any of them ends the request as an error."""
+        state = DecodeState(IncrementalDetokenizer(self.engine.tokenizer.tok), StopMatcher(self.request.stop))
         finish, error = "error", None
-        text_parts: list[str] = []
-        first_visible_index: int | None = None
-        last_visible: tuple[int, float] | None = None
-        peak: KVUsage | None = None
         try:
-            validate(req)
-            yield self._stage("validated", req.request_id)
-            if req.raw_prompt is None:
-                rendered = tok.render(list(req.messages))
-                yield self._stage("templated", f"{len(rendered)} chars")
-            else:
-                rendered = req.raw_prompt
-                yield self._stage("templated", "raw prompt, no chat template")
-            pieces = tok.encode_pieces(rendered)
-            ids = [p.token_id for p in pieces]
-            self.prompt_tokens = len(ids)
-            yield self._stage("tokenized", f"{len(ids)} tokens")
-            if req.raw_prompt is None:
-                without_gen = tok.render(list(req.messages), add_generation_prompt=False)
-                parts = prompt_parts(rendered, without_gen, req.messages, pieces)
-            else:
-                parts = (PromptPart("user", len(pieces)),)
-            yield PromptEvent(rendered, tuple(pieces), parts)
-
-            storage = eng.dtype if req.kv_dtype == "auto" else _KV_STORAGE[req.kv_dtype]
-            heads = eng.cfg.num_attention_heads if req.kv_layout == "mha" else eng.cfg.num_key_value_heads
-            elem = torch.empty((), dtype=storage).element_size()
-            per_token = kv_bytes_per_token(eng.cfg.num_hidden_layers, heads, eng.cfg.head_dim, elem)
-            budget_tokens = len(ids) + req.max_tokens
-            kv_needed = blocks_for(budget_tokens, req.block_size) * req.block_size * per_token
-            self._admission = eng.scheduler.admit(
-                req.request_id,
-                prompt_tokens=len(ids),
-                max_tokens=req.max_tokens,
-                context_limit=eng.cfg.max_position_embeddings,
-                kv_bytes=kv_needed,
-                cancelled=self.cancelled,
-            )
-            yield self._stage("scheduler_admit", f"queue {self._admission.queue_ms:.1f} ms")
-            yield AdmitEvent(
-                len(ids),
-                req.max_tokens,
-                eng.cfg.max_position_embeddings,
-                kv_needed,
-                eng.scheduler.kv_budget_bytes,
-                self._admission.queue_ms,
-            )
-
-            self._cache = cache = eng.model.new_cache(
-                budget_tokens, layout=req.kv_layout, storage_dtype=storage, block_size=req.block_size
-            )
-            tl.mark("prefill_start", f"{len(ids)} tokens")
-            step_start = time.perf_counter()
-            logits = eng.model.forward(torch.tensor(ids, device=eng.device), 0, cache)
-            synchronize(eng.device)
-            prefill_stage = self._stage("prefill_end")
-            yield prefill_stage
-            peak = cache.usage()
-            yield PrefillEvent(len(ids), prefill_stage.duration_ms, peak)
-
-            self._sampler = Sampler(self.sampling, eng.device)
-            detok = IncrementalDetokenizer(tok.tok)
-            stopper = StopMatcher(req.stop)
-            pos = len(ids)
-            previous_t: float | None = None
-            while True:
-                self.pending_logits = logits
-                yield StepReady(len(generated))
-                if self.cancelled.is_set():
-                    finish = "cancelled"
-                    break
-                forced, self._forced = self._forced, None
-                trace = None
-                if req.trace:
-                    token, trace = self._sampler.sample_traced(logits, tok.piece, req.top_n, force=forced)
-                else:
-                    # Draw even when forced, so the generator advances as in the traced path.
-                    token = self._sampler.sample(logits)
-                    token = forced if forced is not None else token
-                self.pending_logits = None
-                generated.append(token)
-                eos = token in tok.eos_ids
-                visible, stop_hit = stopper.push("" if eos else detok.push(token))
-                t = tl.mark("token", str(token))
-                if visible:
-                    text_parts.append(visible)
-                    if first_visible_index is None:
-                        first_visible_index = len(generated) - 1
-                        tl.mark("first_visible_token", f"token {len(generated)}", t_ms=t)
-                    last_visible = (len(generated) - 1, t)
-                peak = cache.usage()
-                yield TokenEvent(
-                    index=len(generated) - 1,
-                    token_id=token,
-                    piece=tok.piece(token),
-                    text=visible,
-                    t_ms=t,
-                    itl_ms=None if previous_t is None else t - previous_t,
-                    step_ms=(time.perf_counter() - step_start) * 1000,
-                    kv=peak,
-                    trace=trace,
-                    forced=forced is not None,
-                )
-                previous_t = t
-                if eos:
-                    finish = "stop"
-                    break
-                if stop_hit:
-                    finish = "stop_sequence"
-                    break
-                if len(generated) >= req.max_tokens or pos + 1 >= eng.cfg.max_position_embeddings:
-                    finish = "length"
-                    break
-                if self.cancelled.is_set():
-                    finish = "cancelled"
-                    break
-                step_start = time.perf_counter()
-                logits = eng.model.forward(torch.tensor([token], device=eng.device), pos, cache)
-                pos += 1
-            if finish not in ("stop_sequence",):
-                tail = stopper.flush() + detok.flush()
-                text_parts.append(tail)
+            yield from self._gateway()
+            rendered = yield from self._template()
+            ids = yield from self._tokenize(rendered)
+            kv = yield from self._admit(len(ids))
+            logits = yield from self._prefill(ids, kv, state)
+            finish = yield from self._decode(logits, state)
+        except QueueCancelledError as exc:  # cancelled before it ran: not a failure
+            finish, self.failure, self._queue_waited_ms = "cancelled", exc, exc.waited_ms
         except ReqscopeError as exc:
             finish, error = "error", str(exc)
             self.failure = exc
         except torch.OutOfMemoryError as exc:
             finish, error = "error", f"out of memory: {str(exc).splitlines()[0]}; lower --max-tokens"
         finally:
-            self.pending_logits = None
-            if self._cache is not None:
-                self._cache.release()
-                self._cache = None
-            if self._admission is not None:
-                eng.scheduler.release(self._admission)
-        if last_visible is not None:
-            tl.mark("last_visible_token", f"token {last_visible[0] + 1}", t_ms=last_visible[1])
-            yield StageEvent("decode", tl.time_of("prefill_end") or last_visible[1], last_visible[1])
-        yield self._stage("completed", finish)
-        self.result = self._result(
-            finish, error, generated, "".join(text_parts), first_visible_index, last_visible, peak
+            self._release()
+        yield from self._complete(finish, error, state)
+
+    def _gateway(self) -> Iterator[Event]:
+        """Gateway: note the arrival, unless a server already did, and validate the request."""
+        if self.timeline.time_of("server_arrival") is None:  # a server marks it itself, when the HTTP request lands
+            self.timeline.mark("server_arrival", self.request.request_id)
+        validate(self.request)
+        yield self._stage("validated", self.request.request_id)
+
+    def _template(self) -> Generator[Event, None, str]:
+        """Chat template: render the messages; return the prompt text (a raw prompt as it is)."""
+        req = self.request
+        if req.raw_prompt is not None:
+            yield self._stage("templated", "raw prompt, no chat template")
+            return req.raw_prompt
+        rendered = self.engine.tokenizer.render(list(req.messages))
+        yield self._stage("templated", f"{len(rendered)} chars")
+        return rendered
+
+    def _tokenize(self, rendered: str) -> Generator[Event, None, list[int]]:
+        """Tokenization: encode the prompt text, then count its tokens per part; return the ids."""
+        tok, req = self.engine.tokenizer, self.request
+        pieces = tok.encode_pieces(rendered)
+        ids = [p.token_id for p in pieces]
+        self.prompt_tokens = len(ids)
+        yield self._stage("tokenized", f"{len(ids)} tokens")
+        # Counting tokens per prompt part (for display) renders the template once more. It runs
+        # after `tokenized` is marked, so its time falls inside the admit stage's span.
+        if req.raw_prompt is None:
+            without_gen = tok.render(list(req.messages), add_generation_prompt=False)
+            parts = prompt_parts(rendered, without_gen, req.messages, pieces)
+        else:
+            parts = (PromptPart("user", len(pieces)),)
+        yield PromptEvent(rendered, tuple(pieces), parts)
+        return ids
+
+    def _admit(self, prompt_tokens: int) -> Generator[Event, None, KVSizing]:
+        """Admission: size the worst-case KV, wait for the scheduler to reserve it; return the sizing."""
+        eng, req = self.engine, self.request
+        kv = kv_sizing(eng.cfg, eng.dtype, req, prompt_tokens)
+        self._admission = eng.scheduler.admit(
+            req.request_id,
+            prompt_tokens=prompt_tokens,
+            max_tokens=req.max_tokens,
+            context_limit=eng.cfg.max_position_embeddings,
+            kv_bytes=kv.reserved_bytes,
+            cancelled=self.cancelled,
         )
+        yield self._stage("scheduler_admit", f"queue {self._admission.queue_ms:.1f} ms")
+        yield AdmitEvent(
+            prompt_tokens,
+            req.max_tokens,
+            eng.cfg.max_position_embeddings,
+            kv.reserved_bytes,
+            eng.scheduler.kv_budget_bytes,
+            self._admission.queue_ms,
+        )
+        return kv
+
+    def _prefill(self, ids: list[int], kv: KVSizing, state: DecodeState) -> Generator[Event, None, torch.Tensor]:
+        """Prefill: make the cache, run the whole prompt through the model; return the first logits."""
+        self._cache = self._new_cache(kv)
+        self.timeline.mark("prefill_start", f"{len(ids)} tokens")
+        state.step_start = time.perf_counter()
+        logits = self._forward(ids, 0)
+        state.pos = len(ids)
+        synchronize(self.engine.device)  # prefill ends when the device has finished, not when it was queued
+        stage = self._stage("prefill_end")
+        yield stage
+        state.peak = self._cache.usage()
+        yield PrefillEvent(len(ids), stage.duration_ms, state.peak)
+        return logits
+
+    def _decode(self, logits: torch.Tensor, state: DecodeState) -> Generator[Event, None, str]:
+        """Decode: pause at each step, sample, stream, feed the token back; return the finish reason."""
+        # The sampler starts from the parameters in force now: the consumer may have changed
+        # them while paused after prefill.
+        self._sampler = Sampler(self.sampling, self.engine.device)
+        while True:
+            self.pending_logits = logits
+            yield StepReady(len(state.generated))
+            if self.cancelled.is_set():
+                finish = "cancelled"
+                break
+            token, trace, forced = self._sample(logits)
+            self.pending_logits = None
+            event, finish = self._stream(token, trace, forced, state)
+            yield event
+            finish = finish or self._stop_after_step(state)
+            if finish is not None:
+                break
+            state.step_start = time.perf_counter()
+            logits = self._forward([token], state.pos)
+            state.pos += 1
+        if finish != "stop_sequence":
+            # Nothing after a stop string is shown; any other ending releases the text still
+            # held back (a possible stop-string start, an incomplete character).
+            state.text_parts.append(state.stopper.flush() + state.detok.flush())
+        return finish
+
+    def _sample(self, logits: torch.Tensor) -> tuple[int, StepTrace | None, bool]:
+        """Sampling: the next token (the forced one, if set), its trace when asked for, and whether forced."""
+        req = self.request
+        forced, self._forced = self._forced, None
+        trace = None
+        if req.trace:
+            token, trace = self._sampler.sample_traced(logits, self.engine.tokenizer.piece, req.top_n, force=forced)
+        else:
+            # Draw even when forced, so the generator advances as in the traced path.
+            token = self._sampler.sample(logits)
+            token = forced if forced is not None else token
+        return token, trace, forced is not None
+
+    def _stream(
+        self, token: int, trace: StepTrace | None, forced: bool, state: DecodeState
+    ) -> tuple[TokenEvent, str | None]:
+        """Streaming: commit `token` and release the text it makes visible.
+
+        Returns its event and, when the token itself ends the request, why: "stop" (end of
+        sequence) or "stop_sequence" (it completed a stop string).
+        """
+        tok, tl = self.engine.tokenizer, self.timeline
+        state.generated.append(token)
+        index = len(state.generated) - 1
+        eos = token in tok.eos_ids
+        visible, stop_hit = state.stopper.push("" if eos else state.detok.push(token))
+        t = tl.mark("token", str(token))
+        if visible:
+            state.text_parts.append(visible)
+            if state.first_visible_index is None:
+                state.first_visible_index = index
+                tl.mark("first_visible_token", f"token {index + 1}", t_ms=t)
+            state.last_visible = (index, t)
+        state.peak = self._cache.usage()
+        event = TokenEvent(
+            index=index,
+            token_id=token,
+            piece=tok.piece(token),
+            text=visible,
+            t_ms=t,
+            itl_ms=None if state.previous_t is None else t - state.previous_t,
+            step_ms=(time.perf_counter() - state.step_start) * 1000,
+            kv=state.peak,
+            trace=trace,
+            forced=forced,
+        )
+        state.previous_t = t
+        return event, "stop" if eos else "stop_sequence" if stop_hit else None
+
+    def _stop_after_step(self, state: DecodeState) -> str | None:
+        """Why decode ends after a token that did not end it itself: "length", "cancelled" or None."""
+        if len(state.generated) >= self.request.max_tokens or state.pos + 1 >= self.engine.cfg.max_position_embeddings:
+            return "length"
+        if self.cancelled.is_set():
+            return "cancelled"
+        return None
+
+    def _complete(self, finish: str, error: str | None, state: DecodeState) -> Iterator[Event]:
+        """Completion: close decode's span, mark completion and report the result."""
+        tl = self.timeline
+        if state.last_visible is not None:
+            index, t = state.last_visible
+            # Only now is it known which visible token was the last; its mark is dated back to it.
+            tl.mark("last_visible_token", f"token {index + 1}", t_ms=t)
+            yield StageEvent("decode", tl.time_of("prefill_end") or t, t)
+        yield self._stage("completed", finish)
+        self.result = self._result(finish, error, state)
         yield DoneEvent(self.result)
 
-    def _result(self, finish, error, generated, text, first_index, last_visible, peak) -> RequestResult:
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _stage(self, end_event: str, detail: str = "") -> StageEvent:
+        t_end = self.timeline.mark(end_event, detail)
+        stage, start_event = _STAGE_BY_END[end_event]
+        return StageEvent(stage, self.timeline.time_of(start_event) or t_end, t_end, detail)
+
+    def _new_cache(self, kv: KVSizing) -> KVCache:
+        """The model's KV cache for this request, sized by `kv`."""
+        req = self.request
+        return self.engine.runner.new_cache(
+            kv.tokens, layout=req.kv_layout, storage_dtype=kv.storage, block_size=req.block_size
+        )
+
+    def _forward(self, ids: list[int], start: int) -> torch.Tensor:
+        """Run `ids` at positions from `start` through the model, caching their K/V; next-token logits."""
+        return self.engine.runner.forward(torch.tensor(ids, device=self.engine.device), start, self._cache)
+
+    def _release(self) -> None:
+        # Runs however the request ends (finished, failed, or closed by its consumer mid-stream).
+        self.pending_logits = None
+        if self._cache is not None:
+            self._cache.release()
+            self._cache = None
+        if self._admission is not None:
+            self.engine.scheduler.release(self._admission)
+
+    def _result(self, finish: str, error: str | None, state: DecodeState) -> RequestResult:
         tl = self.timeline
         metrics = None
-        if first_index is not None and last_visible is not None:
-            token_times = tl.token_times()[first_index : last_visible[0] + 1]
+        if state.first_visible_index is not None and state.last_visible is not None:
+            token_times = tl.token_times()[state.first_visible_index : state.last_visible[0] + 1]
             metrics = request_metrics(
                 send_ms=tl.time_of("client_send") or 0.0,
                 first_ms=tl.time_of("first_visible_token"),
-                last_ms=last_visible[1],
+                last_ms=state.last_visible[1],
                 output_tokens=len(token_times),
                 token_times_ms=token_times,
             )
@@ -288,14 +410,14 @@ class RequestSession:
         return RequestResult(
             request_id=self.request.request_id,
             finish_reason=finish,
-            text=text,
-            token_ids=tuple(generated),
-            usage=Usage(self.prompt_tokens, len(generated)),
+            text=state.text,
+            token_ids=tuple(state.generated),
+            usage=Usage(self.prompt_tokens, len(state.generated)),
             timeline=tuple(tl.events),
             stages=tl.stages(),
             metrics=metrics,
-            queue_ms=admit.queue_ms if admit else 0.0,
-            kv_peak=peak,
+            queue_ms=admit.queue_ms if admit else self._queue_waited_ms,
+            kv_peak=state.peak,
             sampler_order=self.sampling.order,
             error=error,
         )

@@ -40,3 +40,21 @@ def kv_bytes(
 def blocks_for(tokens: int, block_size: int) -> int:
     """Whole blocks needed to hold `tokens` positions (physical allocation unit)."""
     return -(-tokens // block_size)
+
+
+def stored_kv_heads(layout: str, q_heads: int, kv_heads: int) -> int:
+    """KV heads a cache stores per layer: the model's own for `gqa`, one per query head for `mha`."""
+    return q_heads if layout == "mha" else kv_heads
+
+
+def kv_bytes_in_blocks(
+    layers: int, kv_heads: int, head_dim: int, bytes_per_element: float, tokens: int, block_size: int
+) -> int:
+    """K+V bytes of the whole `block_size`-token blocks that hold `tokens` positions.
+
+    This is the worst case a request is admitted against: a block is allocated whole, so a
+    request that stops partway through its last block still holds all of it. Like `kv_bytes`
+    it counts the logical payload only (no FP8 scales).
+    """
+    per_token = kv_bytes_per_token(layers, kv_heads, head_dim, bytes_per_element)
+    return blocks_for(tokens, block_size) * block_size * per_token

@@ -1,1 +1,1 @@
-"""The transformer: its layer maths once, RoPE, and the decode runners (eager scratch-buffer step, CUDA graph)."""
+"""The transformer (its layer maths once), RoPE, loading, and the runner that picks each step's path."""

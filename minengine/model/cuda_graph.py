@@ -18,10 +18,10 @@ import threading
 
 import torch
 
-from minengine.checkpoint.weight_layout import project
 from minengine.kv.arithmetic import blocks_for
 from minengine.kv.cache import KVCache
-from minengine.model.transformer import Transformer, decode_attention, rms_norm
+from minengine.model.ops import decode_attention, heads_first
+from minengine.model.transformer import Transformer
 
 SPAN = 256  # attention window granularity, in tokens
 MIN_ARENA_TOKENS = 1024
@@ -37,29 +37,46 @@ def static_decode_step(
 ) -> torch.Tensor:
     """Logits [vocab] (float32) for `token` [1] at position `pos` [1] (both device tensors).
 
-    Writes K/V at `pos` into `keys`/`values` ([1, heads, capacity, head_dim] per layer) and
-    attends over the first `len(positions)` slots, hiding those after `pos`. No operation
-    depends on a host-side value of `pos`, so the step can be captured.
+    Runs `Transformer.block` with `ArenaAttention`: K/V at `pos` go into `keys`/`values`
+    ([1, heads, capacity, head_dim] per layer), and attention reads the first `len(positions)`
+    slots, hiding those after `pos`. No operation depends on a host-side value of `pos`, so the
+    step can be captured.
     """
-    eps = model.cfg.rms_norm_eps
     x = model.embed_tokens(token)  # [1, hidden]
     cos = model.rope.cos.index_select(0, pos)[:, None]  # [1, 1, head_dim]
     sin = model.rope.signed_sin.index_select(0, pos)[:, None]
-    span = positions.shape[0]
-    hidden = positions > pos  # [span]: slots this request has not written yet
-    for i, layer in enumerate(model.layers):
-        q, k, v = model.qkv_heads(layer, rms_norm(x, layer.input_norm, eps), cos, sin)
-        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, 1, d]
-        stored_heads = keys[i].shape[1]
+    attention = ArenaAttention(keys, values, pos, positions, model.scale)
+    for i in range(len(model.layers)):
+        x = model.block(i, x, cos, sin, attention)
+    return model.logits(x)
+
+
+class ArenaAttention:
+    """`Attention` for one position in the static arena, addressed by a device tensor `pos`."""
+
+    def __init__(
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        pos: torch.Tensor,
+        positions: torch.Tensor,
+        scale: float,
+    ) -> None:
+        self.keys, self.values, self.pos, self.scale = keys, values, pos, scale
+        self.span = positions.shape[0]
+        self.hidden = positions > pos  # [span]: slots this request has not written yet
+
+    def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.keys[index], self.values[index]
+        k, v = heads_first(k), heads_first(v)  # [1, Hkv, 1, d]
+        stored_heads = keys.shape[1]
         if stored_heads != k.shape[1]:  # the mha layout stores one K/V head per query head
             k = k.repeat_interleave(stored_heads // k.shape[1], dim=1)
             v = v.repeat_interleave(stored_heads // v.shape[1], dim=1)
-        keys[i].index_copy_(2, pos, k)
-        values[i].index_copy_(2, pos, v)
-        out = decode_attention(q[0], keys[i][0, :, :span], values[i][0, :, :span], model.scale, hidden)
-        x = x + project(out, layer.o)
-        x = x + model.mlp(layer, rms_norm(x, layer.post_norm, eps))
-    return project(rms_norm(x, model.norm, eps), model.lm_head).float()[0]
+        keys.index_copy_(2, self.pos, k)
+        values.index_copy_(2, self.pos, v)
+        span = self.span
+        return decode_attention(q[0], keys[0, :, :span], values[0, :, :span], self.scale, self.hidden).view(1, -1)
 
 
 class StaticDecoder:

@@ -90,12 +90,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+def rotate(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`apply_rotary` for x [T, heads, head_dim] with tables from `RotaryTable.lookup_signed`.
 
     rotate_half(x) * sin equals swap_halves(x) * signed_sin exactly (negation is exact), so the
     result is bit for bit Hugging Face's. (`addcmul` would save an operation but its fused
-    multiply-add rounds differently.)
+    multiply-add rounds differently.) A decode step passes `out` and `scratch` (both shaped
+    like x): the same three operations then write into them instead of allocating.
     """
     swapped = x.roll(x.shape[-1] // 2, dims=-1)
-    return x * cos + swapped * signed_sin
+    if out is None:
+        return x * cos + swapped * signed_sin
+    torch.mul(x, cos, out=out)
+    return out.add_(torch.mul(swapped, signed_sin, out=scratch))

@@ -189,16 +189,16 @@ def test_explorer_and_bare_loop_step_in_turn(chatty_tiny_dir):
     request = GenerationRequest.from_prompt("hi", sampling=SamplingParams(temperature=0.0), max_tokens=7, trace=True)
     ids = engine.tokenizer.encode(engine.tokenizer.render(list(request.messages)))
     bare, explorer = explorer_beside_bare(engine, request, ids)
-    assert bare.tokens == explorer.tokens == greedy_decode(engine.model, ids, len(bare.tokens)).tokens
+    assert bare.tokens == explorer.tokens == greedy_decode(engine.runner, ids, len(bare.tokens)).tokens
     # One clocked decode step per token after the first (which ends each prefill), on both sides.
     assert len(bare.step_ms) == len(explorer.step_ms) == len(explorer.tokens) - 1 >= 1
     assert min(bare.step_ms) > 0 and min(explorer.step_ms) > 0
     # With the static step (CUDA graphs on a GPU; run eagerly here) there is one K/V arena, so the
     # runs take turns, each borrowing it: both decode through it, and the tokens are the same.
-    engine.model.use_static_decode(True, capture=False)
+    engine.runner.use_static_decode(True, capture=False)
     lent = []
-    original = engine.model.static_decoder.new_cache
-    engine.model.static_decoder.new_cache = lambda *a, **k: lent.append(original(*a, **k)) or lent[-1]
+    original = engine.runner.static_decoder.new_cache
+    engine.runner.static_decoder.new_cache = lambda *a, **k: lent.append(original(*a, **k)) or lent[-1]
     static_bare, static_explorer = explorer_beside_bare(engine, request, ids)
     assert static_bare.tokens == static_explorer.tokens == bare.tokens
     assert len(lent) == 2 and all(cache is not None for cache in lent)
@@ -212,7 +212,7 @@ def test_decode_runs_between_probe_passes(chatty_tiny_dir):
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32")
     probe = ReadProbe(torch.device("cpu"), torch.float32, nbytes=4 * MIB)
     assert 3.5 * MIB <= probe.nbytes <= 4 * MIB  # whole rows of the probe's matrix
-    run = decode_beside_probes(engine.model, [1, 2, 3], 6, probe)
+    run = decode_beside_probes(engine.runner, [1, 2, 3], 6, probe)
     probe.release()
     assert run.steps == 5 and run.probe_bytes == probe.nbytes
     assert run.tokens_per_second > 0 and run.matvec_bytes_per_second > 0 and run.sum_bytes_per_second > 0

@@ -32,11 +32,11 @@ def test_asking_for_cuda_graphs_on_the_cpu_is_one_line(chatty_tiny_dir, capsys):
 
 def test_turning_cuda_graphs_off_on_the_cpu_changes_nothing(chatty_tiny_dir):
     engine = open_engine(_args("--device", "cpu", "--no-cuda-graph", "--model", str(chatty_tiny_dir)))
-    assert engine.device.type == "cpu" and engine.model.static_decoder is None
+    assert engine.device.type == "cpu" and engine.runner.static_decoder is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("flag", "static"), [("--cuda-graph", True), ("--no-cuda-graph", False)])
 def test_the_flag_switches_the_static_decoder_on_cuda(chatty_tiny_dir, flag, static):
     engine = open_engine(_args("--device", "cuda", flag, "--model", str(chatty_tiny_dir)))
-    assert (engine.model.static_decoder is not None) is static
+    assert (engine.runner.static_decoder is not None) is static

@@ -13,6 +13,7 @@ from tiny_models import SPECS
 from minengine.config import ModelConfig
 from minengine.kv.cache import KVCache
 from minengine.model.cuda_graph import SPAN, StaticDecoder
+from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 
 CPU = torch.device("cpu")
@@ -24,16 +25,20 @@ def _prompt(vocab: int, length: int = PROMPT_LEN) -> torch.Tensor:
     return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(1))
 
 
+def _runner(folder, dtype=torch.float32, device=CPU) -> ModelRunner:
+    return ModelRunner(Transformer.load(folder, ModelConfig.from_file(folder), dtype, device))
+
+
 def _decode(
-    model: Transformer, ids: torch.Tensor, steps: int, layout: str = "gqa"
+    runner: ModelRunner, ids: torch.Tensor, steps: int, layout: str = "gqa"
 ) -> tuple[list[torch.Tensor], list[int]]:
-    """Greedy decode through `model.new_cache`; every step's logits and the chosen tokens."""
-    cache = model.new_cache(ids.shape[0] + steps, layout=layout)
-    logits = [model.forward(ids, 0, cache)]
+    """Greedy decode through `runner.new_cache`; every step's logits and the chosen tokens."""
+    cache = runner.new_cache(ids.shape[0] + steps, layout=layout)
+    logits = [runner.forward(ids, 0, cache)]
     tokens: list[int] = []
     for i in range(steps):
         tokens.append(int(logits[-1].argmax()))
-        logits.append(model.forward(torch.tensor([tokens[-1]], device=ids.device), ids.shape[0] + i, cache))
+        logits.append(runner.forward(torch.tensor([tokens[-1]], device=ids.device), ids.shape[0] + i, cache))
     assert cache.usage().tokens == ids.shape[0] + steps
     cache.release()
     return logits, tokens
@@ -43,12 +48,11 @@ def _decode(
 @pytest.mark.parametrize("layout", ["gqa", "mha"])
 def test_static_step_matches_the_normal_path_on_cpu(tiny_models, name, layout):
     folder, _ = tiny_models[name]
-    cfg = ModelConfig.from_file(folder)
-    model = Transformer.load(folder, cfg, torch.float32, CPU)
-    ids = _prompt(cfg.vocab_size)
-    eager_logits, eager_tokens = _decode(model, ids, NEW_TOKENS, layout)
-    model.use_static_decode(True, capture=False)
-    static_logits, static_tokens = _decode(model, ids, NEW_TOKENS, layout)
+    runner = _runner(folder)
+    ids = _prompt(runner.model.cfg.vocab_size)
+    eager_logits, eager_tokens = _decode(runner, ids, NEW_TOKENS, layout)
+    runner.use_static_decode(True, capture=False)
+    static_logits, static_tokens = _decode(runner, ids, NEW_TOKENS, layout)
     assert static_tokens == eager_tokens
     for eager, static in zip(eager_logits, static_logits, strict=True):
         assert torch.allclose(static, eager, atol=1e-5, rtol=0), (static - eager).abs().max()
@@ -56,14 +60,13 @@ def test_static_step_matches_the_normal_path_on_cpu(tiny_models, name, layout):
 
 def test_static_step_crosses_a_span_boundary_and_reuses_the_arena(tiny_models):
     folder, _ = tiny_models["llama-gqa"]
-    cfg = ModelConfig.from_file(folder)
-    model = Transformer.load(folder, cfg, torch.float32, CPU)
-    ids = _prompt(cfg.vocab_size, SPAN - 3)  # decode runs past position SPAN: a second window
-    eager_logits, eager_tokens = _decode(model, ids, 6)
-    model.use_static_decode(True, capture=False)
-    decoder = model.static_decoder
+    runner = _runner(folder)
+    ids = _prompt(runner.model.cfg.vocab_size, SPAN - 3)  # decode runs past position SPAN: a second window
+    eager_logits, eager_tokens = _decode(runner, ids, 6)
+    runner.use_static_decode(True, capture=False)
+    decoder = runner.static_decoder
     for _ in range(2):  # the second request reuses the arena (stale K/V from the first is masked)
-        static_logits, static_tokens = _decode(model, ids, 6)
+        static_logits, static_tokens = _decode(runner, ids, 6)
         assert static_tokens == eager_tokens
         assert max((a - b).abs().max().item() for a, b in zip(static_logits, eager_logits, strict=True)) < 1e-5
     assert decoder.capacity >= SPAN + 3
@@ -71,34 +74,33 @@ def test_static_step_crosses_a_span_boundary_and_reuses_the_arena(tiny_models):
 
 def test_arena_is_lent_to_one_cache_at_a_time(tiny_models):
     folder, _ = tiny_models["llama-gqa"]
-    cfg = ModelConfig.from_file(folder)
-    model = Transformer.load(folder, cfg, torch.float32, CPU)
-    model.use_static_decode(True, capture=False)
-    first = model.new_cache(40)
-    second = model.new_cache(40)
-    assert first.borrowed and model.static_decoder.serves(first)
+    runner = _runner(folder)
+    runner.use_static_decode(True, capture=False)
+    first = runner.new_cache(40)
+    second = runner.new_cache(40)
+    assert first.borrowed and runner.static_decoder.serves(first)
     assert not second.borrowed  # the arena is out: the second request gets buffers of its own
     first.release()
-    third = model.new_cache(40)
+    third = runner.new_cache(40)
     assert third.borrowed
     # Quantized storage never borrows: the static step writes the model's dtype only.
     third.release()
-    fp8 = model.new_cache(40, storage_dtype=torch.float8_e4m3fn)
+    fp8 = runner.new_cache(40, storage_dtype=torch.float8_e4m3fn)
     assert not fp8.borrowed
 
 
 def test_borrowed_cache_accounts_like_its_own(tiny_models):
     folder, _ = tiny_models["qwen2"]
-    cfg = ModelConfig.from_file(folder)
-    model = Transformer.load(folder, cfg, torch.float32, CPU)
+    runner = _runner(folder)
+    cfg = runner.model.cfg
     ids = _prompt(cfg.vocab_size)
     own = KVCache(cfg, PROMPT_LEN + 5, device=CPU, compute_dtype=torch.float32)
-    model.use_static_decode(True, capture=False)
-    lent = model.new_cache(PROMPT_LEN + 5)
+    runner.use_static_decode(True, capture=False)
+    lent = runner.new_cache(PROMPT_LEN + 5)
     for cache in (own, lent):
-        model.forward(ids, 0, cache)
+        runner.forward(ids, 0, cache)
         for i in range(5):
-            model.forward(torch.tensor([7]), PROMPT_LEN + i, cache)
+            runner.forward(torch.tensor([7]), PROMPT_LEN + i, cache)
     a, b = own.usage(), lent.usage()
     assert (a.tokens, a.logical_bytes, a.physical_bytes, a.per_layer_tokens) == (
         b.tokens,
@@ -106,7 +108,7 @@ def test_borrowed_cache_accounts_like_its_own(tiny_models):
         b.physical_bytes,
         b.per_layer_tokens,
     )
-    assert b.reserved_bytes == model.static_decoder.arena_bytes  # what the arena really holds
+    assert b.reserved_bytes == runner.static_decoder.arena_bytes  # what the arena really holds
 
 
 def test_capture_refuses_a_cpu_model(tiny_models):
@@ -120,16 +122,16 @@ def test_capture_refuses_a_cpu_model(tiny_models):
 # -- on a CUDA device (scripts/gpu-check) ------------------------------------------------------
 
 
-def _cuda_model(folder, dtype):
-    cfg = ModelConfig.from_file(folder)
-    return cfg, Transformer.load(folder, cfg, dtype, torch.device("cuda"))
+def _cuda_runner(folder, dtype) -> tuple[ModelConfig, ModelRunner]:
+    runner = _runner(folder, dtype, torch.device("cuda"))
+    return runner.model.cfg, runner
 
 
 @needs_cuda
 @pytest.mark.parametrize("name", [s.name for s in SPECS])
 def test_cuda_float32_prefill_and_greedy_match_transformers(tiny_models, name):
     folder, hf = tiny_models[name]
-    cfg, model = _cuda_model(folder, torch.float32)
+    cfg, runner = _cuda_runner(folder, torch.float32)
     ids = _prompt(cfg.vocab_size).cuda()
     with torch.no_grad():
         ref_model = hf.to("cuda")
@@ -138,24 +140,24 @@ def test_cuda_float32_prefill_and_greedy_match_transformers(tiny_models, name):
             ids[None], max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
         )[0, PROMPT_LEN:].tolist()
         hf.to("cpu")
-    cache = model.new_cache(PROMPT_LEN)
-    ours = model.forward(ids, 0, cache, all_logits=True)
+    cache = runner.new_cache(PROMPT_LEN)
+    ours = runner.forward(ids, 0, cache, all_logits=True)
     cache.release()
     # TF32 or reduced-precision reductions may be on for matmuls on the GPU: a looser bound.
     assert torch.allclose(ours, ref_logits, atol=2e-3, rtol=0), (ours - ref_logits).abs().max()
-    assert _decode(model, ids, NEW_TOKENS)[1] == ref_tokens  # through the captured graph
+    assert _decode(runner, ids, NEW_TOKENS)[1] == ref_tokens  # through the captured graph
 
 
 @needs_cuda
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "llama-mha-tied"])
 def test_cuda_graph_matches_eager_in_bfloat16(tiny_models, name):
     folder, _ = tiny_models[name]
-    cfg, model = _cuda_model(folder, torch.bfloat16)
+    cfg, runner = _cuda_runner(folder, torch.bfloat16)
     ids = _prompt(cfg.vocab_size).cuda()
-    graph_logits, graph_tokens = _decode(model, ids, NEW_TOKENS)
-    assert model.static_decoder is not None and model.static_decoder.captures >= 1
-    model.use_static_decode(False)
-    eager_logits, eager_tokens = _decode(model, ids, NEW_TOKENS)
+    graph_logits, graph_tokens = _decode(runner, ids, NEW_TOKENS)
+    assert runner.static_decoder is not None and runner.static_decoder.captures >= 1
+    runner.use_static_decode(False)
+    eager_logits, eager_tokens = _decode(runner, ids, NEW_TOKENS)
     assert graph_tokens == eager_tokens
     worst = max((a - b).abs().max().item() for a, b in zip(graph_logits, eager_logits, strict=True))
     assert worst < 0.1, worst  # bfloat16: the masked window rounds a little differently
@@ -166,7 +168,7 @@ def test_cuda_graph_matches_eager_in_bfloat16(tiny_models, name):
 def test_cuda_default_model_greedy_matches_transformers(default_model_dir):
     transformers = pytest.importorskip("transformers")
     cfg = ModelConfig.from_file(default_model_dir)
-    model = Transformer.load(default_model_dir, cfg, torch.float32, torch.device("cuda"))
+    runner = ModelRunner(Transformer.load(default_model_dir, cfg, torch.float32, torch.device("cuda")))
     hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).cuda().eval()
     ids = _prompt(cfg.vocab_size, 40).cuda()
     with torch.no_grad():
@@ -178,13 +180,13 @@ def test_cuda_default_model_greedy_matches_transformers(default_model_dir):
             eos_token_id=None,
             pad_token_id=2,
         )[0, 40:].tolist()
-    assert _decode(model, ids, 32)[1] == ref
+    assert _decode(runner, ids, 32)[1] == ref
 
 
 @needs_cuda
 def test_cuda_kv_bytes_match_the_allocator(tiny_models):
     folder, _ = tiny_models["llama-gqa"]
-    cfg, model = _cuda_model(folder, torch.bfloat16)
+    cfg, runner = _cuda_runner(folder, torch.bfloat16)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     cache = KVCache(cfg, 1000, device=torch.device("cuda"), compute_dtype=torch.bfloat16)

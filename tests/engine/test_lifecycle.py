@@ -6,12 +6,15 @@ import threading
 import time
 
 import pytest
+import torch
 
 from minengine.engine.engine import Engine
 from minengine.engine.events import AdmitEvent, DoneEvent, PromptEvent, StageEvent, StepReady, TokenEvent
 from minengine.engine.request import GenerationRequest
+from minengine.engine.session import RequestSession, kv_sizing
 from minengine.engine.timeline import STAGES
 from minengine.errors import AdmissionError
+from minengine.kv.arithmetic import blocks_for, kv_bytes_in_blocks, stored_kv_heads
 from minengine.sampling.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -184,3 +187,92 @@ def test_invalid_request_is_an_error_result(chatty_engine):
     assert result.finish_reason == "error" and "temperature" in result.error
     with pytest.raises(AdmissionError):
         chatty_engine.scheduler.admit("x", prompt_tokens=10, max_tokens=10, context_limit=15, kv_bytes=1)
+
+
+def test_every_stage_has_its_own_session_function():
+    # The session is written as one function per seed stage (`_gateway` ... `_complete`).
+    assert all(callable(getattr(RequestSession, f"_{stage}", None)) for stage in STAGES)
+
+
+def test_kv_reservation_is_whole_blocks_of_stored_heads():
+    # The seed's 80-layer GQA model: 327,680 bytes per token; 1,025 + 150 tokens fill 74 blocks of 16.
+    assert kv_bytes_in_blocks(80, 8, 128, 2, tokens=1025 + 150, block_size=16) == 74 * 16 * 327_680
+    assert kv_bytes_in_blocks(80, 8, 128, 2, tokens=1, block_size=16) == 16 * 327_680
+    assert stored_kv_heads("gqa", q_heads=64, kv_heads=8) == 8
+    assert stored_kv_heads("mha", q_heads=64, kv_heads=8) == 64
+
+
+@pytest.mark.parametrize(("layout", "dtype"), [("gqa", "auto"), ("mha", "float8_e4m3fn"), ("gqa", "bfloat16")])
+def test_admission_reserves_the_sized_kv(chatty_engine, layout, dtype):
+    events, result = run(chatty_engine, sampling=GREEDY, max_tokens=5, kv_layout=layout, kv_dtype=dtype, block_size=8)
+    admit = next(e for e in events if isinstance(e, AdmitEvent))
+    req = GenerationRequest.from_prompt("x", max_tokens=5, kv_layout=layout, kv_dtype=dtype, block_size=8)
+    sizing = kv_sizing(chatty_engine.cfg, chatty_engine.dtype, req, result.usage.prompt_tokens)
+    cfg = chatty_engine.cfg
+    heads = cfg.num_attention_heads if layout == "mha" else cfg.num_key_value_heads
+    elem = {"auto": 4, "float8_e4m3fn": 1, "bfloat16": 2}[dtype]
+    tokens = result.usage.prompt_tokens + 5
+    assert sizing.tokens == tokens
+    assert admit.kv_needed_bytes == sizing.reserved_bytes
+    assert sizing.reserved_bytes == blocks_for(tokens, 8) * 8 * 2 * cfg.num_hidden_layers * heads * cfg.head_dim * elem
+    assert result.kv_peak.layout == layout and result.kv_peak.stored_heads == heads
+
+
+def test_consumer_closing_mid_decode_releases_kv(chatty_engine):
+    session = chatty_engine.start(GenerationRequest.from_prompt("Tell me", sampling=GREEDY, max_tokens=50))
+    it = iter(session)
+    for event in it:
+        if isinstance(event, StepReady) and event.index == 2:
+            assert chatty_engine.scheduler.held_bytes > 0
+            break
+    it.close()
+    assert chatty_engine.scheduler.held_bytes == 0 and chatty_engine.scheduler.running == 0
+    assert session.pending_logits is None and session.result is None
+
+
+def test_out_of_memory_in_decode_reports_what_was_produced(chatty_engine, monkeypatch):
+    session = chatty_engine.start(GenerationRequest.from_prompt("Tell me", sampling=GREEDY, max_tokens=20))
+    real_forward, calls = session._forward, []
+
+    def forward(ids, start):
+        calls.append(start)
+        if len(calls) > 3:  # the prompt, then two decode steps
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\ndetails")
+        return real_forward(ids, start)
+
+    monkeypatch.setattr(session, "_forward", forward)
+    events = list(session)
+    result = events[-1].result
+    assert result.finish_reason == "error"
+    assert result.error == "out of memory: CUDA out of memory. Tried to allocate 2.00 GiB; lower --max-tokens"
+    assert session.failure is None  # only ReqscopeErrors are kept for callers that map them
+    assert len(result.token_ids) == len(tokens_of(events)) == 3
+    assert result.kv_peak is not None and result.kv_peak.tokens == result.usage.prompt_tokens + 2
+    assert [e.name for e in events if isinstance(e, StageEvent)][-1] == "complete"
+    assert chatty_engine.scheduler.held_bytes == 0
+
+
+def test_a_request_cancelled_while_queued_ends_cancelled_with_its_wait(chatty_tiny_dir):
+    req = GenerationRequest.from_prompt("hello", sampling=GREEDY, max_tokens=32)
+    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=1 << 30)
+    needed = next(e for e in engine.start(req) if isinstance(e, AdmitEvent)).kv_needed_bytes
+    engine.scheduler.kv_budget_bytes = needed + needed // 2  # room for one request at a time
+    first = iter(engine.start(req))
+    for event in first:  # admitted, and holding its KV at the first step
+        if isinstance(event, StepReady):
+            break
+    waiting = engine.start(req)
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("events", list(waiting)))
+    thread.start()
+    time.sleep(0.3)
+    waiting.cancel()  # its client left while it waited
+    thread.join(timeout=30)
+    done = box["events"][-1].result
+    assert (done.finish_reason, done.error) == ("cancelled", None)
+    assert done.queue_ms >= 250  # the real wait, not 0
+    assert not any(isinstance(e, AdmitEvent) for e in box["events"])
+    assert engine.scheduler.waiting == 0
+    for _ in first:
+        pass
+    assert engine.scheduler.held_bytes == 0

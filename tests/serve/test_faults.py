@@ -199,7 +199,7 @@ def test_clients_that_leave_mid_stream_or_while_queued_are_cancelled(served):
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
     records = {rid: served.telemetry.wait_for(rid) for rid in ("fault-running", "fault-leaver", "fault-follower")}
-    assert all(r is not None and r.finish_reason == "cancelled" for r in records.values())
+    assert all(r is not None and r.result.finish_reason == "cancelled" for r in records.values())
     leaver = records["fault-leaver"].record()
     assert leaver["finish_reason"] == "cancelled" and leaver["cancelled"] and leaver["error"] is None
     assert leaver["queue_wait_ms"] >= 250  # its real wait, not 0

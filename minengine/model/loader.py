@@ -1,0 +1,42 @@
+"""Loading a checkpoint into a model, through the CPU weight-layout cache.
+
+On the CPU the built layout of a pulled model is cached beside its checkpoint and mapped on
+later loads (`layout_cache` says why and what it saves); the checkpoint is validated whenever
+the layout is built. Elsewhere, or for a folder the user brought, the checkpoint is read and
+validated every time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from minengine.checkpoint import layout_cache
+from minengine.checkpoint.weight_layout import CheckpointReader, WeightSource
+from minengine.checkpoint.weights import checkpoint_files, load_state_dict
+from minengine.config import ModelConfig
+
+M = TypeVar("M")
+
+
+def build(
+    folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, make: Callable[[WeightSource], M]
+) -> M:
+    """`make(weights)` over the checkpoint in `folder`: its cached layout when one fits, else the
+    validated checkpoint (recording the layout it builds, where the cache is wanted)."""
+    if device.type != "cpu" or not layout_cache.wanted(folder):
+        return make(CheckpointReader(load_state_dict(folder, cfg, dtype, device)))
+    path = layout_cache.layout_path(folder, layout_cache.layout_key(folder, checkpoint_files(folder), dtype))
+    cached = layout_cache.open_layout(path)
+    if cached is not None:
+        try:
+            return make(cached)
+        except (KeyError, RuntimeError):
+            pass  # a layout that does not fit this build: rebuild it below
+    recorder = layout_cache.RecordingReader(CheckpointReader(load_state_dict(folder, cfg, dtype, device)))
+    model = make(recorder)
+    layout_cache.write_layout(path, recorder.made)
+    return model

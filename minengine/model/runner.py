@@ -1,0 +1,86 @@
+"""Running the model for requests: making their KV caches and choosing how each step runs.
+
+Three ways run the same blocks (`Transformer.block`) and differ in where K/V live and what a
+step allocates:
+
+- the static step (`cuda_graph.StaticDecoder`): one token in a K/V arena lent to one request
+  at a time, captured in CUDA graphs (on by default on CUDA, where a step is several hundred
+  kernel launches otherwise);
+- the eager step (`eager_step.EagerDecoder`): one token into scratch buffers, for a cache that
+  stores K/V as computed, a third fewer operations per layer than the general path;
+- the general path (`Transformer.forward`): any number of tokens, any cache (prefill, and
+  decode over quantized, widened or outgrown caches).
+
+The choice depends on the cache, so it is made per call; the cache is made here too, over the
+static decoder's arena when that can serve it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minengine.kv.cache import KVCache
+from minengine.model.cuda_graph import StaticDecoder
+from minengine.model.eager_step import EagerDecoder
+from minengine.model.transformer import Transformer
+
+
+class ModelRunner:
+    """A loaded `Transformer` and its decoders: `new_cache` for a request, then `forward` per step."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self.device = model.device
+        self.eager_decoder = EagerDecoder(model)
+        self.static_decoder: StaticDecoder | None = None
+        self.use_static_decode(model.device.type == "cuda")
+
+    def use_static_decode(self, enabled: bool, *, capture: bool | None = None) -> None:
+        """Decode through the static-shape step (captured in CUDA graphs unless `capture=False`).
+
+        On by default on CUDA. Caches made by `new_cache` afterwards decode that way; on the CPU
+        the static step only runs eagerly (it exists there to be tested).
+        """
+        if not enabled:
+            self.static_decoder = None
+            return
+        capture = self.device.type == "cuda" if capture is None else capture
+        self.static_decoder = StaticDecoder(self.model, capture=capture)
+
+    def new_cache(
+        self,
+        tokens: int,
+        *,
+        layout: str = "gqa",
+        storage_dtype: torch.dtype | None = None,
+        block_size: int = 16,
+    ) -> KVCache:
+        """A KV cache for `tokens` positions: over the static decoder's arena when that can
+        serve it (unquantized storage in the model's dtype, arena not lent out), else its own."""
+        model = self.model
+        storage = storage_dtype or model.dtype
+        if self.static_decoder is not None and storage == model.dtype:
+            cache = self.static_decoder.new_cache(tokens, layout=layout, block_size=block_size)
+            if cache is not None:
+                return cache
+        return KVCache(
+            model.cfg,
+            tokens,
+            device=model.device,
+            compute_dtype=model.dtype,
+            layout=layout,
+            storage_dtype=storage,
+            block_size=block_size,
+        )
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False) -> torch.Tensor:
+        """`Transformer.forward`'s logits for positions [start, start+len(ids)), by the fastest
+        path that serves `cache`: a single token (not `all_logits`) through the static or eager
+        step when one can, everything else through the general path."""
+        if ids.shape[0] == 1 and not all_logits:
+            if self.static_decoder is not None and self.static_decoder.serves(cache):
+                return self.static_decoder.step(ids, start, cache)
+            if self.eager_decoder.serves(cache, start):
+                return self.eager_decoder.step(ids, start, cache)
+        return self.model.forward(ids, start, cache, all_logits=all_logits)
