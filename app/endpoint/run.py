@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 
-import aiohttp
-
 from minengine.engine.request import GenerationRequest
-from minengine.errors import ReqscopeError
 from minengine.plan.planner import Plan
-from reqscope.endpoint.client import EndpointClient
 from reqscope.endpoint.events import EndpointResult
 from reqscope.endpoint.kv import architecture_for, planned_kv
-from reqscope.endpoint.options import API_KEY_ENV
+from reqscope.endpoint.target import EndpointTarget, model_name
 
 
 def run_endpoint(args: argparse.Namespace, request: GenerationRequest) -> int:
@@ -30,7 +25,7 @@ def run_endpoint(args: argparse.Namespace, request: GenerationRequest) -> int:
         return 2
     arch = architecture_for(args.config) if args.config else None
     if not (args.plain or args.json) and sys.stdout.isatty():
-        from reqscope.ui.launch import launch_endpoint_explorer
+        from reqscope.ui.launch import launch_endpoint_explorer  # the UI loads only when it is used
 
         return launch_endpoint_explorer(args, request, arch)
 
@@ -47,9 +42,9 @@ def run_endpoint(args: argparse.Namespace, request: GenerationRequest) -> int:
 
 
 async def _run(args: argparse.Namespace, request: GenerationRequest, kv_plan_for) -> EndpointResult:
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    async with EndpointClient(args.endpoint, api_key=api_key, new_connection=args.new_connection) as client:
-        model = await model_name(client, args.endpoint, args.model)
+    target = EndpointTarget.from_args(args)
+    async with target.client() as client:
+        model = await model_name(client, target)
         events = client.stream_chat(request, model)
         if args.json:
             from reqscope.endpoint.jsonl import print_endpoint_jsonl
@@ -59,22 +54,3 @@ async def _run(args: argparse.Namespace, request: GenerationRequest, kv_plan_for
 
         return await print_endpoint_plain(events, kv_plan_for)
 
-
-async def model_name(client: EndpointClient, endpoint: str, wanted: str | None) -> str:
-    """`wanted`, or the first model the server lists; checks the URL and the key on the way."""
-    try:
-        names = await client.models()
-    except aiohttp.ClientResponseError as exc:
-        if exc.status in (401, 403):
-            message = f"{endpoint} refused the API key ({exc.message}); pass --api-key or set {API_KEY_ENV}"
-            raise ReqscopeError(message) from None
-        names = ()  # some servers have no /models; the request itself will tell
-    except ValueError:  # a body that is not the JSON model list
-        names = ()
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise ReqscopeError(f"cannot reach {endpoint} ({exc}); is the server running?") from None
-    if wanted:
-        return wanted
-    if not names:
-        raise ReqscopeError(f"{endpoint} lists no models; pass --model NAME")
-    return names[0]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -11,7 +10,6 @@ from minengine.engine.metrics import RequestMetrics
 from minengine.engine.request import GenerationRequest
 from minengine.plan.cards import Architecture
 from minengine.record.trace_io import read_trace
-from reqscope.endpoint.options import API_KEY_ENV
 from reqscope.run_options import open_engine
 from reqscope.ui.endpoint.view import EndpointView
 from reqscope.ui.run.app import ExplorerApp
@@ -45,12 +43,10 @@ def launch_endpoint_explorer(args: argparse.Namespace, request: GenerationReques
     the screen closes, and the exit code is 1 when the server could not be used or the last
     request failed.
     """
+    from reqscope.endpoint.target import EndpointTarget
     from reqscope.ui.endpoint.app import EndpointApp
-    from reqscope.ui.endpoint.worker import EndpointTarget
 
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    target = EndpointTarget(args.endpoint, api_key=api_key, model=args.model, new_connection=args.new_connection)
-    app = EndpointApp(target, request, arch=arch)
+    app = EndpointApp(EndpointTarget.from_args(args), request, arch=arch)
     code = app.run()
     if app.load_error is not None:
         print(f"reqscope: error: {app.load_error}", file=sys.stderr)

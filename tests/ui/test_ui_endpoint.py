@@ -24,11 +24,11 @@ from minengine.plan.cards import Architecture
 from minengine.sampling.sampler import SamplingParams
 from reqscope.cli import main
 from reqscope.endpoint.events import ChunkReceived, ConnectionReady, RequestSent, ResponseStarted
+from reqscope.endpoint.target import EndpointTarget
 from reqscope.serve.runner import start_in_thread
 from reqscope.ui.endpoint.app import EndpointApp
 from reqscope.ui.endpoint.timeline_panel import client_events
 from reqscope.ui.endpoint.view import EndpointView
-from reqscope.ui.endpoint.worker import EndpointTarget
 from reqscope.ui.help_screen import HelpScreen
 from reqscope.ui.launch import endpoint_outcome
 from reqscope.ui.sampling_form import SamplingForm

@@ -11,10 +11,11 @@ from minengine.errors import RequestError
 from minengine.kv.cache import KVUsage
 from minengine.record.trace_io import TraceHeader
 from minengine.sampling.sampler import Candidate, SamplingParams, StepTrace
+from reqscope.ui.base import renewed
 from reqscope.ui.glyphs import bar, columns, sparkline
 from reqscope.ui.keys import KEYS, action_name
 from reqscope.ui.panels.logits import chain_text, cut_positions
-from reqscope.ui.run.app import ExplorerApp, renewed
+from reqscope.ui.run.app import ExplorerApp
 from reqscope.ui.run.export_folder import claim_run_folder
 from reqscope.ui.run.latency import latency_figures
 from reqscope.ui.run.layout_compare import element_bytes, formula_rows

@@ -19,24 +19,12 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
-from reqscope.endpoint.client import DEFAULT_TOP_LOGPROBS, EndpointClient
+from reqscope.endpoint.client import EndpointClient
 from reqscope.endpoint.events import ClientEvent, StreamEnded
-from reqscope.endpoint.run import model_name
-
-
-@dataclass(frozen=True)
-class EndpointTarget:
-    """Where the requests go, and how."""
-
-    url: str
-    api_key: str | None = None
-    model: str | None = None  # None: the first model the server lists
-    new_connection: bool = False
-    top_logprobs: int = DEFAULT_TOP_LOGPROBS
+from reqscope.endpoint.target import EndpointTarget, model_name
 
 
 class EndpointRequest:
@@ -99,12 +87,10 @@ class EndpointWorker:
         return asyncio.run_coroutine_threadsafe(self._connect(), self._loop).result()
 
     async def _connect(self) -> str:
-        t = self.target
         if self._client is None:
-            self._client = EndpointClient(t.url, api_key=t.api_key, new_connection=t.new_connection,
-                                          top_logprobs=t.top_logprobs)
+            self._client = self.target.client()
             await self._client.__aenter__()
-        self.model = await model_name(self._client, t.url, t.model)
+        self.model = await model_name(self._client, self.target)
         return self.model
 
     def start(self, run: EndpointRequest) -> None:

@@ -1,30 +1,25 @@
 """The explorer: one request on screen, live from the engine or replayed from a trace.
 
 The engine runs on a Textual thread worker (see `live_run`). It never calls into the UI per
-token: events wait in the run's inbox, and one `EngineProgress` message wakes the UI to take
+token: events wait in the run's inbox, and one `RunProgress` message wakes the UI to take
 all of them. Repaints are coalesced and, while the engine decodes, paced by `RepaintPacer`
-(at most `repaint_hz` a second, and no more than REPAINT_DUTY of a core), so a slow terminal
-repaints less often instead of slowing decode. Every panel draws a bounded amount, so a
-repaint costs the same at token 10 and token 10,000.
+(at most `repaint_hz` a second, and no more than `REPAINT_DUTY` of a core, see `ExplorerBase`),
+so a slow terminal repaints less often instead of slowing decode. Every panel draws a bounded
+amount, so a repaint costs the same at token 10 and token 10,000.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 
-from rich.text import Text
-from textual import events, work
-from textual.app import App, ComposeResult, SystemCommand
-from textual.containers import Container
-from textual.geometry import Size
-from textual.message import Message
+from rich.console import RenderableType
+from textual import work
+from textual.app import SystemCommand
 from textual.screen import Screen
 from textual.timer import Timer
-from textual.widgets import Footer, Static
 
 from minengine.device import device_memory_bytes
 from minengine.engine.engine import Engine
@@ -34,12 +29,9 @@ from minengine.errors import ReqscopeError
 from minengine.record.export import export_run
 from minengine.record.trace_io import TraceHeader, trace_header
 from minengine.sampling.sampler import SamplingParams
-from minengine.text.chat_template import Message as ChatMessage
-from reqscope.ui.detail_layout import fit_panels, mark_detail_panels, next_view
-from reqscope.ui.help_screen import HelpScreen
+from reqscope.ui.base import ExplorerBase, renewed
 from reqscope.ui.keys import LIVE, REPLAY, action_name, bindings, keys_for
 from reqscope.ui.loading_screen import LoadingScreen
-from reqscope.ui.panel import Panel
 from reqscope.ui.panels.kv import KVPanel
 from reqscope.ui.panels.latency import LatencyPanel
 from reqscope.ui.panels.layout import LayoutPanel
@@ -47,9 +39,6 @@ from reqscope.ui.panels.logits import LogitsPanel
 from reqscope.ui.panels.pipeline import PipelinePanel
 from reqscope.ui.panels.template import TemplatePanel
 from reqscope.ui.panels.tokens import TokensPanel
-from reqscope.ui.prompt_form import PromptChoice, PromptForm
-from reqscope.ui.repaint_pacer import RepaintPacer
-from reqscope.ui.repaint_scheduler import RepaintScheduler
 from reqscope.ui.run.export_folder import DEFAULT_ROOT, claim_run_folder
 from reqscope.ui.run.frame import Frame, StepSubject
 from reqscope.ui.run.layout_compare import MeasuredLayout, measured_layout
@@ -63,35 +52,20 @@ from reqscope.ui.sampling_form import SamplingChoice, SamplingForm
 
 EngineOpener = Callable[[Callable[[str], None]], Engine]
 
-DETAIL_VIEWS: tuple[str, ...] = ("logits", "kv", "layouts", "latency", "template")
 _LIVE_ONLY = {action_name(k) for k in keys_for(LIVE)} - {action_name(k) for k in keys_for(REPLAY)}
 _REPLAY_ONLY = {action_name(k) for k in keys_for(REPLAY)} - {action_name(k) for k in keys_for(LIVE)}
 _PLAYBACK_MS = (20.0, 500.0)  # replay plays at the recorded pace, within these bounds per token
-REPAINT_DUTY = 0.08  # the share of one core that repainting may take while the engine decodes
-_SLOWEST_REPAINT_S = 2.0  # however costly, the screen follows a decode at least every 2 s
 GIL_SWITCH_S = 0.0005
 
 
-class EngineProgress(Message):
-    """The engine worker has news (events, a held step, its end); posted from its thread."""
-
-    def __init__(self, urgent: bool) -> None:
-        super().__init__()
-        self.urgent = urgent  # a held step or the end of the run: take it now
-
-
-def renewed(request: GenerationRequest, **changes: object) -> GenerationRequest:
-    """A copy of `request` with `changes` and a new request id (a new run is a new request)."""
-    fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(request) if f.name != "request_id"}
-    return GenerationRequest(**(fields | changes))
-
-
-class ExplorerApp(App[int]):
+class ExplorerApp(ExplorerBase):
     """The explorer. Build it with `ExplorerApp.live_run(...)` or `ExplorerApp.replaying(...)`."""
 
-    CSS_PATH = Path(__file__).parent.parent / "explorer.tcss"
-    TITLE = "reqscope"
     BINDINGS = bindings(LIVE, REPLAY)
+    PIPELINE = PipelinePanel
+    BODY = (("tokens", TokensPanel), ("logits", LogitsPanel), ("kv", KVPanel), ("latency", LatencyPanel),
+            ("layouts", LayoutPanel), ("template", TemplatePanel))
+    DETAIL_VIEWS = ("logits", "kv", "layouts", "latency", "template")
 
     def __init__(
         self,
@@ -104,10 +78,9 @@ class ExplorerApp(App[int]):
         repaint_hz: float = 30.0,  # the most repaints a second; fewer when drawing is slow
         source_name: str = "",
     ) -> None:
-        super().__init__()
         if (replay is None) == (open_engine is None or request is None):
             raise ValueError("give either open_engine and request (live) or replay")
-        self.mode = REPLAY if replay is not None else LIVE
+        super().__init__(mode=REPLAY if replay is not None else LIVE, repaint_hz=repaint_hz)
         self._open_engine = open_engine
         self.request = request
         self.replay = replay
@@ -123,18 +96,12 @@ class ExplorerApp(App[int]):
         self.measured: dict[str, MeasuredLayout] = {}
         self.prefill_history: list[tuple[int, float]] = []
         self.cursor = 0
-        self.compact_view = "logits"
         self.last_export: Path | None = None
-        self.load_error: str | None = None
-        self.repaints = 0
         self._previewing: SamplingParams | None = None  # typed in the form, not yet applied
         self._applied: SamplingParams | None = None  # what the session was last told to use
         self._held: int | None = None
         self._preview_cache: tuple[tuple, StepSubject | None] | None = None
         self._probe: MemoryProbe | None = None
-        self.pacer = RepaintPacer(max_hz=repaint_hz, duty=REPAINT_DUTY, slowest_s=_SLOWEST_REPAINT_S)
-        self.repaint = RepaintScheduler(self, self.pacer, take=self._take_live, draw=self._redraw,
-                                        streaming=self._decoding)
         self._play_timer: Timer | None = None
         self._switch_interval = sys.getswitchinterval()
         self._loading: LoadingScreen | None = None
@@ -150,29 +117,14 @@ class ExplorerApp(App[int]):
         """The explorer over a recorded trace (no model)."""
         return cls(replay=ReplayRun(header, events), **options)
 
-    # -- layout --------------------------------------------------------------------------------
+    # -- the run -------------------------------------------------------------------------------
 
-    def compose(self) -> ComposeResult:
-        yield Static(id="status")
-        yield PipelinePanel(id="pipeline")
-        yield Static(id="error")
-        with Container(id="body"):
-            yield TokensPanel(id="tokens")
-            yield LogitsPanel(id="logits")
-            yield KVPanel(id="kv")
-            yield LatencyPanel(id="latency")
-            yield LayoutPanel(id="layouts")
-            yield TemplatePanel(id="template")
-        yield Footer(compact=True, show_command_palette=False)
-
-    def on_mount(self) -> None:
+    def _begin(self) -> None:
         # The engine thread needs the GIL back between its kernels; while this thread draws,
         # Python hands it over only every switch interval (5 ms by default). A shorter one
         # keeps a repaint from stalling decode for its whole length.
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(GIL_SWITCH_S)
-        mark_detail_panels(self, DETAIL_VIEWS)
-        self._fit_layout()
         if self.replay is not None:
             self._load_replay_view()
             recorded = next((t.trace.params for t in self.replay.events if getattr(t, "trace", None)), None)
@@ -183,32 +135,15 @@ class ExplorerApp(App[int]):
             self.push_screen(self._loading)
             self._load_engine()
 
-    def on_resize(self, event: events.Resize) -> None:
-        self._fit_layout(event.size)
-
-    def _fit_layout(self, size: Size | None = None) -> None:
-        fit_panels(self, size or self.size, DETAIL_VIEWS, self.compact_view)
-        self._invalidate()
-
     @property
     def held_step(self) -> int | None:
         """The step (0-based) the live run holds at, as the screen shows it."""
         return self._held
 
     @property
-    def needs_repaint(self) -> bool:
-        """True while a change waits for the next repaint."""
-        return self.repaint.dirty
-
-    @property
     def subject(self) -> StepSubject | None:
         """The step the logits panel explains right now."""
         return self._subject()
-
-    @property
-    def wide(self) -> bool:
-        """True when every panel is on screen at once."""
-        return self.query_one("#body").has_class("-wide")
 
     # -- the engine ------------------------------------------------------------------------------
 
@@ -265,22 +200,18 @@ class ExplorerApp(App[int]):
     def _drive(self, live: LiveRun, previous: LiveRun | None) -> None:
         live.drive(after=previous)
 
-    def _next_request(self, **changes: object) -> GenerationRequest:
+    def _rerun(self, **changes: object) -> None:
+        if self._engine_missing():
+            return
         assert self.request is not None
-        return renewed(self.request, sampling=self.params, max_tokens=self.max_tokens, **changes)
+        if "messages" in changes:
+            self.measured.clear()  # measurements of another prompt do not compare
+        request = renewed(self.request, sampling=self.params, max_tokens=self.max_tokens, **changes)
+        self._start(request, paused=self._stepping())
 
     # -- events in, repaints out ---------------------------------------------------------------
 
-    def _wake(self, urgent: bool) -> None:
-        self.post_message(EngineProgress(urgent))  # thread-safe: Textual queues it for this thread
-
-    def on_engine_progress(self, message: EngineProgress) -> None:
-        # With a repaint already scheduled, tokens can wait for it: the repaint takes them all
-        # at once, and the worker stays quiet until then.
-        if message.urgent or not self.repaint.paced:
-            self._take_live()
-
-    def _take_live(self) -> None:
+    def _take_events(self) -> None:
         if self.live is not None:
             self._take(self.live)
 
@@ -306,11 +237,7 @@ class ExplorerApp(App[int]):
             self.notify(live.failure, title="the engine worker failed", severity="error", timeout=30)
             self._invalidate()
 
-    def _invalidate(self) -> None:
-        """Ask for a repaint once the current handler is done (many asks, one repaint)."""
-        self.repaint.invalidate()
-
-    def _decoding(self) -> bool:
+    def _streaming(self) -> bool:
         return self.live is not None and self.view.result is None and self._held is None
 
     def _apply_params(self, live: LiveRun) -> None:
@@ -326,16 +253,16 @@ class ExplorerApp(App[int]):
         if result.error:
             self.notify(result.error, title="request failed", severity="error", timeout=30)
 
-    def _redraw(self) -> None:
-        if self.header is None or not self.query("#status"):
-            return  # not started yet, or a paced repaint firing while the app shuts down
-        self.repaints += 1
-        self.pacer.repainting()
+    def _ready_to_draw(self) -> bool:
+        return self.header is not None  # the engine is still loading
+
+    def _frame(self) -> Frame:
+        assert self.header is not None
         request_id = self._request_id()
         measured = measured_layout(self.view, request_id)
         if measured is not None:
             self.measured[measured.layout] = measured
-        frame = Frame(
+        return Frame(
             header=self.header,
             view=self.view,
             request_id=request_id,
@@ -349,13 +276,12 @@ class ExplorerApp(App[int]):
             memory=self._probe.read() if self._probe is not None else None,
             prefill_history=tuple(self.prefill_history),
         )
-        self.query_one("#status", Static).update(status_text(frame, self.source_name, self.playing))
-        error = self.view.error or (self.live.failure if self.live else None)
-        error_box = self.query_one("#error", Static)
-        error_box.update(Text(f"error: {error}", style="bold") if error else "")
-        error_box.set_class(bool(error), "-shown")
-        for panel in self.query(Panel):
-            panel.show(frame)
+
+    def _status_line(self, frame: Frame) -> RenderableType:
+        return status_text(frame, self.source_name, self.playing)
+
+    def _error_line(self) -> str | None:
+        return self.view.error or (self.live.failure if self.live else None)
 
     def _request_id(self) -> str:
         if self.replay is None and self.request is not None:
@@ -543,33 +469,8 @@ class ExplorerApp(App[int]):
             live.cancel()
             self.notify("cancelling: the request stops before its next model step")
 
-    def action_restart(self) -> None:
-        """Run the same messages again with the current settings."""
-        if self._engine_missing():
-            return
-        self._start(self._next_request(), paused=self._stepping())
-
-    def action_edit_prompt(self, field: str = "prompt") -> None:
-        """Edit the prompt and the system prompt, then run them."""
-        if self._engine_missing():
-            return
-        assert self.request is not None
-        system = next((m.content for m in self.request.messages if m.role == "system"), "")
-        prompt = next((m.content for m in reversed(self.request.messages) if m.role == "user"), "")
-        self.push_screen(PromptForm(PromptChoice(system, prompt), focus=field), self._prompt_chosen)
-
-    def action_edit_system(self) -> None:
-        """Edit the system prompt (the same form, starting in its field)."""
-        self.action_edit_prompt("system")
-
-    def _prompt_chosen(self, choice: PromptChoice | None) -> None:
-        if choice is None:
-            return
-        messages = ((ChatMessage("system", choice.system),) if choice.system.strip() else ()) + (
-            ChatMessage("user", choice.prompt),
-        )
-        self.measured.clear()  # measurements of another prompt do not compare
-        self._start(self._next_request(messages=messages), paused=self._stepping())
+    def _can_edit_prompt(self) -> bool:
+        return not self._engine_missing()
 
     def action_switch_layout(self) -> None:
         """Re-run this request in the other KV cache layout, keeping what this one measured."""
@@ -578,7 +479,7 @@ class ExplorerApp(App[int]):
         assert self.request is not None
         other = "mha" if self.request.kv_layout == "gqa" else "gqa"
         self.notify(f"running the same request with the {other} cache")
-        self._start(self._next_request(kv_layout=other), paused=self._stepping())
+        self._rerun(kv_layout=other)
 
     def action_export(self) -> None:
         """Write the finished run's files into a new folder under the export root."""
@@ -597,32 +498,10 @@ class ExplorerApp(App[int]):
         self.last_export = folder
         self.notify(f"{len(written)} files in {folder}", title="exported", timeout=15)
 
-    def action_next_view(self) -> None:
-        """Cycle the detail panel shown on small terminals."""
-        self.action_view(next_view(DETAIL_VIEWS, self.compact_view))
-
-    def action_view(self, name: str) -> None:
-        """Show one detail panel on small terminals."""
-        self.compact_view = name
-        self._fit_layout()
-
-    def action_help(self) -> None:
-        """The help screen."""
-        if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen(self.mode))
-
-    async def action_quit(self) -> None:
-        """Cancel a running request, then leave."""
-        self._stop_engine()
-        self.exit(0)
-
-    def on_unmount(self) -> None:
-        self._stop_engine()
-        sys.setswitchinterval(self._switch_interval)
-
-    def _stop_engine(self) -> None:
+    def _stop(self) -> None:
         if self.live is not None:
             self.live.cancel()
+        sys.setswitchinterval(self._switch_interval)  # leaving: the UI no longer draws beside decode
 
     def _running_live(self) -> LiveRun | None:
         if self.live is None or self.view.result is not None:
@@ -643,10 +522,6 @@ class ExplorerApp(App[int]):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        for key in keys_for(self.mode):
-            if key.action.startswith(("cursor", "view(")):
-                continue
-            yield SystemCommand(key.label, f"{key.help} [{key.display}]", partial(self.run_action, key.action))
-        for i, name in enumerate(DETAIL_VIEWS):
+        for i, name in enumerate(self.DETAIL_VIEWS):
             yield SystemCommand(f"Show {name} panel", f"Small terminals: show the {name} panel [{i + 1}]",
                                 partial(self.run_action, f"view({name!r})"))

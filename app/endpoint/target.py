@@ -1,0 +1,63 @@
+"""Where endpoint requests go and how, and which model they name: shared by every endpoint mode.
+
+The plain and JSON modes (`reqscope.endpoint.run`) and the explorer's client thread
+(`reqscope.ui.endpoint.worker`) read the same flags into an `EndpointTarget`, open the same
+client from it and settle the model name the same way. Both depend on this module and it on
+neither, so the endpoint modes can hand the terminal to the explorer without the explorer's
+client importing them back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+import aiohttp
+
+from minengine.errors import ReqscopeError
+from reqscope.endpoint.client import DEFAULT_TOP_LOGPROBS, EndpointClient
+from reqscope.endpoint.options import API_KEY_ENV
+
+
+@dataclass(frozen=True)
+class EndpointTarget:
+    """Where the requests go, and how."""
+
+    url: str
+    api_key: str | None = None
+    model: str | None = None  # None: the first model the server lists
+    new_connection: bool = False
+    top_logprobs: int = DEFAULT_TOP_LOGPROBS
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EndpointTarget:
+        """The target the endpoint flags name; without --api-key, the key comes from $OPENAI_API_KEY."""
+        api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+        return cls(args.endpoint, api_key=api_key, model=args.model, new_connection=args.new_connection)
+
+    def client(self) -> EndpointClient:
+        """A client for this target (not yet open: use `async with`, or await its `__aenter__`)."""
+        return EndpointClient(self.url, api_key=self.api_key, new_connection=self.new_connection,
+                              top_logprobs=self.top_logprobs)
+
+
+async def model_name(client: EndpointClient, target: EndpointTarget) -> str:
+    """The target's model, or the first one the server lists; checks the URL and the key on the way."""
+    endpoint = target.url
+    try:
+        names = await client.models()
+    except aiohttp.ClientResponseError as exc:
+        if exc.status in (401, 403):
+            message = f"{endpoint} refused the API key ({exc.message}); pass --api-key or set {API_KEY_ENV}"
+            raise ReqscopeError(message) from None
+        names = ()  # some servers have no /models; the request itself will tell
+    except ValueError:  # a body that is not the JSON model list
+        names = ()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise ReqscopeError(f"cannot reach {endpoint} ({exc}); is the server running?") from None
+    if target.model:
+        return target.model
+    if not names:
+        raise ReqscopeError(f"{endpoint} lists no models; pass --model NAME")
+    return names[0]
