@@ -7,12 +7,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from minengine.device import resolve_device
+from minengine.device import DTYPE_CHOICES, resolve_device
 from minengine.engine.engine import Engine
 from minengine.engine.request import GenerationRequest
 from minengine.errors import RequestError
 from minengine.kv.arithmetic import MIB
-from minengine.kv.cache import KV_DTYPES, KV_LAYOUTS
+from minengine.kv.cache import KV_DTYPE_ALIASES, KV_DTYPES, KV_LAYOUTS
 from minengine.sampling.sampler import SamplingParams
 
 DEFAULT_PROMPT = "Show me wheelchair-accessible hotels in Kyoto"
@@ -25,7 +25,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", metavar="PATH", help="Hugging Face style model folder (default: the pulled SmolLM2-135M-Instruct)"
     )
     m.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    m.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    m.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and compute (half = float16)")
     m.add_argument(
         "--cuda-graph",
         action=argparse.BooleanOptionalAction,
@@ -49,7 +49,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     k = parser.add_argument_group("KV cache")
     k.add_argument("--kv-layout", default="gqa", choices=KV_LAYOUTS)
-    k.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES)
+    k.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=KV_DTYPES + tuple(KV_DTYPE_ALIASES),
+        help="KV storage (fp8 = float8_e4m3fn)",
+    )
     k.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     k.add_argument("--kv-budget-mib", type=float, help="KV memory budget for admission (default: half of free memory)")
 

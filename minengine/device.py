@@ -7,6 +7,8 @@ import torch
 from minengine.errors import ReqscopeError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's and transformers' other names
+DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)  # what --dtype accepts
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -24,6 +26,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto` is bfloat16 on CUDA and float32 on the CPU."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    name = DTYPE_ALIASES.get(name, name)
     if name not in DTYPES:
         raise ReqscopeError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
     return DTYPES[name]

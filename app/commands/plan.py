@@ -55,7 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--head-dim", type=positive_whole_number, help="dimension of one head")
     shape.add_argument("--params", type=positive, help="total parameters, e.g. 8.03e9")
     dtypes = parser.add_argument_group("storage")
-    dtypes.add_argument("--kv-dtype", choices=KV_DTYPES, help="KV cache element type")
+    dtypes.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES + ("float8_e4m3fn",),
+        type=lambda name: "fp8" if name == "float8_e4m3fn" else name,  # the run flags' name for fp8
+        help="KV cache element type (float8_e4m3fn = fp8)",
+    )
     dtypes.add_argument("--weight-dtype", choices=tuple(WEIGHT_BYTES), help="weight element type")
     dtypes.add_argument("--block-size", type=positive_whole_number, help="KV block size, in tokens")
     dtypes.add_argument("--device-memory", help="memory per replica, e.g. 80GB or 141GiB")

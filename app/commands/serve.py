@@ -18,6 +18,7 @@ import os
 import sys
 
 from minengine.argtypes import non_negative, positive, positive_whole_number, whole_number
+from minengine.device import DTYPE_CHOICES
 from minengine.errors import ReqscopeError
 from minengine.kv.arithmetic import KIB
 from minengine.sampling.sampler import SamplingParams
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--model", metavar="PATH", help="model folder (default: the pulled SmolLM2-135M-Instruct)")
     m.add_argument("--served-model-name", metavar="NAME", help="name clients pass as `model` (default: folder name)")
     m.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    m.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    m.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and compute (half = float16)")
     m.add_argument("--kv-budget-mib", type=float, help="KV memory budget for admission (default: half of free memory)")
     m.add_argument(
         "--sampler-order", default="vllm", metavar="ORDER", help="hf, llama.cpp, vllm or a comma list (default vllm)"

@@ -66,7 +66,7 @@ def done_record(r: RequestResult) -> dict:
             "tpot_ms": m.tpot_ms,
             "itl_ms": None
             if m.itl is None
-            else {k: getattr(m.itl, k) for k in ("mean", "median", "p90", "p99", "max")},
+            else m.itl.summary(),
             "decode_output_tokens_per_second": m.decode_output_tokens_per_second,
             "whole_request_output_tokens_per_second": m.whole_request_output_tokens_per_second,
         }

@@ -80,7 +80,7 @@ def metrics_record(m: RequestMetrics | None) -> dict | None:
     """The same metric keys the engine's `done` record uses."""
     if m is None:
         return None
-    itl = None if m.itl is None else {k: getattr(m.itl, k) for k in ("mean", "median", "p90", "p99", "max")}
+    itl = None if m.itl is None else m.itl.summary()
     return {
         "ttft_ms": m.ttft_ms,
         "e2e_ms": m.e2e_ms,

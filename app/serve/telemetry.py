@@ -55,7 +55,7 @@ def server_report(result: RequestResult) -> dict:
     report["output_tokens"] = None if m is None else m.output_tokens
     report["itl_ms"] = None
     if m is not None and m.itl is not None:
-        report["itl_ms"] = {k: getattr(m.itl, k) for k in ("mean", "median", "p90", "p99", "max")}
+        report["itl_ms"] = m.itl.summary()
     return report
 
 

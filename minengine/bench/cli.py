@@ -15,6 +15,7 @@ from minengine.argtypes import whole_number
 from minengine.bench import env as bench_env  # first: sets the OpenMP policy before torch loads
 from minengine.bench.report import dumps, format_table, targets
 from minengine.bench.runner import DEFAULT_PROMPT, BenchConfig, run_bench
+from minengine.device import DTYPE_CHOICES
 from minengine.errors import ReqscopeError
 
 
@@ -22,7 +23,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags."""
     parser.add_argument("--model", metavar="PATH", help="model folder (default: the pulled SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and compute (half = float16)")
     parser.add_argument("--threads", type=count, help="torch threads for both engines (default: torch's own)")
     parser.add_argument("--rounds", type=count, default=5, help="measured rounds (default 5)")
     parser.add_argument("--new-tokens", type=count, default=128, help="greedy tokens per decode run (default 128)")

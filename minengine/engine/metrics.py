@@ -55,6 +55,21 @@ class ItlStats:
     p95: float
     p99: float
     max: float
+    # Population standard deviation (numpy's default, as vLLM's benchmark reports it); None in
+    # traces recorded before it was kept.
+    std: float | None = None
+
+    def summary(self) -> dict[str, float | None]:
+        """The ITL summary every output shares (--json, --export, the server's report)."""
+        return {
+            "mean": self.mean,
+            "median": self.median,
+            "std": self.std,
+            "p90": self.p90,
+            "p95": self.p95,
+            "p99": self.p99,
+            "max": self.max,
+        }
 
 
 @dataclass(frozen=True)
@@ -140,9 +155,11 @@ def itl_stats(gaps_ms: Sequence[float]) -> ItlStats | None:
         if not math.isfinite(gap) or gap < 0:
             raise MetricsInputError(f"inter-token gaps must be finite and >= 0, got {gap}")
     ordered = sorted(gaps_ms)
+    mean = math.fsum(ordered) / len(ordered)
     return ItlStats(
         count=len(ordered),
-        mean=math.fsum(ordered) / len(ordered),
+        mean=mean,
+        std=math.sqrt(math.fsum((gap - mean) ** 2 for gap in ordered) / len(ordered)),
         median=percentile(ordered, 50),
         p90=percentile(ordered, 90),
         p95=percentile(ordered, 95),

@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 from minengine.errors import RequestError
-from minengine.kv.cache import KV_DTYPES, KV_LAYOUTS
+from minengine.kv.cache import KV_DTYPE_ALIASES, KV_DTYPES, KV_LAYOUTS
 from minengine.sampling.sampler import SamplingParams
 from minengine.text.chat_template import ROLES, Message
 
@@ -31,6 +31,10 @@ class GenerationRequest:
     # is then empty.
     raw_prompt: str | None = None
     request_id: str = field(default_factory=lambda: "req-" + uuid.uuid4().hex[:12])
+
+    def __post_init__(self) -> None:
+        # One name per storage type from here on (events, exports, the UI), whichever was asked.
+        object.__setattr__(self, "kv_dtype", KV_DTYPE_ALIASES.get(self.kv_dtype, self.kv_dtype))
 
     @classmethod
     def from_prompt(cls, prompt: str, system: str | None = None, **kwargs) -> GenerationRequest:

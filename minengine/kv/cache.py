@@ -29,6 +29,7 @@ from minengine.kv.arithmetic import blocks_for, kv_bytes_per_token
 
 KV_LAYOUTS = ("gqa", "mha")
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")
+KV_DTYPE_ALIASES = {"fp8": "float8_e4m3fn"}  # vLLM's name for the same storage
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
 

@@ -117,7 +117,7 @@ def metrics_record(r: RequestResult) -> dict:
             "output_tokens": m.output_tokens,
         }
         if m.itl is not None:
-            record["itl_ms"] = {k: getattr(m.itl, k) for k in ("mean", "median", "p90", "p95", "p99", "max")}
+            record["itl_ms"] = m.itl.summary()
     record["input_tokens"] = r.usage.prompt_tokens
     record["finish_reason"] = r.finish_reason
     return record

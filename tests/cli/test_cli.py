@@ -42,3 +42,18 @@ def test_help_shows_every_options_default_and_examples(verb):
         shown = formatter._get_help_string(action)
         assert "default" in shown, f"{verb} {action.option_strings[0]}: no default in {shown!r}"
     assert not re.search(r"default: None\b", text)
+
+
+def test_vllm_names_for_dtypes_are_accepted():
+    import torch
+
+    from minengine.device import resolve_dtype
+    from minengine.engine.request import GenerationRequest
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype("half", cpu) == torch.float16 and resolve_dtype("float", cpu) == torch.float32
+    assert GenerationRequest.from_prompt("hi", kv_dtype="fp8").kv_dtype == "float8_e4m3fn"
+    run = cli.build_parser("run").parse_args(["--kv-dtype", "fp8", "--dtype", "half", "hi"])
+    assert (run.kv_dtype, run.dtype) == ("fp8", "half")
+    plan = cli.build_parser("plan").parse_args(["smollm2-135m-instruct", "--kv-dtype", "float8_e4m3fn"])
+    assert plan.kv_dtype == "fp8"

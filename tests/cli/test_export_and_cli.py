@@ -36,6 +36,7 @@ def test_json_mode_lines(chatty_tiny_dir, capsys):
     assert done["event"] == "done"
     assert done["usage"]["completion_tokens"] == len(tokens)
     assert set(done["metrics"]) >= {"ttft_ms", "e2e_ms", "tpot_ms", "itl_ms"}
+    assert list(done["metrics"]["itl_ms"]) == ["mean", "median", "std", "p90", "p95", "p99", "max"]
 
 
 def test_plain_mode_and_export_round_trip(chatty_tiny_dir, tmp_path, capsys):
@@ -74,6 +75,8 @@ def test_plain_mode_and_export_round_trip(chatty_tiny_dir, tmp_path, capsys):
         if metrics[key] is not None:
             rel = rate_rel if key == "decode_output_tokens_per_second" else 1e-4
             assert calc[key] == pytest.approx(metrics[key], rel=rel, abs=2e-3), key
+    # The export and --json share one ITL summary: mean, median, std, p90, p95, p99, max.
+    assert list(metrics["itl_ms"]) == ["mean", "median", "std", "p90", "p95", "p99", "max"]
     perfetto = json.loads((export / "request-trace.perfetto.json").read_text())
     spans = [e["name"] for e in perfetto["traceEvents"] if e.get("ph") == "X"]
     assert spans[:5] == ["gateway", "template", "tokenize", "admit", "prefill"]

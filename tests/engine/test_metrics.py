@@ -156,6 +156,8 @@ def test_itl_stats_match_numpy_linear_percentiles():
         assert value == pytest.approx(np.percentile(gaps, p))
     assert stats.p90 == pytest.approx(30.0 + 0.4 * (90.0 - 30.0))  # rank 5.4 of 0..6
     assert stats.max == 90.0
+    assert stats.std == pytest.approx(np.std(gaps))  # population std, as vLLM's benchmark reports
+    assert list(stats.summary()) == ["mean", "median", "std", "p90", "p95", "p99", "max"]
 
 
 def test_itl_stats_empty_and_invalid():
