@@ -37,6 +37,7 @@ from minengine.plan.planner import (
     parse_memory_size,
     plan,
 )
+from minengine.plan.service_model import ServiceModel
 
 _SHAPE_FLAGS = ("layers", "q_heads", "kv_heads", "head_dim")
 
@@ -75,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     timing.add_argument("--prefill-fixed-ms", type=non_negative, help="prefill fixed cost")
     timing.add_argument("--prefill-per-token-ms", type=non_negative, help="prefill per token")
     timing.add_argument("--itl-ms", type=non_negative, help="gap between output tokens")
+    timing.add_argument(
+        "--service-model",
+        metavar="FILE",
+        help="prefill and ITL from a `reqscope calibrate --output` fit instead (explicit flags still win)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -128,6 +134,13 @@ def _resolve(name: str, cards_dir: Traversable, by_card_only: bool) -> Architect
 
 def _inputs(args: argparse.Namespace, arch: Architecture) -> PlanInputs:
     device = None if args.device_memory is None else parse_memory_size(args.device_memory)
+    prefill_fixed, prefill_per_token, itl = args.prefill_fixed_ms, args.prefill_per_token_ms, args.itl_ms
+    if args.service_model:
+        service = ServiceModel.load(args.service_model)
+        if prefill_fixed is None and prefill_per_token is None:
+            prefill_fixed, prefill_per_token = service.prefill.fixed_ms, service.prefill.per_token_ms
+        if itl is None and args.prompt_tokens is not None and args.output_tokens is not None:
+            itl = service.mean_itl_ms(args.prompt_tokens, args.output_tokens)
     return PlanInputs(
         kv_dtype=args.kv_dtype or _card_dtype(arch.kv_dtype, KV_DTYPES, arch, "kv"),
         weight_dtype=args.weight_dtype
@@ -137,9 +150,9 @@ def _inputs(args: argparse.Namespace, arch: Architecture) -> PlanInputs:
         device_memory_bytes=device,
         network_ms=args.network_ms,
         queue_ms=args.queue_ms,
-        prefill_fixed_ms=args.prefill_fixed_ms,
-        prefill_per_token_ms=args.prefill_per_token_ms,
-        itl_ms=args.itl_ms,
+        prefill_fixed_ms=prefill_fixed,
+        prefill_per_token_ms=prefill_per_token,
+        itl_ms=itl,
         block_size=args.block_size,
     )
 

@@ -1,0 +1,165 @@
+"""`reqscope calibrate`: fit the seeds' service-time model to this engine on this device.
+
+Prints the fitted prefill and decode lines beside seed 003's numbers with a small plot of the
+measured points, or one JSON object with `--json`; `--output FILE` saves the fit for
+`reqscope plan --service-model FILE`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from minengine.argtypes import positive_whole_number
+from minengine.device import DTYPE_CHOICES
+from minengine.plan.calibrate import (
+    DEFAULT_CONTEXT_LENGTHS,
+    DEFAULT_DECODE_STEPS,
+    DEFAULT_PROMPT_LENGTHS,
+    DEFAULT_REPEATS,
+    CalibrationPlan,
+)
+from minengine.plan.service_model import (
+    SEED_DECODE_STEP_MS,
+    SEED_PREFILL_FIXED_MS,
+    SEED_PREFILL_PER_TOKEN_MS,
+    LineFit,
+    Point,
+    ServiceModel,
+)
+
+PLOT_WIDTH, PLOT_HEIGHT = 56, 10
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of token counts, e.g. 16,64,256") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: token counts must be whole numbers of at least 1")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model, device and what to measure."""
+    parser.add_argument(
+        "--model", metavar="PATH", help="model folder (default: the pulled SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and compute")
+    parser.add_argument(
+        "--prompt-lengths", type=_lengths, default=DEFAULT_PROMPT_LENGTHS, metavar="N,N,...",
+        help=f"prefill prompt lengths (default {','.join(map(str, DEFAULT_PROMPT_LENGTHS))})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--context-lengths", type=_lengths, default=DEFAULT_CONTEXT_LENGTHS, metavar="N,N,...",
+        help=f"decode context lengths (default {','.join(map(str, DEFAULT_CONTEXT_LENGTHS))})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--repeats", type=positive_whole_number, default=DEFAULT_REPEATS, help="measurements per length"
+    )
+    parser.add_argument(
+        "--decode-steps", type=positive_whole_number, default=DEFAULT_DECODE_STEPS, help="decode steps timed per point"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--output", metavar="FILE", help="also save the fit as JSON (for `plan --service-model`)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure, fit, print; the fit is saved to --output when given."""
+    from minengine.engine.engine import Engine
+    from minengine.plan.calibrate import calibrate
+    from reqscope.run_options import resolve_model_dir, stderr_progress
+
+    plan = CalibrationPlan(args.prompt_lengths, args.context_lengths, args.repeats, args.decode_steps)
+    engine = Engine(resolve_model_dir(args, stderr_progress), device=args.device, dtype=args.dtype)
+    bar = _Bar(sys.stderr)
+    try:
+        model = calibrate(engine, plan, progress=bar.update)
+    finally:
+        bar.close()
+    if args.output:
+        try:
+            with open(args.output, "w", encoding="utf-8") as out:
+                json.dump(model.as_json(), out, indent=2)
+                out.write("\n")
+        except OSError as exc:
+            print(f"reqscope: error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+    print(json.dumps(model.as_json(), indent=2) if args.json else render(model))
+    return 0
+
+
+class _Bar:
+    """One progress line rewritten in place on a terminal; start and end lines elsewhere."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.started = False
+
+    def update(self, done: int, total: int, label: str) -> None:
+        if self.tty:
+            filled = round(24 * done / total)
+            line = f"calibrate [{'#' * filled}{'.' * (24 - filled)}] {done}/{total} {label}"
+            self.stream.write(f"\r{line:<78}")
+            self.stream.flush()
+        elif not self.started:
+            print(f"calibrate: measuring {total} points", file=self.stream, flush=True)
+        self.started = True
+
+    def close(self) -> None:
+        if self.tty and self.started:
+            self.stream.write("\n")
+        elif self.started:
+            print("calibrate: done", file=self.stream, flush=True)
+
+
+def render(model: ServiceModel) -> str:
+    """The fit beside the seed's model, and a plot of the points and lines."""
+    p, d = model.prefill, model.decode
+    lines = [
+        f"{model.model} on {model.device} ({model.dtype})",
+        "",
+        f"prefill_ms = {p.fixed_ms:.2f} + {p.per_token_ms:.4f} x prompt tokens    R² {p.r2:.3f}",
+        f"   seed 003: {SEED_PREFILL_FIXED_MS:g} + {SEED_PREFILL_PER_TOKEN_MS:g} x prompt tokens"
+        "   (a 70B model on a GPU)",
+        f"decode_ms  = {d.fixed_ms:.2f} + {d.per_token_ms:.5f} x context tokens   R² {d.r2:.3f}",
+        f"   seed 003: about {SEED_DECODE_STEP_MS:g} ms per step",
+        "",
+        "prefill: ms against prompt tokens (o measured, - fit)",
+        *_plot([q for q in model.points if q.kind == "prefill"], p),
+        "",
+        "decode step: ms against context tokens (o measured, - fit)",
+        *_plot([q for q in model.points if q.kind == "decode"], d),
+    ]
+    return "\n".join(lines)
+
+
+def _plot(points: Sequence[Point], fit: LineFit) -> list[str]:
+    xs = [q.tokens for q in points]
+    x_lo, x_hi = min(xs), max(xs)
+    ys = [q.ms for q in points] + [fit.at(x_lo), fit.at(x_hi)]
+    y_lo, y_hi = min(ys), max(ys)
+    x_span, y_span = max(x_hi - x_lo, 1), max(y_hi - y_lo, 1e-9)
+    grid = [[" "] * PLOT_WIDTH for _ in range(PLOT_HEIGHT)]
+
+    def cell(x: float, y: float) -> tuple[int, int]:
+        col = round((x - x_lo) / x_span * (PLOT_WIDTH - 1))
+        row = PLOT_HEIGHT - 1 - round((y - y_lo) / y_span * (PLOT_HEIGHT - 1))
+        return row, col
+
+    for col in range(PLOT_WIDTH):
+        row, _ = cell(x_lo + col / (PLOT_WIDTH - 1) * x_span, fit.at(x_lo + col / (PLOT_WIDTH - 1) * x_span))
+        grid[row][col] = "-"
+    for q in points:
+        row, col = cell(q.tokens, q.ms)
+        grid[row][col] = "o"
+    labels = [f"{y_hi:9.1f} |", *([" " * 9 + " |"] * (PLOT_HEIGHT - 2)), f"{y_lo:9.1f} |"]
+    rows = [label + "".join(r) for label, r in zip(labels, grid, strict=True)]
+    axis = " " * 10 + "+" + "-" * PLOT_WIDTH
+    ticks = " " * 11 + f"{x_lo:<{PLOT_WIDTH // 2}}{x_hi:>{PLOT_WIDTH - PLOT_WIDTH // 2}}"
+    return [*rows, axis, ticks]

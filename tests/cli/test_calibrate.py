@@ -1,0 +1,101 @@
+"""`reqscope calibrate`: the service-time lines fitted by least squares, saved, and used by `plan`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from minengine.plan.service_model import CalibrationError, Point, ServiceModel, fit_line
+from reqscope.cli import main
+
+
+def test_an_exact_line_is_recovered_with_r2_one():
+    tokens = [16, 64, 256, 1024]
+    fit = fit_line(tokens, [20 + 0.035 * n for n in tokens], "prefill")  # seed 003's model
+    assert fit.fixed_ms == pytest.approx(20) and fit.per_token_ms == pytest.approx(0.035)
+    assert fit.r2 == pytest.approx(1.0)
+
+
+def test_fit_and_r2_agree_with_numpy():
+    rng = np.random.default_rng(0)
+    x = np.repeat([16, 64, 256, 512], 3)
+    y = 30 + 2.5 * x + rng.normal(0, 40, x.size)
+    fit = fit_line(x.tolist(), y.tolist(), "prefill")
+    slope, fixed = np.polyfit(x, y, 1)
+    r2 = 1 - ((y - (fixed + slope * x)) ** 2).sum() / ((y - y.mean()) ** 2).sum()
+    assert (fit.fixed_ms, fit.per_token_ms, fit.r2) == pytest.approx((fixed, slope, r2))
+
+
+def test_costs_never_come_out_negative():
+    tokens = [10, 20, 30, 40]
+    through_below_zero = fit_line(tokens, [0.5, 3.0, 5.5, 8.0], "prefill")  # lstsq: -2 + 0.25 x
+    assert through_below_zero.fixed_ms == 0.0 and through_below_zero.per_token_ms > 0
+    falling = fit_line(tokens, [31.0, 30.0, 30.5, 29.0], "decode")  # noise, no real growth
+    assert falling.per_token_ms == 0.0 and falling.fixed_ms == pytest.approx(30.125)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "ms", "needle"),
+    [([16, 64], [1.0, 2.0], "at least 3 points"), ([64, 64, 64], [1.0, 2.0, 3.0], "2 or more lengths"),
+     ([1, 2, 3], [1.0, math.nan, 3.0], "not finite")],
+)  # fmt: skip
+def test_too_few_points_or_non_finite_ones_are_refused(tokens, ms, needle):
+    with pytest.raises(CalibrationError, match=needle):
+        fit_line(tokens, ms, "prefill")
+
+
+def test_mean_itl_is_the_decode_line_at_the_mean_context():
+    points = [Point("prefill", n, 10 + n) for n in (1, 2, 3)] + [Point("decode", n, 5 + 0.5 * n) for n in (1, 2, 3)]
+    model = ServiceModel.fit("m", "cpu", "float32", points)
+    assert model.mean_itl_ms(100, 21) == pytest.approx(5 + 0.5 * (100 + 10.5))
+
+
+def test_calibrate_on_a_model_then_plan_with_its_fit(chatty_tiny_dir, tmp_path, capsys):
+    saved = tmp_path / "service.json"
+    argv = ["calibrate", "--model", str(chatty_tiny_dir), "--device", "cpu", "--prompt-lengths", "8,32,128",
+            "--context-lengths", "8,32,128", "--repeats", "2", "--decode-steps", "2",
+            "--json", "--output", str(saved)]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"model", "device", "dtype", "prefill", "decode", "points"}
+    assert set(out["prefill"]) == {"fixed_ms", "per_token_ms", "r2"}
+    assert set(out["decode"]) == {"fixed_ms", "per_context_token_ms", "r2"}
+    assert len(out["points"]) == 2 * (3 + 3) and json.loads(saved.read_text()) == out
+    assert out["prefill"]["fixed_ms"] >= 0 and out["prefill"]["per_token_ms"] >= 0
+    fit = ServiceModel.load(saved)
+    assert main(["plan", "smollm2-135m-instruct", "--prompt-tokens", "100", "--output-tokens", "11",
+                 "--service-model", str(saved), "--json"]) == 0  # fmt: skip
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["ttft_ms"] == pytest.approx(fit.ttft_ms(100))  # no network or queue given
+    assert planned["tpot_ms"] == pytest.approx(fit.mean_itl_ms(100, 11))
+
+
+def test_text_mode_shows_the_seed_beside_the_fit(chatty_tiny_dir, capsys):
+    argv = ["calibrate", "--model", str(chatty_tiny_dir), "--device", "cpu", "--prompt-lengths", "8,16,32",
+            "--context-lengths", "8,16,32", "--repeats", "1", "--decode-steps", "1"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "prefill_ms = " in out and "seed 003: 20 + 0.035 x prompt tokens" in out and "o" in out
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [("{}", "is not a service model"), ("not json", "is not a service model"),
+     ('{"model": "m", "device": "cpu", "dtype": "f", "prefill": {"fixed_ms": NaN, "per_token_ms": 1, "r2": 1},'
+      ' "decode": {"fixed_ms": 1, "per_context_token_ms": 0, "r2": 1}}', "not finite")],
+)  # fmt: skip
+def test_a_bad_service_model_file_is_one_line(tmp_path, capsys, content, needle):
+    path = tmp_path / "s.json"
+    path.write_text(content)
+    assert main(["plan", "smollm2-135m-instruct", "--prompt-tokens", "5", "--service-model", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_lengths_the_context_cannot_hold_are_refused(chatty_tiny_dir, capsys):
+    argv = ["calibrate", "--model", str(chatty_tiny_dir), "--device", "cpu", "--prompt-lengths", "8,99999"]
+    assert main(argv) == 1
+    assert "only 1 prompt length(s) fit the model's context of 2048" in capsys.readouterr().err
