@@ -27,6 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("reqscope.commands.replay", "replay a recorded trace in the explorer, without a model"),
     "bench": ("reqscope.commands.bench", "benchmark minengine against Hugging Face transformers"),
     "serve": ("reqscope.commands.serve", "serve the model over an OpenAI-compatible HTTP API"),
+    "web": ("reqscope.commands.web", "serve the explorer to a web browser (one live session per page)"),
     "calibrate": ("reqscope.commands.calibrate", "fit prefill and decode time lines to this engine on this device"),
 }
 
@@ -46,6 +47,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "replay": ("reqscope replay reqscope-runs/<id>/request-trace.jsonl",),
     "bench": ("reqscope bench", "reqscope bench --rounds 3 --json --output bench.json"),
     "serve": ("reqscope serve", "reqscope serve --host 0.0.0.0 --port 8000 --api-key \"$KEY\""),
+    "web": ("reqscope web", 'reqscope web --paused --temperature 0 "Explain a KV cache"'),
     "calibrate": ("reqscope calibrate", "reqscope calibrate --json --output service-model.json"),
 }
 

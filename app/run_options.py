@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from minengine.device import DTYPE_CHOICES, resolve_device
@@ -13,7 +12,9 @@ from minengine.engine.request import GenerationRequest
 from minengine.errors import RequestError
 from minengine.kv.arithmetic import MIB
 from minengine.kv.cache import KV_DTYPE_ALIASES, KV_DTYPES, KV_LAYOUTS
+from minengine.progress import StatusCallback
 from minengine.sampling.sampler import SamplingParams
+from reqscope.console.progress_line import ProgressLine
 
 DEFAULT_PROMPT = "Show me wheelchair-accessible hotels in Kyoto"
 
@@ -34,12 +35,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     s = parser.add_argument_group("sampling")
     s.add_argument("--system", metavar="TEXT", help="system message sent before the prompt")
-    s.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
-    s.add_argument("--top-k", type=int, default=50, help="0 = off (default 50)")
-    s.add_argument("--top-p", type=float, default=0.9, help="1 = off (default 0.9)")
-    s.add_argument("--min-p", type=float, default=0.0, help="0 = off (default 0)")
-    s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    s.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    # These default to None, not to their value, so that endpoint mode can tell a flag the user
+    # gave from one left unset (it sends only the former); a local run fills in LOCAL_SAMPLING.
+    s.add_argument("--temperature", type=float, help="0 = greedy (default 0.7)")
+    s.add_argument("--top-k", type=int, help="0 = off (default 50)")
+    s.add_argument("--top-p", type=float, help="1 = off (default 0.9)")
+    s.add_argument("--min-p", type=float, help="0 = off (default 0)")
+    s.add_argument("--seed", type=int, help="sampling seed (default 0)")
+    s.add_argument("--max-tokens", type=int, help="most tokens to generate (default 256)")
     s.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     s.add_argument(
         "--sampler-order",
@@ -57,23 +60,56 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     k.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     k.add_argument("--kv-budget-mib", type=float, help="KV memory budget for admission (default: half of free memory)")
+    add_prefix_cache_argument(k)
+
+
+def add_prefix_cache_argument(group: argparse._ArgumentGroup) -> None:
+    """`--no-prefix-cache` (shared with serve)."""
+    group.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        default=argparse.SUPPRESS,  # absent unless given: the engine's default (on) applies
+        help="do not keep finished requests' KV blocks for reuse by prompts that start the same way "
+        "(default: kept, within the KV budget)",
+    )
+
+
+@dataclass(frozen=True)
+class LocalSampling:
+    """What a local run uses for each sampling flag the user did not give."""
+
+    temperature: float = 0.7
+    top_k: int = 50
+    top_p: float = 0.9
+    min_p: float = 0.0
+    seed: int = 0
+    max_tokens: int = 256
+
+
+LOCAL_SAMPLING = LocalSampling()
+
+
+def _given(value, default):
+    return default if value is None else value
 
 
 def request_from_args(args: argparse.Namespace, prompt: str) -> GenerationRequest:
     """A GenerationRequest from the shared flags (validated later, at the gateway)."""
+    d = LOCAL_SAMPLING
     sampling = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
+        temperature=_given(args.temperature, d.temperature),
+        top_k=_given(args.top_k, d.top_k),
+        top_p=_given(args.top_p, d.top_p),
+        min_p=_given(args.min_p, d.min_p),
+        seed=_given(args.seed, d.seed),
         order=SamplingParams.parse_order(args.sampler_order),
     )
     return GenerationRequest.from_prompt(
         prompt,
         system=args.system,
         sampling=sampling,
-        max_tokens=args.max_tokens,
+        max_tokens=_given(args.max_tokens, d.max_tokens),
         stop=tuple(args.stop),
         kv_layout=args.kv_layout,
         kv_dtype=args.kv_dtype,
@@ -81,37 +117,48 @@ def request_from_args(args: argparse.Namespace, prompt: str) -> GenerationReques
     )
 
 
-def resolve_model_dir(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> Path:
-    """--model, or the default model (pulled first when missing)."""
+def resolve_model_dir(args: argparse.Namespace, progress: StatusCallback | None = None) -> Path:
+    """--model, or the default model (pulled first when missing, its stages reported to `progress`)."""
     if args.model:
         return Path(args.model).expanduser()
     from minengine.hub.pull import ensure_default_model
 
-    def report(event) -> None:
-        if progress is not None:
-            progress(event.message)
-
-    return ensure_default_model(progress=report)
+    return ensure_default_model(progress=progress)
 
 
-def open_engine(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> Engine:
-    """Resolve the model folder and load it with the flags' device, dtype, KV budget and CUDA-graph choice."""
+def open_engine(args: argparse.Namespace, progress: StatusCallback | None = None) -> Engine:
+    """Resolve the model folder and load it with the flags' device, dtype, KV budget and CUDA-graph choice.
+
+    `progress` hears status messages and the stages of a pull and of a first load (download,
+    verify, convert, layout, cache) as `PullProgress` events.
+    """
     if args.kv_budget_mib is not None and args.kv_budget_mib <= 0:
         raise RequestError("--kv-budget-mib must be greater than 0")
     cuda_graph = getattr(args, "cuda_graph", None)  # verbs without the flag keep the engine's default
     if cuda_graph and resolve_device(args.device).type != "cuda":
         # Asked for by name, a graph that cannot exist is an error, not a silent no-op.
         raise RequestError("--cuda-graph needs a CUDA device; this run is on the CPU (drop it, or use --device cuda)")
-    model_dir = resolve_model_dir(args, progress)
-    if progress is not None:
-        progress(f"loading {model_dir}")
-    budget = int(args.kv_budget_mib * MIB) if args.kv_budget_mib is not None else None
-    engine = Engine(model_dir, device=args.device, dtype=args.dtype, kv_budget_bytes=budget)
+    try:
+        model_dir = resolve_model_dir(args, progress)
+        if progress is not None:
+            progress(f"loading {model_dir}")
+        budget = int(args.kv_budget_mib * MIB) if args.kv_budget_mib is not None else None
+        engine = Engine(
+            model_dir,
+            device=args.device,
+            dtype=args.dtype,
+            kv_budget_bytes=budget,
+            progress=progress,
+            prefix_cache=getattr(args, "prefix_cache", True),  # verbs without the flag keep it on
+        )
+    finally:
+        if isinstance(progress, ProgressLine):
+            progress.close()  # a stage cut short by an error leaves its line open on a terminal
     if cuda_graph is not None and engine.device.type == "cuda":
         engine.runner.use_static_decode(cuda_graph)
     return engine
 
 
-def stderr_progress(message: str) -> None:
-    """Print a progress line on stderr (used by the text modes)."""
-    print(f"reqscope: {message}", file=sys.stderr, flush=True)
+# The text modes' progress on stderr: `reqscope: ...` messages, and each pull or first-load stage
+# as one line redrawn in place on a terminal (a line at its start and one at its end otherwise).
+stderr_progress = ProgressLine(prefix="reqscope: ")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from minengine.engine.engine import Engine
+from minengine.engine.events import DoneEvent, StageEvent, TokenEvent
 from minengine.engine.request import GenerationRequest
 from minengine.record.trace_io import read_trace
 from minengine.sampling.sampler import SamplingParams
@@ -24,6 +26,26 @@ def replay_app(**options) -> ExplorerApp:
     """The explorer replaying the recorded trace."""
     header, events = read_trace(TRACE)
     return ExplorerApp.replaying(header, events, source_name=TRACE_NAME, **options)
+
+
+def held_replay_app(at: int = 5, held_ms: float = 2500.0, **options) -> ExplorerApp:
+    """The recorded trace as if the run had been held `held_ms` at step `at` (paused, then stepped).
+
+    Tokens from `at` on come `held_ms` later and token `at` carries the held time, as the engine
+    records them. The trace ends before decode closes (its stages and result are left out), so
+    replay it mid-run.
+    """
+    header, events = read_trace(TRACE)
+    held = []
+    for event in events:
+        if isinstance(event, DoneEvent) or (isinstance(event, StageEvent) and event.name in ("decode", "complete")):
+            continue
+        if isinstance(event, TokenEvent) and event.index >= at:
+            first = event.index == at
+            event = replace(event, t_ms=event.t_ms + held_ms, held_ms=held_ms if first else 0.0,
+                            itl_ms=event.itl_ms + held_ms if first and event.itl_ms is not None else event.itl_ms)
+        held.append(event)
+    return ExplorerApp.replaying(header, held, source_name=TRACE_NAME, **options)
 
 
 def kyoto_request(**changes) -> GenerationRequest:

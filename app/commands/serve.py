@@ -2,7 +2,7 @@
 
 Binds to 127.0.0.1 unless told otherwise. One request decodes at a time; others wait in a
 bounded queue (503 once it is full). Each finished request's telemetry goes to `--telemetry
-FILE` as a JSON line. Stop with Ctrl-C.
+FILE` as a JSON line, and its access-log line to stderr (`--log-level`). Stop with Ctrl-C.
 
 A keyless server is the default on loopback, but an *empty* `--api-key ""` (typically an unset
 shell variable) is refused: it reads as "protect this server" and would silently give an open
@@ -22,7 +22,8 @@ from minengine.device import DTYPE_CHOICES
 from minengine.errors import ReqscopeError
 from minengine.kv.arithmetic import KIB
 from minengine.sampling.sampler import SamplingParams
-from reqscope.run_options import open_engine, stderr_progress
+from reqscope.run_options import add_prefix_cache_argument, open_engine, stderr_progress
+from reqscope.serve.access import LOG_LEVELS, configure_logging
 from reqscope.serve.app import ServeConfig, build_app
 from reqscope.serve.connections import ConnectionLimits
 from reqscope.serve.gateway import GatewayConfig
@@ -40,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     m.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and compute (half = float16)")
     m.add_argument("--kv-budget-mib", type=float, help="KV memory budget for admission (default: half of free memory)")
+    add_prefix_cache_argument(m)
     m.add_argument(
         "--sampler-order", default="vllm", metavar="ORDER", help="hf, llama.cpp, vllm or a comma list (default vllm)"
     )
@@ -111,6 +113,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="open connections at once; requests on any beyond get 503 and are closed (default %(default)s)",
     )
     parser.add_argument("--telemetry", metavar="FILE", help="append one JSON telemetry line per finished request")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="log on stderr from this level up; info includes one access line per request (default %(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"reqscope: error: {keys}", file=sys.stderr)
         return 2
     order = SamplingParams.parse_order(args.sampler_order)
+    configure_logging(args.log_level)
     engine = open_engine(args, progress=stderr_progress)
     config = ServeConfig(
         model_name=args.served_model_name or engine.model_dir.name,

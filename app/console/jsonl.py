@@ -8,7 +8,8 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from typing import TextIO
 
-from minengine.engine.events import DoneEvent, Event, RequestResult, StageEvent, TokenEvent
+from minengine.engine.events import DoneEvent, Event, PrefixCacheEvent, RequestResult, StageEvent, TokenEvent
+from minengine.engine.metrics import RequestMetrics
 
 
 def _emit(out: TextIO, record: dict) -> None:
@@ -31,6 +32,8 @@ def print_jsonl(events: Iterable[Event], out: TextIO | None = None) -> RequestRe
                     "duration_ms": round(ev.duration_ms, 3),
                 },
             )
+        elif isinstance(ev, PrefixCacheEvent):
+            _emit(out, prefix_cache_record(ev))
         elif isinstance(ev, TokenEvent):
             _emit(
                 out,
@@ -55,19 +58,49 @@ def print_jsonl(events: Iterable[Event], out: TextIO | None = None) -> RequestRe
     return result
 
 
+def prefix_cache_record(ev: PrefixCacheEvent) -> dict:
+    """What the prefix cache stage found: blocks looked up and hit, prompt tokens reused and computed."""
+    return {
+        "event": "prefix_cache",
+        "enabled": ev.enabled,
+        "blocks_looked_up": ev.blocks_looked_up,
+        "blocks_hit": ev.blocks_hit,
+        "block_size": ev.block_size,
+        "reused_tokens": ev.reused_tokens,
+        "computed_tokens": ev.computed_tokens,
+        "lookup_ms": round(ev.lookup_ms, 3),
+        "copy_ms": round(ev.copy_ms, 3),
+        "kept_blocks": ev.kept_blocks,
+        "kept_bytes": ev.kept_bytes,
+    }
+
+
 def done_record(r: RequestResult) -> dict:
-    """The closing record: finish reason, usage and the request's metrics."""
-    m = r.metrics
-    metrics = None
-    if m is not None:
-        metrics = {
-            "ttft_ms": m.ttft_ms,
-            "e2e_ms": m.e2e_ms,
-            "tpot_ms": m.tpot_ms,
-            "itl_ms": None
-            if m.itl is None
-            else m.itl.summary(),
-            "decode_output_tokens_per_second": m.decode_output_tokens_per_second,
-            "whole_request_output_tokens_per_second": m.whole_request_output_tokens_per_second,
-        }
-    return {"event": "done", "finish_reason": r.finish_reason, "usage": asdict(r.usage), "metrics": metrics}
+    """The closing record: finish reason, usage and the request's metrics.
+
+    `metrics` are on the wall clock, as a client sees the stream; `engine_metrics` are the same
+    with `held_ms` (time the run was held at a step) taken out. Nobody holds a headless run, so
+    here they are equal and `held_ms` is 0.
+    """
+    return {
+        "event": "done",
+        "finish_reason": r.finish_reason,
+        "usage": asdict(r.usage),
+        "metrics": metrics_json(r.metrics),
+        "engine_metrics": metrics_json(r.engine_metrics),
+        "held_ms": round(r.held_ms, 3),
+    }
+
+
+def metrics_json(m: RequestMetrics | None) -> dict | None:
+    """One metric set as --json writes it."""
+    if m is None:
+        return None
+    return {
+        "ttft_ms": m.ttft_ms,
+        "e2e_ms": m.e2e_ms,
+        "tpot_ms": m.tpot_ms,
+        "itl_ms": None if m.itl is None else m.itl.summary(),
+        "decode_output_tokens_per_second": m.decode_output_tokens_per_second,
+        "whole_request_output_tokens_per_second": m.whole_request_output_tokens_per_second,
+    }

@@ -12,6 +12,7 @@ from minengine.engine.events import (
     DoneEvent,
     Event,
     PrefillEvent,
+    PrefixCacheEvent,
     PromptEvent,
     RequestResult,
     StageEvent,
@@ -30,7 +31,7 @@ def print_plain(
     streamed = ""
     print(f"· model     {engine.describe()}  (loaded in {engine.load_ms:.0f} ms)", file=err, flush=True)
     for ev in events:
-        if isinstance(ev, StageEvent) and ev.name not in ("decode", "complete"):
+        if isinstance(ev, StageEvent) and ev.name not in ("decode", "complete", "prefix_cache"):
             print(f"· {ev.name:<9} {ev.duration_ms:9.2f} ms  {ev.detail}", file=err, flush=True)
         elif isinstance(ev, PromptEvent):
             parts = " + ".join(f"{p.tokens} {p.name}" for p in ev.parts)
@@ -42,6 +43,8 @@ def print_plain(
                 file=err,
                 flush=True,
             )
+        elif isinstance(ev, PrefixCacheEvent):
+            print(f"· prefix    {ev.duration_ms:9.2f} ms  {prefix_cache_line(ev)}", file=err, flush=True)
         elif isinstance(ev, PrefillEvent):
             print("", file=err, flush=True)
         elif isinstance(ev, TokenEvent) and ev.text:
@@ -59,6 +62,18 @@ def print_plain(
     return result
 
 
+def prefix_cache_line(ev: PrefixCacheEvent) -> str:
+    """What the prefix cache stage found, in words."""
+    if not ev.enabled:
+        return f"off: {ev.note}" if ev.note else "off"
+    if not ev.blocks_hit:
+        return f"0 of {ev.blocks_looked_up} blocks hit: all {ev.prompt_tokens} prompt tokens to prefill"
+    return (
+        f"{ev.blocks_hit} of {ev.blocks_looked_up} blocks hit: {ev.reused_tokens} of {ev.prompt_tokens} "
+        f"prompt tokens reused, {ev.computed_tokens} to prefill (copied in {ev.copy_ms:.2f} ms)"
+    )
+
+
 def summary(engine: Engine, r: RequestResult) -> str:
     """A llama.cpp-style timing summary of a finished request."""
     lines = [""]
@@ -72,8 +87,11 @@ def summary(engine: Engine, r: RequestResult) -> str:
     lines.append(f"load      {engine.load_ms:9.2f} ms")
     if "prefill" in stages:
         p = stages["prefill"].duration_ms
-        n = r.usage.prompt_tokens
-        lines.append(f"prefill   {p:9.2f} ms / {n:5d} tokens ({p / n:7.2f} ms/token, {1000 * n / p:8.2f} tokens/s)")
+        n = r.usage.prompt_tokens - r.usage.cached_tokens  # what prefill computed
+        reused = f", {r.usage.cached_tokens} more reused from the prefix cache" if r.usage.cached_tokens else ""
+        lines.append(
+            f"prefill   {p:9.2f} ms / {n:5d} tokens ({p / n:7.2f} ms/token, {1000 * n / p:8.2f} tokens/s){reused}"
+        )
     m = r.metrics
     if m is not None:
         if "decode" in stages and m.output_tokens > 1:
@@ -95,6 +113,12 @@ def summary(engine: Engine, r: RequestResult) -> str:
             f"E2E       {m.e2e_ms:9.2f} ms   "
             f"({m.whole_request_output_tokens_per_second or 0:.2f} tokens/s whole request)"
         )
+        e = r.engine_metrics
+        if r.held_ms > 0 and e is not None:  # a run held at a step (never a headless one): both clocks
+            lines.append(
+                f"held      {r.held_ms:9.2f} ms at held steps; engine time without it: TTFT {e.ttft_ms:.2f} ms, "
+                f"TPOT {e.tpot_ms or 0:.2f} ms/token, E2E {e.e2e_ms:.2f} ms (the lines above: wall clock)"
+            )
         accounted = sum(s.duration_ms for s in r.stages if s.name != "complete")
         lines.append(f"unaccounted {m.e2e_ms - accounted:7.2f} ms (outside the named stages)")
     if r.kv_peak is not None:

@@ -28,13 +28,14 @@ from reqscope.endpoint.events import (
     RequestSent,
     ResponseStarted,
     ServerReport,
+    ServerTimings,
     StreamEnded,
 )
-from reqscope.endpoint.metrics import client_metrics, compare_ttft, output_token_count
+from reqscope.endpoint.metrics import client_metrics, compare_tpot, compare_ttft, output_token_count
+from reqscope.endpoint.settings import RequestSettings, token_limit_field
 from reqscope.endpoint.wire import SseDecoder, StreamChunk, chat_body, error_message, parse_chunk
 
 REQUEST_ID_HEADER = "x-request-id"
-DEFAULT_TOP_LOGPROBS = 5
 
 
 class _ConnectionProbe:
@@ -93,13 +94,11 @@ class EndpointClient:
         *,
         api_key: str | None = None,
         new_connection: bool = False,
-        top_logprobs: int = DEFAULT_TOP_LOGPROBS,
         timeout_s: float = 600.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.new_connection = new_connection
-        self.top_logprobs = top_logprobs
         self.timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
 
@@ -132,12 +131,20 @@ class EndpointClient:
         data = json.loads(body).get("data", [])
         return tuple(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
 
-    async def stream_chat(self, request: GenerationRequest, model: str) -> AsyncIterator[ClientEvent]:
-        """Send `request` as a streaming chat completion; yield events, ending with StreamEnded."""
+    async def stream_chat(
+        self, request: GenerationRequest, model: str, settings: RequestSettings | None = None
+    ) -> AsyncIterator[ClientEvent]:
+        """Send `request`'s messages as a streaming chat completion; yield events, ending with StreamEnded.
+
+        Of the sampling, only what `settings` sets goes in the body (none: the server's defaults
+        throughout, and no logprobs); `request.sampling` and `request.max_tokens` are not read.
+        """
+        settings = settings or RequestSettings()
         url = self.base_url + "/chat/completions"
-        body = chat_body(request, model, self.top_logprobs)
+        limit_field = token_limit_field(self.base_url)
+        body = chat_body(request, model, settings, limit_field)
         timeline = Timeline()
-        yield RequestSent(timeline.mark("client_send", url), url, model)
+        yield RequestSent(timeline.mark("client_send", url), url, model, settings, limit_field)
         reading = _Reading(url, model, timeline)
         probe = _ConnectionProbe(timeline)
         try:
@@ -185,6 +192,7 @@ class _Reading:
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         self.server: ServerReport | None = None
+        self.timings: ServerTimings | None = None
         self.error: str | None = None
 
     async def stream(self, resp: aiohttp.ClientResponse) -> AsyncIterator[ChunkReceived]:
@@ -216,7 +224,7 @@ class _Reading:
         text = message.get("content") if isinstance(message, dict) else None
         finish, logprobs = choice.get("finish_reason"), choice.get("logprobs")
         data = {"choices": [{"delta": {"content": text or ""}, "finish_reason": finish, "logprobs": logprobs}]}
-        data.update({k: body[k] for k in ("usage", "reqscope") if isinstance(body, dict) and k in body})
+        data.update({k: body[k] for k in ("usage", "reqscope", "timings") if isinstance(body, dict) and k in body})
         event = self._take(parse_chunk(json.dumps(data)))
         return [] if event is None else [event]
 
@@ -224,6 +232,7 @@ class _Reading:
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.usage = chunk.usage or self.usage
         self.server = chunk.server or self.server
+        self.timings = chunk.timings or self.timings  # llama.cpp may send them on every chunk: the last is whole
         self.logprob_tokens += len(chunk.logprobs)
         if not chunk.text:
             return None
@@ -259,4 +268,7 @@ class _Reading:
             server=self.server,
             ttft=compare_ttft(metrics, self.server),
             error=self.error,
+            timings=self.timings,
+            logprob_tokens=self.logprob_tokens,
+            tpot=compare_tpot(metrics, self.server, self.timings),
         )

@@ -15,16 +15,19 @@ from dataclasses import dataclass
 from minengine.engine.events import Usage
 from minengine.engine.metrics import RequestMetrics
 from minengine.engine.timeline import TimelineEvent
+from reqscope.endpoint.settings import RequestSettings
 from reqscope.openai.logprobs import TokenLogprob
 
 
 @dataclass(frozen=True)
 class RequestSent:
-    """The request left the client (the timeline's origin, `client_send`)."""
+    """The request left the client (the timeline's origin, `client_send`), with what it asked for."""
 
     t_ms: float
     url: str
     model: str
+    settings: RequestSettings = RequestSettings()  # the fields not set were left out of the body
+    token_limit_field: str = "max_tokens"  # or max_completion_tokens, the name OpenAI's own API wants
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class ChunkReceived:
 
 @dataclass(frozen=True)
 class ServerReport:
-    """The server's own measurements of the request (only `reqscope serve` sends them).
+    """The server's own measurements of the request, as `reqscope serve` reports them.
 
     Times are on the server's clock, counted from the moment its HTTP handler saw the request.
     """
@@ -75,6 +78,44 @@ class ServerReport:
     def stage_ms(self, name: str) -> float | None:
         """Duration of one server stage (gateway, template, tokenize, admit, prefill, ...)."""
         return next((ms for stage, ms in self.stages_ms if stage == name), None)
+
+
+@dataclass(frozen=True)
+class ServerTimings:
+    """llama.cpp's server (llama-server) reports its own times in a `timings` object; fields keep its names.
+
+    Times are on the server's clock. The prompt figures cover prompt processing (prefill) of
+    the tokens not found in its cache; the predicted ones cover generation, token by token.
+    """
+
+    prompt_n: int | None  # prompt tokens evaluated (those not reused from its cache)
+    prompt_ms: float | None
+    prompt_per_second: float | None
+    predicted_n: int | None  # tokens generated
+    predicted_ms: float | None
+    predicted_per_token_ms: float | None
+    predicted_per_second: float | None
+    cache_n: int | None = None  # prompt tokens reused from its cache (newer llama.cpp)
+    draft_n: int | None = None  # speculative decoding: tokens drafted
+    draft_n_accepted: int | None = None  # and accepted
+
+
+@dataclass(frozen=True)
+class DecodeComparison:
+    """Client TPOT against the server's own time per output token.
+
+    The server's figure is its decode alone; what the client sees beyond it
+    (`outside_server_ms`) is writing and sending each chunk, the network and the client's reading.
+    """
+
+    client_ms: float
+    server_ms: float
+    source: str  # "reqscope" (its report's TPOT) or "timings" (llama.cpp's predicted_per_token_ms)
+
+    @property
+    def outside_server_ms(self) -> float:
+        """Client TPOT minus the server's."""
+        return self.client_ms - self.server_ms
 
 
 @dataclass(frozen=True)
@@ -116,9 +157,12 @@ class EndpointResult:
     metrics: RequestMetrics | None  # ITL per chunk in metrics.itl, TPOT per token; None without text
     connection_reused: bool | None
     connect_ms: float | None
-    server: ServerReport | None
+    server: ServerReport | None  # reqscope serve's report
     ttft: TtftComparison | None
     error: str | None = None
+    timings: ServerTimings | None = None  # llama.cpp's timings
+    logprob_tokens: int = 0  # tokens the server sent a logprob entry for
+    tpot: DecodeComparison | None = None  # client TPOT against the server's, from either report
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
 """JSON lines for an endpoint request: one object per client event, flushed as it happens.
 
 Records: `sent`, `connection`, `response`, one `chunk` per chunk of visible text, then `done`
-(or `error`). Times are milliseconds on the client's clock from the send.
+(or `error`). Times are milliseconds on the client's clock from the send. `sent` names the
+sampling fields the body carried (by their body names) and those left to the server's default;
+`done` holds the server's view when it sent one: `server` (reqscope serve's report),
+`server_timings` (llama.cpp's `timings`, its field names) and `tpot_comparison`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from reqscope.endpoint.events import (
     ResponseStarted,
     StreamEnded,
 )
+from reqscope.endpoint.settings import LOGPROBS_COST_NOTE, RequestSettings
 
 
 def _emit(out: TextIO, record: dict) -> None:
@@ -42,9 +46,11 @@ async def print_endpoint_jsonl(
     """Write one record per event; return the result."""
     out = out or sys.stdout
     result: EndpointResult | None = None
+    settings: RequestSettings | None = None
     async for ev in events:
         if isinstance(ev, RequestSent):
-            _emit(out, {"event": "sent", "url": ev.url, "model": ev.model, "t_ms": _ms(ev.t_ms)})
+            settings = ev.settings
+            _emit(out, sent_record(ev))
         elif isinstance(ev, ConnectionReady):
             record = {"event": "connection", "reused": ev.reused, "connect_ms": _ms(ev.connect_ms)}
             _emit(out, {**record, "t_ms": _ms(ev.t_ms)})
@@ -60,8 +66,35 @@ async def print_endpoint_jsonl(
         _emit(out, {"event": "error", "status": result.status, "message": result.error})
     else:
         plan = kv_plan_for(result) if kv_plan_for is not None and result.usage is not None else None
-        _emit(out, done_record(result, plan))
+        _emit(out, done_record(result, plan, settings))
     return result
+
+
+def sent_record(ev: RequestSent) -> dict:
+    """The request as sent: which sampling fields it carried and which it left to the server."""
+    def field(name: str) -> str:
+        return ev.token_limit_field if name == "max_tokens" else name
+
+    return {
+        "event": "sent",
+        "url": ev.url,
+        "model": ev.model,
+        "t_ms": _ms(ev.t_ms),
+        "sampling": {field(name): value for name, value in ev.settings.sent()},
+        "server_default": [field(name) for name in ev.settings.server_default()],
+        "logprobs": logprobs_record(ev.settings),
+    }
+
+
+def logprobs_record(settings: RequestSettings | None, tokens: int | None = None) -> dict | None:
+    """None when logprobs were not asked for; else what was asked, and the note that they cost the server."""
+    if settings is None or not settings.logprobs:
+        return None
+    record: dict = {"top_logprobs": settings.top_logprobs}
+    if tokens is not None:
+        record["tokens"] = tokens  # tokens the server returned an entry for
+    record["note"] = f"{LOGPROBS_COST_NOTE}: this request's times include that cost"
+    return record
 
 
 def chunk_record(ev: ChunkReceived) -> dict:
@@ -91,14 +124,17 @@ def metrics_record(m: RequestMetrics | None) -> dict | None:
     }
 
 
-def done_record(r: EndpointResult, plan: Plan | None) -> dict:
-    """The closing record: counts, client metrics, the server's view and planned KV."""
+def done_record(r: EndpointResult, plan: Plan | None, settings: RequestSettings | None = None) -> dict:
+    """The closing record: counts, client metrics, the server's view, the logprobs asked and planned KV."""
     server = None
     if r.server is not None:
         server = {**asdict(r.server), "stages_ms": dict(r.server.stages_ms), "events_ms": dict(r.server.events_ms)}
     ttft = None
     if r.ttft is not None:
         ttft = {**asdict(r.ttft), "outside_server_ms": r.ttft.outside_server_ms}
+    tpot = None
+    if r.tpot is not None:
+        tpot = {**asdict(r.tpot), "outside_server_ms": r.tpot.outside_server_ms}
     kv = None
     if plan is not None:
         mem = plan.memory
@@ -122,5 +158,8 @@ def done_record(r: EndpointResult, plan: Plan | None) -> dict:
         "metrics": metrics_record(r.metrics),
         "server": server,
         "ttft_comparison": ttft,
+        "server_timings": None if r.timings is None else asdict(r.timings),
+        "tpot_comparison": tpot,
+        "logprobs": logprobs_record(settings, r.logprob_tokens),
         "kv_planned": kv,
     }

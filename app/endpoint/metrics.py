@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from minengine.engine.events import Usage
 from minengine.engine.metrics import RequestMetrics, request_metrics
-from reqscope.endpoint.events import ServerReport, TtftComparison
+from reqscope.endpoint.events import DecodeComparison, ServerReport, ServerTimings, TtftComparison
 
 
 def output_token_count(usage: Usage | None, logprob_tokens: int, chunks: int) -> tuple[int, str]:
@@ -68,3 +68,16 @@ def compare_ttft(metrics: RequestMetrics | None, server: ServerReport | None) ->
         queue_ms=server.queue_ms,
         prefill_ms=server.stage_ms("prefill"),
     )
+
+
+def compare_tpot(
+    metrics: RequestMetrics | None, server: ServerReport | None, timings: ServerTimings | None
+) -> DecodeComparison | None:
+    """Client TPOT beside the server's own time per output token, from whichever report it sent."""
+    if metrics is None or metrics.tpot_ms is None:
+        return None
+    if server is not None and server.tpot_ms is not None:
+        return DecodeComparison(metrics.tpot_ms, server.tpot_ms, "reqscope")
+    if timings is not None and timings.predicted_per_token_ms is not None:
+        return DecodeComparison(metrics.tpot_ms, timings.predicted_per_token_ms, "timings")
+    return None

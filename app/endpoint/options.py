@@ -7,9 +7,24 @@ import argparse
 API_KEY_ENV = "OPENAI_API_KEY"
 
 
+def logprobs_count(text: str) -> int:
+    """--logprobs N: a whole number, 0 or more (0 asks for the chosen token's logprob only)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, 0 or more; got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more; got {n}")
+    return n
+
+
 def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    """--endpoint, --api-key, --new-connection and --config."""
-    e = parser.add_argument_group("endpoint (run against an OpenAI-compatible server)")
+    """--endpoint, --api-key, --new-connection, --config and --logprobs/--no-logprobs."""
+    e = parser.add_argument_group(
+        "endpoint (run against an OpenAI-compatible server)",
+        "With --endpoint, a sampling flag not given (temperature, top-k, top-p, min-p, seed, max-tokens) "
+        "is left out of the request, so the server's default applies.",
+    )
     e.add_argument(
         "--endpoint", metavar="URL", help="server base URL, e.g. http://127.0.0.1:8000/v1 (--model is then its name)"
     )
@@ -17,4 +32,16 @@ def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--new-connection", action="store_true", help="open a fresh connection for the request")
     e.add_argument(
         "--config", metavar="MODEL", help="card name, model folder or config.json: planner KV for the served model"
+    )
+    # Off by default: computing logprobs slows some servers several times over, which would
+    # disturb the very latency this mode measures.
+    e.add_argument(
+        "--logprobs",
+        type=logprobs_count,
+        metavar="N",
+        help="ask the server for logprobs with the top N alternatives per token (0: the chosen token's only); "
+        "this can slow the server, and the outputs say so (default: off)",
+    )
+    e.add_argument(
+        "--no-logprobs", dest="logprobs", action="store_const", const=None, help="do not ask for logprobs (the default)"
     )

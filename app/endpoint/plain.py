@@ -15,8 +15,10 @@ from reqscope.endpoint.events import (
     EndpointResult,
     RequestSent,
     ResponseStarted,
+    ServerTimings,
     StreamEnded,
 )
+from reqscope.endpoint.settings import LOGPROBS_COST_NOTE, RequestSettings, logprobs_text, settings_text
 
 
 async def print_endpoint_plain(
@@ -33,9 +35,12 @@ async def print_endpoint_plain(
         print(line, file=err, flush=True)
 
     result: EndpointResult | None = None
+    sent: RequestSent | None = None
     async for ev in events:
         if isinstance(ev, RequestSent):
+            sent = ev
             note(f"· endpoint  {ev.url}  model {ev.model}")
+            note(f"· sent      {settings_text(ev.settings, ev.token_limit_field)}; {logprobs_text(ev.settings)}")
         elif isinstance(ev, ConnectionReady):
             how = "reused connection" if ev.reused else f"new connection, opened in {ev.connect_ms or 0:.2f} ms"
             note(f"· connect   {ev.t_ms:9.2f} ms  {how}")
@@ -50,12 +55,15 @@ async def print_endpoint_plain(
     out.write("\n")
     out.flush()
     plan = kv_plan_for(result) if kv_plan_for is not None and result.usage is not None else None
-    note(endpoint_summary(result, plan, planner_asked=kv_plan_for is not None))
+    settings = sent.settings if sent is not None else None
+    note(endpoint_summary(result, plan, planner_asked=kv_plan_for is not None, settings=settings))
     return result
 
 
-def endpoint_summary(r: EndpointResult, plan: Plan | None = None, planner_asked: bool = False) -> str:
-    """The client-side timing summary, with the server's view beside it when it sent one."""
+def endpoint_summary(
+    r: EndpointResult, plan: Plan | None = None, planner_asked: bool = False, settings: RequestSettings | None = None
+) -> str:
+    """The client-side timing summary, the server's view beside it when it sent one, and the logprobs' cost."""
     lines = [""]
     if r.error:
         lines.append(f"error: {r.error}")
@@ -84,6 +92,18 @@ def endpoint_summary(r: EndpointResult, plan: Plan | None = None, planner_asked:
         if m.decode_output_tokens_per_second is not None:
             rates += f", {m.decode_output_tokens_per_second:.2f} tokens/s decode-only"
         lines.append(f"E2E       {m.e2e_ms:9.2f} ms   ({rates})")
+    lines += server_view_lines(r)
+    if settings is not None and settings.logprobs:
+        lines.append(logprobs_cost_line(r, settings))
+    lines.append(_kv_line(plan, planner_asked))
+    return "\n".join(lines)
+
+
+def server_view_lines(r: EndpointResult) -> list[str]:
+    """The server's own figures (reqscope serve's report, llama.cpp's timings) beside the client's."""
+    if r.error:
+        return []
+    lines = []
     if r.ttft is not None:
         t = r.ttft
         named = (("gateway", t.gateway_ms), ("queue", t.queue_ms), ("prefill", t.prefill_ms))
@@ -93,8 +113,55 @@ def endpoint_summary(r: EndpointResult, plan: Plan | None = None, planner_asked:
             f"          client TTFT {t.client_ms:.2f} ms: {t.outside_server_ms:.2f} ms outside the server "
             "(connection, network, HTTP)"
         )
-    lines.append(_kv_line(plan, planner_asked))
-    return "\n".join(lines)
+    if r.timings is not None:
+        lines.append(f"server    llama.cpp timings, on its clock: {timings_text(r.timings)}")
+        if r.metrics is not None and r.timings.prompt_ms is not None:
+            lines.append(
+                f"          client TTFT {r.metrics.ttft_ms:.2f} ms: {r.metrics.ttft_ms - r.timings.prompt_ms:.2f} ms "
+                "beyond the server's prompt time (queue, tokenizing, network, HTTP)"
+            )
+    if r.tpot is not None:
+        c = r.tpot
+        who = "its report" if c.source == "reqscope" else "its timings"
+        lines.append(
+            f"{'' if lines else 'server':<10}TPOT {c.server_ms:.2f} ms/token on its clock ({who}); client "
+            f"TPOT {c.client_ms:.2f}: {c.outside_server_ms:.2f} ms/token outside its decode "
+            "(streaming, network, client)"
+        )
+    if r.server is None and r.timings is None:
+        lines.append("server    sent no timing report (reqscope serve and llama.cpp's server send one)")
+    return lines
+
+
+def timings_text(t: ServerTimings) -> str:
+    """llama.cpp's timings in one line: the prompt, then generation."""
+    parts = []
+    if t.prompt_ms is not None:
+        prompt = f"prompt {t.prompt_n if t.prompt_n is not None else '?'} tokens in {t.prompt_ms:.2f} ms"
+        if t.cache_n:
+            prompt += f" (+{t.cache_n} from its cache)"
+        parts.append(prompt)
+    if t.predicted_ms is not None:
+        made = f"generated {t.predicted_n if t.predicted_n is not None else '?'} tokens in {t.predicted_ms:.2f} ms"
+        if t.predicted_per_token_ms is not None:
+            made += f", {t.predicted_per_token_ms:.2f} ms/token"
+        if t.predicted_per_second is not None:
+            made += f" ({t.predicted_per_second:.2f} tokens/s)"
+        parts.append(made)
+    if t.draft_n is not None and t.draft_n_accepted is not None:
+        parts.append(f"drafted {t.draft_n}, accepted {t.draft_n_accepted}")
+    return "; ".join(parts)
+
+
+def logprobs_cost_line(r: EndpointResult, settings: RequestSettings) -> str:
+    """The note a request with logprobs carries: they may have slowed the server, by how much is in TPOT."""
+    if r.metrics is not None and r.metrics.tpot_ms is not None:
+        cost = f"the TPOT above ({r.metrics.tpot_ms:.2f} ms/token) includes their cost"
+    else:
+        cost = "the times above include their cost"
+    got = f"returned for {r.logprob_tokens} tokens" if r.logprob_tokens else "none returned"
+    asked = logprobs_text(settings).removeprefix("logprobs ")
+    return f"logprobs  {asked}, {got}: {LOGPROBS_COST_NOTE}, so {cost} (run with --no-logprobs to compare)"
 
 
 def _kv_line(plan: Plan | None, planner_asked: bool) -> str:

@@ -2,7 +2,8 @@
 
 The client first lists the server's models (which checks the URL and the key, picks the model
 when `--model` is not given, and opens the connection the request then reuses unless
-`--new-connection` asks for a fresh one), then streams the chat completion.
+`--new-connection` asks for a fresh one), then streams the chat completion. The request carries
+the messages of `request` and, of the sampling flags, only those the user gave.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from minengine.engine.request import GenerationRequest
 from minengine.plan.planner import Plan
 from reqscope.endpoint.events import EndpointResult
 from reqscope.endpoint.kv import architecture_for, planned_kv
+from reqscope.endpoint.settings import RequestSettings
 from reqscope.endpoint.target import EndpointTarget, model_name
 
 
@@ -45,7 +47,7 @@ async def _run(args: argparse.Namespace, request: GenerationRequest, kv_plan_for
     target = EndpointTarget.from_args(args)
     async with target.client() as client:
         model = await model_name(client, target)
-        events = client.stream_chat(request, model)
+        events = client.stream_chat(request, model, RequestSettings.from_args(args))
         if args.json:
             from reqscope.endpoint.jsonl import print_endpoint_jsonl
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from minengine.errors import ReqscopeError
-from reqscope.endpoint.client import DEFAULT_TOP_LOGPROBS, EndpointClient
+from reqscope.endpoint.client import EndpointClient
 from reqscope.endpoint.options import API_KEY_ENV
 
 
@@ -28,7 +28,6 @@ class EndpointTarget:
     api_key: str | None = None
     model: str | None = None  # None: the first model the server lists
     new_connection: bool = False
-    top_logprobs: int = DEFAULT_TOP_LOGPROBS
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EndpointTarget:
@@ -38,8 +37,7 @@ class EndpointTarget:
 
     def client(self) -> EndpointClient:
         """A client for this target (not yet open: use `async with`, or await its `__aenter__`)."""
-        return EndpointClient(self.url, api_key=self.api_key, new_connection=self.new_connection,
-                              top_logprobs=self.top_logprobs)
+        return EndpointClient(self.url, api_key=self.api_key, new_connection=self.new_connection)
 
 
 async def model_name(client: EndpointClient, target: EndpointTarget) -> str:

@@ -1,9 +1,10 @@
 """The endpoint client's side of the wire: the request body it sends, and reading what streams back.
 
-The body asks for a stream with usage (`stream_options.include_usage`) and, when wanted, top
-logprobs. `top_k` and `min_p` are not OpenAI parameters, but vLLM, SGLang, llama.cpp and
-`reqscope serve` accept them; they are sent only when switched on, so a plain OpenAI-style
-server sees only parameters it knows when they are off.
+The body asks for a stream with usage (`stream_options.include_usage`) and carries only the
+sampling fields the user set (see `reqscope.endpoint.settings`): a plain OpenAI server never
+sees `top_k` or `min_p` unless asked to, and every server applies its own defaults to the rest.
+Logprobs are asked for only when wanted. What streams back may carry, besides the text, a
+`usage` object, `reqscope serve`'s report (the `reqscope` key) and llama.cpp's `timings`.
 """
 
 from __future__ import annotations
@@ -13,35 +14,32 @@ from dataclasses import dataclass
 
 from minengine.engine.events import Usage
 from minengine.engine.request import GenerationRequest
-from reqscope.endpoint.events import ServerReport
+from reqscope.endpoint.events import ServerReport, ServerTimings
+from reqscope.endpoint.settings import RequestSettings
 from reqscope.openai.logprobs import TokenLogprob, parse_chat_logprobs
 
 EXTENSION_KEY = "reqscope"
+TIMINGS_KEY = "timings"  # llama.cpp's server
 
 
-def chat_body(request: GenerationRequest, model: str, top_logprobs: int) -> dict:
-    """The JSON body of a streaming chat completion for `request`."""
-    s = request.sampling
+def chat_body(
+    request: GenerationRequest, model: str, settings: RequestSettings, token_limit_field: str = "max_tokens"
+) -> dict:
+    """The JSON body of a streaming chat completion: the messages, and of the settings only those set."""
     body: dict = {
         "model": model,
         "messages": [{"role": m.role, "content": m.content} for m in request.messages],
         "stream": True,
         "stream_options": {"include_usage": True},
-        "max_tokens": request.max_tokens,
-        "temperature": s.temperature,
-        "top_p": s.top_p,
     }
-    if s.top_k > 0:
-        body["top_k"] = s.top_k
-    if s.min_p > 0:
-        body["min_p"] = s.min_p
-    if s.seed is not None:
-        body["seed"] = s.seed
+    for name, value in settings.sent():
+        body[token_limit_field if name == "max_tokens" else name] = value
     if request.stop:
         body["stop"] = list(request.stop)
-    if top_logprobs > 0:
+    if settings.top_logprobs is not None:
         body["logprobs"] = True
-        body["top_logprobs"] = top_logprobs
+        # Sent even when 0: llama.cpp's server reads a missing top_logprobs as 20 alternatives.
+        body["top_logprobs"] = settings.top_logprobs
     return body
 
 
@@ -76,6 +74,7 @@ class StreamChunk:
     usage: Usage | None
     server: ServerReport | None
     error: str | None
+    timings: ServerTimings | None = None
 
 
 def parse_chunk(data: str) -> StreamChunk:
@@ -97,7 +96,8 @@ def parse_chunk(data: str) -> StreamChunk:
         text = content if isinstance(content, str) else ""
         logprobs = parse_chat_logprobs(choice.get("logprobs"))
         finish = choice.get("finish_reason") if isinstance(choice.get("finish_reason"), str) else None
-    return StreamChunk(text, logprobs, finish, parse_usage(raw.get("usage")), parse_server_report(raw), None)
+    usage, report, timings = parse_usage(raw.get("usage")), parse_server_report(raw), parse_timings(raw)
+    return StreamChunk(text, logprobs, finish, usage, report, None, timings)
 
 
 def parse_usage(raw: object) -> Usage | None:
@@ -129,6 +129,28 @@ def parse_server_report(chunk: dict) -> ServerReport | None:
     )
 
 
+def parse_timings(chunk: dict) -> ServerTimings | None:
+    """llama.cpp's `timings` object a chunk carries, when it does (some servers send it on every chunk)."""
+    raw = chunk.get(TIMINGS_KEY)
+    if not isinstance(raw, dict):
+        return None
+    timings = ServerTimings(
+        prompt_n=_count(raw.get("prompt_n")),
+        prompt_ms=_number(raw.get("prompt_ms")),
+        prompt_per_second=_number(raw.get("prompt_per_second")),
+        predicted_n=_count(raw.get("predicted_n")),
+        predicted_ms=_number(raw.get("predicted_ms")),
+        predicted_per_token_ms=_number(raw.get("predicted_per_token_ms")),
+        predicted_per_second=_number(raw.get("predicted_per_second")),
+        cache_n=_count(raw.get("cache_n")),
+        draft_n=_count(raw.get("draft_n")),
+        draft_n_accepted=_count(raw.get("draft_n_accepted")),
+    )
+    if timings.prompt_ms is None and timings.predicted_ms is None:
+        return None  # nothing the client could set beside its own figures
+    return timings
+
+
 def error_message(body: object) -> str:
     """The message of an OpenAI-style error object, or the body itself."""
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
@@ -142,6 +164,10 @@ def error_message(body: object) -> str:
 
 def _number(value: object) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _second(pair: tuple[str, float]) -> float:

@@ -35,9 +35,15 @@ def sse(payload: dict) -> bytes:
 
 
 def usage_json(usage: Usage) -> dict:
-    """OpenAI's usage object."""
+    """OpenAI's usage object, with `prompt_tokens_details.cached_tokens`: the prompt tokens whose
+    KV came from the prefix cache (included in prompt_tokens, as OpenAI counts them)."""
     total = usage.prompt_tokens + usage.completion_tokens
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens, "total_tokens": total}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": total,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
 
 
 @dataclass(frozen=True)

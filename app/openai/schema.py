@@ -3,18 +3,23 @@
 This is the validating half of the gateway: every problem with a body becomes an ApiError
 naming the offending field in `param`, answered with OpenAI's error object. Sampling
 parameters follow vLLM's reading of them: `top_k` -1 or 0 and `min_p` 0 switch the stage off,
-and `max_completion_tokens` wins over the older `max_tokens`. Parameters that would change
-the output but are not implemented (penalties, logit bias, tools, n > 1, ...) are refused by
-name rather than ignored.
+and `max_completion_tokens` wins over the older `max_tokens`. Of vLLM's extras, `ignore_eos`,
+`min_tokens` and `stop_token_ids` are honoured (by the engine). Every other field is refused
+by name rather than ignored: parameters that would change the output but are not implemented
+(penalties, logit bias, tools, n > 1, beam search, guided decoding, ...) unless sent at their
+neutral value, and any field this server does not know, so that a typo or a feature another
+server has never silently changes what the client gets. Only fields that cannot change the
+output (`user`, `metadata`, ...) are accepted and ignored.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Literal
 
-from minengine.engine.request import MAX_STOP_STRINGS, GenerationRequest, validate
+from minengine.engine.request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, GenerationRequest, validate
 from minengine.errors import RequestError
 from minengine.sampling.sampler import SamplingParams
 from minengine.text.chat_template import ROLES, Message
@@ -23,9 +28,25 @@ MAX_TOP_LOGPROBS = 20
 SHOWN_CHARS = 64  # the most of a client's value an error message echoes
 # OpenAI's default for /v1/completions; chat has no fixed default, so the server sets one.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+CHAT_ROUTE = "/v1/chat/completions"
 
 Kind = Literal["chat", "completion"]
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed")
+
+# Fields this server reads, for both routes and for each one.
+_READ = frozenset(
+    {
+        "model", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
+        "top_p", "top_k", "min_p", "seed", "stop", "response_format", "logprobs",
+        "ignore_eos", "min_tokens", "stop_token_ids",  # vLLM's extras the engine honours
+    }
+)  # fmt: skip
+_READ_BY_KIND: dict[Kind, frozenset[str]] = {
+    "chat": _READ | {"messages", "top_logprobs"},
+    "completion": _READ | {"prompt"},
+}
+# Accepted and ignored: they label or route a request but cannot change its output.
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 
 # Accepted only at their neutral value: anything else would change the output unannounced.
 _NEUTRAL: dict[str, object] = {
@@ -40,6 +61,27 @@ _NEUTRAL: dict[str, object] = {
     "functions": None,
     "function_call": None,
     "suffix": None,
+    # vLLM's sampling and decoding extras this engine does not implement.
+    "use_beam_search": False,
+    "length_penalty": 1,
+    "include_stop_str_in_output": False,
+    "skip_special_tokens": True,  # the engine always skips them
+    "spaces_between_special_tokens": True,  # only matters when special tokens are shown
+    "truncate_prompt_tokens": None,
+    "prompt_logprobs": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "logits_processors": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None,
+    "structured_outputs": None,
+    "top_a": 0,
+    "typical_p": 1,
+    "priority": 0,  # one queue, first come first served
 }
 
 
@@ -94,6 +136,7 @@ class ParseOptions:
     model_name: str
     sampler_order: tuple[str, ...]
     default_max_tokens: int = 256
+    vocab_size: int | None = None  # bounds stop_token_ids when known
 
 
 @dataclass(frozen=True)
@@ -121,9 +164,6 @@ def parse_request(kind: Kind, body: object, request_id: str, options: ParseOptio
             param="model",
             code="model_not_found",
         )
-    for name, neutral in _NEUTRAL.items():
-        if not _is_neutral(body.get(name), neutral):
-            raise invalid(name, f"{name} is not supported by this server; leave it out")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise invalid("response_format", "only plain text output is supported; leave response_format out")
@@ -138,6 +178,7 @@ def parse_request(kind: Kind, body: object, request_id: str, options: ParseOptio
         messages, raw_prompt = (), _prompt(body.get("prompt"))
         default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
         top_logprobs = fields.integer("logprobs", None, low=0, high=MAX_TOP_LOGPROBS)
+    _refuse_unsupported(kind, body)  # after the route's own content, so a body sent to the wrong route says so
     stream = fields.boolean("stream", False)
     include_usage = _include_usage(body.get("stream_options"), stream)
     max_tokens = fields.integer("max_completion_tokens", None, low=1)
@@ -160,13 +201,38 @@ def parse_request(kind: Kind, body: object, request_id: str, options: ParseOptio
         stop=_stop(body.get("stop")),
         trace=False,  # the server reports logprobs from the logits, not from sampler traces
         request_id=request_id,
+        ignore_eos=fields.boolean("ignore_eos", False),
+        min_tokens=fields.integer("min_tokens", 0, low=0),
+        stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
     )
     _check_sampling(sampling)
     try:
-        validate(generation)
+        validate(generation, vocab_size=options.vocab_size)
     except RequestError as exc:
-        raise ApiError(400, str(exc)) from None
+        raise ApiError(400, str(exc), param=_field_named(str(exc), kind)) from None
     return ApiRequest(kind, model, generation, stream, include_usage, top_logprobs)
+
+
+def _refuse_unsupported(kind: Kind, body: dict) -> None:
+    """A 400 naming the first field that is neither read, nor harmless, nor at its neutral value."""
+    for name, value in body.items():
+        if name in _READ_BY_KIND[kind] or name in _IGNORED:
+            continue
+        if name in _NEUTRAL and _is_neutral(value, _NEUTRAL[name]):
+            continue
+        # A client's key is echoed as it is only when it looks like a field name (one line, short).
+        label = name if name.isidentifier() and len(name) <= SHOWN_CHARS else shown(name)
+        other: Kind = "completion" if kind == "chat" else "chat"
+        hint = ""
+        if name in _READ_BY_KIND[other]:
+            hint = f" on this route (it belongs to {'/v1/completions' if other == 'completion' else CHAT_ROUTE})"
+        raise invalid(label, f"{label} is not supported by this server{hint}; leave it out")
+
+
+def _field_named(message: str, kind: Kind) -> str | None:
+    """The request field an engine validation message starts with (`min_tokens`, `stop_token_ids[2]`)."""
+    match = re.match(r"([a-z_]+)(\[\d+\])?", message)
+    return match.group(0) if match and match.group(1) in _READ_BY_KIND[kind] else None
 
 
 def _is_neutral(value: object, neutral: object) -> bool:
@@ -244,6 +310,25 @@ def _prompt(raw: object) -> str:
     if not isinstance(raw, str):
         raise invalid("prompt", "prompt must be one string (token-id prompts and batches are not supported)")
     return raw
+
+
+def _stop_token_ids(raw: object) -> tuple[int, ...]:
+    """A list of whole numbers; their range is the engine's to check (it knows the vocabulary)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise invalid("stop_token_ids", f"stop_token_ids must be a list of token ids (got {shown(raw)})")
+    if len(raw) > MAX_STOP_TOKEN_IDS:
+        raise invalid("stop_token_ids", f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids (got {len(raw)})")
+    ids = []
+    for i, value in enumerate(raw):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            where = f"stop_token_ids[{i}]"
+            raise invalid(where, f"{where} must be a token id, a whole number >= 0 (got {shown(value)})")
+        ids.append(value)
+    return tuple(ids)
 
 
 def _stop(raw: object) -> tuple[str, ...]:

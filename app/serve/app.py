@@ -1,8 +1,9 @@
 """`reqscope serve`'s HTTP application: OpenAI-compatible routes over one minengine Engine.
 
-Routes: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models and
-GET /health. Every request first passes two middlewares: `openai_errors` (its request ID, and
-any error as OpenAI's JSON) and `track_requests` (the connection guard's view of requests). A
+Routes: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models,
+GET /metrics (Prometheus) and GET /health. Every request first passes three middlewares:
+`access_log` (one log line when it is over), `openai_errors` (its request ID, and any error as
+OpenAI's JSON) and `track_requests` (the connection guard's view of requests). A
 completion request then passes the gateway (`Gateway.guard`), has its body read strictly
 (`body.read_json`, bounded in time), is parsed into a GenerationRequest, and runs as an engine
 session on a worker thread (`EngineRun`). The response status is decided only once the
@@ -25,10 +26,12 @@ from minengine.sampling.sampler import VLLM_ORDER
 from reqscope.openai.logprobs import TokenLogprob
 from reqscope.openai.responses import SSE_DONE, ResponseShape, sse
 from reqscope.openai.schema import ApiError, ApiRequest, Kind, ParseOptions, parse_request
+from reqscope.serve.access import access_entry, access_log
 from reqscope.serve.body import read_json
 from reqscope.serve.connections import CONNECTION_GUARD, ConnectionGuard, ConnectionLimits, track_requests
 from reqscope.serve.engine_session import Admitted, Crashed, Ended, EngineRun, Generated, SessionEnd
 from reqscope.serve.gateway import Arrival, Gateway, GatewayConfig, error_response, openai_errors
+from reqscope.serve.metrics import CONTENT_TYPE, ServeMetrics, scheduler_state
 from reqscope.serve.telemetry import ServedRequest, TelemetryLog, server_report
 
 CHAT_PATH = "/v1/chat/completions"
@@ -53,6 +56,7 @@ class _State:
     config: ServeConfig
     telemetry: TelemetryLog
     started: int
+    metrics: ServeMetrics
 
 
 _STATE = web.AppKey("reqscope_serve_state", _State)
@@ -67,12 +71,17 @@ def build_app(engine: Engine, config: ServeConfig, telemetry: TelemetryLog | Non
     """The aiohttp application serving `engine` (its scheduler is replaced by `serving_scheduler`)."""
     engine.scheduler = serving_scheduler(engine, config.max_queue)
     gateway = Gateway(config.gateway)
-    middlewares = [openai_errors, track_requests]  # the first wraps the rest
+    middlewares = [access_log, openai_errors, track_requests]  # the first wraps the rest
     app = web.Application(middlewares=middlewares, client_max_size=config.gateway.max_body_bytes)
-    app[_STATE] = _State(engine, config, telemetry or TelemetryLog(), int(time.time()))
+    # Read at scrape time, from whichever scheduler the engine has then.
+    metrics = ServeMetrics(
+        config.model_name, engine.cfg.max_position_embeddings, lambda: scheduler_state(engine.scheduler)
+    )
+    app[_STATE] = _State(engine, config, telemetry or TelemetryLog(), int(time.time()), metrics)
     app[CONNECTION_GUARD] = ConnectionGuard(config.limits)
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", gateway.guard(_models))
+    app.router.add_get("/metrics", gateway.guard(_metrics))
     app.router.add_post(CHAT_PATH, gateway.guard(_chat))
     app.router.add_post(COMPLETIONS_PATH, gateway.guard(_completions))
     return app
@@ -98,6 +107,11 @@ async def _models(request: web.Request, _arrival: Arrival) -> web.Response:
     return web.json_response({"object": "list", "data": [model]})
 
 
+async def _metrics(request: web.Request, _arrival: Arrival) -> web.Response:
+    state: _State = request.app[_STATE]
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
 async def _chat(request: web.Request, arrival: Arrival) -> web.StreamResponse:
     return await _complete(request, arrival, "chat")
 
@@ -108,14 +122,31 @@ async def _completions(request: web.Request, arrival: Arrival) -> web.StreamResp
 
 async def _complete(request: web.Request, arrival: Arrival, kind: Kind) -> web.StreamResponse:
     state: _State = request.app[_STATE]
-    options = ParseOptions(state.config.model_name, state.config.sampler_order, state.config.default_max_tokens)
+    options = ParseOptions(
+        state.config.model_name,
+        state.config.sampler_order,
+        state.config.default_max_tokens,
+        vocab_size=state.engine.cfg.vocab_size,
+    )
     body = await read_json(request, state.config.limits.body_timeout_s)
     api = parse_request(kind, body, arrival.request_id, options)
+    access = access_entry(request)
 
     def record(end: SessionEnd) -> None:
+        state.metrics.observe(end.result)  # first: a reader waiting on the telemetry then sees it counted
         state.telemetry.write(ServedRequest(end.result, request.path, end.disconnect_ms))
+        if access is not None:
+            access.engine_ended(end.result)
 
-    run = EngineRun(state.engine, api.generation, arrival.timeline, top_logprobs=api.top_logprobs, on_end=record)
+    def exited() -> None:  # also after a crash, which has no SessionEnd
+        if access is not None:
+            access.engine_ended(None)
+
+    run = EngineRun(
+        state.engine, api.generation, arrival.timeline, top_logprobs=api.top_logprobs, on_end=record, on_exit=exited
+    )
+    if access is not None:
+        access.engine_started()
     run.start()
     try:
         first = await run.next()
@@ -158,6 +189,8 @@ async def _stream(
     headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **arrival.headers}
     response = web.StreamResponse(headers=headers)
     await response.prepare(request)
+    if (access := access_entry(request)) is not None:
+        access.status = response.status  # what the client got, should it leave mid-stream
     try:
         if api.kind == "chat":
             await response.write(sse(shape.role_chunk()))

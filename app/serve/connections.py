@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from reqscope.openai.schema import ApiError
+from reqscope.serve.access import log_head_timeout
 from reqscope.serve.gateway import REQUEST_ID_HEADER, new_request_id
 
 
@@ -151,12 +152,15 @@ class GuardedConnection(asyncio.Protocol):
         if self._in_request or transport is None or transport.is_closing():
             return
         self.guard.stats.header_timeouts += 1
-        if self._head_started:
-            transport.write(_timeout_response(self.guard.limits.header_timeout_s))
+        if self._head_started:  # a request that never became one still gets its access-log line
+            request_id, timeout_s = new_request_id(), self.guard.limits.header_timeout_s
+            transport.write(_timeout_response(timeout_s, request_id))
+            peer = transport.get_extra_info("peername")
+            log_head_timeout(peer[0] if isinstance(peer, tuple) else "-", request_id, timeout_s)
         transport.close()  # flushes the 408 first; aiohttp learns of it through connection_lost
 
 
-def _timeout_response(timeout_s: float) -> bytes:
+def _timeout_response(timeout_s: float, request_id: str) -> bytes:
     """A complete 408 in OpenAI's error shape, written straight to the socket.
 
     There is no aiohttp request to answer through: its head never finished arriving.
@@ -168,7 +172,7 @@ def _timeout_response(timeout_s: float) -> bytes:
         "Content-Type: application/json; charset=utf-8\r\n"
         f"Content-Length: {len(body)}\r\n"
         "Connection: close\r\n"
-        f"{REQUEST_ID_HEADER}: {new_request_id()}\r\n\r\n"
+        f"{REQUEST_ID_HEADER}: {request_id}\r\n\r\n"
     )
     return head.encode("ascii") + body
 

@@ -78,11 +78,13 @@ class EngineRun:
         *,
         top_logprobs: int | None,
         on_end: Callable[[SessionEnd], None],
+        on_exit: Callable[[], None] | None = None,
     ) -> None:
         self.session = engine.start(request, timeline)
         self.timeline = timeline
         self._probe = None if top_logprobs is None else LogprobProbe(top_logprobs, engine.tokenizer.piece)
         self._on_end = on_end
+        self._on_exit = on_exit  # the worker is done, however it ended
         self._queue: asyncio.Queue[RunItem] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.finished = threading.Event()
@@ -134,3 +136,5 @@ class EngineRun:
             self._post(Crashed(f"{type(exc).__name__}: {exc}"))
         finally:
             self.finished.set()
+            if self._on_exit is not None:
+                self._on_exit()

@@ -1,7 +1,8 @@
 """What `reqscope serve` records about each finished request.
 
 Every request leaves the engine's telemetry record (request ID, stage times, token counts,
-queue wait, KV, errors, cancellation), extended with the endpoint it came through and, when
+queue wait, KV, errors, cancellation), extended with its prefix cache stage (blocks looked up
+and hit, tokens reused, times), the endpoint it came through and, when
 the client went away mid-request, when the server noticed and how many tokens the engine
 still produced after that: at most the one step already running when the cancel landed.
 A request whose client left while it waited in the queue is recorded as cancelled, with the
@@ -14,10 +15,10 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from minengine.engine.events import RequestResult
+from minengine.engine.events import PrefixCacheEvent, RequestResult
 from minengine.record.telemetry import telemetry_record
 
 
@@ -38,6 +39,7 @@ class ServedRequest:
     def record(self) -> dict:
         """The JSON telemetry line."""
         record = telemetry_record(self.result)
+        record["prefix_cache"] = prefix_cache_json(self.result.prefix_cache)
         record["endpoint"] = self.endpoint
         record["client_disconnected_ms"] = None if self.disconnect_ms is None else round(self.disconnect_ms, 3)
         record["tokens_after_disconnect"] = self.tokens_after_disconnect
@@ -51,12 +53,23 @@ def server_report(result: RequestResult) -> dict:
     is on the server's clock, counted from the moment the HTTP request arrived.
     """
     report = telemetry_record(result)
+    report["prefix_cache"] = prefix_cache_json(result.prefix_cache)
     m = result.metrics
     report["output_tokens"] = None if m is None else m.output_tokens
     report["itl_ms"] = None
     if m is not None and m.itl is not None:
         report["itl_ms"] = m.itl.summary()
     return report
+
+
+def prefix_cache_json(event: PrefixCacheEvent | None) -> dict | None:
+    """A request's prefix cache stage as JSON (None when the request never reached it)."""
+    if event is None:
+        return None
+    record = asdict(event)
+    for key in ("lookup_ms", "copy_ms", "duration_ms"):
+        record[key] = round(record[key], 3)
+    return record | {"computed_tokens": event.computed_tokens}
 
 
 class TelemetryLog:

@@ -1,9 +1,10 @@
 """What the two explorers share: the window, the panel layout, repaints, help and the prompt form.
 
 The engine explorer (`reqscope.ui.run.app`) and the endpoint explorer (`reqscope.ui.endpoint.app`)
-show one request in the same frame: a status line, the pipeline strip, an error box, and a body
-of panels laid out by `detail_layout` (every panel from 150x40 on, else the token panel and one
-detail panel picked with v or the number keys). Both take their run's events from an inbox on
+show one request in the same frame: a status line, the pipeline strip, the readout line (an
+explorer that has one: the running figures, at every size), an error box, and a body of panels
+laid out by `detail_layout` (every panel from 150x40 on, else the token panel and one detail
+panel picked with v or the number keys). Both take their run's events from an inbox on
 another thread's behalf and draw every panel from one frame per repaint, through the same
 `RepaintScheduler`. `ExplorerBase` holds that frame and its machinery; each explorer fills in
 its own panels, its frame, its run and what its keys do to it.
@@ -73,6 +74,7 @@ class ExplorerBase(App[int]):
     CSS_PATH = Path(__file__).parent / "explorer.tcss"
     TITLE = "reqscope"
     PIPELINE: ClassVar[type[Panel]]  # the strip under the status line (id "pipeline")
+    READOUT: ClassVar[type[Panel] | None] = None  # one line of running figures under it (id "readout"), if any
     BODY: ClassVar[tuple[tuple[str, type[Panel]], ...]] = ()  # (id, panel) in grid order, "tokens" first
     DETAIL_VIEWS: ClassVar[tuple[str, ...]] = ()  # the panel ids that take turns on small terminals
     VIEW_LABELS: ClassVar[Mapping[str, str]] = {}  # a detail panel's name in the hints, where not its id
@@ -95,6 +97,8 @@ class ExplorerBase(App[int]):
     def compose(self) -> ComposeResult:
         yield Static(id="status")
         yield self.PIPELINE(id="pipeline")
+        if self.READOUT is not None:
+            yield self.READOUT(id="readout")
         yield Static(id="error")
         with Container(id="body"):
             for panel_id, panel in self.BODY:

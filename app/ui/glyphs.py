@@ -1,10 +1,13 @@
-"""Small text-drawing helpers shared by the panels: token pieces, bars, sparklines, numbers."""
+"""Small text-drawing helpers shared by the panels: token pieces, bars, sparklines, line plots, numbers."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from rich.style import Style
+from rich.text import Text
 
 _SPARKS = "▁▂▃▄▅▆▇█"
 _EIGHTHS = " ▏▎▍▌▋▊▉█"
@@ -68,6 +71,69 @@ def columns(fractions: Sequence[float], height: int, width_each: int = 1) -> lis
             cells.append(_EIGHTHS_UP[min(max(eighths, 0), 8)] * width_each)
         lines.append("".join(cells))
     return lines
+
+
+# Braille cells are 2 dots wide and 4 high; the bit of each dot, by (column, row from the top).
+_BRAILLE_BITS = ((0x01, 0x02, 0x04, 0x40), (0x08, 0x10, 0x20, 0x80))
+
+
+@dataclass(frozen=True)
+class PlotSeries:
+    """One line of a `plot`: points sorted by x, how to join them, and its style."""
+
+    xs: Sequence[float]
+    ys: Sequence[float]
+    style: str
+    step: bool = False  # hold each value until the next point (a staircase); else straight segments
+    dotted: bool = False  # every other dot column only, so it reads apart from solid lines without colour
+
+
+def plot(series: Sequence[PlotSeries], width: int, height: int, x_max: float, y_max: float) -> list[Text]:
+    """Lines in braille dots, `width` x `height` cells, x in 0..x_max and y in 0..y_max (clipped).
+
+    A series is drawn where x lies within its points; each dot column joins its dot to the
+    previous column's, so steps and steep lines stay unbroken. Where series share a cell the
+    later one's style wins. Costs width x height, whatever the number of points.
+    """
+    cols, rows = width * 2, height * 4
+    bits = [[0] * width for _ in range(height)]
+    styles: list[list[str]] = [[""] * width for _ in range(height)]
+    for line in series:
+        if not line.xs:
+            continue
+        previous: int | None = None
+        for col in range(cols):
+            y = _value_at(line, x_max * col / max(cols - 1, 1))
+            if y is None or (line.dotted and col % 2):
+                previous = None if y is None else previous
+                continue
+            row = min(max(round(y / y_max * (rows - 1)) if y_max > 0 else 0, 0), rows)
+            low, high = (row, row) if previous is None or line.dotted else sorted((previous, row))
+            for dot in range(low, min(high, rows - 1) + 1):
+                cell_row, sub = height - 1 - dot // 4, 3 - dot % 4
+                bits[cell_row][col // 2] |= _BRAILLE_BITS[col % 2][sub]
+                styles[cell_row][col // 2] = line.style
+            previous = row
+    out = []
+    for row_bits, row_styles in zip(bits, styles, strict=True):
+        text, start = Text(no_wrap=True), 0
+        for col in range(1, width + 1):
+            if col == width or row_styles[col] != row_styles[start]:  # one span per run of a style
+                cells = "".join(chr(0x2800 + b) if b else " " for b in row_bits[start:col])
+                text.append(cells, style=row_styles[start] or None)
+                start = col
+        out.append(text)
+    return out
+
+
+def _value_at(line: PlotSeries, x: float) -> float | None:
+    at = bisect.bisect_right(line.xs, x) - 1
+    if at < 0 or x > line.xs[-1]:
+        return None
+    if line.step or at == len(line.xs) - 1:
+        return line.ys[at]
+    x0, x1, y0, y1 = line.xs[at], line.xs[at + 1], line.ys[at], line.ys[at + 1]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
 
 
 def ms(value: float | None, digits: int = 1) -> str:

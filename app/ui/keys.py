@@ -46,7 +46,7 @@ KEYS: tuple[Key, ...] = (
     Key("up,k", "cursor(-1)", "Up", "Move the candidate cursor up", footer=False),
     Key("down,j", "cursor(1)", "Down", "Move the candidate cursor down", footer=False),
     Key("enter", "pick", "Pick", "Commit the highlighted candidate as the next token (while paused)", LIVE_ONLY),
-    Key("o", "sampling", "Sample", "Change temperature, top-k, top-p, min-p, seed or max tokens for the next request",
+    Key("o", "sampling", "Sample", "Change sampling (blank = server default) or logprobs for the next request",
         ENDPOINT_ONLY),
     Key("up,k", "cursor(-1)", "Up", "Show an earlier chunk's logprobs", ENDPOINT_ONLY, footer=False),
     Key("down,j", "cursor(1)", "Down", "Show a later chunk's logprobs (the last one: follow the newest)",

@@ -9,6 +9,7 @@ from pathlib import Path
 from minengine.engine.metrics import RequestMetrics
 from minengine.engine.request import GenerationRequest
 from minengine.plan.cards import Architecture
+from minengine.progress import paced
 from minengine.record.trace_io import read_trace
 from reqscope.run_options import open_engine
 from reqscope.ui.endpoint.view import EndpointView
@@ -16,13 +17,16 @@ from reqscope.ui.run.app import ExplorerApp
 from reqscope.ui.run.view import RunView
 
 
-def launch_explorer(args: argparse.Namespace, request: GenerationRequest) -> int:
+def launch_explorer(args: argparse.Namespace, request: GenerationRequest, **options) -> int:
     """Open the explorer on `request`, loading the engine from the shared run flags.
 
     When the screen closes, one line on stderr keeps the outcome of the last run. The exit
     code is 1 when the engine could not start or the last run failed, as in the text modes.
+    `options` go to `ExplorerApp` (`start_paused=True` holds before the first token).
     """
-    app = ExplorerApp.live_run(lambda progress: open_engine(args, progress=progress), request)
+    # The loading screen is fed across threads, a round trip per event: a pull's hundreds of
+    # steps reach it at most 20 times a second per stage (starts and ends always).
+    app = ExplorerApp.live_run(lambda progress: open_engine(args, progress=paced(progress)), request, **options)
     code = app.run()
     if app.load_error is not None:
         print(f"reqscope: error: {app.load_error}", file=sys.stderr)
@@ -43,10 +47,11 @@ def launch_endpoint_explorer(args: argparse.Namespace, request: GenerationReques
     the screen closes, and the exit code is 1 when the server could not be used or the last
     request failed.
     """
+    from reqscope.endpoint.settings import RequestSettings
     from reqscope.endpoint.target import EndpointTarget
     from reqscope.ui.endpoint.app import EndpointApp
 
-    app = EndpointApp(EndpointTarget.from_args(args), request, arch=arch)
+    app = EndpointApp(EndpointTarget.from_args(args), request, settings=RequestSettings.from_args(args), arch=arch)
     code = app.run()
     if app.load_error is not None:
         print(f"reqscope: error: {app.load_error}", file=sys.stderr)

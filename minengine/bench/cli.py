@@ -1,7 +1,10 @@
 """`python -m minengine.bench` (also `reqscope bench`): minengine against Hugging Face transformers.
 
-Same model, token ids and settings for both engines, alternated round by round; prints a table
-with PASS/FAIL lines for the issue's targets, or the whole report as JSON with `--json`.
+First the fair comparison: `reqscope --json`, transformers' `generate()` and any installed peer
+(llama.cpp), each in its own process with the environment its users have, timed from outside;
+then the in-process measurements. Same model, token ids and settings for every engine,
+alternated round by round; prints a table with PASS/FAIL lines for the issue's targets, or the
+whole report as JSON with `--json`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from pathlib import Path
 from minengine.argtypes import positive_whole_number as count
 from minengine.argtypes import whole_number
 from minengine.bench import env as bench_env  # first: sets the OpenMP policy before torch loads
+from minengine.bench.fair.peers import PEER_NAMES, PeerChoice, check_names
 from minengine.bench.report import dumps, format_table, targets
 from minengine.bench.runner import DEFAULT_PROMPT, BenchConfig, run_bench
 from minengine.device import DTYPE_CHOICES
@@ -41,6 +45,22 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="on CUDA, decode through the captured static step (default on)",
     )
+    parser.add_argument(
+        "--peer",
+        action="append",
+        metavar="NAME",
+        help=f"add this peer engine ({', '.join(PEER_NAMES)}); an error if it cannot run "
+        "(default: every installed peer, skipped with a line when it cannot)",
+    )
+    parser.add_argument("--no-peers", action="store_true", help="run no peer engine")
+    parser.add_argument(
+        "--peer-gguf", metavar="FILE", help="GGUF for llama.cpp (default: the default model's own, fetched once)"
+    )
+    parser.add_argument(
+        "--under-load",
+        action="store_true",
+        help="run the fair comparison again beside one busy process (a spinning Python loop)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--output", metavar="FILE", help="also write the JSON report to FILE")
     parser.add_argument("--check", action="store_true", help="exit with code 1 when a target is not met")
@@ -48,12 +68,19 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, progress=None) -> BenchConfig:
     """A BenchConfig from parsed flags (the default model is pulled first when missing)."""
+    names = None if not args.peer else tuple(dict.fromkeys(args.peer))
+    if args.no_peers:
+        if names:
+            raise ReqscopeError("--peer and --no-peers contradict each other; give one")
+        names = ()
+    check_names(names)  # before the default model is pulled: a typo costs nothing
+    peers = PeerChoice(names, Path(args.peer_gguf).expanduser() if args.peer_gguf else None)
     if args.model:
         model_dir = Path(args.model).expanduser()
     else:
         from minengine.hub.pull import ensure_default_model
 
-        model_dir = ensure_default_model(progress=(lambda event: progress(event.message)) if progress else None)
+        model_dir = ensure_default_model(progress=_stage_ends(progress) if progress else None)
     return BenchConfig(
         model_dir=model_dir,
         device=args.device,
@@ -66,6 +93,8 @@ def config_from_args(args: argparse.Namespace, progress=None) -> BenchConfig:
         warm_launches=args.launches,
         cuda_graph=args.cuda_graph,
         omp_policy_set_by_bench=bench_env.SET_BY_BENCH,
+        peers=peers,
+        under_load=args.under_load,
     )
 
 
@@ -80,6 +109,16 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.check and not all(t.passed for t in targets(report)):
         return 1
     return 0
+
+
+def _stage_ends(progress):
+    """A pull's progress as one message per finished stage (its steps would be hundreds of lines)."""
+
+    def report(event) -> None:
+        if event.finished:
+            progress(f"{event.title}: {event.message}")
+
+    return report
 
 
 def _stderr(message: str) -> None:

@@ -1,11 +1,17 @@
-"""The benchmark's schedule: one warm-up round, then measured rounds that alternate the engines.
+"""The benchmark's schedule: the fair comparison first, then the in-process rounds.
 
-Every round measures, for minengine and for transformers on the same token ids: prefill of a
-short chat prompt, prefill of a long prompt, and greedy decode; plus minengine's greedy decode
-between passes of a read-bandwidth probe (the roofline) and the explorer's session stepping
-beside the bare loop (its overhead). The order of the
-two engines flips every round (AB, BA, AB, ...), so a machine that speeds up or slows down
-during the run favours neither, and every ratio is taken within a round. Launches of the real
+The headline is the fair comparison (`fair`): reqscope as the `reqscope --json` command,
+transformers' `generate()` in a plain Python process with the user's own environment, and any
+installed peer (llama.cpp), each in its own process, timed from outside. What follows runs in
+this process, with the policy the benchmark set for both engines (`env`): a secondary, "same
+policy" comparison, and the measurements that need the engine's insides.
+
+After one warm-up round, every in-process round measures, for minengine and for transformers
+on the same token ids: prefill of a short chat prompt, prefill of a long prompt, and greedy
+decode; plus minengine's greedy decode between passes of a read-bandwidth probe (the roofline)
+and the explorer's session stepping beside the bare loop (its overhead). The order of the two
+engines flips every round (AB, BA, AB, ...), so a machine that speeds up or slows down during
+the run favours neither, and every ratio is taken within a round. Launches of the real
 `reqscope --plain` command (start-up time, peak memory, imports) run last, in subprocesses.
 """
 
@@ -13,12 +19,24 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from minengine.bench.fair.compare import (
+    REQSCOPE,
+    TRANSFORMERS,
+    UNDER_LOAD,
+    Contender,
+    FairComparison,
+    busy_neighbour,
+    probe_environment,
+    run_fair,
+)
+from minengine.bench.fair.peers import PeerChoice, PeerSelection, llama_child_argv, peer_bytes_per_step, select_peers
 from minengine.bench.hf_reference import TransformersReference
 from minengine.bench.roofline import (
     ReadProbe,
@@ -36,7 +54,7 @@ from minengine.bench.runs import (
     prefill_ms,
 )
 from minengine.bench.start import PlainRun, child_environment, heavy_imports, launch_plain, plain_imports
-from minengine.bench.stats import Spread, overhead_percent, ratios
+from minengine.bench.stats import Parity, Spread, overhead_percent, parity_of, ratios
 from minengine.checkpoint import layout_cache
 from minengine.device import device_memory_bytes, synchronize
 from minengine.engine.engine import Engine
@@ -44,6 +62,7 @@ from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from minengine.kv.arithmetic import MIB, blocks_for, kv_bytes_per_token
 from minengine.kv.cache import KVCache
+from minengine.omp_env import user_environment
 from minengine.sampling.sampler import SamplingParams
 
 DEFAULT_PROMPT = "Show me wheelchair-accessible hotels in Kyoto"
@@ -74,6 +93,9 @@ class BenchConfig:
     cuda_graph: bool = True
     probe_bytes: int | None = None  # read-bandwidth probe size (None: the roofline module's default)
     omp_policy_set_by_bench: bool = False  # the launches then run without it, as users do
+    peers: PeerChoice = PeerChoice()  # default: every installed peer that has its model file
+    under_load: bool = False  # run the fair comparison again beside one busy process
+    fair_rounds: int | None = None  # rounds of the fair comparison (None: `rounds`)
 
 
 @dataclass(frozen=True)
@@ -84,19 +106,6 @@ class Comparison:
     minengine: Spread
     transformers: Spread
     speedup: Spread  # minengine speed / transformers speed, per round (> 1: minengine faster)
-
-
-@dataclass(frozen=True)
-class Parity:
-    """Whether both engines chose the same greedy tokens."""
-
-    tokens: int
-    matching_prefix: int
-
-    @property
-    def identical(self) -> bool:
-        """All tokens agree."""
-        return self.matching_prefix == self.tokens
 
 
 @dataclass(frozen=True)
@@ -185,10 +194,16 @@ class MachineInfo:
 
 @dataclass(frozen=True)
 class BenchReport:
-    """Everything one benchmark run measured."""
+    """Everything one benchmark run measured.
+
+    `fair` (and `fair_under_load`) is the headline; `prefill_*`, `decode` and `parity` are the
+    in-process, same-policy comparison.
+    """
 
     machine: MachineInfo
     config: BenchConfig
+    fair: FairComparison
+    fair_under_load: FairComparison | None
     short_prompt_tokens: int
     prefill_short: Comparison
     prefill_long: Comparison
@@ -240,8 +255,12 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     load_before = os.getloadavg()
-    progress(f"loading minengine and transformers from {config.model_dir}")
-    work = _workload(config)
+    selection = select_peers(config.peers, config.model_dir)  # a bad choice fails before anything runs
+    progress(f"loading minengine from {config.model_dir}")
+    engine = _engine(config)
+    fair, fair_loaded = _fair(config, engine, selection, progress)
+    progress(f"loading transformers from {config.model_dir} (in-process comparison)")
+    work = _workload(config, engine)
     raw = _Round({"ours": [], "theirs": []}, {"ours": [], "theirs": []}, {"ours": [], "theirs": []}, [], [], [])
     probe = ReadProbe(work.engine.device, work.engine.dtype, config.probe_bytes)
     try:
@@ -279,13 +298,15 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
     return BenchReport(
         machine=machine,
         config=config,
+        fair=fair,
+        fair_under_load=fair_loaded,
         short_prompt_tokens=len(work.short_ids),
         prefill_short=_timed("ms", raw.prefill_short),
         prefill_long=_timed("ms", raw.prefill_long),
         decode=Comparison(
             "tokens/s", Spread.of(ours_rates), Spread.of(theirs_rates), Spread.of(ratios(ours_rates, theirs_rates))
         ),
-        parity=_parity(raw.decode["ours"][0].tokens, raw.decode["theirs"][0].tokens),
+        parity=parity_of(raw.decode["ours"][0].tokens, raw.decode["theirs"][0].tokens),
         roofline=_roofline(raw.roofline, bytes_per_step),
         explorer=_explorer(raw.bare, raw.explorer, work.request.top_n),
         start=start,
@@ -294,10 +315,71 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
     )
 
 
-def _workload(config: BenchConfig) -> _Workload:
+def _engine(config: BenchConfig) -> Engine:
     engine = Engine(config.model_dir, device=config.device, dtype=config.dtype)
     if engine.device.type == "cuda":
         engine.runner.use_static_decode(config.cuda_graph)
+    return engine
+
+
+def _fair(
+    config: BenchConfig, engine: Engine, selection: PeerSelection, progress: Callable[[str], None]
+) -> tuple[FairComparison, FairComparison | None]:
+    """The fair comparison on an idle machine, and beside a busy process when asked."""
+    contenders = fair_contenders(config, engine, selection)
+    rounds = config.fair_rounds or config.rounds
+    idle = run_fair(contenders, rounds, config.new_tokens, skipped=selection.skipped, progress=progress)
+    if not config.under_load:
+        return idle, None
+    with busy_neighbour(user_environment()):
+        loaded = run_fair(
+            contenders, rounds, config.new_tokens, condition=UNDER_LOAD, skipped=selection.skipped, progress=progress
+        )
+    return idle, loaded
+
+
+def fair_contenders(config: BenchConfig, engine: Engine, selection: PeerSelection) -> list[Contender]:
+    """reqscope, transformers and the selected peers, each with its command line and environment.
+
+    Every child gets the user's environment as it was before reqscope touched it (the policy the
+    benchmark set for its own process is taken out), plus OMP_NUM_THREADS when `--threads` was
+    given. reqscope then chooses its own policy, as the command always does.
+    """
+    env = user_environment()
+    if config.threads is not None:
+        env["OMP_NUM_THREADS"] = str(config.threads)
+    tok = engine.tokenizer
+    request = GenerationRequest.from_prompt(config.prompt)
+    ids = tok.encode(tok.render(list(request.messages)))
+    eos = sorted(tok.eos_ids)
+    device, dtype = engine.device.type, str(engine.dtype).removeprefix("torch.")
+    ours = decode_bytes_per_step(
+        engine.model.decode_weight_bytes, _kv_bytes_per_token(engine), len(ids), config.new_tokens - 1
+    )
+    reqscope_env = probe_environment(env)
+    command = [sys.executable, "-m", "reqscope", "--json", "--temperature", "0"]
+    command += ["--max-tokens", str(config.new_tokens), "--model", str(config.model_dir)]
+    command += ["--device", device, "--dtype", dtype]
+    if device == "cuda" and not config.cuda_graph:
+        command.append("--no-cuda-graph")
+    hf = [sys.executable, "-m", "minengine.bench.fair.hf_child", "--model", str(config.model_dir)]
+    hf += ["--ids", ",".join(map(str, ids)), "--max-new-tokens", str(config.new_tokens)]
+    hf += ["--eos", ",".join(map(str, eos)), "--device", device, "--dtype", dtype]
+    contenders = [
+        Contender(REQSCOPE, "`reqscope --json`, the command as users run it", (*command, config.prompt), env, ours,
+                  reqscope_env),
+        Contender(TRANSFORMERS, "generate() in a plain Python process, streamer on stdout", tuple(hf), env, ours),
+    ]  # fmt: skip
+    threads = config.threads or reqscope_env.threads  # llama.cpp gets the thread count torch uses
+    for plan in selection.plans:
+        argv = llama_child_argv(plan, ids, config.new_tokens, threads, eos)
+        how = f"llama-cpp-python on {plan.gguf.name}, greedy, n_threads {threads}"
+        per_step = peer_bytes_per_step(plan, len(ids), config.new_tokens - 1)
+        contenders.append(Contender(plan.name, how, tuple(argv), env, per_step))
+    return contenders
+
+
+def _workload(config: BenchConfig, engine: Engine) -> _Workload:
     eos = sorted(engine.tokenizer.eos_ids)
     reference = TransformersReference(config.model_dir, engine.device, engine.dtype, pad_token_id=eos[0] if eos else 0)
     request = GenerationRequest.from_prompt(
@@ -358,15 +440,6 @@ def _timed(unit: str, times: dict[str, list[float]]) -> Comparison:
     return Comparison(
         unit, Spread.of(times["ours"]), Spread.of(times["theirs"]), Spread.of(ratios(times["theirs"], times["ours"]))
     )
-
-
-def _parity(ours: tuple[int, ...], theirs: tuple[int, ...]) -> Parity:
-    prefix = 0
-    for a, b in zip(ours, theirs, strict=False):
-        if a != b:
-            break
-        prefix += 1
-    return Parity(tokens=max(len(ours), len(theirs)), matching_prefix=prefix)
 
 
 def _roofline(runs: list[RooflineRun], bytes_per_step: float) -> RooflineResult:

@@ -43,3 +43,26 @@ def ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[f
 def overhead_percent(instrumented: Sequence[float], bare: Sequence[float]) -> list[float]:
     """Round-by-round slowdown of `instrumented` against `bare`, from rates (higher = faster), in %."""
     return [100.0 * (b / i - 1.0) for i, b in zip(instrumented, bare, strict=True)]
+
+
+@dataclass(frozen=True)
+class Parity:
+    """Whether two engines chose the same greedy tokens."""
+
+    tokens: int
+    matching_prefix: int
+
+    @property
+    def identical(self) -> bool:
+        """All tokens agree."""
+        return self.matching_prefix == self.tokens
+
+
+def parity_of(ours: Sequence[int], theirs: Sequence[int]) -> Parity:
+    """How many leading tokens agree, out of the longer sequence."""
+    prefix = 0
+    for a, b in zip(ours, theirs, strict=False):
+        if a != b:
+            break
+        prefix += 1
+    return Parity(tokens=max(len(ours), len(theirs)), matching_prefix=prefix)

@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from minengine.checkpoint.paths import models_home
 from minengine.checkpoint.weight_layout import CheckpointReader
+from minengine.progress import BYTES, ProgressCallback, Stage
 
 FORMAT_VERSION = 2
 CACHE_DIR = ".minengine"
@@ -106,11 +107,21 @@ class CachedLayout:
 
 
 class RecordingReader:
-    """A `CheckpointReader` that remembers what it handed out, under names `CachedLayout` reads."""
+    """A `CheckpointReader` that remembers what it handed out, under names `CachedLayout` reads.
 
-    def __init__(self, reader: CheckpointReader) -> None:
+    With a `stage`, it reports how many of the checkpoint's tensors have been laid out so far.
+    """
+
+    def __init__(self, reader: CheckpointReader, stage: Stage | None = None) -> None:
         self.reader = reader
         self.made: dict[str, torch.Tensor] = {}
+        self._stage = stage
+        self._consumed = 0
+
+    def _laid_out(self, names: tuple[str, ...]) -> None:
+        self._consumed += len(names)
+        if self._stage is not None:
+            self._stage.advance(self._consumed, names[-1])
 
     def __contains__(self, name: str) -> bool:
         return name in self.reader
@@ -118,11 +129,13 @@ class RecordingReader:
     def copy(self, name: str) -> torch.Tensor:
         """`CheckpointReader.copy`, recorded."""
         self.made[name] = t = self.reader.copy(name)
+        self._laid_out((name,))
         return t
 
     def projection(self, *names: str, chunks: int | None = None) -> torch.Tensor:
         """`CheckpointReader.projection`, recorded."""
         self.made[_projection_name(names)] = t = self.reader.projection(*names, chunks=chunks)
+        self._laid_out(names)
         return t
 
     def optional(self, name: str) -> torch.Tensor | None:
@@ -154,11 +167,12 @@ def open_layout(path: Path) -> CachedLayout | None:
     return CachedLayout(tensors)
 
 
-def write_layout(path: Path, tensors: dict[str, torch.Tensor]) -> bool:
+def write_layout(path: Path, tensors: dict[str, torch.Tensor], progress: ProgressCallback | None = None) -> bool:
     """Write `tensors` as a safetensors file at `path` (atomically, replacing other layouts); False on failure.
 
     Written directly from the tensors' memory: `safetensors.torch.save_file` would first copy
-    every tensor into a bytes object, briefly holding the weights twice.
+    every tensor into a bytes object, briefly holding the weights twice. `progress` hears a
+    "cache" stage counting the bytes written.
     """
     if any(t.dtype not in _DTYPE_NAMES for t in tensors.values()):
         return False  # a dtype this format does not name: load without a cache
@@ -188,17 +202,23 @@ def write_layout(path: Path, tensors: dict[str, torch.Tensor]) -> bool:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".safetensors")
     except OSError:
         return False
+    writing = Stage(progress, "cache", 8 + len(raw) + offset, BYTES, path.name)
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(len(raw).to_bytes(8, "little"))
             out.write(raw)
+            written = 8 + len(raw)
             for t in stored:
                 out.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                written += t.numel() * t.element_size()
+                writing.advance(written)
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the cache from the folder's other users
         os.replace(tmp, path)
-    except OSError:
+    except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
+        writing.finish(f"not written ({exc.strerror or exc}); the next load lays the weights out again")
         return False
+    writing.finish()
     for other in path.parent.glob("layout-*.safetensors"):
         if other != path:
             other.unlink(missing_ok=True)

@@ -1,7 +1,9 @@
-"""The engine: a loaded model, its tokenizer, a device and an admission scheduler."""
+"""The engine: a loaded model, its tokenizer, a device, an admission scheduler and the prefix
+cache its requests share."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,8 +18,10 @@ from minengine.engine.scheduler import Scheduler
 from minengine.engine.session import RequestSession
 from minengine.engine.timeline import Timeline
 from minengine.errors import ModelNotFoundError
+from minengine.kv.prefix_cache import KVIdentity, PrefixCache
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
+from minengine.progress import ProgressCallback
 from minengine.text.tokenizer import ModelTokenizer
 
 
@@ -45,6 +49,16 @@ def available_memory_bytes() -> int:
     return psutil.virtual_memory().available
 
 
+def model_fingerprint(folder: Path) -> str:
+    """What identifies a loaded model's weights: its folder, and every config and weight file's
+    name, size and modification time (read once, at load; hashing the weights would cost a
+    second per 500 MB)."""
+    folder = folder.resolve()
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors"))
+    stats = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    return hashlib.sha256("\n".join([str(folder), *stats]).encode()).hexdigest()
+
+
 class Engine:
     """Load once, then run requests one session at a time (or several, within the KV budget)."""
 
@@ -55,7 +69,12 @@ class Engine:
         device: str = "auto",
         dtype: str = "auto",
         kv_budget_bytes: int | None = None,
+        progress: ProgressCallback | None = None,
+        prefix_cache: bool = True,
     ) -> None:
+        """Load the model in `model_dir`; a first load that lays out the CPU weights reports its
+        stages to `progress` (see `minengine.progress`). `prefix_cache` keeps finished requests'
+        KV blocks for later requests with the same prompt prefix (`minengine.kv.prefix_cache`)."""
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
@@ -64,12 +83,34 @@ class Engine:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.tokenizer = ModelTokenizer(self.model_dir)
-        self.model = Transformer.load(self.model_dir, self.cfg, self.dtype, self.device)
+        self.model = Transformer.load(self.model_dir, self.cfg, self.dtype, self.device, progress)
         self.model.rope.ensure(min(self.cfg.max_position_embeddings, 4096))
         self.runner = ModelRunner(self.model)  # requests make caches and run steps through it
         synchronize(self.device)
         self.scheduler = Scheduler(kv_budget_bytes or default_kv_budget(self.device))
+        self.fingerprint = model_fingerprint(self.model_dir)
+        self.prefix_cache: PrefixCache | None = PrefixCache() if prefix_cache else None
         self.load_ms = (time.perf_counter() - start) * 1000
+
+    def use_prefix_cache(self, enabled: bool) -> None:
+        """Turn the prefix cache on or off for requests started from now on (off drops its blocks)."""
+        if not enabled:
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+            self.prefix_cache = None
+        elif self.prefix_cache is None:
+            self.prefix_cache = PrefixCache()
+
+    def kv_identity(self, layout: str, storage_dtype: torch.dtype, block_size: int) -> KVIdentity:
+        """What, besides the tokens, decides the K/V of a request's cache on this engine."""
+        return KVIdentity(
+            model=self.fingerprint,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            layout=layout,
+            storage_dtype=str(storage_dtype).removeprefix("torch."),
+            block_size=block_size,
+        )
 
     def start(self, request: GenerationRequest, timeline: Timeline | None = None) -> RequestSession:
         """A session for `request`; iterate it to run the request."""

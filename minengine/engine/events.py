@@ -54,12 +54,43 @@ class AdmitEvent:
 
 
 @dataclass(frozen=True)
+class PrefixCacheEvent:
+    """The prefix cache stage: the prompt's full blocks looked up, the cached prefix copied in.
+
+    Blocks [0, blocks_hit) of the prompt are shared, copied from blocks kept after earlier
+    requests; the rest of the prompt (`computed_tokens`, at least its last token) is prefilled
+    as new blocks. With the cache off (`enabled` False, `note` says why) nothing is looked up.
+    """
+
+    enabled: bool
+    prompt_tokens: int
+    block_size: int
+    blocks_looked_up: int  # the prompt's full blocks a hit may cover (never the last prompt token)
+    blocks_hit: int  # the longest run of them found, from the first
+    reused_tokens: int  # blocks_hit x block_size: prompt tokens not prefilled
+    lookup_ms: float  # hashing and looking the blocks up (done at admission, before the reservation)
+    copy_ms: float  # copying the hit into this request's cache
+    duration_ms: float  # the stage: making the cache and copying the hit in
+    kept_blocks: int  # blocks the prefix cache holds, every model layout and dtype together
+    kept_bytes: int
+    note: str = ""
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens prefill computes."""
+        return self.prompt_tokens - self.reused_tokens
+
+
+@dataclass(frozen=True)
 class PrefillEvent:
-    """Prefill ran over the whole prompt."""
+    """Prefill ran over the prompt (over its part after the reused prefix, when there is one)."""
 
     prompt_tokens: int
     duration_ms: float
     kv: KVUsage
+    # Prompt tokens whose K/V came from the prefix cache: prefill computed the positions from
+    # here on. 0 without a hit (and in traces recorded before the prefix cache).
+    reused_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,6 +107,11 @@ class TokenEvent:
     kv: KVUsage
     trace: StepTrace | None
     forced: bool = False
+    # Time the consumer held the session at a pause point since the previous token (since the
+    # request was sent, for the first): part of `itl_ms` on the wall clock, none of the engine's
+    # own time. Its ITL on the engine's clock is itl_ms - held_ms. 0 when nobody paused the run
+    # (and in traces recorded before it was kept).
+    held_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -91,6 +127,8 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int
+    # Prompt tokens served from the prefix cache (OpenAI's prompt_tokens_details.cached_tokens).
+    cached_tokens: int = 0
 
 
 FINISH_REASONS = ("stop", "length", "stop_sequence", "cancelled", "error")
@@ -112,6 +150,15 @@ class RequestResult:
     kv_peak: KVUsage | None
     sampler_order: tuple[str, ...]
     error: str | None = None
+    # `metrics` are on the wall clock, as a client of the engine would have seen them. When the
+    # run was paused or stepped, the time its consumer held it (`held_ms` in all) is in those
+    # gaps; `engine_metrics` apply the same formulas to the token times with it taken out.
+    # Equal to `metrics` when nobody held the run; None in traces recorded before they were kept.
+    engine_metrics: RequestMetrics | None = None
+    held_ms: float = 0.0
+    # The request's prefix cache stage (None when it never got that far, and in traces
+    # recorded before the prefix cache); `usage.cached_tokens` is its reused_tokens.
+    prefix_cache: PrefixCacheEvent | None = None
 
 
 @dataclass(frozen=True)
@@ -121,4 +168,4 @@ class DoneEvent:
     result: RequestResult
 
 
-Event = StageEvent | PromptEvent | AdmitEvent | PrefillEvent | TokenEvent | StepReady | DoneEvent
+Event = StageEvent | PromptEvent | AdmitEvent | PrefixCacheEvent | PrefillEvent | TokenEvent | StepReady | DoneEvent

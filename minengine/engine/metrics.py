@@ -21,6 +21,11 @@ ITL is different from TPOT: it is every individual gap between consecutive strea
 When each event carries exactly one token, TPOT equals the arithmetic mean of the ITLs; when
 events carry several tokens (speculative decoding, server-side batching of SSE chunks) they
 diverge, and both are reported.
+
+A run that is paused or stepped (the explorer) holds the engine between tokens; those gaps then
+hold the person's time, not the engine's. `without_held` takes it out of the event times, and
+the same formulas over what is left give the engine's own figures; the wall-clock figures stay
+what a client would have seen.
 """
 
 from __future__ import annotations
@@ -176,6 +181,21 @@ def inter_token_gaps(event_times_ms: Sequence[float]) -> tuple[float, ...]:
                 f"streamed event times go backwards ({earlier} ms then {later} ms)"
             )
     return tuple(b - a for a, b in zip(event_times_ms, event_times_ms[1:], strict=False))
+
+
+def without_held(times_ms: Sequence[float], held_before_ms: Sequence[float]) -> tuple[float, ...]:
+    """Event times on the engine's own clock: each time minus the time held before it.
+
+    `held_before_ms[i]` is the total time, up to event i, that the request's consumer kept the
+    engine waiting (a paused or stepped run). What is left is the time the engine itself took,
+    to which the same formulas apply; with nothing held the times come back unchanged.
+    """
+    if len(times_ms) != len(held_before_ms):
+        raise MetricsInputError(f"{len(times_ms)} event times but {len(held_before_ms)} held totals")
+    for earlier, later in zip(held_before_ms, held_before_ms[1:], strict=False):
+        if later < earlier:
+            raise MetricsInputError(f"held time cannot shrink ({earlier} ms then {later} ms)")
+    return tuple(t - held for t, held in zip(times_ms, held_before_ms, strict=True))
 
 
 def request_latency(send_ms: float, first_ms: float, last_ms: float) -> tuple[float, float]:

@@ -12,6 +12,7 @@ from minengine.text.chat_template import ROLES, Message
 
 MAX_PAYLOAD_BYTES = 1 << 20  # message text accepted by the gateway
 MAX_STOP_STRINGS = 8
+MAX_STOP_TOKEN_IDS = 256  # like MAX_STOP_STRINGS: a request names a few stop tokens, not a vocabulary
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,14 @@ class GenerationRequest:
     # is then empty.
     raw_prompt: str | None = None
     request_id: str = field(default_factory=lambda: "req-" + uuid.uuid4().hex[:12])
+    # vLLM's extras. `ignore_eos`: end-of-sequence tokens do not end the request, so it runs to
+    # max_tokens (benchmarks use it for fixed-length outputs).
+    ignore_eos: bool = False
+    # Until this many tokens are generated, EOS and `stop_token_ids` have their logits masked
+    # to -inf (vLLM's MinTokensLogitsProcessor) and stop strings do not end the request.
+    min_tokens: int = 0
+    # Token ids that end the request as EOS does (finish "stop"); like EOS, they add no text.
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # One name per storage type from here on (events, exports, the UI), whichever was asked.
@@ -52,8 +61,13 @@ class GenerationRequest:
         return replace(self, **changes)
 
 
-def validate(request: GenerationRequest, max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> None:
-    """The gateway's checks; raises RequestError naming the first bad field."""
+def validate(
+    request: GenerationRequest, max_payload_bytes: int = MAX_PAYLOAD_BYTES, vocab_size: int | None = None
+) -> None:
+    """The gateway's checks; raises RequestError naming the first bad field.
+
+    `vocab_size`, when known, bounds `stop_token_ids`.
+    """
     if request.raw_prompt is not None:
         if not request.raw_prompt.strip():
             raise RequestError("the prompt is empty; give some text to send")
@@ -66,6 +80,11 @@ def validate(request: GenerationRequest, max_payload_bytes: int = MAX_PAYLOAD_BY
         raise RequestError(f"max_tokens must be at least 1 (got {request.max_tokens})")
     if len(request.stop) > MAX_STOP_STRINGS:
         raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed (got {len(request.stop)})")
+    if not 0 <= request.min_tokens <= request.max_tokens:
+        raise RequestError(
+            f"min_tokens must be between 0 and max_tokens ({request.max_tokens}) (got {request.min_tokens})"
+        )
+    _check_stop_token_ids(request.stop_token_ids, vocab_size)
     if request.kv_layout not in KV_LAYOUTS:
         raise RequestError(f"kv layout {request.kv_layout!r} is unknown; use {' or '.join(KV_LAYOUTS)}")
     if request.kv_dtype not in KV_DTYPES:
@@ -73,6 +92,18 @@ def validate(request: GenerationRequest, max_payload_bytes: int = MAX_PAYLOAD_BY
     if request.block_size < 1:
         raise RequestError(f"block size must be at least 1 (got {request.block_size})")
     request.sampling.validate()
+
+
+def _check_stop_token_ids(ids: tuple[int, ...], vocab_size: int | None) -> None:
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids (got {len(ids)})")
+    high = None if vocab_size is None else vocab_size - 1
+    for i, token_id in enumerate(ids):
+        # bool is an int subclass; `true` as a token id is a client bug, not id 1.
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise RequestError(f"stop_token_ids[{i}] must be a token id, a whole number >= 0 (got {token_id!r})")
+        if high is not None and token_id > high:
+            raise RequestError(f"stop_token_ids[{i}] = {token_id} is outside the vocabulary (0..{high})")
 
 
 def _messages_size(messages: tuple[Message, ...]) -> int:

@@ -5,16 +5,39 @@ A request is admitted when its prompt plus max_tokens fits the context, its wors
 running requests is set, a running slot is free. If it could fit once others finish, it waits
 (the wait is part of its TTFT); if it could never fit, it is rejected with the numbers; if the
 queue is already full, it is refused with QueueFullError.
+
+Memory kept between requests (the prefix cache's blocks) counts against the same budget. It is
+never a reason to wait: an admission that fits beside the running requests but not beside the
+kept blocks evicts them first (`KeptMemory.evict`, least recently used first), and what may be
+kept is decided under the same lock (`within_budget`), so the running reservations plus the
+kept bytes never exceed the budget.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from minengine.errors import AdmissionError, QueueCancelledError, QueueFullError
 from minengine.kv.arithmetic import MIB
+
+R = TypeVar("R")
+
+
+class KeptMemory(Protocol):
+    """Memory kept between requests inside the KV budget, given back on demand (the prefix cache)."""
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes kept now."""
+        ...
+
+    def evict(self, nbytes: int) -> int:
+        """Free at least `nbytes` if it can; the bytes freed."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -53,9 +76,16 @@ class Scheduler:
         """Requests waiting in the queue for admission."""
         return self._waiting
 
-    def _must_wait(self, kv_bytes: int) -> bool:
+    def _must_wait(self, kv_bytes: int, kept: KeptMemory | None = None) -> bool:
         slots_full = self.max_running is not None and self._running >= self.max_running
-        return slots_full or self._held + kv_bytes > self.kv_budget_bytes
+        over = self._held + kv_bytes - self.kv_budget_bytes
+        if slots_full or over > 0:
+            return True  # only running requests can make room: keep the kept blocks meanwhile
+        if kept is not None:
+            over += kept.kept_bytes
+            if over > 0:
+                over -= kept.evict(over)
+        return over > 0
 
     def admit(
         self,
@@ -67,8 +97,13 @@ class Scheduler:
         kv_bytes: int,
         timeout_s: float | None = None,
         cancelled: threading.Event | None = None,
+        kept: KeptMemory | None = None,
     ) -> Admission:
-        """Reserve `kv_bytes` for a request, waiting while others hold the budget."""
+        """Reserve `kv_bytes` for a request, waiting while others hold the budget.
+
+        Memory `kept` between requests (the prefix cache) is evicted as far as the reservation
+        needs the room.
+        """
         if prompt_tokens >= context_limit:  # no max_tokens can help: the prompt must shrink
             raise AdmissionError(
                 f"the prompt alone is {prompt_tokens} tokens, and the model's context holds {context_limit} "
@@ -86,11 +121,11 @@ class Scheduler:
             )
         start = time.perf_counter()
         with self._cond:
-            if self._must_wait(kv_bytes) and self._waiting >= self.max_queue:
+            if self._must_wait(kv_bytes, kept) and self._waiting >= self.max_queue:
                 raise QueueFullError(f"the queue is full ({self.max_queue} waiting); try again later")
             self._waiting += 1
             try:
-                while self._must_wait(kv_bytes):
+                while self._must_wait(kv_bytes, kept):
                     if cancelled is not None and cancelled.is_set():
                         waited_ms = (time.perf_counter() - start) * 1000
                         raise QueueCancelledError("cancelled while waiting in the queue", waited_ms)
@@ -105,6 +140,15 @@ class Scheduler:
             finally:
                 self._waiting -= 1
         return Admission(request_id, kv_bytes, (time.perf_counter() - start) * 1000)
+
+    def within_budget(self, keep: Callable[[int], R], *, releasing: Admission | None = None) -> R:
+        """`keep(room)` under the admission lock, where room is what memory kept between
+        requests may hold in all now: the budget less the running reservations, not counting
+        `releasing` (the caller's own, about to be returned: what it keeps is copied from the
+        cache that reservation paid for, which is freed next)."""
+        with self._cond:
+            mine = releasing.kv_bytes if releasing is not None else 0
+            return keep(self.kv_budget_bytes - self._held + mine)
 
     def release(self, admission: Admission) -> None:
         """Return a reservation and wake waiting requests."""

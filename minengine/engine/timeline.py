@@ -18,11 +18,16 @@ STAGE_SPANS: tuple[tuple[str, str, str], ...] = (
     ("template", "validated", "templated"),
     ("tokenize", "templated", "tokenized"),
     ("admit", "tokenized", "scheduler_admit"),
+    ("prefix_cache", "prefix_cache_start", "prefix_cache_end"),
     ("prefill", "prefill_start", "prefill_end"),
     ("decode", "prefill_end", "last_visible_token"),
     ("complete", "last_visible_token", "completed"),
 )
-STAGES = tuple(name for name, _, _ in STAGE_SPANS)
+ALL_STAGES = tuple(name for name, _, _ in STAGE_SPANS)
+# The seeds' lifecycle stages, the ones the explorer's pipeline strip draws. The prefix cache
+# stage (between admit and prefill) is newer: it is in ALL_STAGES, the events, every export and
+# `Timeline.stages()`, and a consumer that knows it draws it from ALL_STAGES.
+STAGES = tuple(name for name in ALL_STAGES if name != "prefix_cache")
 
 
 @dataclass(frozen=True)

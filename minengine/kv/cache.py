@@ -12,6 +12,11 @@ query head, exactly what an otherwise identical MHA model would hold. Outputs ar
 bytes and decode time are not. `float8_e4m3fn` storage keeps one byte per element plus one
 float32 scale per token and head, dequantized for attention.
 
+A request's K/V can also be taken out and put back (`read_span`, `write_prefix`) as a
+`KVSpan`: every layer's K and V for a run of positions, stacked, in the storage dtype (FP8
+with its scales), byte for byte what the cache holds. The prefix cache keeps finished requests'
+blocks that way and copies them into the next request that starts with the same tokens.
+
 A cache can also borrow its buffers (`buffers=`) from a lender that keeps them between
 requests, such as the static decoder behind CUDA graphs, whose captured kernels only work on
 the addresses they were captured with. Borrowed buffers are given back on `release()`.
@@ -52,6 +57,53 @@ class KVUsage:
     per_layer_tokens: tuple[int, ...]
     per_layer_logical_bytes: tuple[int, ...]
     per_layer_physical_bytes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVSpan:
+    """K/V of a run of positions in every layer, as a cache stores them.
+
+    keys/values are [layers, heads, tokens, head_dim] in the storage dtype; FP8 storage adds its
+    per-token, per-head scales, [layers, heads, tokens, 1] float32 (None otherwise).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_scales: torch.Tensor | None = None
+    value_scales: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Positions the span holds."""
+        return self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor in the span (scales included)."""
+        parts = (self.keys, self.values, self.key_scales, self.value_scales)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def piece(self, start: int, length: int) -> KVSpan:
+        """Positions [start, start+length) as a span of its own (copied: it keeps nothing else alive)."""
+
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.narrow(2, start, length).clone()
+
+        return KVSpan(cut(self.keys), cut(self.values), cut(self.key_scales), cut(self.value_scales))
+
+    @staticmethod
+    def joined(spans: list[KVSpan]) -> KVSpan:
+        """The spans one after another, as one span."""
+
+        def cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+            return None if parts[0] is None else torch.cat(parts, dim=2)
+
+        return KVSpan(
+            cat([s.keys for s in spans]),
+            cat([s.values for s in spans]),
+            cat([s.key_scales for s in spans]),
+            cat([s.value_scales for s in spans]),
+        )
 
 
 class KVCache:
@@ -193,6 +245,51 @@ class KVCache:
 
     def _load_fp8(self, buf: torch.Tensor, scales: torch.Tensor, end: int) -> torch.Tensor:
         return (buf[:, :, :end].float() * scales[:, :, :end]).to(self.compute_dtype)
+
+    # -- taking K/V out and putting it back ---------------------------------------------------
+
+    @property
+    def valid_tokens(self) -> int:
+        """Positions every layer holds: a pass that failed partway leaves later layers shorter."""
+        return min(self.lengths) if self.lengths else 0
+
+    def read_span(self, start: int, end: int) -> KVSpan:
+        """Every layer's stored K/V for positions [start, end), copied out (see `KVSpan`)."""
+        if not 0 <= start <= end <= self.valid_tokens:
+            raise ValueError(f"positions [{start}, {end}) are not all held (every layer holds {self.valid_tokens})")
+
+        def stack(buffers: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack([b[0].narrow(1, start, end - start) for b in buffers])
+
+        if self.quantized:
+            return KVSpan(stack(self._k), stack(self._v), stack(self._k_scale), stack(self._v_scale))
+        return KVSpan(stack(self._k), stack(self._v))
+
+    def write_prefix(self, span: KVSpan) -> None:
+        """Store `span` at positions [0, span.tokens) of every layer of this empty cache.
+
+        The span must come from a cache of the same shape and storage (the prefix cache's hash
+        makes sure of it); anything else is refused, never written.
+        """
+        n, tokens = self.cfg.num_hidden_layers, span.tokens
+        want = (n, self.heads, tokens, self.cfg.head_dim)
+        if tuple(span.keys.shape) != want or span.keys.dtype != self.storage_dtype:
+            got = f"{tuple(span.keys.shape)} {span.keys.dtype}"
+            raise ValueError(f"a K/V span of {got} does not fit this cache ({want} {self.storage_dtype})")
+        if (span.key_scales is not None) != self.quantized:
+            raise ValueError("a K/V span's FP8 scales do not match this cache's storage")
+        if self.valid_tokens:
+            raise ValueError("a prefix is written into an empty cache only")
+        if tokens > self.capacity:
+            self._allocate(tokens)
+            self._give_back()
+        for i in range(n):
+            self._k[i][0, :, :tokens].copy_(span.keys[i])
+            self._v[i][0, :, :tokens].copy_(span.values[i])
+            if self.quantized:
+                self._k_scale[i][0, :, :tokens].copy_(span.key_scales[i])
+                self._v_scale[i][0, :, :tokens].copy_(span.value_scales[i])
+        self.lengths = [tokens] * n
 
     # -- accounting --------------------------------------------------------------------------
 

@@ -18,15 +18,25 @@ from minengine.checkpoint import layout_cache
 from minengine.checkpoint.weight_layout import CheckpointReader, WeightSource
 from minengine.checkpoint.weights import checkpoint_files, load_state_dict
 from minengine.config import ModelConfig
+from minengine.progress import TENSORS, ProgressCallback, Stage
 
 M = TypeVar("M")
 
 
 def build(
-    folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, make: Callable[[WeightSource], M]
+    folder: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    make: Callable[[WeightSource], M],
+    progress: ProgressCallback | None = None,
 ) -> M:
     """`make(weights)` over the checkpoint in `folder`: its cached layout when one fits, else the
-    validated checkpoint (recording the layout it builds, where the cache is wanted)."""
+    validated checkpoint (recording the layout it builds, where the cache is wanted).
+
+    Building and writing a layout (a first load, about a second here) is reported to `progress`
+    as a "layout" stage (checkpoint tensors laid out) and a "cache" stage (bytes written).
+    """
     if device.type != "cpu" or not layout_cache.wanted(folder):
         return make(CheckpointReader(load_state_dict(folder, cfg, dtype, device)))
     path = layout_cache.layout_path(folder, layout_cache.layout_key(folder, checkpoint_files(folder), dtype))
@@ -36,7 +46,10 @@ def build(
             return make(cached)
         except (KeyError, RuntimeError):
             pass  # a layout that does not fit this build: rebuild it below
-    recorder = layout_cache.RecordingReader(CheckpointReader(load_state_dict(folder, cfg, dtype, device)))
+    reader = CheckpointReader(load_state_dict(folder, cfg, dtype, device))
+    building = Stage(progress, "layout", len(reader.sd), TENSORS, folder.name)
+    recorder = layout_cache.RecordingReader(reader, building)
     model = make(recorder)
-    layout_cache.write_layout(path, recorder.made)
+    building.finish(f"{len(recorder.made)} operands")
+    layout_cache.write_layout(path, recorder.made, progress)
     return model

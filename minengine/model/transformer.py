@@ -39,6 +39,7 @@ from minengine.kv.cache import KVCache
 from minengine.model import loader
 from minengine.model.ops import RMSNorm, attend, decode_attention, heads_first
 from minengine.model.rope import RotaryTable, rotate
+from minengine.progress import ProgressCallback
 from minengine.threads import OneThread
 
 
@@ -193,9 +194,17 @@ class Transformer:
         self.scale = cfg.head_dim**-0.5
 
     @classmethod
-    def load(cls, folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Transformer:
-        """Load and validate the safetensors checkpoint in `folder` (through `loader`'s layout cache)."""
-        return loader.build(folder, cfg, dtype, device, lambda weights: cls(cfg, weights, device))
+    def load(
+        cls,
+        folder: Path,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        progress: ProgressCallback | None = None,
+    ) -> Transformer:
+        """Load and validate the safetensors checkpoint in `folder` (through `loader`'s layout cache,
+        whose first build reports to `progress`)."""
+        return loader.build(folder, cfg, dtype, device, lambda weights: cls(cfg, weights, device), progress)
 
     # -- the layers ----------------------------------------------------------------------------
 

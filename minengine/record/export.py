@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from minengine.engine.events import RequestResult
+from minengine.engine.metrics import RequestMetrics
 from minengine.errors import ReqscopeError
 from minengine.kv.arithmetic import MIB
 from minengine.record.telemetry import telemetry_record
@@ -98,8 +99,18 @@ def csv_timeline(r: RequestResult) -> CsvTimeline:
     return CsvTimeline(tuple(rows))
 
 
+CLOCKS = (
+    "ttft_ms .. itl_ms: wall clock, as a client sees the stream; engine_metrics: the same formulas "
+    "with held_ms, the time the run was held at a step (paused or stepped in the explorer), taken out"
+)
+
+
 def metrics_record(r: RequestResult) -> dict:
-    """request-metrics.json with the seed calculator's keys, from measured values."""
+    """request-metrics.json with the seed calculator's keys, from measured values.
+
+    The seed's keys hold the wall-clock metrics, what a client would have seen; `engine_metrics`
+    holds the same keys on the engine's clock (held time taken out) and `held_ms` the time held.
+    """
     record: dict = {"scope": "full causal attention; measured on one request; logical unsharded KV"}
     kv, m = r.kv_peak, r.metrics
     if kv is not None:
@@ -108,19 +119,27 @@ def metrics_record(r: RequestResult) -> dict:
         record["stop_kv_mib"] = kv.logical_bytes / MIB
         record["stop_kv_physical_mib"] = kv.physical_bytes / MIB
     if m is not None:
-        record |= {
-            "ttft_ms": m.ttft_ms,
-            "e2e_ms": m.e2e_ms,
-            "tpot_ms": m.tpot_ms,
-            "decode_output_tokens_per_second": m.decode_output_tokens_per_second,
-            "whole_request_output_tokens_per_second": m.whole_request_output_tokens_per_second,
-            "output_tokens": m.output_tokens,
-        }
-        if m.itl is not None:
-            record["itl_ms"] = m.itl.summary()
+        record["clocks"] = CLOCKS
+        record |= _metric_keys(m)
+        record["held_ms"] = r.held_ms
+        record["engine_metrics"] = None if r.engine_metrics is None else _metric_keys(r.engine_metrics)
     record["input_tokens"] = r.usage.prompt_tokens
     record["finish_reason"] = r.finish_reason
     return record
+
+
+def _metric_keys(m: RequestMetrics) -> dict:
+    keys = {
+        "ttft_ms": m.ttft_ms,
+        "e2e_ms": m.e2e_ms,
+        "tpot_ms": m.tpot_ms,
+        "decode_output_tokens_per_second": m.decode_output_tokens_per_second,
+        "whole_request_output_tokens_per_second": m.whole_request_output_tokens_per_second,
+        "output_tokens": m.output_tokens,
+    }
+    if m.itl is not None:
+        keys["itl_ms"] = m.itl.summary()
+    return keys
 
 
 def perfetto_trace(r: RequestResult) -> dict:

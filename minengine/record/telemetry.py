@@ -8,8 +8,8 @@ from minengine.engine.events import RequestResult
 
 
 def telemetry_record(r: RequestResult) -> dict:
-    """Request ID, stage times, token counts, queue wait, KV, errors and cancellation."""
-    m = r.metrics
+    """Request ID, stage times, token counts, queue wait, latency (wall clock and engine), KV, errors, cancellation."""
+    m, e = r.metrics, r.engine_metrics
     return {
         "request_id": r.request_id,
         "finish_reason": r.finish_reason,
@@ -22,6 +22,10 @@ def telemetry_record(r: RequestResult) -> dict:
         "ttft_ms": None if m is None else m.ttft_ms,
         "e2e_ms": None if m is None else m.e2e_ms,
         "tpot_ms": None if m is None else m.tpot_ms,
+        # The times above are the wall clock's; these leave out the time the run was held at a
+        # step (the explorer's pause and step), equal to them when nobody held it.
+        "held_ms": round(r.held_ms, 3),
+        "engine_metrics": None if e is None else {"ttft_ms": e.ttft_ms, "e2e_ms": e.e2e_ms, "tpot_ms": e.tpot_ms},
         "kv_peak_logical_bytes": None if r.kv_peak is None else r.kv_peak.logical_bytes,
         "kv_peak_physical_bytes": None if r.kv_peak is None else r.kv_peak.physical_bytes,
         "sampler_order": list(r.sampler_order),

@@ -28,6 +28,7 @@ EVENT_TYPES: dict[str, type] = {
         ev.StageEvent,
         ev.PromptEvent,
         ev.AdmitEvent,
+        ev.PrefixCacheEvent,
         ev.PrefillEvent,
         ev.TokenEvent,
         ev.StepReady,

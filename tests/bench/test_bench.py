@@ -101,9 +101,12 @@ def _synthetic_report(smoke_report, **changes):
 
 
 def test_targets_follow_the_numbers(smoke_report):
+    # The decode target reads the fair comparison (each engine in its own process); it used to read
+    # the in-process one, where transformers ran under reqscope's OpenMP policy.
+    fair_side = replace(smoke_report.fair.side("reqscope"), vs_transformers=Spread(1.6, 1.5, 1.7, 3))
     good = _synthetic_report(
         smoke_report,
-        decode=replace(smoke_report.decode, speedup=Spread(1.6, 1.5, 1.7, 3)),
+        fair=replace(smoke_report.fair, sides=(fair_side, *smoke_report.fair.sides[1:])),
         roofline=replace(
             smoke_report.roofline, matvec_fraction=Spread(0.61, 0.6, 0.7, 3), fraction=Spread(0.5, 0.4, 0.6, 3)
         ),
@@ -114,9 +117,10 @@ def test_targets_follow_the_numbers(smoke_report):
     assert by_name["decode speed vs transformers"]
     assert by_name["decode bandwidth / measured roofline"]
     assert by_name["explorer overhead on decode"]
+    slow_side = replace(fair_side, vs_transformers=Spread(1.49, 1.4, 1.6, 3))
     bad = _synthetic_report(
         good,
-        decode=replace(good.decode, speedup=Spread(1.49, 1.4, 1.6, 3)),
+        fair=replace(good.fair, sides=(slow_side, *good.fair.sides[1:])),
         roofline=replace(good.roofline, matvec_fraction=Spread(0.59, 0.5, 0.7, 3), fraction=Spread(0.9, 0.8, 1.0, 3)),
         explorer=replace(good.explorer, overhead_percent=Spread(5.1, 1.0, 8.0, 3)),
     )
@@ -150,7 +154,8 @@ def smoke_report(chatty_tiny_dir):
 def test_smoke_run_produces_every_key(smoke_report):
     data = json.loads(json.dumps(to_json(smoke_report)))  # must be plain JSON
     assert set(data) >= {
-        "machine", "config", "short_prompt_tokens", "prefill_short", "prefill_long", "decode", "parity",
+        "machine", "config", "fair", "fair_under_load", "short_prompt_tokens", "prefill_short", "prefill_long",
+        "decode", "parity",
         "roofline", "explorer", "start", "memory", "device_memory", "targets",
     }  # fmt: skip
     for key in ("prefill_short", "prefill_long", "decode"):
@@ -168,6 +173,13 @@ def test_smoke_run_produces_every_key(smoke_report):
     assert data["memory"]["peak_rss_bytes"] > data["memory"]["weight_bytes"]
     assert data["device_memory"] is None  # CPU
     assert {t["name"] for t in data["targets"]} >= {"decode speed vs transformers", "explorer overhead on decode"}
+    # The fair comparison: both sides through pipes, each with its environment named.
+    fair = data["fair"]
+    assert [side["name"] for side in fair["sides"]][:2] == ["reqscope", "transformers"]
+    assert fair["decode_speedup"]["n"] == 2 and fair["parity"]["identical"] is True
+    for side in fair["sides"]:
+        assert side["decode_tokens_per_s"]["median"] > 0 and side["environment"]["threads"] >= 1
+    assert data["fair_under_load"] is None
 
 
 def test_smoke_report_reads_as_a_table(smoke_report):
@@ -175,6 +187,7 @@ def test_smoke_report_reads_as_a_table(smoke_report):
 
     text = format_table(smoke_report)
     assert "decode 6 tokens (tok/s)" in text and "prefill 48 tokens (ms)" in text
+    assert text.index("fair comparison (idle machine)") < text.index("in-process comparison (secondary)")
     verdicts = [line.split()[0] for line in text.split("targets:")[1].strip().splitlines()]
     assert len(verdicts) == len(targets(smoke_report)) and set(verdicts) <= {"PASS", "FAIL"}
 

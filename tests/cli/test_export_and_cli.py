@@ -28,7 +28,7 @@ def test_json_mode_lines(chatty_tiny_dir, capsys):
     assert code == 0
     records = [json.loads(line) for line in out.splitlines()]
     stages = [r["name"] for r in records if r["event"] == "stage"]
-    assert stages == ["gateway", "template", "tokenize", "admit", "prefill", "decode", "complete"]
+    assert stages == ["gateway", "template", "tokenize", "admit", "prefix_cache", "prefill", "decode", "complete"]
     tokens = [r for r in records if r["event"] == "token"]
     assert [t["index"] for t in tokens] == list(range(len(tokens)))
     assert all(t["kv_physical_bytes"] >= t["kv_logical_bytes"] > 0 for t in tokens)
@@ -79,7 +79,7 @@ def test_plain_mode_and_export_round_trip(chatty_tiny_dir, tmp_path, capsys):
     assert list(metrics["itl_ms"]) == ["mean", "median", "std", "p90", "p95", "p99", "max"]
     perfetto = json.loads((export / "request-trace.perfetto.json").read_text())
     spans = [e["name"] for e in perfetto["traceEvents"] if e.get("ph") == "X"]
-    assert spans[:5] == ["gateway", "template", "tokenize", "admit", "prefill"]
+    assert spans[:6] == ["gateway", "template", "tokenize", "admit", "prefix_cache", "prefill"]
     telemetry = json.loads((export / "request-telemetry.json").read_text())
     assert telemetry["finish_reason"] in ("length", "stop") and telemetry["cancelled"] is False
     header, events = read_trace(export / "request-trace.jsonl")

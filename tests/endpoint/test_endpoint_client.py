@@ -10,13 +10,14 @@ from serve_harness import KEY, MODEL, serving
 
 from minengine.engine.engine import Engine
 from minengine.engine.request import GenerationRequest
-from minengine.sampling.sampler import SamplingParams
 from reqscope.cli import main
 from reqscope.endpoint.client import EndpointClient
 from reqscope.endpoint.events import ChunkReceived, ConnectionReady, RequestSent, ResponseStarted, StreamEnded
+from reqscope.endpoint.settings import RequestSettings
 
 TOKENS = 10
-REQUEST = GenerationRequest.from_prompt("Hello there", sampling=SamplingParams(temperature=0), max_tokens=TOKENS)
+REQUEST = GenerationRequest.from_prompt("Hello there")
+SETTINGS = RequestSettings(temperature=0, max_tokens=TOKENS, top_logprobs=2)
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +29,9 @@ def served(chatty_tiny_dir):
 
 def _stream(served, new_connection: bool = False, api_key: str = KEY) -> list:
     async def collect():
-        async with EndpointClient(served.v1, api_key=api_key, new_connection=new_connection, top_logprobs=2) as c:
+        async with EndpointClient(served.v1, api_key=api_key, new_connection=new_connection) as c:
             assert await c.models() == (MODEL,)  # also opens the connection the request may reuse
-            return [e async for e in c.stream_chat(REQUEST, MODEL)]
+            return [e async for e in c.stream_chat(REQUEST, MODEL, SETTINGS)]
 
     return asyncio.run(collect())
 
@@ -75,7 +76,7 @@ def test_connection_is_reused_unless_a_new_one_is_asked_for(served):
 def test_http_errors_end_the_stream_with_the_servers_message(served):
     async def collect():
         async with EndpointClient(served.v1, api_key="wrong") as c:
-            return [e async for e in c.stream_chat(REQUEST, MODEL)]
+            return [e async for e in c.stream_chat(REQUEST, MODEL, SETTINGS)]
 
     result = asyncio.run(collect())[-1].result
     assert result.status == 401 and result.metrics is None
@@ -113,3 +114,33 @@ def test_cli_endpoint_refused_key_is_a_one_line_error(served, capsys):
     assert err == [
         f"reqscope: error: {served.v1} refused the API key (incorrect API key); pass --api-key or set OPENAI_API_KEY"
     ]
+
+
+def test_cli_default_run_sends_no_sampling_and_still_works(served, capsys):
+    # Nothing set: the body carries no sampling and no logprobs, and reqscope serve applies its defaults.
+    assert main(["--endpoint", served.v1, "--api-key", KEY, "--json", "hi"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    sent, done = records[0], records[-1]
+    assert sent["sampling"] == {} and sent["logprobs"] is None
+    assert sent["server_default"] == ["temperature", "top_k", "top_p", "min_p", "seed", "max_tokens"]
+    assert done["event"] == "done" and done["finish_reason"] in ("stop", "length")
+    assert 0 < done["usage"]["completion_tokens"] <= 256  # the server's default max_tokens
+    assert all("logprobs" not in r for r in records if r["event"] == "chunk")  # none asked, none sent back
+    assert done["logprobs"] is None
+    record = served.telemetry.wait_for(done["request_id"]).record()
+    assert record["usage"]["completion_tokens"] == done["usage"]["completion_tokens"]
+    # The server's view beside the client's: its TTFT from its report, and its TPOT.
+    assert done["server"]["request_id"] == done["request_id"]
+    t = done["tpot_comparison"]
+    if done["usage"]["completion_tokens"] > 1:
+        assert t["source"] == "reqscope" and t["server_ms"] == pytest.approx(done["server"]["tpot_ms"])
+
+
+def test_cli_plain_mode_shows_server_defaults_and_the_servers_tpot(served, capsys):
+    argv = ["--endpoint", served.v1, "--api-key", KEY, "--plain", "--temperature", "0", "--max-tokens", "4"]
+    assert main([*argv, "--logprobs", "2", "hi"]) == 0
+    err = capsys.readouterr().err
+    sent = "· sent      temperature 0, max_tokens 4; server default: top_k, top_p, min_p, seed; logprobs on (top 2"
+    assert sent in err
+    assert "ms/token on its clock (its report); client TPOT" in err
+    assert "logprobs  on (top 2 per token), returned for 4 tokens: asking for logprobs can slow the server" in err

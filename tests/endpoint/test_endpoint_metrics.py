@@ -77,7 +77,7 @@ def test_client_against_a_server_that_batches_tokens():
     try:
 
         async def collect():
-            async with EndpointClient(server.url + "/v1", top_logprobs=0) as client:
+            async with EndpointClient(server.url + "/v1") as client:
                 return [e async for e in client.stream_chat(GenerationRequest.from_prompt("hi"), "any")]
 
         events = asyncio.run(collect())

@@ -12,7 +12,7 @@ from minengine.engine.engine import Engine
 from minengine.engine.events import AdmitEvent, DoneEvent, PromptEvent, StageEvent, StepReady, TokenEvent
 from minengine.engine.request import GenerationRequest
 from minengine.engine.session import RequestSession, kv_sizing
-from minengine.engine.timeline import STAGES
+from minengine.engine.timeline import ALL_STAGES
 from minengine.errors import AdmissionError
 from minengine.kv.arithmetic import blocks_for, kv_bytes_in_blocks, stored_kv_heads
 from minengine.sampling.sampler import SamplingParams
@@ -34,7 +34,7 @@ def tokens_of(events):
 def test_stages_in_order_and_timeline_reconciles(chatty_engine):
     events, result = run(chatty_engine, sampling=GREEDY, max_tokens=6)
     stages = [e.name for e in events if isinstance(e, StageEvent)]
-    assert stages == list(STAGES)
+    assert stages == list(ALL_STAGES)
     names = [e.name for e in result.timeline if e.name != "token"]
     assert names == [
         "client_send",
@@ -43,6 +43,8 @@ def test_stages_in_order_and_timeline_reconciles(chatty_engine):
         "templated",
         "tokenized",
         "scheduler_admit",
+        "prefix_cache_start",
+        "prefix_cache_end",
         "prefill_start",
         "prefill_end",
         "first_visible_token",
@@ -190,8 +192,8 @@ def test_invalid_request_is_an_error_result(chatty_engine):
 
 
 def test_every_stage_has_its_own_session_function():
-    # The session is written as one function per seed stage (`_gateway` ... `_complete`).
-    assert all(callable(getattr(RequestSession, f"_{stage}", None)) for stage in STAGES)
+    # The session is written as one function per stage (`_gateway` ... `_complete`).
+    assert all(callable(getattr(RequestSession, f"_{stage}", None)) for stage in ALL_STAGES)
 
 
 def test_kv_reservation_is_whole_blocks_of_stored_heads():

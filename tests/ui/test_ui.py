@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 from rich.console import Console
@@ -21,6 +22,7 @@ from reqscope.ui.help_screen import HelpScreen
 from reqscope.ui.keys import keys_for
 from reqscope.ui.loading_screen import LoadingScreen
 from reqscope.ui.panel import Panel
+from reqscope.ui.panels.readout import short_ms
 from reqscope.ui.prompt_form import PromptForm
 from reqscope.ui.run.app import ExplorerApp
 from reqscope.ui.run.latency import latency_figures
@@ -87,6 +89,49 @@ async def test_step_holds_after_each_token_and_space_runs_and_pauses(default_eng
         await finished(pilot, app)
         assert app.view.result.finish_reason == "length"
         assert [t.index for t in app.view.tokens] == list(range(6))
+
+
+async def test_a_held_step_is_shown_apart_from_the_engine_itl(default_engine):
+    """Pause, wait 1.5 s, step: the latency panel's ITL stays the engine's, the pause shows as held."""
+    app = live_app(default_engine, kyoto_request(max_tokens=256))  # still decoding when paused; leaving cancels it
+    async with app.run_test(size=(100, 40)) as pilot:
+        await pilot.press("4")  # the latency panel
+        await wait_for(pilot, lambda: len(app.view.tokens) >= 6 or app.view.result is not None)
+        await pilot.press("space")
+        await wait_for(pilot, lambda: app.held_step is not None)
+        free = latency_figures(app.view)
+        assert free.held_ms == 0.0 and free.itl is not None
+        await pilot.pause(1.5)
+        step = app.held_step
+        await pilot.press("s")
+        await held_at(pilot, app, step + 1)
+        fig = latency_figures(app.view)
+        assert fig.held_ms >= 1400 and fig.wall_last_itl_ms >= 1400  # the wall clock saw the pause
+        assert fig.last_itl_ms < 1000 and fig.itl.max < 1000  # the engine's ITL did not
+        assert fig.last_itl_ms < fig.wall_last_itl_ms - 1400
+        assert fig.engine.tpot_ms < free.itl.max + 1000 and fig.wall.tpot_ms > fig.engine.tpot_ms
+        latency = panel_text(app, "#latency")
+        assert f"last ITL   {fig.last_itl_ms:.1f} ms" in latency
+        assert f"held by you {fig.held_ms / 1000:.2f} s" in latency
+        assert f"wall clock, as a client saw it: last ITL {fig.wall_last_itl_ms:.1f} ms" in latency
+        readout = panel_text(app, "#readout")
+        assert re.search(rf"held( by you)? {fig.held_ms / 1000:.1f} ?s", readout), readout  # spelt to fit
+        assert f"ITL last {short_ms(fig.last_itl_ms, ' ')}" in readout or f"ITL {short_ms(fig.last_itl_ms)}" in readout
+
+
+@pytest.mark.parametrize("size", [(80, 24), (140, 45)])
+async def test_the_readout_is_on_screen_while_decoding(default_engine, size):
+    app = live_app(default_engine, kyoto_request(max_tokens=256))  # long enough to be decoding still
+    async with app.run_test(size=size) as pilot:
+        await wait_for(pilot, lambda: len(app.view.tokens) >= 4 and app.repaints > 1)
+        await wait_for(pilot, lambda: not app.needs_repaint)
+        assert app.view.result is None  # still decoding
+        readout = app.screen.query_one("#readout")
+        assert readout.region.height == 1 and app.screen.region.contains_region(readout.region)
+        text = panel_text(app, "#readout")
+        for needle in ("tok", "TTFT", "ITL", "p50", "tok/s", "KV", "MiB", "gqa"):
+            assert needle in text, text
+        assert "held" not in text  # nobody paused this run
 
 
 async def test_top_p_change_refilters_the_held_step_and_applies_to_the_next(default_engine):
@@ -170,6 +215,8 @@ async def test_switching_the_kv_layout_measures_both_layouts(default_engine):
         assert gqa.itl_mean_ms is not None and mha.itl_mean_ms is not None
         text = panel_text(app, "#layouts")
         assert "MHA/GQA bytes 3.00×" in text and "MQA" in text
+        chart = panel_text(app, "#kv")  # the growth chart: this mha run, the gqa run measured before it
+        assert "━ mha" in chart and "━ gqa " in chart and "┄ GQA" in chart
 
 
 async def test_restart_runs_the_request_again_with_a_new_id(default_engine):
@@ -284,16 +331,16 @@ async def test_layout_adapts_to_the_terminal_size():
             return sorted(p.id for p in shown)
 
         assert not app.wide
-        assert on_screen() == ["logits", "pipeline", "tokens"]
+        assert on_screen() == ["logits", "pipeline", "readout", "tokens"]
         await pilot.press("2")
-        assert on_screen() == ["kv", "pipeline", "tokens"]
+        assert on_screen() == ["kv", "pipeline", "readout", "tokens"]
         await pilot.resize_terminal(160, 50)
         await pilot.pause()
         assert app.wide
-        assert on_screen() == ["kv", "latency", "layouts", "logits", "pipeline", "tokens"]
+        assert on_screen() == ["kv", "latency", "layouts", "logits", "pipeline", "readout", "tokens"]
         await pilot.resize_terminal(80, 24)
         await pilot.pause()
-        assert on_screen() == ["kv", "pipeline", "tokens"]
+        assert on_screen() == ["kv", "pipeline", "readout", "tokens"]
 
 
 async def test_export_writes_a_new_folder_each_time(tmp_path):
@@ -351,7 +398,8 @@ async def test_real_model_end_to_end_then_replay_the_export(default_model_dir, t
         reference = next(e for e in app.engine.generate(request) if isinstance(e, DoneEvent)).result
         assert result.token_ids == reference.token_ids  # greedy: the UI changes nothing
         figures = latency_figures(app.view)
-        assert figures.metrics == result.metrics
+        assert figures.wall == result.metrics and figures.engine == result.engine_metrics == result.metrics
+        assert figures.held_ms == result.held_ms == 0.0  # never paused: one clock
         assert figures.itl.mean == pytest.approx(result.metrics.tpot_ms)
         assert "TTFT" in panel_text(app, "#latency")
         await pilot.press("x")

@@ -19,19 +19,20 @@ from ui_fixtures import wait_for
 
 from minengine.engine.engine import Engine
 from minengine.engine.request import GenerationRequest
+from minengine.errors import RequestError
 from minengine.kv.arithmetic import KIB, MIB, kv_bytes_per_token
 from minengine.plan.cards import Architecture
-from minengine.sampling.sampler import SamplingParams
 from reqscope.cli import main
 from reqscope.endpoint.events import ChunkReceived, ConnectionReady, RequestSent, ResponseStarted
+from reqscope.endpoint.settings import RequestSettings
 from reqscope.endpoint.target import EndpointTarget
 from reqscope.serve.runner import start_in_thread
 from reqscope.ui.endpoint.app import EndpointApp
+from reqscope.ui.endpoint.settings_form import EndpointSettingsForm, parse_settings, settings_values
 from reqscope.ui.endpoint.timeline_panel import client_events
 from reqscope.ui.endpoint.view import EndpointView
 from reqscope.ui.help_screen import HelpScreen
 from reqscope.ui.launch import endpoint_outcome
-from reqscope.ui.sampling_form import SamplingForm
 
 pytestmark = pytest.mark.anyio
 TOKENS = 12
@@ -54,14 +55,18 @@ def served(chatty_tiny_dir):
         yield s
 
 
-def request(**changes) -> GenerationRequest:
-    defaults = {"sampling": SamplingParams(temperature=0), "max_tokens": TOKENS}
-    return GenerationRequest.from_prompt("Hello there", **(defaults | changes))
+def request() -> GenerationRequest:
+    return GenerationRequest.from_prompt("Hello there")
+
+
+def settings(**changes) -> RequestSettings:
+    """Greedy and TOKENS long, no logprobs (the default), unless changed."""
+    return RequestSettings(temperature=0, max_tokens=TOKENS).with_(**changes)
 
 
 def endpoint_app(served, *, api_key: str = KEY, new_connection: bool = False, **options) -> EndpointApp:
     target = EndpointTarget(served.v1, api_key=api_key, new_connection=new_connection)
-    return EndpointApp(target, options.pop("req", None) or request(), **options)
+    return EndpointApp(target, request(), settings=options.pop("settings", None) or settings(), **options)
 
 
 def screen_text(app: EndpointApp, selector: str) -> str:
@@ -121,7 +126,7 @@ async def test_a_streamed_request_is_drawn_with_the_clients_and_the_servers_figu
 
 
 async def test_logprobs_panel_shows_the_servers_entries_for_the_chunk_in_focus(served):
-    app = endpoint_app(served)
+    app = endpoint_app(served, settings=settings(top_logprobs=2))
     async with app.run_test(size=LARGE) as pilot:
         await finished(pilot, app)
         chunks = app.view.chunks
@@ -129,7 +134,9 @@ async def test_logprobs_panel_shows_the_servers_entries_for_the_chunk_in_focus(s
         text = screen_text(app, "#logits")
         assert f"chunk {len(chunks)} of {len(chunks)}" in text
         assert f"logprob {last.logprob:.3f}" in text
-        assert "greedy" in text  # the chain asked for, applied by the server
+        assert "temperature 0, max_tokens 12; server default: top_k, top_p, min_p, seed" in text  # as sent
+        assert "logprobs on (top 2 per token) · asking for logprobs can slow the server" in text
+        assert all(len(entry.top) == 2 for entry in app.view.token_logprobs)
         assert all(f"{alt.logprob:8.3f}" in text for alt in last.top)
         # Greedy: the chosen token is every step's argmax, so it heads its own alternatives.
         assert all(entry.top[0].logprob == pytest.approx(entry.logprob) for entry in app.view.token_logprobs)
@@ -168,7 +175,7 @@ async def test_kv_panel_says_the_endpoint_hides_the_cache_and_computes_it_from_c
 
 
 async def test_cancel_closes_the_stream_and_the_server_stops_decoding(served):
-    app = endpoint_app(served, req=request(max_tokens=LONG))
+    app = endpoint_app(served, settings=settings(max_tokens=LONG))
     async with app.run_test(size=SMALL) as pilot:
         await wait_for(pilot, lambda: len(app.view.chunks) >= 3 or app.view.done, timeout=60)
         request_id = app.view.response.request_id
@@ -200,20 +207,21 @@ async def test_sampling_changes_go_with_the_next_request(served):
     async with app.run_test(size=SMALL) as pilot:
         await finished(pilot, app)
         await pilot.press("o")
-        await wait_for(pilot, lambda: isinstance(app.screen, SamplingForm))
+        await wait_for(pilot, lambda: isinstance(app.screen, EndpointSettingsForm))
         assert not app.screen.query("#field-order")  # the server picks its own sampler order
+        assert app.screen.query_one("#field-top_k", Input).value == ""  # not set: the server's default
         for name, value in (("temperature", "0.8"), ("top_k", "5"), ("seed", "3"), ("max_tokens", "6")):
             app.screen.query_one(f"#field-{name}", Input).value = value
         await pilot.click("#apply")
-        await wait_for(pilot, lambda: app.next_request is not None)
-        assert app.request.sampling.temperature == 0  # the request on screen keeps what it was sent with
-        assert "next: T 0.8 k 5" in screen_text(app, "#status")
+        await wait_for(pilot, lambda: app.next_settings is not None)
+        assert app.settings.temperature == 0  # the request on screen keeps what it was sent with
+        assert "next: T 0.8 k 5 seed 3 max 6 · p min-p: server default, no logprobs" in screen_text(app, "#status")
         await pilot.press("r")
-        await wait_for(pilot, lambda: app.request.max_tokens == 6)
+        await wait_for(pilot, lambda: app.settings.max_tokens == 6)
         await finished(pilot, app)
         record = served.telemetry.wait_for(app.view.result.request_id).record()
         assert record["usage"]["completion_tokens"] <= 6
-        assert app.request.sampling.top_k == 5 and app.request.sampling.seed == 3
+        assert app.view.sent.settings == RequestSettings(temperature=0.8, top_k=5, seed=3, max_tokens=6)
         assert "T 0.8 k 5" in screen_text(app, "#status") and "next:" not in screen_text(app, "#status")
 
 
@@ -303,7 +311,8 @@ async def test_a_foreign_server_without_logprobs_or_a_report_is_drawn_honestly()
     foreign.router.add_post("/v1/chat/completions", _foreign_stream)
     server = start_in_thread(foreign, "127.0.0.1", 0)  # no /v1/models: the model must be named
     try:
-        app = EndpointApp(EndpointTarget(server.url + "/v1", model="foreign"), request())
+        target = EndpointTarget(server.url + "/v1", model="foreign")
+        app = EndpointApp(target, request(), settings=settings(top_logprobs=3))
         async with app.run_test(size=LARGE) as pilot:
             await finished(pilot, app)
             result = app.view.result
@@ -318,5 +327,128 @@ async def test_a_foreign_server_without_logprobs_or_a_report_is_drawn_honestly()
             assert "the server sent no timing report" in latency
             assert "none reported" in screen_text(app, "#timeline")
             assert "model foreign" in screen_text(app, "#status")
+            # Asked for but none came back; and with no request without them yet, no cost to measure.
+            assert "no request without them this session to compare" in latency
+    finally:
+        server.stop()
+
+
+async def test_settings_not_given_show_as_the_servers_default(served):
+    app = endpoint_app(served, settings=RequestSettings())
+    async with app.run_test(size=LARGE) as pilot:
+        await finished(pilot, app)
+        result = app.view.result
+        assert result.error is None and app.view.sent.settings == RequestSettings()
+        status = screen_text(app, "#status")
+        assert "sampling: server default" in status and "logprobs" not in status
+        answer = screen_text(app, "#tokens")
+        assert f"output {result.output_tokens} tokens (usage)" in answer and "max tokens: server default" in answer
+        logprobs = screen_text(app, "#logits")
+        assert "server default for all (temperature, top_k, top_p, min_p, seed, max_tokens)" in logprobs
+        assert "logprobs off: not asked for, so they cannot slow the server being measured" in logprobs
+        assert "--logprobs N on the command line, or o, logprobs N, then r" in logprobs
+        assert app.view.token_logprobs == []  # none asked, none sent
+        latency = screen_text(app, "#latency")
+        assert "logprobs" not in latency  # nothing asked, nothing disturbed, nothing to say
+        # reqscope serve's report: its TTFT and its TPOT beside the client's.
+        assert result.tpot is not None and result.tpot.source == "reqscope"
+        assert "TPOT: client clock vs server clock" in latency
+        assert f"server     {result.tpot.server_ms:.2f} ms" in latency
+
+
+async def test_asking_for_logprobs_says_so_and_measures_the_cost_against_a_request_without(served):
+    app = endpoint_app(served)  # no logprobs: the baseline
+    async with app.run_test(size=LARGE) as pilot:
+        await finished(pilot, app)
+        baseline = app.view.result.metrics.tpot_ms
+        assert "logprobs off" in screen_text(app, "#logits")
+        await pilot.press("o")
+        await wait_for(pilot, lambda: isinstance(app.screen, EndpointSettingsForm))
+        assert app.screen.query_one("#field-top_logprobs", Input).value == ""  # off
+        app.screen.query_one("#field-top_logprobs", Input).value = "3"
+        await pilot.click("#apply")
+        await wait_for(pilot, lambda: app.next_settings is not None)
+        upcoming = "next: T 0 (greedy) max 12 · k p min-p seed: server default, logprobs top 3"
+        assert upcoming in screen_text(app, "#status")
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.settings.logprobs)
+        await finished(pilot, app)
+        assert all(len(entry.top) == 3 for entry in app.view.token_logprobs)
+        assert len(app.view.token_logprobs) == TOKENS
+        status = screen_text(app, "#status")
+        assert "#2" in status and "logprobs top 3: may slow the server" in status
+        with_ = app.view.result.metrics.tpot_ms
+        latency = screen_text(app, "#latency")
+        assert (f"logprobs cost: TPOT {with_:.2f} ms with them vs {baseline:.2f} ms without (#1): "
+                f"{with_ - baseline:+.2f} ms/token") in latency
+        assert "asking for logprobs can slow the server" in screen_text(app, "#logits")
+
+
+def test_the_settings_form_reads_blank_as_the_servers_default():
+    assert parse_settings({}) == RequestSettings()
+    values = {"temperature": "0.5", "top_k": " ", "max_tokens": "7", "top_logprobs": "0"}
+    assert parse_settings(values) == RequestSettings(temperature=0.5, max_tokens=7, top_logprobs=0)
+    assert settings_values(RequestSettings(temperature=0.5, seed=3))["seed"] == "3"
+    assert settings_values(RequestSettings())["top_logprobs"] == ""
+    for bad, message in (({"top_k": "x"}, "top-k must be a whole number or blank"),
+                         ({"max_tokens": "0"}, "max tokens must be at least 1"),
+                         ({"top_logprobs": "-1"}, "logprobs must be 0 or more")):
+        with pytest.raises(RequestError, match=message):
+            parse_settings(bad)
+
+
+async def test_a_bad_field_in_the_settings_form_is_named_and_nothing_changes(served):
+    app = endpoint_app(served)
+    async with app.run_test(size=SMALL) as pilot:
+        await finished(pilot, app)
+        await pilot.press("o")
+        await wait_for(pilot, lambda: isinstance(app.screen, EndpointSettingsForm))
+        app.screen.query_one("#field-temperature", Input).value = "warm"
+        await pilot.click("#apply")
+        await pilot.pause()
+        assert isinstance(app.screen, EndpointSettingsForm) and app.next_settings is None
+        assert "temperature must be a number or blank; got 'warm'" in screen_text(app, "#form-error")
+
+
+LLAMA_TIMINGS = {"cache_n": 4, "prompt_n": 6, "prompt_ms": 8.25, "prompt_per_token_ms": 1.375,
+                 "prompt_per_second": 727.27, "predicted_n": 4, "predicted_ms": 46.0,
+                 "predicted_per_token_ms": 11.5, "predicted_per_second": 86.96}
+
+
+async def _llama_stream(request):
+    """A server shaped like llama.cpp's: a token a chunk, `timings` with the last chunk."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for word in ("one", " two", " three", " four"):
+        await asyncio.sleep(0.02)
+        chunk = {"choices": [{"index": 0, "delta": {"content": word}, "finish_reason": None}]}
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+           "usage": {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14}, "timings": LLAMA_TIMINGS}
+    await response.write(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n")
+    return response
+
+
+async def test_llama_cpp_timings_are_drawn_as_the_servers_view():
+    llama = web.Application()
+    llama.router.add_post("/v1/chat/completions", _llama_stream)
+    server = start_in_thread(llama, "127.0.0.1", 0)
+    try:
+        app = EndpointApp(EndpointTarget(server.url + "/v1", model="llama"), request(), settings=RequestSettings())
+        async with app.run_test(size=LARGE) as pilot:
+            await finished(pilot, app)
+            result = app.view.result
+            assert result.timings is not None and result.tpot.source == "timings"
+            latency = screen_text(app, "#latency")
+            assert "llama.cpp timings (server clock)" in latency
+            assert "prompt     8.2 ms" in latency and "prompt tok 6 (+4 cached)" in latency
+            assert "per token  11.50 ms" in latency and "generated  4" in latency
+            assert f"client TTFT {result.metrics.ttft_ms:.1f} ms: " in latency
+            assert "TPOT: client clock vs server clock" in latency
+            assert f"client     {result.tpot.client_ms:.2f} ms" in latency and "server     11.50 ms" in latency
+            timeline = screen_text(app, "#timeline")
+            assert "own clock (llama.cpp timings)" in timeline
+            assert "prompt                      8.25  6 tokens" in timeline
+            assert "generation                 46.00  4 tokens" in timeline
     finally:
         server.stop()

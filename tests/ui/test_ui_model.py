@@ -12,11 +12,15 @@ from minengine.kv.cache import KVUsage
 from minengine.record.trace_io import TraceHeader
 from minengine.sampling.sampler import Candidate, SamplingParams, StepTrace
 from reqscope.ui.base import renewed
-from reqscope.ui.glyphs import bar, columns, sparkline
+from reqscope.ui.glyphs import PlotSeries, bar, columns, plot, sparkline
 from reqscope.ui.keys import KEYS, action_name
+from reqscope.ui.panels.kv import growth_chart
 from reqscope.ui.panels.logits import chain_text, cut_positions
+from reqscope.ui.panels.readout import fit_line, readout_items
 from reqscope.ui.run.app import ExplorerApp
 from reqscope.ui.run.export_folder import claim_run_folder
+from reqscope.ui.run.frame import Frame
+from reqscope.ui.run.kv_growth import growth_points
 from reqscope.ui.run.latency import latency_figures
 from reqscope.ui.run.layout_compare import element_bytes, formula_rows
 from reqscope.ui.run.live import LiveRun
@@ -39,9 +43,14 @@ def kv_usage(tokens: int, heads: int = 3, elem: int = 4, layers: int = 30, head_
     )
 
 
-def token(index: int, t_ms: float, text: str = "x") -> TokenEvent:
+def token(index: int, t_ms: float, text: str = "x", held_ms: float = 0.0) -> TokenEvent:
     return TokenEvent(index=index, token_id=100 + index, piece=text, text=text, t_ms=t_ms, itl_ms=None,
-                      step_ms=5.0, kv=kv_usage(10 + index), trace=None)
+                      step_ms=5.0, kv=kv_usage(10 + index), trace=None, held_ms=held_ms)
+
+
+def frame_of(view: RunView, max_tokens: int = 256) -> Frame:
+    return Frame(header=SMOLLM, view=view, request_id="req-1", max_tokens=max_tokens, params=SamplingParams(),
+                 state="running", replay=False, latency=latency_figures(view))
 
 
 def stage(name: str, start: float, end: float) -> StageEvent:
@@ -76,7 +85,7 @@ def test_latency_figures_follow_the_metric_definitions():
     for i, t in enumerate((100.0, 130.0, 170.0, 220.0)):
         view.apply(token(i, t))
     fig = latency_figures(view)
-    m = fig.metrics
+    m = fig.engine
     assert (m.ttft_ms, m.e2e_ms) == (100.0, 220.0)
     assert m.tpot_ms == pytest.approx(40.0)  # (220 - 100) / (4 - 1)
     assert m.decode_output_tokens_per_second == pytest.approx(25.0)  # 3 gaps in 0.12 s
@@ -84,6 +93,79 @@ def test_latency_figures_follow_the_metric_definitions():
     assert fig.itls_ms == (30.0, 40.0, 50.0) and fig.last_itl_ms == 50.0
     assert (fig.itl.median, fig.itl.max) == (40.0, 50.0)
     assert fig.prefill_ms_per_token == 8.0
+    assert fig.wall == fig.engine and fig.held_ms == 0.0  # nobody held it: one clock
+
+
+def test_latency_figures_take_the_held_time_out():
+    view = RunView()
+    view.apply(PrefillEvent(10, 80.0, kv_usage(10)))
+    # Token 2 came 2 s late: the run was paused at its step for 1,980 ms.
+    for i, (t, held) in enumerate(((100.0, 0.0), (130.0, 0.0), (2150.0, 1980.0), (2190.0, 0.0))):
+        view.apply(token(i, t, held_ms=held))
+    fig = latency_figures(view)
+    assert fig.held_ms == 1980.0
+    assert fig.itls_ms == (30.0, 40.0, 40.0)  # engine clock: the pause is gone
+    assert fig.wall_last_itl_ms == 40.0 and fig.last_itl_ms == 40.0
+    assert fig.wall.itl.max == 2020.0 and fig.itl.max == 40.0
+    assert fig.engine.tpot_ms == pytest.approx(110.0 / 3) and fig.wall.tpot_ms == pytest.approx(2090.0 / 3)
+    assert fig.engine.ttft_ms == fig.wall.ttft_ms == 100.0
+
+
+def test_the_readout_keeps_every_figure_down_to_80_columns():
+    view = RunView()
+    view.apply(PrefillEvent(10, 80.0, kv_usage(10)))
+    for i, (t, held) in enumerate(((1234.5, 0.0), (1300.0, 0.0), (9400.0, 8000.0), (9480.0, 0.0))):
+        view.apply(token(i, t, held_ms=held))
+    items = readout_items(frame_of(view))
+    wide = fit_line(items, 200).plain
+    assert wide.startswith("out 4/256 tok · TTFT 1.23 s · ITL last 80.0 ms · p50 80.0 ms · decode ")
+    assert "MiB logical/physical, gqa cache fp32" in wide and "held by you 8.0 s" in wide
+    for width in (78, 100, 138):
+        line = fit_line(items, width).plain
+        assert len(line) <= width, line
+        for needle in ("4", "TTFT 1.23", "ITL", "p50 80.0", "t", "KV 0.", "gqa", "held"):
+            assert needle in line, (width, line)
+    assert fit_line(items, 78).plain == "4 tok TTFT 1.23s ITL 80.0ms p50 80.0ms 12.2t/s KV 0.57/0.70 MiB gqa held 8.0s"
+    nothing = readout_items(frame_of(RunView()))
+    assert fit_line(nothing, 78).plain.startswith("out 0/256 tok · TTFT – · ITL last –")
+
+
+def test_kv_growth_points_are_bounded_and_keep_both_ends():
+    view = RunView()
+    view.apply(PrefillEvent(10, 80.0, kv_usage(10)))
+    for i in range(2000):
+        view.apply(token(i, 100.0 + i))
+    points = growth_points(view, limit=100)
+    assert len(points) <= 101
+    assert (points[0].tokens, points[-1].tokens) == (10, 2009)
+    assert all(p.physical_bytes >= p.logical_bytes for p in points)
+
+
+def test_the_growth_chart_draws_the_run_and_the_other_layouts():
+    view = RunView()
+    view.apply(PrefillEvent(10, 80.0, kv_usage(10)))
+    for i in range(40):
+        view.apply(token(i, 100.0 + i))
+    wide = growth_chart(frame_of(view), view.kv, 100, 10)[0].plain
+    # Scaled to this run: MHA's line leaves the top (↑), MQA's stays below.
+    assert wide == "MiB by cached tokens: ━ gqa logical ━ physical, blocks of 16 ┄ MHA↑ ┄ MQA formula"
+    lines = [line.plain for line in growth_chart(frame_of(view), view.kv, 60, 10)]
+    assert len(lines) == 10 and all(len(line) <= 60 for line in lines)
+    assert lines[0] == "MiB: ━ gqa logical ━ physical (16-token blocks) ┄ MHA↑ ┄ MQA"
+    top = 46080 * 64 * 1.2 / 2**20  # this run's physical bytes (4 blocks of 16 for 49 tokens), plus headroom
+    assert lines[1].startswith(f"{top:.3g}┤") and lines[-2].lstrip().startswith("0┤")
+    assert lines[-1].endswith("49 tokens") and "↑10 prompt" in lines[-1]
+    assert sum(ch != " " for line in lines[1:-1] for ch in line[6:]) > 60  # something is drawn
+
+
+def test_plot_draws_lines_and_steps_in_braille():
+    rising = plot([PlotSeries((0, 10), (0, 10), "")], 5, 2, 10, 10)
+    assert [t.plain for t in rising] == ["  ⢀⡤⠞", "⣠⠖⠋  "]  # each column joined to the one before
+    step = plot([PlotSeries((0, 5, 10), (0, 10, 10), "", step=True)], 5, 2, 10, 10)
+    assert [t.plain for t in step] == ["  ⢸⠉⠉", "⣀⣀⣸  "]  # flat at 0, straight up at x = 5, flat at the top
+    dotted = plot([PlotSeries((0, 10), (0, 10), "", dotted=True)], 5, 2, 10, 10)
+    assert [t.plain for t in dotted] == ["   ⠄⠂", "⡀⠂⠁  "]  # every other column, unjoined
+    assert plot([PlotSeries((), (), "")], 3, 1, 1, 1)[0].plain == "   "
 
 
 # -- GQA vs MHA -------------------------------------------------------------------------------
@@ -153,6 +235,7 @@ class _FakeSession:
     def __init__(self, tokens: int):
         self.tokens = tokens
         self.produced = 0
+        self.holds = 0
         self.cancelled = threading.Event()
 
     def __iter__(self):
@@ -166,6 +249,9 @@ class _FakeSession:
 
     def cancel(self):
         self.cancelled.set()
+
+    def hold(self):
+        self.holds += 1
 
 
 class _FakeEngine:
@@ -198,6 +284,7 @@ def test_the_gate_lets_exactly_one_token_through_per_step():
     live.resume()
     _wait(live.finished.is_set)
     assert session.produced == 5 and live.failure is None
+    assert session.holds == 2  # the session was told each time a step was held: steps 0 and 1
     assert sum(isinstance(e, TokenEvent) for e in live.inbox) == 5
 
 

@@ -1,12 +1,18 @@
-"""Snapshots of the explorer's main layouts, drawn from the recorded trace (no clocks, no memory readings)."""
+"""Snapshots of the explorer's main layouts, drawn from the recorded trace (no clocks, no memory readings).
+
+Sizes: 80x24 (the smallest supported), 140x45 (an ordinary terminal: one detail panel, tall),
+160x50 and 200x50 (every panel at once). The readout line is on screen at each.
+"""
 
 from __future__ import annotations
 
 from textual.widgets import Input
-from ui_fixtures import replay_app
+from ui_fixtures import held_replay_app, replay_app
 
 SMALL = (80, 24)
+MEDIUM = (140, 45)
 LARGE = (160, 50)
+WIDE = (200, 50)
 
 
 def test_step_mode_logits_small(snap_compare):
@@ -35,6 +41,31 @@ def test_every_panel_large_mid_run(snap_compare):
 
 def test_every_panel_large_finished(snap_compare):
     assert snap_compare(replay_app(), press=["end"], terminal_size=LARGE)
+
+
+def test_held_step_latency_small(snap_compare):
+    # Held 2.5 s at step 6: the readout and the latency panel show the engine's ITL, the held time apart.
+    assert snap_compare(held_replay_app(at=5), press=["s"] * 8 + ["4"], terminal_size=SMALL)
+
+
+def test_mid_run_medium(snap_compare):
+    assert snap_compare(replay_app(), press=["s"] * 6, terminal_size=MEDIUM)
+
+
+def test_kv_growth_medium(snap_compare):
+    assert snap_compare(replay_app(), press=["end", "2"], terminal_size=MEDIUM)
+
+
+def test_held_step_latency_medium(snap_compare):
+    assert snap_compare(held_replay_app(at=5), press=["s"] * 9 + ["4"], terminal_size=MEDIUM)
+
+
+def test_every_panel_wide_mid_run(snap_compare):
+    assert snap_compare(replay_app(), press=["s"] * 6, terminal_size=WIDE)
+
+
+def test_every_panel_wide_finished(snap_compare):
+    assert snap_compare(replay_app(), press=["end"], terminal_size=WIDE)
 
 
 def test_help_screen(snap_compare):

@@ -1,9 +1,11 @@
 """The explorer as a client of an OpenAI-compatible server (`reqscope --endpoint URL`).
 
 Only what crosses the wire can be shown: the client's timeline (connection, first byte, first
-token, every chunk), its TTFT/ITL/TPOT/E2E, the text chunk by chunk, the top logprobs when the
-server returns them and, from `reqscope serve`, the server's own stage times beside the
-client's. What needs the engine's inside (per-layer KV, the logits, the sampler's cuts, pausing
+token, every chunk), its TTFT/ITL/TPOT/E2E, the text chunk by chunk, the top logprobs when asked
+for (off by default: they can slow the server, and when on, the cost is shown) and, from
+`reqscope serve` or llama.cpp's server, the server's own times beside the client's. The request
+carries only the settings the user gave (`RequestSettings`); the rest are the server's defaults.
+What needs the engine's inside (per-layer KV, the logits, the sampler's cuts, pausing
 between tokens) is not observable here; the panels say so, and the KV panel shows the planner's
 computed figures when `--config` names the model's shape.
 
@@ -21,19 +23,20 @@ from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from minengine.plan.cards import Architecture
 from reqscope.endpoint.events import StreamEnded
+from reqscope.endpoint.settings import RequestSettings
 from reqscope.endpoint.target import EndpointTarget
 from reqscope.ui.base import ExplorerBase, renewed
-from reqscope.ui.endpoint.frame import EndpointFrame
+from reqscope.ui.endpoint.frame import Baseline, EndpointFrame
 from reqscope.ui.endpoint.kv_panel import EndpointKVPanel
 from reqscope.ui.endpoint.latency_panel import EndpointLatencyPanel
 from reqscope.ui.endpoint.logprobs_panel import EndpointLogprobsPanel
+from reqscope.ui.endpoint.settings_form import EndpointSettingsForm
 from reqscope.ui.endpoint.status_line import endpoint_status
 from reqscope.ui.endpoint.stream_panel import AnswerPanel, EndpointPipelinePanel
 from reqscope.ui.endpoint.timeline_panel import EndpointTimelinePanel
 from reqscope.ui.endpoint.view import EndpointView
 from reqscope.ui.endpoint.worker import EndpointRequest, EndpointWorker
 from reqscope.ui.keys import ENDPOINT, bindings
-from reqscope.ui.sampling_form import SamplingChoice, SamplingForm
 
 
 class EndpointApp(ExplorerBase):
@@ -52,13 +55,15 @@ class EndpointApp(ExplorerBase):
         target: EndpointTarget,
         request: GenerationRequest,
         *,
+        settings: RequestSettings | None = None,
         arch: Architecture | None = None,
         repaint_hz: float = 20.0,
     ) -> None:
         super().__init__(mode=ENDPOINT, repaint_hz=repaint_hz)
         self.target = target
-        self.request = request  # the request on screen
-        self.next_request: GenerationRequest | None = None  # settings changed since, for the next send
+        self.request = request  # the request on screen: its messages
+        self.settings = settings or RequestSettings()  # its sampling and logprobs, as sent (None: server default)
+        self.next_settings: RequestSettings | None = None  # settings changed since, for the next send
         self.arch = arch
         self.worker: EndpointWorker | None = None
         self.model = ""
@@ -91,25 +96,26 @@ class EndpointApp(ExplorerBase):
     def _connected(self, model: str) -> None:
         self.model = model
         self.load_error = None
-        self._start(self.request)
+        self._start(self.request, self.settings)
 
-    def _start(self, request: GenerationRequest) -> None:
-        """Send `request`, closing the stream on screen first if it still runs."""
+    def _start(self, request: GenerationRequest, settings: RequestSettings) -> None:
+        """Send `request` with `settings`, closing the stream on screen first if it still runs."""
         assert self.worker is not None
         if self.run_ is not None:
             self.run_.cancel()
             self.history.append(self.view)
         self.request = request
-        self.next_request = None
+        self.settings = settings
+        self.next_settings = None
         self.view = EndpointView()
         self.cursor = None
-        self.run_ = EndpointRequest(request, wake=self._wake)
+        self.run_ = EndpointRequest(request, wake=self._wake, settings=settings)
         self.worker.start(self.run_)
         self._invalidate()
 
     def _rerun(self, **changes: object) -> None:
         if self._can_send():
-            self._start(renewed(self.next_request or self.request, **changes))
+            self._start(renewed(self.request, **changes), self.next_settings or self.settings)
 
     def _take_events(self) -> None:
         # Taking empties the inbox, so the run's next event wakes this thread again.
@@ -144,8 +150,20 @@ class EndpointApp(ExplorerBase):
             cursor=self.cursor,
             arch=self.arch,
             new_connection=self.target.new_connection,
-            next_request=self.next_request,
+            settings=self.settings,
+            next_settings=self.next_settings,
+            baseline=self._baseline() if self.settings.logprobs else None,
         )
+
+    def _baseline(self) -> Baseline | None:
+        """The newest earlier request sent without logprobs that has a TPOT: the cost of asking is measured on it."""
+        for number, view in reversed(list(enumerate(self.history, start=1))):
+            result = view.result
+            if view.sent is None or view.sent.settings.logprobs or result is None or result.error:
+                continue
+            if result.metrics is not None and result.metrics.tpot_ms is not None:
+                return Baseline(number, result.metrics.tpot_ms)
+        return None
 
     def _status_line(self, frame: EndpointFrame) -> RenderableType:
         return endpoint_status(frame, len(self.history) + 1)
@@ -189,15 +207,13 @@ class EndpointApp(ExplorerBase):
         self.notify("cancelled: the connection is closed, so the server can stop decoding")
 
     def action_sampling(self) -> None:
-        """The sampling form; the settings go with the next request (the server samples, not reqscope)."""
-        upcoming = self.next_request or self.request
-        current = SamplingChoice(upcoming.sampling, upcoming.max_tokens)
-        self.push_screen(SamplingForm(current, lambda params: None, omit=frozenset({"order"})), self._sampling_chosen)
+        """The settings form: sampling and logprobs for the next request (the server samples, not reqscope)."""
+        self.push_screen(EndpointSettingsForm(self.next_settings or self.settings), self._settings_chosen)
 
-    def _sampling_chosen(self, choice: SamplingChoice | None) -> None:
-        if choice is None:
+    def _settings_chosen(self, settings: RequestSettings | None) -> None:
+        if settings is None:
             return
-        self.next_request = renewed(self.request, sampling=choice.params, max_tokens=choice.max_tokens)
+        self.next_settings = settings
         self.notify("the new settings go with the next request: r sends it")
         self._invalidate()
 

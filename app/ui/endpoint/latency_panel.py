@@ -1,4 +1,10 @@
-"""Client-observed latency: TTFT, ITL per chunk, TPOT per token, rates, E2E, and the server's TTFT beside it."""
+"""Client-observed latency: TTFT, ITL per chunk, TPOT per token, rates, E2E, and the server's view beside it.
+
+The server's view is whatever it reports: `reqscope serve`'s stage times (TTFT split into
+gateway, queue and prefill) or llama.cpp's `timings` (prompt and generation times). When the
+request asked for logprobs, a line says what that cost, measured against the newest request of
+the session sent without them.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +12,15 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from reqscope.endpoint.events import EndpointResult
-from reqscope.ui.endpoint.frame import EndpointFrame
-from reqscope.ui.glyphs import ms
+from reqscope.endpoint.settings import LOGPROBS_COST_NOTE
+from reqscope.ui.endpoint.frame import Baseline, EndpointFrame
+from reqscope.ui.glyphs import ms, rate
 from reqscope.ui.panel import Panel
 from reqscope.ui.panels.latency import itl_chart, metric_figures, pairs
 
 
 class EndpointLatencyPanel(Panel[EndpointFrame]):
-    """The client's figures, the client-vs-server TTFT split when the server reports one, the ITL chart."""
+    """The client's figures, the logprobs' cost when asked for, the server's view beside the client's, the ITL chart."""
 
     TITLE = "Latency (client clock)"
     WAITING = "sending…"
@@ -27,31 +34,84 @@ class EndpointLatencyPanel(Panel[EndpointFrame]):
         tokens, source = view.output_tokens()
         note = Text(no_wrap=True, overflow="ellipsis", style="dim")
         note.append(f"ITL per chunk ({len(view.chunks)}), TPOT per token ({tokens}, from {source})")
-        lines = [*pairs(figures, width), note, *_server_lines(view.result, width)]
+        lines = [*pairs(figures, width), note]
+        if frame.settings.logprobs:
+            lines.append(Text(logprobs_cost_text(m.tpot_ms if m else None, frame.baseline), style="bold yellow",
+                              no_wrap=True, overflow="ellipsis"))
+        lines += _server_lines(view.result, width)
         lines += itl_chart(tuple(gaps), width, height - len(lines), unit="chunks")
         return Group(*lines[: max(height, 1)])
 
 
+def logprobs_cost_text(tpot_ms: float | None, baseline: Baseline | None) -> str:
+    """What asking for logprobs cost this request: its TPOT against the newest request of the session without them."""
+    head = f"logprobs on: {LOGPROBS_COST_NOTE}"
+    if baseline is None:
+        return f"{head}; no request without them this session to compare (o, blank logprobs, then r)"
+    if tpot_ms is None:
+        return f"{head}; TPOT without them {baseline.tpot_ms:.2f} ms (#{baseline.number}), with them: not yet known"
+    change = f" ({tpot_ms / baseline.tpot_ms:.2f}x)" if baseline.tpot_ms > 0 else ""
+    return (f"logprobs cost: TPOT {tpot_ms:.2f} ms with them vs {baseline.tpot_ms:.2f} ms without "
+            f"(#{baseline.number}): {tpot_ms - baseline.tpot_ms:+.2f} ms/token{change}")
+
+
+def _dim(text: str) -> Text:
+    return Text(text, style="dim", no_wrap=True, overflow="ellipsis")
+
+
+def _heading(text: str) -> Text:
+    return Text(text, style="dim underline", no_wrap=True, overflow="ellipsis")
+
+
 def _server_lines(result: EndpointResult | None, width: int) -> list[Text]:
-    """Client TTFT against the server's own, and where the difference went."""
+    """The server's view: reqscope serve's TTFT split, llama.cpp's timings, and TPOT on both clocks."""
     if result is None:
-        return [Text("server's view: once the stream ends (reqscope serve reports it)", style="dim", no_wrap=True,
-                     overflow="ellipsis")]
+        return [_dim("server's view: once the stream ends (reqscope serve and llama.cpp's server report one)")]
+    if result.server is None and result.timings is None:
+        why = "the server sent no timing report (reqscope serve and llama.cpp's server send one)"
+        return [_dim(f"server's view: {why}")]
+    lines = []
     t = result.ttft
-    if t is None:
-        why = "the server sent no timing report" if result.server is None else "no first token to compare"
-        return [Text(f"server's view: {why} (reqscope serve sends one)", style="dim", no_wrap=True,
-                     overflow="ellipsis")]
-    heading = Text("TTFT: client clock vs server clock", style="dim underline", no_wrap=True,
-                   overflow="ellipsis")
+    if t is not None:
+        figures = [
+            ("client", ms(t.client_ms)),
+            ("server", ms(t.server_ms)),
+            ("outside", ms(t.outside_server_ms)),
+            ("gateway", ms(t.gateway_ms)),
+            ("queue", ms(t.queue_ms)),
+            ("prefill", ms(t.prefill_ms)),
+        ]
+        lines += [_heading("TTFT: client clock vs server clock"), *pairs(figures, width),
+                  _dim("outside the server: connection, network, HTTP (the client's clock only)")]
+    elif result.server is not None:
+        lines.append(_dim("server's view: no first token to compare TTFT"))
+    if result.timings is not None:
+        lines += _timings_lines(result, width)
+    if result.tpot is not None:
+        c = result.tpot
+        figures = [("client", ms(c.client_ms, 2)), ("server", ms(c.server_ms, 2)),
+                   ("outside", ms(c.outside_server_ms, 2))]
+        lines += [_heading("TPOT: client clock vs server clock"), *pairs(figures, width),
+                  _dim("outside its decode: streaming each chunk, the network, the client's reading")]
+    return lines
+
+
+def _timings_lines(result: EndpointResult, width: int) -> list[Text]:
+    """llama.cpp's timings: prompt processing and generation on the server's clock."""
+    tm = result.timings
+    assert tm is not None
+    prompt = "–" if tm.prompt_n is None else f"{tm.prompt_n}" + (f" (+{tm.cache_n} cached)" if tm.cache_n else "")
     figures = [
-        ("client", ms(t.client_ms)),
-        ("server", ms(t.server_ms)),
-        ("outside", ms(t.outside_server_ms)),
-        ("gateway", ms(t.gateway_ms)),
-        ("queue", ms(t.queue_ms)),
-        ("prefill", ms(t.prefill_ms)),
+        ("prompt", ms(tm.prompt_ms)),
+        ("prompt tok", prompt),
+        ("generation", ms(tm.predicted_ms)),
+        ("generated", "–" if tm.predicted_n is None else str(tm.predicted_n)),
+        ("per token", ms(tm.predicted_per_token_ms, 2)),
+        ("decode", rate(tm.predicted_per_second)),
     ]
-    note = Text("outside the server: connection, network, HTTP (the client's clock only)", style="dim",
-                no_wrap=True, overflow="ellipsis")
-    return [heading, *pairs(figures, width), note]
+    lines = [_heading("server's view: llama.cpp timings (server clock)"), *pairs(figures, width)]
+    m = result.metrics
+    if m is not None and tm.prompt_ms is not None:
+        lines.append(_dim(f"client TTFT {m.ttft_ms:.1f} ms: {m.ttft_ms - tm.prompt_ms:.1f} ms beyond its prompt time "
+                          "(queue, tokenizing, network, HTTP)"))
+    return lines

@@ -3,7 +3,9 @@
 The endpoint never shows its logits or its sampler, only (when asked) each chosen token's log
 probability and its likeliest alternatives. `reqscope serve`, like OpenAI and vLLM, reports the
 raw model distribution, before temperature and the filters; the sampling settings shown on top
-are what the client asked for, applied on the server.
+are what the client asked for, applied on the server (or the server's defaults, where unset).
+Logprobs are not asked for unless the user says so, since computing them can slow the server;
+the panel says how to ask, and what it costs.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ import math
 from rich.console import Group, RenderableType
 from rich.text import Text
 
+from reqscope.endpoint.settings import LOGPROBS_COST_NOTE, logprobs_text, settings_text
 from reqscope.openai.logprobs import IMPOSSIBLE_LOGPROB, TokenLogprob
 from reqscope.ui.endpoint.frame import EndpointFrame
 from reqscope.ui.glyphs import bar, prob_style, show_piece
 from reqscope.ui.panel import Panel
-from reqscope.ui.panels.logits import chain_text
 
 _HEADER = f"{'':2}{'#':>2} {'token':<14} {'logprob':>8} {'prob':>7}"
 _BAR = 12
@@ -32,12 +34,16 @@ class EndpointLogprobsPanel(Panel[EndpointFrame]):
     def draw(self, frame: EndpointFrame, width: int, height: int) -> RenderableType:
         view = frame.view
         chain = Text()
-        chain.append(chain_text(frame.request.sampling), style="bold")
+        chain.append(settings_text(frame.settings), style="bold")
         chain.append("  (applied by the server)", style="dim")
+        if not frame.settings.logprobs:
+            return Group(chain, *_off_lines())
+        cost = Text(f"{logprobs_text(frame.settings)} · {LOGPROBS_COST_NOTE}: the latency panel shows by how much",
+                    style="yellow", no_wrap=True, overflow="ellipsis")
         if not view.chunks:
-            return Group(chain, Text("no chunk yet: logprobs arrive with the text", style="dim"))
+            return Group(chain, cost, Text("no chunk yet: logprobs arrive with the text", style="dim"))
         if not view.token_logprobs:
-            return Group(chain, Text(
+            return Group(chain, cost, Text(
                 "the server returned no logprobs: it ignores or does not support logprobs/top_logprobs, "
                 "so only the text is known",
                 style="dim",
@@ -51,7 +57,7 @@ class EndpointLogprobsPanel(Panel[EndpointFrame]):
         following = frame.cursor is None
         hint = "  following the newest · ↑↓ pick a chunk" if following else "  ↓ to the last follows the newest"
         focus.append(hint, style="dim")
-        lines = [chain, focus]
+        lines = [chain, cost, focus]
         for offset, entry in enumerate(chunk.logprobs):
             lines += _token_rows(first_token + offset, entry, width)
         if not chunk.logprobs:
@@ -60,6 +66,16 @@ class EndpointLogprobsPanel(Panel[EndpointFrame]):
         if spare >= 3:
             lines += [Text(""), *_recent(view.token_logprobs, spare)]
         return Group(*lines[: max(height, 1)])
+
+
+def _off_lines() -> list[Text]:
+    """What the panel says when the request did not ask for logprobs."""
+    return [
+        Text("logprobs off: not asked for, so they cannot slow the server being measured", style="dim"),
+        Text("to see them: --logprobs N on the command line, or o, logprobs N, then r "
+             "(the top N alternatives per token; 0 = the chosen token's only)", style="dim"),
+        Text(f"{LOGPROBS_COST_NOTE}: the latency panel then shows by how much", style="dim"),
+    ]
 
 
 def _prob(logprob: float) -> float:

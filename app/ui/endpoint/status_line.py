@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from reqscope.endpoint.settings import short_settings
 from reqscope.ui.endpoint.frame import EndpointFrame
 
 _STATE_STYLE = {
@@ -16,8 +17,12 @@ _STATE_STYLE = {
 
 
 def endpoint_status(frame: EndpointFrame, number: int = 1) -> Text:
-    """One line; the URL is cut first when narrow. `number` counts the requests sent this session."""
-    p, view = frame.request.sampling, frame.view
+    """One line; the URL is cut first when narrow. `number` counts the requests sent this session.
+
+    The settings are those sent: a field left out shows as "server default", and asking for
+    logprobs shows in yellow, since it may slow the server being measured.
+    """
+    view, settings = frame.view, frame.settings
     text = Text(no_wrap=True, overflow="ellipsis")
     text.append(" reqscope ", style="bold reverse")
     state = frame.state
@@ -25,11 +30,14 @@ def endpoint_status(frame: EndpointFrame, number: int = 1) -> Text:
     text.append(f" {shown} ", style=_STATE_STYLE.get(state, "bold"))
     server_id = view.response.request_id if view.response is not None else None
     text.append(f" #{number} {server_id or frame.request.request_id} · ")
-    text.append("greedy" if p.greedy else f"T {p.temperature:g} k {p.top_k} p {p.top_p:g} min-p {p.min_p:g}")
-    text.append(f" · seed {p.seed} · model {frame.model or '?'} ")
-    if frame.next_request is not None:
-        n = frame.next_request.sampling
-        settings = "greedy" if n.greedy else f"T {n.temperature:g} k {n.top_k} p {n.top_p:g} min-p {n.min_p:g}"
-        text.append(f"· next: {settings}, {frame.next_request.max_tokens} tokens (r sends) ", style="bold yellow")
+    if settings.logprobs:  # ahead of the settings, so a narrow line cuts them rather than the warning
+        text.append(f"logprobs top {settings.top_logprobs}: may slow the server", style="bold yellow")
+        text.append(" · ")
+    text.append(short_settings(settings))
+    text.append(f" · model {frame.model or '?'} ")
+    if frame.next_settings is not None:
+        n = frame.next_settings
+        logprobs = f", logprobs top {n.top_logprobs}" if n.logprobs else ", no logprobs"
+        text.append(f"· next: {short_settings(n)}{logprobs} (r sends) ", style="bold yellow")
     text.append(f"· {frame.url}", style="dim")
     return text

@@ -51,10 +51,13 @@ class AnswerPanel(Panel[EndpointFrame]):
         counts = Text(no_wrap=True, overflow="ellipsis")
         if usage is not None:
             counts.append(f"prompt {usage.prompt_tokens} · ", style="bold")
-        counts.append(f"output {tokens}/{frame.request.max_tokens} tokens ({source})", style="bold")
+        limit = frame.settings.max_tokens
+        counts.append(f"output {tokens}{'' if limit is None else f'/{limit}'} tokens ({source})", style="bold")
         counts.append(f" in {len(view.chunks)} chunks")
         if view.chunks and tokens > len(view.chunks):
             counts.append(f" · {tokens / len(view.chunks):.2f} tokens per chunk", style="dim")
+        if limit is None:
+            counts.append(" · max tokens: server default", style="dim")
         answer = Text()
         for chunk in view.chunks:
             answer.append(chunk.text, style=_CHUNK_STYLES[chunk.index % 2])

@@ -11,7 +11,7 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from minengine.engine.timeline import TimelineEvent
-from reqscope.endpoint.events import ServerReport
+from reqscope.endpoint.events import ServerReport, ServerTimings
 from reqscope.ui.endpoint.frame import EndpointFrame
 from reqscope.ui.endpoint.view import EndpointView
 from reqscope.ui.panel import Panel
@@ -34,7 +34,8 @@ class EndpointTimelinePanel(Panel[EndpointFrame]):
             line.append(event.detail, style="dim")
             lines.append(line)
             previous = event.t_ms
-        lines += _server(view.result.server if view.result is not None else None, view.done)
+        result = view.result
+        lines += _server(result.server if result else None, result.timings if result else None, view.done)
         if frame.new_connection:
             lines.append(Text("--new-connection: each request opens (and pays for) its own connection", style="dim",
                               no_wrap=True, overflow="ellipsis"))
@@ -69,13 +70,23 @@ def client_events(view: EndpointView) -> list[TimelineEvent]:
     return sorted(folded, key=lambda e: e.t_ms)
 
 
-def _server(report: ServerReport | None, done: bool) -> list[Text]:
-    if report is None:
-        note = "server stages: none reported (only reqscope serve sends them)" if done else (
+def _server(report: ServerReport | None, timings: ServerTimings | None, done: bool) -> list[Text]:
+    """The server's stages: reqscope serve's, or the two llama.cpp's timings name (prompt, generation)."""
+    if report is None and timings is None:
+        note = "server stages: none reported (reqscope serve and llama.cpp's server send them)" if done else (
             "server stages: with the last chunk, when the server reports them")
         return [Text(""), Text(note, style="dim", no_wrap=True, overflow="ellipsis")]
-    lines = [Text(""), Text(f"{'server stage':<22}{'ms':>10}  own clock", style="dim underline", no_wrap=True,
+    source = "own clock" if report is not None else "own clock (llama.cpp timings)"
+    lines = [Text(""), Text(f"{'server stage':<22}{'ms':>10}  {source}", style="dim underline", no_wrap=True,
                             overflow="ellipsis")]
-    for name, value in report.stages_ms:
-        lines.append(Text(f"{name:<22}{value:>10.2f}", no_wrap=True))
+    if report is not None:
+        for name, value in report.stages_ms:
+            lines.append(Text(f"{name:<22}{value:>10.2f}", no_wrap=True))
+        return lines
+    assert timings is not None
+    for name, value, tokens in (("prompt", timings.prompt_ms, timings.prompt_n),
+                                ("generation", timings.predicted_ms, timings.predicted_n)):
+        if value is not None:
+            detail = "" if tokens is None else f"  {tokens} tokens"
+            lines.append(Text(f"{name:<22}{value:>10.2f}{detail}", no_wrap=True))
     return lines

@@ -24,14 +24,18 @@ from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from reqscope.endpoint.client import EndpointClient
 from reqscope.endpoint.events import ClientEvent, StreamEnded
+from reqscope.endpoint.settings import RequestSettings
 from reqscope.endpoint.target import EndpointTarget, model_name
 
 
 class EndpointRequest:
     """One request in flight: its events so far, and a way to stop it."""
 
-    def __init__(self, request: GenerationRequest, wake: Callable[[bool], object]) -> None:
+    def __init__(
+        self, request: GenerationRequest, wake: Callable[[bool], object], settings: RequestSettings | None = None
+    ) -> None:
         self.request = request
+        self.settings = settings or RequestSettings()  # the sampling and logprobs the body carries
         self.wake = wake  # called from the client's thread: must be thread-safe and quick
         self.inbox: deque[ClientEvent] = deque()
         self.cancelled = False
@@ -104,7 +108,7 @@ class EndpointWorker:
     async def _stream(self, run: EndpointRequest) -> None:
         assert self._client is not None and self.model is not None, "connect() first"
         try:
-            async for event in self._client.stream_chat(run.request, self.model):
+            async for event in self._client.stream_chat(run.request, self.model, run.settings):
                 run.push(event)
         except asyncio.CancelledError:
             run.cancelled = True

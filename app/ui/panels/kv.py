@@ -1,4 +1,9 @@
-"""The KV cache: one bar per layer growing with every token, logical and physical totals, memory."""
+"""The KV cache: totals, memory, its growth over the request as a chart, and one bar per layer.
+
+The growth chart draws MiB against cached tokens: this run measured (logical, and physical as
+the staircase its blocks make), the layouts it did not use by formula (dotted), and the same
+request measured in the other layout once `m` has run it.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +14,22 @@ from rich.text import Text
 
 from minengine.kv.arithmetic import KIB, MIB
 from minengine.kv.cache import KVUsage
-from reqscope.ui.glyphs import bar, columns
+from reqscope.ui.glyphs import PlotSeries, bar, columns, plot
 from reqscope.ui.panel import Panel
 from reqscope.ui.run.frame import Frame
+from reqscope.ui.run.kv_growth import KVPoint, growth_points
+from reqscope.ui.run.layout_compare import formula_rows
 from reqscope.ui.run.memory_probe import MemoryReading
 
 _MIN_BAR = 6  # narrower horizontal bars say too little: draw the layers as columns instead
+_CHART_MIN_ROWS = 5  # a legend, three rows of plot, the token axis
+_BOTH_FROM_ROWS = 10  # from this many free rows the growth chart and the per-layer bars share the panel
+_LAYOUT_STYLE = {"gqa": "green", "mha": "red", "mqa": "blue"}
+_HEADROOM = 1.2  # the plot's top, over this run's physical bytes: room above the last step
 
 
 class KVPanel(Panel):
-    """Totals on top, then the per-layer bars scaled to each layer's reserved capacity."""
+    """Totals, the growth chart when there is room, then the per-layer bars scaled to their reserved capacity."""
 
     TITLE = "KV cache"
 
@@ -28,6 +39,12 @@ class KVPanel(Panel):
             return Text("the cache fills at prefill", style="dim")
         lines = _totals(kv, width) + [_memory(frame.memory, frame.replay)]
         rows = height - len(lines)
+        if rows >= _CHART_MIN_ROWS:
+            # Short of room for both, the chart goes first: every layer holds the same tokens, so
+            # the bars repeat one figure, while the chart shows how the request got there.
+            chart = growth_chart(frame, kv, width, rows if rows < _BOTH_FROM_ROWS else max(6, rows // 2))
+            lines += chart
+            rows -= len(chart)
         if rows >= 2:
             lines += _bars(kv, width, rows)
         return Group(*lines)
@@ -60,6 +77,90 @@ def _memory(reading: MemoryReading | None, replay: bool) -> Text:
     if reading.device_bytes is not None:
         text.append(f" · {reading.device} allocated {reading.device_bytes / MIB:.1f} MiB")
     return text
+
+
+def growth_chart(frame: Frame, kv: KVUsage, width: int, rows: int) -> list[Text]:
+    """KV MiB against cached tokens in `rows` lines: a legend, the plot, the token axis.
+
+    The height is scaled to this run, so its block staircase shows; a larger layout's line
+    leaves the plot at the top, marked ↑ in the legend (its size is in the GQA vs MHA panel).
+    """
+    own = frame.measured.get(kv.layout)
+    points = own.growth if own is not None and own.request_id == frame.request_id and own.growth else (
+        growth_points(frame.view))
+    others = [(layout, m.growth) for layout, m in sorted(frame.measured.items()) if layout != kv.layout and m.growth]
+    formulas = [row for row in formula_rows(frame.header, kv) if row.heads != kv.stored_heads]
+    x_max = max([points[-1].tokens] + [g[-1].tokens for _, g in others])
+    y_max = points[-1].physical_bytes * _HEADROOM / MIB
+    if x_max <= 0 or y_max <= 0:
+        return []
+
+    def measured(line: tuple[KVPoint, ...], style: str, physical: bool) -> PlotSeries:
+        ys = [(p.physical_bytes if physical else p.logical_bytes) / MIB for p in line]
+        return PlotSeries([p.tokens for p in line], ys, style, step=physical)
+
+    def straight(bytes_per_token: int, style: str) -> PlotSeries:
+        return PlotSeries((0, x_max), (0, bytes_per_token * x_max / MIB), style, dotted=True)
+
+    own_style = _LAYOUT_STYLE.get(kv.layout, "green")
+    # Drawn in order, the later on top where they share a cell: the formulas, the other layout's
+    # run, then this run's own layout from the origin (the prompt's part came in one prefill),
+    # its physical staircase and its logical line.
+    series = [straight(row.bytes_per_token, _LAYOUT_STYLE.get(row.name.lower(), "")) for row in formulas]
+    series += [measured(g, _LAYOUT_STYLE.get(layout, ""), physical=True) for layout, g in others]
+    series += [straight(kv.bytes_per_token, own_style), measured(points, "yellow", physical=True),
+               measured(points, f"bold {own_style}", physical=False)]
+
+    def off_top(name: str, end_bytes: float) -> str:
+        return f"{name}↑" if end_bytes / MIB > y_max else name
+
+    legend = _legend(kv, [off_top(row.name, row.bytes_per_token * x_max) for row in formulas],
+                     [off_top(layout, g[-1].physical_bytes) for layout, g in others], own_style, width)
+    top = f"{y_max:.3g}"
+    gutter = len(top) + 1
+    plot_rows = max(rows - 2, 1)
+    grid = plot(series, max(width - gutter, 1), plot_rows, x_max, y_max)
+    lines = [legend]
+    for n, row in enumerate(grid):
+        label = top if n == 0 else "0" if n == plot_rows - 1 else ""
+        line = Text(f"{label:>{gutter - 1}}{'┤' if label else '│'}", style="dim", no_wrap=True)
+        lines.append(line + row)
+    axis = Text(" " * gutter + "0", style="dim", no_wrap=True)
+    end = f"{x_max} tokens"
+    prompt = frame.view.prefill.prompt_tokens if frame.view.prefill else None
+    if prompt is not None:  # where prefill left the cache: the measured lines start there
+        at = gutter + round(prompt / x_max * (2 * (width - gutter) - 1)) // 2
+        mark = f"↑{prompt} prompt"
+        if at > len(axis.plain) and at + len(mark) + 1 + len(end) <= width:
+            axis.append(" " * (at - len(axis.plain)) + mark)
+    axis.append(end.rjust(width - len(axis.plain)))
+    lines.append(axis)
+    return lines
+
+
+def _legend(kv: KVUsage, formulas: list[str], others: list[str], own_style: str, width: int) -> Text:
+    """What each line is, in the longest wording that fits `width`."""
+    wordings = (
+        ("MiB by cached tokens: ", f"{kv.layout} logical", f"physical, blocks of {kv.block_size}", " formula",
+         "measured"),
+        ("MiB: ", f"{kv.layout} logical", f"physical ({kv.block_size}-token blocks)", "", "run"),
+        ("MiB: ", kv.layout, "blocks", "", "run"),
+    )
+    for intro, logical, physical, by_formula, measured in wordings:
+        legend = Text(no_wrap=True, overflow="ellipsis")
+        legend.append(intro, style="dim")
+        legend.append(f"━ {logical} ", style=own_style)
+        legend.append(f"━ {physical}", style="yellow")
+        for name in formulas:
+            legend.append(f" ┄ {name}", style=_LAYOUT_STYLE.get(name.rstrip("↑").lower(), ""))
+        if formulas and by_formula:
+            legend.append(by_formula, style="dim")
+        for layout in others:
+            legend.append(f" ━ {layout} {measured}", style=_LAYOUT_STYLE.get(layout.rstrip("↑"), ""))
+        if legend.cell_len <= width:
+            break
+    legend.truncate(width, overflow="ellipsis")
+    return legend
 
 
 def _layer_fractions(kv: KVUsage) -> list[tuple[float, float]]:

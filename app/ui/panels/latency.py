@@ -1,4 +1,9 @@
-"""Running latency: TTFT, ITL and its spread, TPOT, both output rates, E2E, prefill against prompt length."""
+"""Running latency: TTFT, ITL and its spread, TPOT, both output rates, E2E, prefill against prompt length.
+
+The figures are the engine's: a run held at a step (paused, stepped) has the held time taken
+out, and the panel says how much was held and what the wall clock, as a client would have seen
+it, reads beside them.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +14,42 @@ from minengine.engine.metrics import ItlStats, RequestMetrics
 from reqscope.ui.glyphs import columns, ms, rate, sparkline
 from reqscope.ui.panel import Panel
 from reqscope.ui.run.frame import Frame
-from reqscope.ui.run.latency import latency_figures
+from reqscope.ui.run.latency import LatencyFigures
 
 _CHART_MAX_ROWS = 10
 
 
 class LatencyPanel(Panel):
-    """Label/value pairs, the prefill figures, then the ITLs as a chart (or a sparkline when cramped)."""
+    """Label/value pairs, the held time, the prefill figures, then the ITLs as a chart (a sparkline when cramped)."""
 
     TITLE = "Latency"
 
     def draw(self, frame: Frame, width: int, height: int) -> RenderableType:
-        fig = latency_figures(frame.view)
-        figures = metric_figures(fig.metrics, fig.itl, fig.last_itl_ms)
-        lines = pairs(figures, width) + [_prefill(fig.prefill_ms, fig.prompt_tokens)]
+        fig = frame.latency
+        figures = metric_figures(fig.engine, fig.itl, fig.last_itl_ms)
+        lines = pairs(figures, width) + held_lines(fig) + [_prefill(fig.prefill_ms, fig.prompt_tokens)]
         if len(frame.prefill_history) > 1:
             history = " · ".join(f"{n} tok {t:.1f} ms" for n, t in frame.prefill_history[-6:])
             lines.append(Text(f"prefill by prompt length: {history}", style="dim", no_wrap=True, overflow="ellipsis"))
-        lines += itl_chart(fig.itls_ms, width, height - len(lines))
+        clock = " (engine time)" if fig.held_ms > 0 else ""
+        lines += itl_chart(fig.itls_ms, width, height - len(lines), clock=clock)
         return Group(*lines[: max(height, 1)])
+
+
+def held_lines(fig: LatencyFigures) -> list[Text]:
+    """When the run was held at a step: how long, and the wall clock's figures beside the engine's."""
+    if fig.held_ms <= 0:
+        return []
+    held = Text(no_wrap=True, overflow="ellipsis")
+    held.append("held by you", style="yellow")
+    held.append(f" {fig.held_ms / 1000:.2f} s", style="bold yellow")
+    held.append(" (paused, stepped): not in the engine's figures above", style="yellow")
+    wall = Text(no_wrap=True, overflow="ellipsis", style="dim")
+    w = fig.wall
+    wall.append("wall clock, as a client saw it: ")
+    wall.append(f"last ITL {ms(fig.wall_last_itl_ms)} · ITL max {ms(w.itl.max if w and w.itl else None)} · "
+                f"E2E {ms(w.e2e_ms if w else None)} · TTFT {ms(w.ttft_ms if w else None)}")
+    return [held, wall]
 
 
 def metric_figures(m: RequestMetrics | None, itl: ItlStats | None, last_itl_ms: float | None) -> list[tuple[str, str]]:
@@ -72,8 +94,11 @@ def _prefill(prefill_ms: float | None, tokens: int | None) -> Text:
     return text
 
 
-def itl_chart(itls: tuple[float, ...], width: int, rows: int, unit: str = "tokens") -> list[Text]:
-    """The last ITLs as bars scaled to their maximum, with a caption; one sparkline line when cramped."""
+def itl_chart(itls: tuple[float, ...], width: int, rows: int, unit: str = "tokens", clock: str = "") -> list[Text]:
+    """The last ITLs as bars scaled to their maximum, with a caption; one sparkline line when cramped.
+
+    `clock` names the clock in the caption when it matters (" (engine time)").
+    """
     if rows < 2:
         return []
     tail = itls[-(width - 1) :]
@@ -81,7 +106,7 @@ def itl_chart(itls: tuple[float, ...], width: int, rows: int, unit: str = "token
     if not tail:
         caption.append(f"ITL chart: from the second streamed {unit[:-1]} on")
         return [caption]
-    caption.append(f"ITL of the last {len(tail)} {unit}: {min(tail):.1f}–{max(tail):.1f} ms")
+    caption.append(f"ITL{clock} of the last {len(tail)} {unit}: {min(tail):.1f}–{max(tail):.1f} ms")
     if rows < 4:
         return [Text(sparkline(tail, width), style="cyan", no_wrap=True), caption]
     top = max(tail)

@@ -26,6 +26,7 @@ from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, PrefillEvent, RequestResult
 from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
+from minengine.progress import PullProgress, StatusCallback
 from minengine.record.export import export_run
 from minengine.record.trace_io import TraceHeader, trace_header
 from minengine.sampling.sampler import SamplingParams
@@ -37,10 +38,12 @@ from reqscope.ui.panels.latency import LatencyPanel
 from reqscope.ui.panels.layout import LayoutPanel
 from reqscope.ui.panels.logits import LogitsPanel
 from reqscope.ui.panels.pipeline import PipelinePanel
+from reqscope.ui.panels.readout import ReadoutPanel
 from reqscope.ui.panels.template import TemplatePanel
 from reqscope.ui.panels.tokens import TokensPanel
 from reqscope.ui.run.export_folder import DEFAULT_ROOT, claim_run_folder
 from reqscope.ui.run.frame import Frame, StepSubject
+from reqscope.ui.run.latency import latency_figures
 from reqscope.ui.run.layout_compare import MeasuredLayout, measured_layout
 from reqscope.ui.run.live import LiveRun
 from reqscope.ui.run.memory_probe import MemoryProbe
@@ -50,7 +53,7 @@ from reqscope.ui.run.step_subject import held_subject, last_token_subject, repla
 from reqscope.ui.run.view import RunView
 from reqscope.ui.sampling_form import SamplingChoice, SamplingForm
 
-EngineOpener = Callable[[Callable[[str], None]], Engine]
+EngineOpener = Callable[[StatusCallback], Engine]
 
 _LIVE_ONLY = {action_name(k) for k in keys_for(LIVE)} - {action_name(k) for k in keys_for(REPLAY)}
 _REPLAY_ONLY = {action_name(k) for k in keys_for(REPLAY)} - {action_name(k) for k in keys_for(LIVE)}
@@ -63,6 +66,7 @@ class ExplorerApp(ExplorerBase):
 
     BINDINGS = bindings(LIVE, REPLAY)
     PIPELINE = PipelinePanel
+    READOUT = ReadoutPanel
     BODY = (("tokens", TokensPanel), ("logits", LogitsPanel), ("kv", KVPanel), ("latency", LatencyPanel),
             ("layouts", LayoutPanel), ("template", TemplatePanel))
     DETAIL_VIEWS = ("logits", "kv", "layouts", "latency", "template")
@@ -152,7 +156,7 @@ class ExplorerApp(ExplorerBase):
         assert self._open_engine is not None and self._loading is not None
         screen = self._loading
 
-        def progress(message: str) -> None:
+        def progress(message: str | PullProgress) -> None:
             self.call_from_thread(screen.add_message, message)
 
         try:
@@ -259,7 +263,8 @@ class ExplorerApp(ExplorerBase):
     def _frame(self) -> Frame:
         assert self.header is not None
         request_id = self._request_id()
-        measured = measured_layout(self.view, request_id)
+        latency = latency_figures(self.view)
+        measured = measured_layout(self.view, request_id, latency)
         if measured is not None:
             self.measured[measured.layout] = measured
         return Frame(
@@ -270,6 +275,7 @@ class ExplorerApp(ExplorerBase):
             params=self._previewing or self.params,
             state=self._state(),
             replay=self.replay is not None,
+            latency=latency,
             subject=self._subject(),
             cursor=self.cursor,
             measured=dict(self.measured),

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from minengine.record.trace_io import TraceHeader
 from minengine.sampling.sampler import SamplingParams, StepTrace
+from reqscope.ui.run.latency import LatencyFigures
 from reqscope.ui.run.layout_compare import MeasuredLayout
 from reqscope.ui.run.memory_probe import MemoryReading
 from reqscope.ui.run.view import RunView
@@ -31,6 +32,7 @@ class Frame:
     params: SamplingParams  # what the next steps use (may differ from the request's)
     state: str  # "running", "paused", "done", "cancelled", "error", "replay"
     replay: bool
+    latency: LatencyFigures  # computed once per repaint for every panel that shows it
     subject: StepSubject | None = None
     cursor: int = 0  # highlighted candidate row in the logits panel
     measured: dict[str, MeasuredLayout] = field(default_factory=dict)

@@ -1,15 +1,20 @@
-"""Running latency figures for the latency panel, from the tokens seen so far.
+"""Running latency figures for the latency panel and the readout, from the tokens seen so far.
 
 While the request runs, the figures come from the same formulas the engine applies at the end
 (`minengine.engine.metrics`), fed with the visible tokens so far; once it is done they are the
 engine's own result, so the panel's last frame equals the exported metrics.
+
+Two clocks: `wall` is what a client would have seen, every gap as it happened; `engine` is the
+same formulas over the token times with the time the run was held at a step (paused, stepped,
+a form open) taken out. The explorer shows the engine's figures, the held time beside them:
+a step held for ten seconds is the person's time, not a ten-second inter-token latency.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minengine.engine.metrics import ItlStats, RequestMetrics, itl_stats, request_metrics
+from minengine.engine.metrics import ItlStats, RequestMetrics, itl_stats, request_metrics, without_held
 from minengine.errors import ReqscopeError
 from reqscope.ui.run.view import RunView
 
@@ -20,12 +25,15 @@ SEND_MS = 0.0
 
 @dataclass(frozen=True)
 class LatencyFigures:
-    """What the latency panel prints; None where there is not enough data yet."""
+    """What the latency panel and the readout print; None where there is not enough data yet."""
 
-    metrics: RequestMetrics | None
-    last_itl_ms: float | None
-    itls_ms: tuple[float, ...]  # every gap between streamed (visible) tokens, in order
-    itl: ItlStats | None
+    engine: RequestMetrics | None  # on the engine's clock: held time taken out
+    wall: RequestMetrics | None  # on the wall clock, as a client would have seen it
+    held_ms: float  # time the run was held at a step so far (0 when nobody paused it)
+    last_itl_ms: float | None  # the latest gap between visible tokens, engine clock
+    wall_last_itl_ms: float | None  # the same gap on the wall clock
+    itls_ms: tuple[float, ...]  # every gap between streamed (visible) tokens, in order, engine clock
+    itl: ItlStats | None  # their summary, engine clock
     prefill_ms: float | None
     prompt_tokens: int | None
     step_ms: tuple[float, ...]  # model + sampler time per generated token
@@ -40,20 +48,34 @@ class LatencyFigures:
 
 def latency_figures(view: RunView) -> LatencyFigures:
     """The figures for `view` as it stands."""
-    visible = view.visible_tokens
-    times = [t.t_ms for t in visible]
-    gaps = tuple(b - a for a, b in zip(times, times[1:], strict=False))
-    metrics = view.result.metrics if view.result is not None else _running_metrics(times)
+    shown = [(t.t_ms, held) for t, held in zip(view.tokens, view.held_totals, strict=True) if t.text]
+    times = [t for t, _ in shown]
+    engine_times = list(without_held(times, [held for _, held in shown]))
+    gaps = _gaps(engine_times)
+    wall_gaps = _gaps(times)
+    result = view.result
+    if result is not None:
+        # Traces recorded before engine metrics were kept have none: nobody held those runs apart.
+        wall, engine = result.metrics, result.engine_metrics or result.metrics
+    else:
+        wall, engine = _running_metrics(times), _running_metrics(engine_times)
     prefill = view.prefill
     return LatencyFigures(
-        metrics=metrics,
+        engine=engine,
+        wall=wall,
+        held_ms=view.held_ms,
         last_itl_ms=gaps[-1] if gaps else None,
+        wall_last_itl_ms=wall_gaps[-1] if wall_gaps else None,
         itls_ms=gaps,
-        itl=metrics.itl if metrics is not None and metrics.itl is not None else itl_stats(gaps),
+        itl=engine.itl if engine is not None and engine.itl is not None else itl_stats(gaps),
         prefill_ms=prefill.duration_ms if prefill else None,
         prompt_tokens=prefill.prompt_tokens if prefill else None,
         step_ms=tuple(t.step_ms for t in view.tokens),
     )
+
+
+def _gaps(times: list[float]) -> tuple[float, ...]:
+    return tuple(b - a for a, b in zip(times, times[1:], strict=False))
 
 
 def _running_metrics(times: list[float]) -> RequestMetrics | None:

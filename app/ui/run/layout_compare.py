@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from minengine.kv.arithmetic import kv_bytes_per_token
 from minengine.kv.cache import KVUsage
 from minengine.record.trace_io import TraceHeader
-from reqscope.ui.run.latency import latency_figures
+from reqscope.ui.run.kv_growth import KVPoint, growth_points
+from reqscope.ui.run.latency import LatencyFigures, latency_figures
 from reqscope.ui.run.view import RunView
 
 
@@ -39,6 +40,7 @@ class MeasuredLayout:
     itl_mean_ms: float | None
     decode_tokens_per_s: float | None
     finished: bool
+    growth: tuple[KVPoint, ...] = ()  # the cache after prefill and each token (thinned), for the growth chart
 
 
 def element_bytes(kv: KVUsage) -> float:
@@ -59,13 +61,17 @@ def formula_rows(header: TraceHeader, kv: KVUsage) -> tuple[FormulaRow, ...]:
     return tuple(rows)
 
 
-def measured_layout(view: RunView, request_id: str) -> MeasuredLayout | None:
-    """The current run's measurement, once it holds a KV snapshot."""
+def measured_layout(view: RunView, request_id: str, figures: LatencyFigures | None = None) -> MeasuredLayout | None:
+    """The current run's measurement, once it holds a KV snapshot (`figures`: its latency, if known).
+
+    Its ITL and decode rate are on the engine's clock, so a run stepped by hand compares with
+    one that ran freely.
+    """
     kv = view.kv
     if kv is None:
         return None
-    figures = latency_figures(view)
-    metrics = figures.metrics
+    figures = figures or latency_figures(view)
+    metrics = figures.engine
     return MeasuredLayout(
         layout=kv.layout,
         request_id=request_id,
@@ -76,4 +82,5 @@ def measured_layout(view: RunView, request_id: str) -> MeasuredLayout | None:
         itl_mean_ms=figures.itl.mean if figures.itl else None,
         decode_tokens_per_s=metrics.decode_output_tokens_per_second if metrics else None,
         finished=view.done,
+        growth=growth_points(view),
     )

@@ -6,7 +6,9 @@ woken for, so a burst of tokens costs the UI thread one message, not one per tok
 step and the end of the run always wake it (`urgent`). At every
 `StepReady` it asks the gate whether to go on: running, it never waits; paused, it waits
 there with the next token's logits computed, which is the only moment the session's step
-controls are valid.
+controls are valid. A wait there is the person's time, not the engine's: the gate tells the
+session it holds (`RequestSession.hold`), so the token after it carries that time as `held_ms`
+and the engine's own ITL leaves it out.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class LiveRun:
                 self.inbox.append(event)
                 self._signal()
                 if isinstance(event, StepReady):
-                    self._gate(event.index)
+                    self._gate(event.index, session)
         except Exception as exc:  # a bug must reach the screen as a message, not kill the app
             self.failure = f"{type(exc).__name__}: {exc}"
         finally:
@@ -76,11 +78,12 @@ class LiveRun:
             self._woken = True
             self.wake(urgent)
 
-    def _gate(self, index: int) -> None:
+    def _gate(self, index: int, session: RequestSession) -> None:
         with self._cond:
             while self._budget == 0 and not self._cancelled:
                 if self._held_at != index:
                     self._held_at = index
+                    session.hold()  # from here until the next pull is held time, not the engine's
                     self._signal(urgent=True)  # the UI must learn the step is now held
                 self._cond.wait()
             self._held_at = None

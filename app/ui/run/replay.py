@@ -71,9 +71,12 @@ class ReplayRun:
         return None
 
     def next_delay_ms(self) -> float:
-        """Recorded time between the token just shown and the next one (for playback)."""
+        """Recorded engine time between the token just shown and the next one (for playback).
+
+        A step held while recording (paused, stepped) is not played back as a wait.
+        """
         shown = [e for e in self.events[: self.cursor] if isinstance(e, TokenEvent)]
         upcoming = self.pending_token()
         if not shown or upcoming is None:
             return 0.0
-        return max(upcoming.t_ms - shown[-1].t_ms, 0.0)
+        return max(upcoming.t_ms - shown[-1].t_ms - upcoming.held_ms, 0.0)

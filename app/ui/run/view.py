@@ -36,6 +36,7 @@ class RunView:
     admit: AdmitEvent | None = None
     prefill: PrefillEvent | None = None
     tokens: list[TokenEvent] = field(default_factory=list)
+    held_totals: list[float] = field(default_factory=list)  # ms held in all as of each token (see `held_ms`)
     waiting_step: int | None = None  # index of the step whose logits are waiting, if any
     result: RequestResult | None = None
     events_seen: int = 0
@@ -55,6 +56,7 @@ class RunView:
             self.waiting_step = event.index
         elif isinstance(event, TokenEvent):
             self.tokens.append(event)
+            self.held_totals.append((self.held_totals[-1] if self.held_totals else 0.0) + event.held_ms)
             self.waiting_step = None
         elif isinstance(event, DoneEvent):
             self.result = event.result
@@ -81,6 +83,13 @@ class RunView:
         if self.tokens:
             return self.tokens[-1].kv
         return self.prefill.kv if self.prefill else None
+
+    @property
+    def held_ms(self) -> float:
+        """Time the run was held at a step (paused, stepped) so far: wall-clock time that is not the engine's."""
+        if self.result is not None:
+            return self.result.held_ms
+        return self.held_totals[-1] if self.held_totals else 0.0
 
     @property
     def visible_tokens(self) -> list[TokenEvent]:

@@ -1,0 +1,38 @@
+"""What the `reqscope` command runs with, found by doing what it does before torch loads.
+
+    python -m minengine.bench.fair.probe
+
+Launched with the environment the benchmark launches `reqscope --json` with, it makes the
+command's own OpenMP choice (`omp_env.prefer_passive_wait`, the first thing `reqscope.cli.main`
+calls), loads torch, and writes one `environment` event (see `pipes`): the policy, torch's
+thread count, the torch version. `reqscope --json` itself writes no such line.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from minengine import omp_env
+from minengine.bench.fair.pipes import emit
+
+
+def main() -> int:
+    """Write the environment event."""
+    omp_env.prefer_passive_wait()
+    policy = omp_env.describe()
+    if omp_env.set_here():
+        policy += " (reqscope's default)"
+    import torch
+
+    emit(
+        sys.stdout,
+        event="environment",
+        omp_wait_policy=policy,
+        threads=torch.get_num_threads(),
+        libraries=f"torch {torch.__version__}",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
