@@ -8,11 +8,12 @@ from pathlib import Path
 
 from minengine.device import DTYPE_CHOICES, resolve_device
 from minengine.engine.engine import Engine
-from minengine.engine.request import GenerationRequest
+from minengine.engine.request import GenerationRequest, SettingSource
 from minengine.errors import RequestError
 from minengine.kv.arithmetic import MIB
 from minengine.kv.cache import KV_DTYPE_ALIASES, KV_DTYPES, KV_LAYOUTS
 from minengine.progress import StatusCallback
+from minengine.sampling.model_defaults import FILE, ModelSamplingDefaults
 from minengine.sampling.sampler import SamplingParams
 from reqscope.console.progress_line import ProgressLine
 
@@ -26,6 +27,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", metavar="PATH", help="Hugging Face style model folder (default: the pulled SmolLM2-135M-Instruct)"
     )
     m.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    m.add_argument(
+        "--generation-config",
+        default="auto",
+        choices=("auto", "reqscope"),
+        help="auto: unset sampling flags take the model's generation_config.json values, as in vLLM; "
+        "reqscope: ignore that file and use reqscope's defaults (default: auto)",
+    )
     m.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and compute (half = float16)")
     m.add_argument(
         "--cuda-graph",
@@ -61,6 +69,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     k.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     k.add_argument("--kv-budget-mib", type=float, help="KV memory budget for admission (default: half of free memory)")
     add_prefix_cache_argument(k)
+    parser.add_argument_group("explorer").add_argument(
+        "--service-model",
+        metavar="FILE",
+        help="a `reqscope calibrate --output` fit: the explorer shows its predicted prefill beside the measured",
+    )
 
 
 def add_prefix_cache_argument(group: argparse._ArgumentGroup) -> None:
@@ -90,26 +103,61 @@ class LocalSampling:
 LOCAL_SAMPLING = LocalSampling()
 
 
-def _given(value, default):
-    return default if value is None else value
+def model_sampling_defaults(args: argparse.Namespace) -> ModelSamplingDefaults:
+    """The model folder's generation_config.json defaults, unless --generation-config reqscope.
+
+    Read before the model loads (the request is built first), from the folder --model names or
+    where the default model lives; a folder not there yet (a first pull) has none. An endpoint's
+    --model is a served name, not a folder: its server applies its own defaults.
+    """
+    if getattr(args, "generation_config", "auto") == "reqscope" or getattr(args, "endpoint", None):
+        return ModelSamplingDefaults()
+    if args.model:
+        folder = Path(args.model).expanduser()
+    else:
+        from minengine.hub.pull import default_model_dir  # platformdirs: only when no --model
+
+        folder = default_model_dir()
+    return ModelSamplingDefaults.read(folder) if folder.is_dir() else ModelSamplingDefaults()
 
 
 def request_from_args(args: argparse.Namespace, prompt: str) -> GenerationRequest:
-    """A GenerationRequest from the shared flags (validated later, at the gateway)."""
+    """A GenerationRequest from the shared flags (validated later, at the gateway).
+
+    Each sampling value comes from its flag when given, else from the model's
+    generation_config.json when it sets one (as vLLM and transformers do), else from reqscope's
+    defaults (LOCAL_SAMPLING); the request records which.
+    """
+    model = model_sampling_defaults(args)
+    model_file = FILE
+    sources: list[SettingSource] = []
+
+    def pick(name: str, flag, from_model, local):
+        if flag is not None:
+            sources.append(SettingSource(name, "flag"))
+            return flag
+        if from_model is not None:
+            sources.append(SettingSource(name, model_file))
+            return type(local)(from_model)
+        sources.append(SettingSource(name, "reqscope default"))
+        return local
+
     d = LOCAL_SAMPLING
     sampling = SamplingParams(
-        temperature=_given(args.temperature, d.temperature),
-        top_k=_given(args.top_k, d.top_k),
-        top_p=_given(args.top_p, d.top_p),
-        min_p=_given(args.min_p, d.min_p),
-        seed=_given(args.seed, d.seed),
+        temperature=pick("temperature", args.temperature, model.temperature, d.temperature),
+        top_k=pick("top_k", args.top_k, model.top_k, d.top_k),
+        top_p=pick("top_p", args.top_p, model.top_p, d.top_p),
+        min_p=pick("min_p", args.min_p, model.min_p, d.min_p),
+        seed=pick("seed", args.seed, None, d.seed),
         order=SamplingParams.parse_order(args.sampler_order),
     )
+    max_tokens = pick("max_tokens", args.max_tokens, model.max_new_tokens, d.max_tokens)
     return GenerationRequest.from_prompt(
         prompt,
         system=args.system,
         sampling=sampling,
-        max_tokens=_given(args.max_tokens, d.max_tokens),
+        setting_sources=tuple(sources),
+        max_tokens=max_tokens,
         stop=tuple(args.stop),
         kv_layout=args.kv_layout,
         kv_dtype=args.kv_dtype,

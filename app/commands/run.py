@@ -37,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
         return run_endpoint(args, request)
     headless = args.plain or args.json or not sys.stdout.isatty()
     if not headless:
+        if args.export:  # the explorer exports on `x`, each run to a new folder; never drop the flag silently
+            print("reqscope: error: --export works with --plain or --json; in the explorer press x", file=sys.stderr)
+            return 2
         from reqscope.ui.launch import launch_explorer
 
         return launch_explorer(args, request)
@@ -50,11 +53,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         from reqscope.console.jsonl import print_jsonl
 
-        result = print_jsonl(events)
+        result = print_jsonl(events, request=request)
     else:
         from reqscope.console.plain import print_plain
 
-        result = print_plain(engine, events)
+        result = print_plain(engine, events, request=request)
     if args.export:
         from minengine.record.export import export_run
         from minengine.record.trace_io import trace_header

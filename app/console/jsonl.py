@@ -10,6 +10,7 @@ from typing import TextIO
 
 from minengine.engine.events import DoneEvent, Event, PrefixCacheEvent, RequestResult, StageEvent, TokenEvent
 from minengine.engine.metrics import RequestMetrics
+from minengine.engine.request import GenerationRequest, setting_value
 
 
 def _emit(out: TextIO, record: dict) -> None:
@@ -17,10 +18,20 @@ def _emit(out: TextIO, record: dict) -> None:
     out.flush()
 
 
-def print_jsonl(events: Iterable[Event], out: TextIO | None = None) -> RequestResult:
-    """Write stage, token and done (or error) records; return the result."""
+def print_jsonl(
+    events: Iterable[Event], out: TextIO | None = None, request: GenerationRequest | None = None
+) -> RequestResult:
+    """Write stage, token and done (or error) records; return the result.
+
+    Given the request, a first `request` record says each sampling value and where it came from.
+    """
     out = out or sys.stdout
     result: RequestResult | None = None
+    if request is not None and request.setting_sources:
+        settings = {
+            s.name: {"value": setting_value(request, s.name), "source": s.source} for s in request.setting_sources
+        }
+        _emit(out, {"event": "request", "request_id": request.request_id, "settings": settings})
     for ev in events:
         if isinstance(ev, StageEvent):
             _emit(

@@ -18,18 +18,25 @@ from minengine.engine.events import (
     StageEvent,
     TokenEvent,
 )
+from minengine.engine.request import GenerationRequest, settings_line
 from minengine.kv.arithmetic import KIB, MIB
 
 
 def print_plain(
-    engine: Engine, events: Iterable[Event], out: TextIO | None = None, err: TextIO | None = None
+    engine: Engine,
+    events: Iterable[Event],
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    request: GenerationRequest | None = None,
 ) -> RequestResult:
-    """Stream `events` as text; return the request's result."""
+    """Stream `events` as text; return the request's result (given the request, its settings' sources too)."""
     out = out or sys.stdout
     err = err or sys.stderr
     result: RequestResult | None = None
     streamed = ""
     print(f"· model     {engine.describe()}  (loaded in {engine.load_ms:.0f} ms)", file=err, flush=True)
+    if request is not None and request.setting_sources:
+        print(f"· settings  {settings_line(request)}", file=err, flush=True)
     for ev in events:
         if isinstance(ev, StageEvent) and ev.name not in ("decode", "complete", "prefix_cache"):
             print(f"· {ev.name:<9} {ev.duration_ms:9.2f} ms  {ev.detail}", file=err, flush=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from minengine.engine.metrics import RequestMetrics
 from minengine.engine.request import GenerationRequest
+from minengine.errors import ReqscopeError
 from minengine.plan.cards import Architecture
 from minengine.progress import paced
 from minengine.record.trace_io import read_trace
@@ -23,7 +24,16 @@ def launch_explorer(args: argparse.Namespace, request: GenerationRequest, **opti
     When the screen closes, one line on stderr keeps the outcome of the last run. The exit
     code is 1 when the engine could not start or the last run failed, as in the text modes.
     `options` go to `ExplorerApp` (`start_paused=True` holds before the first token).
+    `--service-model FILE` (a `reqscope calibrate` fit) is read first: a bad file is a one-line error.
     """
+    if getattr(args, "service_model", None) and "service_model" not in options:
+        from minengine.plan.service_model import ServiceModel
+
+        try:
+            options["service_model"] = ServiceModel.load(args.service_model)
+        except ReqscopeError as exc:
+            print(f"reqscope: error: {exc}", file=sys.stderr)
+            return 1
     # The loading screen is fed across threads, a round trip per event: a pull's hundreds of
     # steps reach it at most 20 times a second per stage (starts and ends always).
     app = ExplorerApp.live_run(lambda progress: open_engine(args, progress=paced(progress)), request, **options)

@@ -16,6 +16,24 @@ MAX_STOP_TOKEN_IDS = 256  # like MAX_STOP_STRINGS: a request names a few stop to
 
 
 @dataclass(frozen=True)
+class SettingSource:
+    """Where one setting of a request came from, for display: "flag", a model file, or a default."""
+
+    name: str  # "temperature", "top_k", "top_p", "min_p", "seed", "max_tokens"
+    source: str  # "flag", "generation_config.json" or "reqscope default"
+
+
+def setting_value(request: GenerationRequest, name: str) -> float | int | None:
+    """The value in force for a setting that `SettingSource.name` names."""
+    return request.max_tokens if name == "max_tokens" else getattr(request.sampling, name)
+
+
+def settings_line(request: GenerationRequest) -> str:
+    """`temperature 0.7 (reqscope default), top_k 20 (generation_config.json), ...`, or ""."""
+    return ", ".join(f"{s.name} {setting_value(request, s.name)} ({s.source})" for s in request.setting_sources)
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One chat request with everything that decides how it runs."""
 
@@ -40,6 +58,9 @@ class GenerationRequest:
     min_tokens: int = 0
     # Token ids that end the request as EOS does (finish "stop"); like EOS, they add no text.
     stop_token_ids: tuple[int, ...] = ()
+    # Where each sampling value came from (shown in the header, --json and --plain); empty when
+    # the caller did not say (a server request, a test).
+    setting_sources: tuple[SettingSource, ...] = ()
 
     def __post_init__(self) -> None:
         # One name per storage type from here on (events, exports, the UI), whichever was asked.

@@ -24,9 +24,9 @@ STAGE_SPANS: tuple[tuple[str, str, str], ...] = (
     ("complete", "last_visible_token", "completed"),
 )
 ALL_STAGES = tuple(name for name, _, _ in STAGE_SPANS)
-# The seeds' lifecycle stages, the ones the explorer's pipeline strip draws. The prefix cache
-# stage (between admit and prefill) is newer: it is in ALL_STAGES, the events, every export and
-# `Timeline.stages()`, and a consumer that knows it draws it from ALL_STAGES.
+# The seeds' lifecycle stages, without the newer prefix cache stage (between admit and prefill),
+# which is in ALL_STAGES, the events, every export and `Timeline.stages()`. The explorer's
+# pipeline strip draws ALL_STAGES (a trace recorded before the stage, without it).
 STAGES = tuple(name for name in ALL_STAGES if name != "prefix_cache")
 
 

@@ -215,3 +215,12 @@ def test_ctrl_c_while_a_verb_loads_is_one_line_and_130(monkeypatch, capsys):
     monkeypatch.setattr(cli, "build_parser", interrupted_import)
     assert cli.main(["--plain", "hi"]) == 130
     assert capsys.readouterr().err == "reqscope: interrupted\n"
+
+
+def test_export_with_the_explorer_is_refused_not_dropped(monkeypatch, capsys, tmp_path):
+    import reqscope.commands.run as run_command
+
+    monkeypatch.setattr(run_command.sys.stdout, "isatty", lambda: True)  # as on a terminal
+    assert main(["--export", str(tmp_path / "x"), "hi"]) == 2
+    assert "--export works with --plain or --json; in the explorer press x" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

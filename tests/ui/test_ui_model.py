@@ -65,6 +65,8 @@ def test_run_view_tracks_the_current_stage_and_running_durations():
     assert view.current_stage() == "gateway"
     for i, name in enumerate(("gateway", "template", "tokenize", "admit")):
         view.apply(stage(name, i, i + 1))
+    assert view.current_stage() == "prefix_cache"
+    view.apply(stage("prefix_cache", 4.0, 5.0))
     assert view.current_stage() == "prefill"
     view.apply(stage("prefill", 5.0, 40.0))
     view.apply(PrefillEvent(10, 35.0, kv_usage(10)))

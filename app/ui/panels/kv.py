@@ -12,6 +12,7 @@ import math
 from rich.console import Group, RenderableType
 from rich.text import Text
 
+from minengine.engine.events import PrefixCacheEvent
 from minengine.kv.arithmetic import KIB, MIB
 from minengine.kv.cache import KVUsage
 from reqscope.ui.glyphs import PlotSeries, bar, columns, plot
@@ -38,6 +39,9 @@ class KVPanel(Panel):
         if kv is None:
             return Text("the cache fills at prefill", style="dim")
         lines = _totals(kv, width) + [_memory(frame.memory, frame.replay)]
+        shared = shared_blocks_line(frame.view.prefix_cache, kv)
+        if shared is not None and height >= 4:
+            lines.insert(2, shared)
         rows = height - len(lines)
         if rows >= _CHART_MIN_ROWS:
             # Short of room for both, the chart goes first: every layer holds the same tokens, so
@@ -66,6 +70,24 @@ def _totals(kv: KVUsage, width: int) -> list[Text]:
     if width >= 70:
         second.append(f" · reserved {kv.reserved_bytes / MIB:.2f} MiB", style="dim")
     return [first, second]
+
+
+def shared_blocks_line(event: PrefixCacheEvent | None, kv: KVUsage) -> Text | None:
+    """This request's blocks: how many came from the prefix cache (shared) and how many it filled (new).
+
+    None before the prefix cache stage, in older traces, and with the cache off.
+    """
+    if event is None or not event.enabled:
+        return None
+    shared = min(event.blocks_hit, kv.blocks)
+    text = Text(no_wrap=True, overflow="ellipsis")
+    text.append("blocks ", style="dim")
+    text.append(f"{shared} shared", style="bold green" if shared else "bold")
+    text.append(" (from the prefix cache)" if shared else " (no prefix cache hit)", style="dim")
+    text.append(f" + {kv.blocks - shared} new", style="bold")
+    text.append(f" · {event.blocks_hit}/{event.blocks_looked_up} hit, copied in {event.copy_ms:.1f} ms"
+                f" · the cache keeps {event.kept_blocks} blocks, {event.kept_bytes / MIB:.1f} MiB", style="dim")
+    return text
 
 
 def _memory(reading: MemoryReading | None, replay: bool) -> Text:

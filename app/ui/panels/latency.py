@@ -7,6 +7,8 @@ it, reads beside them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Group, RenderableType
 from rich.text import Text
 
@@ -14,7 +16,10 @@ from minengine.engine.metrics import ItlStats, RequestMetrics
 from reqscope.ui.glyphs import columns, ms, rate, sparkline
 from reqscope.ui.panel import Panel
 from reqscope.ui.run.frame import Frame
-from reqscope.ui.run.latency import LatencyFigures
+from reqscope.ui.run.latency import LatencyFigures, RunTtft, ttft_without_hit
+
+if TYPE_CHECKING:  # numpy, only for a fit given with --service-model
+    from minengine.plan.service_model import ServiceModel
 
 _CHART_MAX_ROWS = 10
 
@@ -27,10 +32,15 @@ class LatencyPanel(Panel):
     def draw(self, frame: Frame, width: int, height: int) -> RenderableType:
         fig = frame.latency
         figures = metric_figures(fig.engine, fig.itl, fig.last_itl_ms)
-        lines = pairs(figures, width) + held_lines(fig) + [_prefill(fig.prefill_ms, fig.prompt_tokens)]
+        lines = pairs(figures, width) + held_lines(fig)
+        lines.append(_prefill(fig.prefill_ms, fig.prompt_tokens, fig.reused_tokens))
+        if frame.view.prefix_cache is not None and frame.view.prefix_cache.enabled and fig.prompt_tokens:
+            lines += prefix_cache_ttft(fig, frame.request_id, frame.ttft_history)
+        if frame.service_model is not None and fig.prompt_tokens:
+            lines.append(predicted_prefill(frame.service_model, fig))
         if len(frame.prefill_history) > 1:
             history = " · ".join(f"{n} tok {t:.1f} ms" for n, t in frame.prefill_history[-6:])
-            lines.append(Text(f"prefill by prompt length: {history}", style="dim", no_wrap=True, overflow="ellipsis"))
+            lines.append(Text(f"prefill by tokens computed: {history}", style="dim", no_wrap=True, overflow="ellipsis"))
         clock = " (engine time)" if fig.held_ms > 0 else ""
         lines += itl_chart(fig.itls_ms, width, height - len(lines), clock=clock)
         return Group(*lines[: max(height, 1)])
@@ -82,15 +92,53 @@ def pairs(items: list[tuple[str, str]], width: int) -> list[Text]:
     return lines
 
 
-def _prefill(prefill_ms: float | None, tokens: int | None) -> Text:
+def _prefill(prefill_ms: float | None, tokens: int | None, reused: int = 0) -> Text:
     text = Text(no_wrap=True, overflow="ellipsis")
     text.append("prefill    ", style="dim")
     if prefill_ms is None or not tokens:
         text.append("–")
         return text
     text.append(f"{prefill_ms:.1f} ms", style="bold")
-    per_s = tokens / (prefill_ms / 1000) if prefill_ms > 0 else 0.0
-    text.append(f" for {tokens} prompt tokens ({prefill_ms / tokens:.2f} ms/token, {per_s:.0f} tok/s)")
+    computed = max(tokens - reused, 1)
+    per_s = computed / (prefill_ms / 1000) if prefill_ms > 0 else 0.0
+    what = f"{computed} of {tokens} tokens ({reused} cached)" if reused else f"{tokens} prompt tokens"
+    text.append(f" for {what} ({prefill_ms / computed:.2f} ms/token, {per_s:.0f} tok/s)")
+    return text
+
+
+def prefix_cache_ttft(fig: LatencyFigures, request_id: str, history: tuple[RunTtft, ...]) -> list[Text]:
+    """TTFT with the prefix cache hit, and an earlier run of the same prompt length without one."""
+    ttft = fig.engine.ttft_ms if fig.engine is not None else None
+    hit = Text(no_wrap=True, overflow="ellipsis")
+    if not fig.reused_tokens:
+        hit.append("cache      ", style="dim")
+        hit.append("no hit", style="bold")
+        hit.append(" · r runs this prompt again from the cache", style="dim")
+        return [hit]
+    hit.append("TTFT hit   ", style="dim")
+    hit.append(ms(ttft), style="bold green")
+    hit.append(f"  {fig.reused_tokens} of {fig.prompt_tokens} tokens cached")
+    miss = Text(no_wrap=True, overflow="ellipsis")
+    miss.append("TTFT miss  ", style="dim")
+    earlier = ttft_without_hit(history, request_id, fig.prompt_tokens or 0)
+    if earlier is None:
+        miss.append("–  no earlier run of this length without a hit", style="dim")
+        return [hit, miss]
+    miss.append(ms(earlier.ttft_ms), style="bold")
+    miss.append("  the earlier run")
+    if ttft:
+        miss.append(f", {earlier.ttft_ms / ttft:.1f}× the hit's", style="dim")
+    return [hit, miss]
+
+
+def predicted_prefill(service: ServiceModel, fig: LatencyFigures) -> Text:
+    """The calibrated fit's prefill for the tokens this run computed, beside the measured one."""
+    text = Text(no_wrap=True, overflow="ellipsis")
+    text.append("fit        ", style="dim")
+    computed = fig.computed_tokens or 0
+    text.append(f"predicted prefill {service.ttft_ms(computed):.1f} ms (fit)", style="bold")
+    text.append(f" vs measured {ms(fig.prefill_ms)}")
+    text.append(f" for {computed} tokens", style="dim")
     return text
 
 

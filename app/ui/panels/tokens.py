@@ -13,6 +13,8 @@ from reqscope.ui.panel import Panel
 from reqscope.ui.run.frame import Frame
 
 _TEMPLATE_MIN_HEIGHT = 14  # below this the rendered template gives way to the token strip
+# Prompt tokens whose K/V came from the prefix cache (not prefilled by this run).
+REUSED_STYLE = "green underline"
 
 
 class TokensPanel(Panel):
@@ -25,11 +27,17 @@ class TokensPanel(Panel):
         if view.prompt is None:
             return Text("templating and tokenizing…", style="dim")
         rows = height - 1
+        legend = reused_legend(view.reused_tokens, len(view.prompt.pieces))
+        if legend is not None and height >= 3:
+            rows -= 1
+        else:
+            legend = None
         template = []
         if height >= _TEMPLATE_MIN_HEIGHT:
             template = _template_lines(view.prompt.rendered, width, height // 3)
             rows -= len(template)
-        return Group(self._counts(frame), *template, *_strip(frame, width, max(rows, 1)))
+        head = [self._counts(frame)] + ([legend] if legend is not None else [])
+        return Group(*head, *template, *_strip(frame, width, max(rows, 1)))
 
     @staticmethod
     def _counts(frame: Frame) -> Text:
@@ -41,6 +49,17 @@ class TokensPanel(Panel):
         text.append(f" = {parts}")
         text.append(f"   output {len(view.tokens)}/{frame.max_tokens}", style="bold")
         return text
+
+
+def reused_legend(reused: int, prompt_tokens: int) -> Text | None:
+    """The line under the counts when the prefix cache supplied part of the prompt, else None."""
+    if reused <= 0:
+        return None
+    text = Text(no_wrap=True, overflow="ellipsis")
+    text.append("prompt", style=REUSED_STYLE)
+    text.append(f" {reused} reused from the prefix cache", style="bold")
+    text.append(f", {prompt_tokens - reused} prefilled")
+    return text
 
 
 def _template_lines(rendered: str, width: int, most: int) -> list[Text]:
@@ -74,6 +93,7 @@ def _strip(frame: Frame, width: int, rows: int) -> list[Text]:
     view = frame.view
     assert view.prompt is not None
     pieces, tokens = view.prompt.pieces, view.tokens
+    reused = view.reused_tokens
     total = len(pieces) + 1 + len(tokens)
     chips: list[Text] = []
     used = 0
@@ -83,7 +103,7 @@ def _strip(frame: Frame, width: int, rows: int) -> list[Text]:
         elif n == len(pieces):
             chip = Text("▶", style="bold")
         else:
-            chip = _chip(pieces[n].text, pieces[n].token_id, "reverse" if pieces[n].special else "")
+            chip = _chip(pieces[n].text, pieces[n].token_id, prompt_style(pieces[n].special, n < reused))
         used += len(chip) + 1
         if used > width * rows:
             break
@@ -99,6 +119,12 @@ def _strip(frame: Frame, width: int, rows: int) -> list[Text]:
         lines[0].pop(0)  # make room for the marker on the first line
         hidden += 1
     return [Text(" ", no_wrap=True).join(line) for line in lines]
+
+
+def prompt_style(special: bool, reused: bool) -> str:
+    """A prompt chip's style: special tokens reversed, tokens reused from the prefix cache marked."""
+    style = "reverse" if special else ""
+    return f"{style} {REUSED_STYLE}".strip() if reused else style
 
 
 def _wrap(chips: list[Text], width: int) -> list[list[Text]]:

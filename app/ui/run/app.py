@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import RenderableType
 from textual import work
@@ -43,15 +44,18 @@ from reqscope.ui.panels.template import TemplatePanel
 from reqscope.ui.panels.tokens import TokensPanel
 from reqscope.ui.run.export_folder import DEFAULT_ROOT, claim_run_folder
 from reqscope.ui.run.frame import Frame, StepSubject
-from reqscope.ui.run.latency import latency_figures
+from reqscope.ui.run.latency import RunTtft, latency_figures
 from reqscope.ui.run.layout_compare import MeasuredLayout, measured_layout
 from reqscope.ui.run.live import LiveRun
 from reqscope.ui.run.memory_probe import MemoryProbe
 from reqscope.ui.run.replay import ReplayRun
-from reqscope.ui.run.status_line import status_text
+from reqscope.ui.run.status_line import settings_note, status_text
 from reqscope.ui.run.step_subject import held_subject, last_token_subject, replay_subject
 from reqscope.ui.run.view import RunView
 from reqscope.ui.sampling_form import SamplingChoice, SamplingForm
+
+if TYPE_CHECKING:  # numpy, only for a fit given with --service-model
+    from minengine.plan.service_model import ServiceModel
 
 EngineOpener = Callable[[StatusCallback], Engine]
 
@@ -81,6 +85,7 @@ class ExplorerApp(ExplorerBase):
         export_root: Path = DEFAULT_ROOT,
         repaint_hz: float = 30.0,  # the most repaints a second; fewer when drawing is slow
         source_name: str = "",
+        service_model: ServiceModel | None = None,  # a `reqscope calibrate` fit: its prefill beside the measured
     ) -> None:
         if (replay is None) == (open_engine is None or request is None):
             raise ValueError("give either open_engine and request (live) or replay")
@@ -98,7 +103,9 @@ class ExplorerApp(ExplorerBase):
         self.params = request.sampling if request else SamplingParams()
         self.max_tokens = request.max_tokens if request else 0
         self.measured: dict[str, MeasuredLayout] = {}
-        self.prefill_history: list[tuple[int, float]] = []
+        self.prefill_history: list[tuple[int, float]] = []  # (prompt tokens computed, prefill ms) per run
+        self.ttft_history: list[RunTtft] = []  # every finished run's TTFT and prefix cache reuse
+        self.service_model = service_model
         self.cursor = 0
         self.last_export: Path | None = None
         self._previewing: SamplingParams | None = None  # typed in the form, not yet applied
@@ -224,9 +231,10 @@ class ExplorerApp(ExplorerBase):
         for event in events:
             self.view.apply(event)
             if isinstance(event, PrefillEvent):
-                self.prefill_history.append((event.prompt_tokens, event.duration_ms))
+                self.prefill_history.append((event.prompt_tokens - event.reused_tokens, event.duration_ms))
             elif isinstance(event, DoneEvent):
                 self._finished(event.result)
+                self._keep_ttft(event.result)
         if events:
             self._invalidate()
         held = live.held_at if self.view.waiting_step is not None else None
@@ -257,6 +265,13 @@ class ExplorerApp(ExplorerBase):
         if result.error:
             self.notify(result.error, title="request failed", severity="error", timeout=30)
 
+    def _keep_ttft(self, result: RequestResult) -> None:
+        metrics = result.engine_metrics or result.metrics
+        if metrics is not None and not result.error:
+            self.ttft_history.append(
+                RunTtft(result.request_id, result.usage.prompt_tokens, result.usage.cached_tokens, metrics.ttft_ms)
+            )
+
     def _ready_to_draw(self) -> bool:
         return self.header is not None  # the engine is still loading
 
@@ -281,6 +296,9 @@ class ExplorerApp(ExplorerBase):
             measured=dict(self.measured),
             memory=self._probe.read() if self._probe is not None else None,
             prefill_history=tuple(self.prefill_history),
+            ttft_history=tuple(self.ttft_history),
+            service_model=self.service_model,
+            settings_note="" if self.replay is not None else settings_note(self.request, self.params),
         )
 
     def _status_line(self, frame: Frame) -> RenderableType:

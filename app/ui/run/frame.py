@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from minengine.record.trace_io import TraceHeader
 from minengine.sampling.sampler import SamplingParams, StepTrace
-from reqscope.ui.run.latency import LatencyFigures
+from reqscope.ui.run.latency import LatencyFigures, RunTtft
 from reqscope.ui.run.layout_compare import MeasuredLayout
 from reqscope.ui.run.memory_probe import MemoryReading
 from reqscope.ui.run.view import RunView
+
+if TYPE_CHECKING:  # numpy, only for a fit given with --service-model
+    from minengine.plan.service_model import ServiceModel
 
 
 @dataclass(frozen=True)
@@ -37,4 +41,7 @@ class Frame:
     cursor: int = 0  # highlighted candidate row in the logits panel
     measured: dict[str, MeasuredLayout] = field(default_factory=dict)
     memory: MemoryReading | None = None
-    prefill_history: tuple[tuple[int, float], ...] = ()  # (prompt tokens, prefill ms) per run
+    prefill_history: tuple[tuple[int, float], ...] = ()  # (prompt tokens computed, prefill ms) per run
+    ttft_history: tuple[RunTtft, ...] = ()  # every finished live run's TTFT, with what the prefix cache reused
+    service_model: ServiceModel | None = None  # a `reqscope calibrate` fit: predicted beside measured
+    settings_note: str = ""  # where the sampling values came from, e.g. "set: k · default: T p"

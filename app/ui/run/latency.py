@@ -13,6 +13,7 @@ a step held for ten seconds is the person's time, not a ten-second inter-token l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from minengine.engine.metrics import ItlStats, RequestMetrics, itl_stats, request_metrics, without_held
 from minengine.errors import ReqscopeError
@@ -37,6 +38,12 @@ class LatencyFigures:
     prefill_ms: float | None
     prompt_tokens: int | None
     step_ms: tuple[float, ...]  # model + sampler time per generated token
+    reused_tokens: int = 0  # prompt tokens the prefix cache supplied: prefill computed the rest
+
+    @property
+    def computed_tokens(self) -> int | None:
+        """Prompt tokens prefill computed (all of them without a prefix cache hit)."""
+        return None if self.prompt_tokens is None else self.prompt_tokens - self.reused_tokens
 
     @property
     def prefill_ms_per_token(self) -> float | None:
@@ -71,7 +78,25 @@ def latency_figures(view: RunView) -> LatencyFigures:
         prefill_ms=prefill.duration_ms if prefill else None,
         prompt_tokens=prefill.prompt_tokens if prefill else None,
         step_ms=tuple(t.step_ms for t in view.tokens),
+        reused_tokens=view.reused_tokens,
     )
+
+
+class RunTtft(NamedTuple):
+    """One finished run's TTFT, kept across runs so a prefix cache hit can be set beside a miss."""
+
+    request_id: str
+    prompt_tokens: int
+    reused_tokens: int
+    ttft_ms: float
+
+
+def ttft_without_hit(history: tuple[RunTtft, ...], request_id: str, prompt_tokens: int) -> RunTtft | None:
+    """The latest other run of the same prompt length that reused nothing, or None."""
+    for run in reversed(history):
+        if run.request_id != request_id and run.prompt_tokens == prompt_tokens and run.reused_tokens == 0:
+            return run
+    return None
 
 
 def _gaps(times: list[float]) -> tuple[float, ...]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from minengine.engine.request import GenerationRequest
+from minengine.sampling.sampler import SamplingParams
 from reqscope.ui.run.frame import Frame
 
 _STATE_STYLE = {
@@ -34,8 +36,30 @@ def status_text(frame: Frame, source_name: str = "", playing: bool = False) -> T
     kv = view.kv
     layout = kv.layout if kv is not None else "?"
     text.append(f" {frame.request_id} · {settings} · seed {p.seed} · {layout} cache ")
+    if frame.settings_note:
+        text.append(f"({frame.settings_note}) ", style="dim")
     model = h.model.rstrip("/").split("/")[-1]
     text.append(f"· {model}: {h.layers}L {h.q_heads}q/{h.kv_heads}kv {h.device} {h.dtype}", style="dim")
     if source_name:
         text.append(f" · from {source_name}", style="dim")
     return text
+
+
+_SHORT = {"temperature": "T", "top_k": "k", "top_p": "p", "min_p": "min-p", "seed": "seed", "max_tokens": "max"}
+_GROUP = {"flag": "set", "reqscope default": "default"}  # anything else is a model file: "model"
+
+
+def settings_note(request: GenerationRequest | None, params: SamplingParams) -> str:
+    """Where the values in force came from, grouped: "set: k · model: T p · default: min-p seed max".
+
+    Empty when the request does not say, or once the sampling form changed them (then they are
+    simply the user's).
+    """
+    if request is None or not request.setting_sources:
+        return ""
+    if params != request.sampling:
+        return "set in the explorer"
+    groups: dict[str, list[str]] = {}
+    for s in request.setting_sources:
+        groups.setdefault(_GROUP.get(s.source, "model"), []).append(_SHORT.get(s.name, s.name))
+    return " · ".join(f"{group}: {' '.join(names)}" for group, names in groups.items())

@@ -13,18 +13,22 @@ from minengine.engine.events import (
     DoneEvent,
     Event,
     PrefillEvent,
+    PrefixCacheEvent,
     PromptEvent,
     RequestResult,
     StageEvent,
     StepReady,
     TokenEvent,
 )
-from minengine.engine.timeline import STAGES
+from minengine.engine.timeline import ALL_STAGES
 from minengine.kv.cache import KVUsage
 
-# The pipeline as the explorer shows it: the engine's stages plus `stream`, the span from the
-# first to the last visible token (decode and streaming interleave, one token at a time).
-PIPELINE: tuple[str, ...] = (*STAGES[:-1], "stream", STAGES[-1])
+# The pipeline as the explorer shows it: the engine's stages (the prefix cache stage between
+# admit and prefill included) plus `stream`, the span from the first to the last visible token
+# (decode and streaming interleave, one token at a time).
+PIPELINE: tuple[str, ...] = (*ALL_STAGES[:-1], "stream", ALL_STAGES[-1])
+# A trace recorded before the prefix cache has no such stage: its pipeline is drawn without it.
+PIPELINE_WITHOUT_PREFIX_CACHE: tuple[str, ...] = tuple(name for name in PIPELINE if name != "prefix_cache")
 
 
 @dataclass
@@ -34,6 +38,7 @@ class RunView:
     stages: dict[str, StageEvent] = field(default_factory=dict)
     prompt: PromptEvent | None = None
     admit: AdmitEvent | None = None
+    prefix_cache: PrefixCacheEvent | None = None  # None before the stage, and in older traces
     prefill: PrefillEvent | None = None
     tokens: list[TokenEvent] = field(default_factory=list)
     held_totals: list[float] = field(default_factory=list)  # ms held in all as of each token (see `held_ms`)
@@ -50,6 +55,8 @@ class RunView:
             self.prompt = event
         elif isinstance(event, AdmitEvent):
             self.admit = event
+        elif isinstance(event, PrefixCacheEvent):
+            self.prefix_cache = event
         elif isinstance(event, PrefillEvent):
             self.prefill = event
         elif isinstance(event, StepReady):
@@ -102,10 +109,23 @@ class RunView:
             return None
         if "prefill" in self.stages:
             return "decode"
-        for name in STAGES:
-            if name not in self.stages:
+        for name in self.pipeline():
+            if name not in self.stages and name != "stream":
                 return name
         return None
+
+    def pipeline(self) -> tuple[str, ...]:
+        """The stages to draw: without the prefix cache for a run that prefilled without one (an older trace)."""
+        if "prefill" in self.stages and "prefix_cache" not in self.stages:
+            return PIPELINE_WITHOUT_PREFIX_CACHE
+        return PIPELINE
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens whose K/V came from the prefix cache (0 without a hit, and in older traces)."""
+        if self.prefix_cache is not None:
+            return self.prefix_cache.reused_tokens
+        return self.prefill.reused_tokens if self.prefill is not None else 0
 
     def stage_ms(self, name: str) -> float | None:
         """A stage's duration so far; running stages count up to the latest token."""
