@@ -15,7 +15,7 @@ import sys
 from importlib import metadata
 
 from minengine.errors import ReqscopeError
-from minengine.omp_env import prefer_passive_wait
+from minengine.omp_env import choose_policy
 
 # verb -> (module, one-line help). The default verb (no name given) is "run".
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -124,7 +124,10 @@ def mistyped_verb(word: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `reqscope` console script."""
-    prefer_passive_wait()  # before any verb's module imports torch
+    # Before any verb's module imports torch: a request's decode spins (watching the machine),
+    # every other verb sleeps (minengine.omp_env).
+    first = (sys.argv[1:] if argv is None else argv)[:1]
+    choose_policy(decodes=not first or first[0] == "run" or first[0] not in SUBCOMMANDS)
     try:
         return _main(argv)
     except KeyboardInterrupt:  # also while a verb's imports load (torch takes seconds)

@@ -1,37 +1,108 @@
-"""The OpenMP wait policy, chosen before torch loads.
+"""The OpenMP wait policy, chosen before torch loads, and a look at what else the machine runs.
 
-With OpenMP's default policy, worker threads spin for a while (milliseconds) after each parallel
-region. On a machine with as many cores as threads and anything else running, the spinning
-workers take cores from the thread doing the work: single-token decode, made of hundreds of
-short parallel regions, measured ten times slower here (1-2 tokens/s instead of 20). PASSIVE
-workers sleep instead. OpenMP reads the variable once, when torch loads its runtime, so it must
-be set before `import torch`; an explicit setting in the environment always wins.
+OpenMP reads its policy once, when torch loads its runtime, so it is set before `import torch`;
+an explicit setting in the environment (OMP_WAIT_POLICY or GOMP_SPINCOUNT) always wins. The
+choice is a trade measured on the 2-core development machine (docs/openmp-wait-policy.md):
 
-What the process chose for itself is recorded, so that a benchmark can hand the environment the
-user had to a reference engine (`user_environment`): measuring transformers under a policy
-chosen for reqscope slowed it from 25 to 16-17 tokens/s here, which is not how its users run it.
+- Spinning workers (OpenMP's default, or GOMP_SPINCOUNT) wake at once for the next parallel
+  region: a decode step on 2 threads took 15.6-16 ms. But as soon as another process wants a
+  core, a spinning worker holds one while the thread with work waits for its turn, and the
+  same step took 218-432 ms.
+- Sleeping workers (PASSIVE) cost a wake-up per region, about 100 us here, 121 regions a step:
+  28-31 ms a step, on 2 threads or 1, idle or beside a busy process.
+
+So the `reqscope` command that runs a request spins while it decodes and looks at the machine
+as it goes (`model.decode_threads`): on 2 threads while no other process wants the CPU, on one
+thread (nothing left to spin for) as soon as one does. Other verbs, and platforms without
+/proc/stat to look at, sleep (PASSIVE). What this process chose is recorded, so that a
+benchmark can hand the environment the user had to a reference engine (`user_environment`):
+transformers under reqscope's PASSIVE decoded at 16-17 tokens/s here instead of 25.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 VARIABLE = "OMP_WAIT_POLICY"
-_set_here = False
+SPIN_VARIABLE = "GOMP_SPINCOUNT"
+# About 0.3 ms of spinning by libgomp's own estimate: it bridges the gaps between a step's
+# parallel regions (decode at 2 threads: 16.1 ms a step, against 15.8 with the default 300,000)
+# and stops soon after the last one, so an idle process does not keep burning a core.
+SPIN_COUNT = 30_000
+_set_here = False  # OMP_WAIT_POLICY=PASSIVE chosen by this process
+_spin_here = False  # GOMP_SPINCOUNT chosen by this process, to spin while decoding
+_start: MachineSample | None = None
+
+
+@dataclass(frozen=True)
+class MachineSample:
+    """CPU time spent on the machine and by this process, at one moment (seconds)."""
+
+    wall: float  # time.monotonic()
+    machine_busy: float  # all CPUs, every process, including time the hypervisor stole
+    own: float  # this process, all its threads
+
+    def others_since(self, earlier: MachineSample) -> float | None:
+        """Cores other processes kept busy on average since `earlier` (None over too short a span)."""
+        span = self.wall - earlier.wall
+        if span <= 0:
+            return None
+        return max(0.0, (self.machine_busy - earlier.machine_busy) - (self.own - earlier.own)) / span
+
+
+def sample_machine() -> MachineSample | None:
+    """The machine's and this process's CPU time now, from /proc/stat (None where there is none)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 8:
+        return None
+    ticks = [int(v) for v in fields[1:9]]
+    # user nice system idle iowait irq softirq steal: idle and iowait are the only idle time.
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    return MachineSample(time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), time.process_time())
 
 
 def prefer_passive_wait() -> None:
     """Set OMP_WAIT_POLICY=PASSIVE unless the environment already says something."""
     global _set_here
-    if VARIABLE not in os.environ:
+    if VARIABLE not in os.environ and SPIN_VARIABLE not in os.environ:
         os.environ[VARIABLE] = "PASSIVE"
         _set_here = True
 
 
+def choose_policy(*, decodes: bool) -> None:
+    """The command's choice: spin while decoding for a verb that runs a request (`decodes`) where
+    the machine can be watched, else `prefer_passive_wait`. The environment's own setting wins."""
+    global _spin_here, _start
+    if VARIABLE in os.environ or SPIN_VARIABLE in os.environ:
+        return
+    start = sample_machine() if decodes and (os.cpu_count() or 1) > 1 else None
+    if start is None:
+        prefer_passive_wait()
+        return
+    os.environ[SPIN_VARIABLE] = str(SPIN_COUNT)
+    _spin_here, _start = True, start
+
+
 def set_here() -> bool:
     """Whether this process, not its environment, chose the policy."""
-    return _set_here
+    return _set_here or _spin_here
+
+
+def spins_while_decoding() -> bool:
+    """Whether this process chose to spin while decoding (and so must watch the machine)."""
+    return _spin_here
+
+
+def start_sample() -> MachineSample | None:
+    """The machine sample taken when the policy was chosen (None unless this process spins)."""
+    return _start
 
 
 def user_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -40,10 +111,16 @@ def user_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]
     env = dict(os.environ if environ is None else environ)
     if _set_here:
         env.pop(VARIABLE, None)
+    if _spin_here:
+        env.pop(SPIN_VARIABLE, None)
     return env
 
 
 def describe(environ: Mapping[str, str] | None = None) -> str:
-    """The policy as `environ` (default: this process's) states it, e.g. `PASSIVE` or `not set`."""
-    value = (os.environ if environ is None else environ).get(VARIABLE)
-    return value if value else "not set"
+    """The policy as `environ` (default: this process's) states it: `PASSIVE`, `not set`, or
+    `not set, GOMP_SPINCOUNT=30000`."""
+    env = os.environ if environ is None else environ
+    text = env.get(VARIABLE) or "not set"
+    if env.get(SPIN_VARIABLE):
+        text += f", {SPIN_VARIABLE}={env[SPIN_VARIABLE]}"
+    return text

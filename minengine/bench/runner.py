@@ -36,7 +36,14 @@ from minengine.bench.fair.compare import (
     probe_environment,
     run_fair,
 )
-from minengine.bench.fair.peers import PeerChoice, PeerSelection, llama_child_argv, peer_bytes_per_step, select_peers
+from minengine.bench.fair.peers import (
+    PeerChoice,
+    PeerSelection,
+    ensure_default_gguf,
+    llama_child_argv,
+    peer_bytes_per_step,
+    select_peers,
+)
 from minengine.bench.hf_reference import TransformersReference
 from minengine.bench.roofline import (
     ReadProbe,
@@ -255,7 +262,8 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     load_before = os.getloadavg()
-    selection = select_peers(config.peers, config.model_dir)  # a bad choice fails before anything runs
+    # A bad choice fails before anything runs; the default GGUF is fetched here when missing.
+    selection = select_peers(config.peers, config.model_dir, default_gguf=lambda: ensure_default_gguf(progress))
     progress(f"loading minengine from {config.model_dir}")
     engine = _engine(config)
     fair, fair_loaded = _fair(config, engine, selection, progress)

@@ -12,7 +12,9 @@ step allocates:
   decode over quantized, widened or outgrown caches).
 
 The choice depends on the cache, so it is made per call; the cache is made here too, over the
-static decoder's arena when that can serve it.
+static decoder's arena when that can serve it. On the CPU each call also runs on the thread count
+`decode_threads.StepThreads` chooses for the machine's state (all threads unless other processes
+want a core, when the command spins; see there).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from minengine.kv.cache import KVCache
 from minengine.model.cuda_graph import StaticDecoder
+from minengine.model.decode_threads import StepThreads
 from minengine.model.eager_step import EagerDecoder
 from minengine.model.transformer import Transformer
 
@@ -34,6 +37,8 @@ class ModelRunner:
         self.eager_decoder = EagerDecoder(model)
         self.static_decoder: StaticDecoder | None = None
         self.use_static_decode(model.device.type == "cuda")
+        cpu = model.device.type == "cpu"
+        self.step_threads = StepThreads(torch.get_num_threads() if cpu else 1, steer=None if cpu else False)
 
     def use_static_decode(self, enabled: bool, *, capture: bool | None = None) -> None:
         """Decode through the static-shape step (captured in CUDA graphs unless `capture=False`).
@@ -78,9 +83,11 @@ class ModelRunner:
         """`Transformer.forward`'s logits for positions [start, start+len(ids)), by the fastest
         path that serves `cache`: a single token (not `all_logits`) through the static or eager
         step when one can, everything else through the general path."""
-        if ids.shape[0] == 1 and not all_logits:
-            if self.static_decoder is not None and self.static_decoder.serves(cache):
-                return self.static_decoder.step(ids, start, cache)
-            if self.eager_decoder.serves(cache, start):
-                return self.eager_decoder.step(ids, start, cache)
-        return self.model.forward(ids, start, cache, all_logits=all_logits)
+        single = ids.shape[0] == 1 and not all_logits
+        with self.step_threads.step(single):
+            if single:
+                if self.static_decoder is not None and self.static_decoder.serves(cache):
+                    return self.static_decoder.step(ids, start, cache)
+                if self.eager_decoder.serves(cache, start):
+                    return self.eager_decoder.step(ids, start, cache)
+            return self.model.forward(ids, start, cache, all_logits=all_logits)

@@ -132,6 +132,20 @@ def test_targets_follow_the_numbers(smoke_report):
     assert not {t.name: t.passed for t in targets(replace(good, memory=memory))}["peak memory of reqscope --plain"]
 
 
+def test_the_no_collapse_target_sets_the_loaded_pass_against_the_idle_one(smoke_report):
+    name = "decode beside one busy process / idle (no collapse)"
+    assert name not in {t.name for t in targets(smoke_report)}  # only when --under-load ran
+    ours = smoke_report.fair.side("reqscope")
+
+    def with_loaded_rate(rate: float):
+        side = replace(ours, decode_tokens_per_s=Spread(rate, rate, rate, 1))
+        loaded = replace(smoke_report.fair, sides=(side, *smoke_report.fair.sides[1:]))
+        return {t.name: t.passed for t in targets(replace(smoke_report, fair_under_load=loaded))}[name]
+
+    idle = ours.decode_tokens_per_s.median
+    assert with_loaded_rate(0.6 * idle) and not with_loaded_rate(0.4 * idle)
+
+
 # -- a smoke run on a tiny model ---------------------------------------------------------------------
 
 

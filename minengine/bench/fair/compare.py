@@ -3,7 +3,7 @@
 - reqscope is the `reqscope --json` command with its own default OpenMP policy (`omp_env`);
 - transformers is `generate()` in a plain Python process (`hf_child`) with the environment the
   user had before reqscope touched it: never with a policy reqscope chose for itself (under the
-  PASSIVE policy reqscope sets, transformers decoded at 16-17 tokens/s here instead of 25);
+  PASSIVE policy reqscope used to set, transformers was measured at 16-17 tokens/s instead of 25);
 - peers (llama.cpp, `peers`) run the same way, each in its own process.
 
 All get the same chat prompt's token ids, greedy decoding and the same token limit, and their
@@ -11,7 +11,7 @@ decode rate is measured the same way: token lines stamped on arrival at the pare
 first token excluded. One discarded round first (page cache, the layout cache of a first
 reqscope run), then rounds in alternating order (A B C, C B A, ...), ratios taken within each
 round. Optionally the whole comparison runs again beside one busy process (a spinning Python
-loop), the situation the PASSIVE default was chosen for.
+loop), where engines whose OpenMP workers spin collapse (transformers 24 -> 3-10 tokens/s here).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
     python -m minengine.bench.fair.probe
 
 Launched with the environment the benchmark launches `reqscope --json` with, it makes the
-command's own OpenMP choice (`omp_env.prefer_passive_wait`, the first thing `reqscope.cli.main`
-calls), loads torch, and writes one `environment` event (see `pipes`): the policy, torch's
-thread count, the torch version. `reqscope --json` itself writes no such line.
+command's own OpenMP choice for a verb that runs a request (`omp_env.choose_policy`, the first
+thing `reqscope.cli.main` calls), loads torch, and writes one `environment` event (see `pipes`):
+the policy, torch's thread count, the torch version. `reqscope --json` itself writes no such line.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from minengine.bench.fair.pipes import emit
 
 def main() -> int:
     """Write the environment event."""
-    omp_env.prefer_passive_wait()
+    omp_env.choose_policy(decodes=True)
     policy = omp_env.describe()
-    if omp_env.set_here():
+    if omp_env.spins_while_decoding():
+        policy += " (reqscope's default: spins while decoding, 1 thread while other processes want a core)"
+    elif omp_env.set_here():
         policy += " (reqscope's default)"
     import torch
 
