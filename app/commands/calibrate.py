@@ -72,15 +72,16 @@ def run(args: argparse.Namespace) -> int:
     """Measure, fit, print; the fit is saved to --output when given."""
     from minengine.engine.engine import Engine
     from minengine.plan.calibrate import calibrate
+    from reqscope.console.progress_line import ProgressLine
     from reqscope.run_options import resolve_model_dir, stderr_progress
 
     plan = CalibrationPlan(args.prompt_lengths, args.context_lengths, args.repeats, args.decode_steps)
     engine = Engine(resolve_model_dir(args, stderr_progress), device=args.device, dtype=args.dtype)
-    bar = _Bar(sys.stderr)
+    line = ProgressLine(prefix="reqscope: ")  # redrawn in place on a terminal, start and end lines otherwise
     try:
-        model = calibrate(engine, plan, progress=bar.update)
+        model = calibrate(engine, plan, progress=line)
     finally:
-        bar.close()
+        line.close()
     if args.output:
         try:
             with open(args.output, "w", encoding="utf-8") as out:
@@ -91,31 +92,6 @@ def run(args: argparse.Namespace) -> int:
             return 1
     print(json.dumps(model.as_json(), indent=2) if args.json else render(model))
     return 0
-
-
-class _Bar:
-    """One progress line rewritten in place on a terminal; start and end lines elsewhere."""
-
-    def __init__(self, stream) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.started = False
-
-    def update(self, done: int, total: int, label: str) -> None:
-        if self.tty:
-            filled = round(24 * done / total)
-            line = f"calibrate [{'#' * filled}{'.' * (24 - filled)}] {done}/{total} {label}"
-            self.stream.write(f"\r{line:<78}")
-            self.stream.flush()
-        elif not self.started:
-            print(f"calibrate: measuring {total} points", file=self.stream, flush=True)
-        self.started = True
-
-    def close(self) -> None:
-        if self.tty and self.started:
-            self.stream.write("\n")
-        elif self.started:
-            print("calibrate: done", file=self.stream, flush=True)
 
 
 def render(model: ServiceModel) -> str:

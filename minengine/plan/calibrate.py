@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,14 +20,13 @@ import torch
 from minengine.device import synchronize
 from minengine.engine.engine import Engine
 from minengine.plan.service_model import CalibrationError, Point, ServiceModel
+from minengine.progress import ProgressCallback, Stage
 
 DEFAULT_PROMPT_LENGTHS = (16, 64, 128, 256, 512, 1024)
 DEFAULT_CONTEXT_LENGTHS = (64, 256, 512, 1024)
 DEFAULT_REPEATS = 3
 DEFAULT_DECODE_STEPS = 8
 
-# (points done, points in all, what is being measured)
-Progress = Callable[[int, int, str], None]
 
 
 @dataclass(frozen=True)
@@ -60,8 +59,10 @@ class CalibrationPlan:
         return (len(self.prompt_lengths) + len(self.context_lengths)) * self.repeats
 
 
-def calibrate(engine: Engine, plan: CalibrationPlan, progress: Progress | None = None, seed: int = 0) -> ServiceModel:
-    """Measure prefill and decode as `plan` says and fit the service model."""
+def calibrate(
+    engine: Engine, plan: CalibrationPlan, progress: ProgressCallback | None = None, seed: int = 0
+) -> ServiceModel:
+    """Measure prefill and decode as `plan` says (one progress stage, "calibrate") and fit the service model."""
     plan = plan.fitted_to(engine.cfg.max_position_embeddings)
     generator = torch.Generator().manual_seed(seed)
     longest = max(*plan.prompt_lengths, *plan.context_lengths)
@@ -69,13 +70,10 @@ def calibrate(engine: Engine, plan: CalibrationPlan, progress: Progress | None =
     ids = ids.to(engine.device)
     _prefill_ms(engine, ids[: min(64, longest)])  # warm-up, not measured
     points: list[Point] = []
-    done = 0
+    stage = Stage(progress, "calibrate", total=plan.total, unit="points", message="prefill and decode timings")
 
     def advance(label: str) -> None:
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, plan.total, label)
+        stage.advance(len(points), label)
 
     for _ in range(plan.repeats):  # repeats outermost: a slow spell of the machine spreads over lengths
         for n in plan.prompt_lengths:
@@ -86,6 +84,7 @@ def calibrate(engine: Engine, plan: CalibrationPlan, progress: Progress | None =
             # The middle step's context stands for the point: step i attends over n + i tokens.
             points.append(Point("decode", n + (plan.decode_steps + 1) // 2, statistics.median(steps)))
             advance(f"decode at {n} tokens of context")
+    stage.finish(f"{len(points)} points measured")
     dtype = str(engine.dtype).removeprefix("torch.")
     return ServiceModel.fit(engine.model_dir.name, engine.device.type, dtype, points)
 
