@@ -248,9 +248,12 @@ async def _drive(port: int, server: subprocess.Popen, log: Path, tmp_path: Path)
         await browser.send("Page.navigate", url=f"http://127.0.0.1:{port}/")
         screen = await wait_for_screen(
             browser,
-            lambda text: all(stage in text for stage in ("gateway", "prefill", "decode")) and OUTPUT_COUNT.search(text),
+            # The strip shows while the session is still "pausing" (prefill running): wait for the hold.
+            lambda text: all(stage in text for stage in ("gateway", "prefill", "decode"))
+            and OUTPUT_COUNT.search(text) is not None
+            and "paused at step 1" in text,
             timeout=35,
-            what="the explorer's pipeline strip",
+            what="the explorer's pipeline strip, paused at step 1",
         )
         assert "paused at step 1" in screen
         before = int(OUTPUT_COUNT.search(screen)[1])
