@@ -157,11 +157,16 @@ def _announced_size(log: Path, done: int) -> int | None:
 def _largest_wheel(folder: Path) -> int:
     """Bytes of the largest wheel pip has written under `folder` so far (it may vanish meanwhile)."""
     largest = 0
-    for path in folder.rglob("*.whl"):
-        try:
-            largest = max(largest, path.stat().st_size)
-        except OSError:
-            continue
+    # os.walk skips folders that vanish mid-walk; Path.rglob raises FileNotFoundError when pip
+    # removes one of its temporary folders between listing and entering it.
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            if not name.endswith(".whl"):
+                continue
+            try:
+                largest = max(largest, os.stat(os.path.join(root, name)).st_size)
+            except OSError:
+                continue
     return largest
 
 
