@@ -11,7 +11,10 @@ So every step first asks how much CPU other processes used lately (/proc/stat, l
 process's own time, over at least `WINDOW_S`): under `BUSY_CORES` of a core, all threads; more,
 one thread. A step on all threads that still comes out far slower than the best seen (this
 process's own threads can compete too, which /proc/stat cannot tell apart) also drops to one
-thread, for a while that doubles each time it happens. Every output is computed by the same
+thread, for a while that doubles each time it happens; it takes `SLOW_RUN` such steps in a row,
+because a lone slow step is the explorer drawing a frame (a few milliseconds of its UI thread,
+paced), not a core gone: backing off on every one of them held the explorer at 47 tok/s on one
+thread where two gave 55. Every output is computed by the same
 kernels in the same order whatever the count (chunked projections run their chunks one after
 the other on one thread), so the choice never changes a value.
 
@@ -32,6 +35,7 @@ WINDOW_S = 0.2  # /proc/stat counts in 10 ms ticks: 0.2 s of 2 CPUs is 40 of the
 BUSY_CORES = 0.3  # others' use above this (in cores) means a core is wanted elsewhere
 SLOW_FACTOR = 2.5  # a step this much slower than the best at full threads was not on free cores
 SLOW_FLOOR_S = 0.005  # ...and at least this much slower (short steps jitter by more than 2.5x)
+SLOW_RUN = 3  # slow steps in a row before backing off (one alone is a passing burst)
 BACKOFF_STEPS = 32  # steps on one thread after the first such step; doubles up to MAX_BACKOFF_STEPS
 MAX_BACKOFF_STEPS = 1024
 
@@ -52,6 +56,7 @@ class StepThreads:
         self._best_s = float("inf")  # fastest single-token step at full threads
         self._backoff = 0  # steps left on one thread after a slow step
         self._next_backoff = BACKOFF_STEPS
+        self._slow_in_a_row = 0
         self.last_count = threads
 
     def count(self) -> int:
@@ -75,9 +80,13 @@ class StepThreads:
         if not self.steer or count != self.threads:
             return
         with self._lock:
-            if seconds < self._best_s:
-                self._best_s = seconds
-            elif seconds > SLOW_FACTOR * self._best_s and seconds - self._best_s > SLOW_FLOOR_S:
+            self._best_s = min(self._best_s, seconds)
+            if seconds <= SLOW_FACTOR * self._best_s or seconds - self._best_s <= SLOW_FLOOR_S:
+                self._slow_in_a_row = 0
+                return
+            self._slow_in_a_row += 1
+            if self._slow_in_a_row >= SLOW_RUN:
+                self._slow_in_a_row = 0
                 self._backoff = self._next_backoff
                 self._next_backoff = min(2 * self._next_backoff, MAX_BACKOFF_STEPS)
 

@@ -48,18 +48,35 @@ def test_one_thread_while_other_processes_want_a_core(monkeypatch, others, expec
     assert threads.count() == 3 - expected
 
 
-def test_a_step_far_slower_than_the_best_backs_off_to_one_thread(monkeypatch):
+def _slow_run(threads: StepThreads) -> None:
+    for _ in range(decode_threads.SLOW_RUN):
+        threads.record(2, 0.300)  # the cores were not free after all (our own threads, say)
+
+
+def test_steps_far_slower_than_the_best_back_off_to_one_thread(monkeypatch):
     monkeypatch.setattr(omp_env, "sample_machine", FakeMachine(0.0))
     threads = StepThreads(2, steer=True)
     for seconds in (0.020, 0.016, 0.017):
         threads.record(2, seconds)
     assert threads.count() == 2
-    threads.record(2, 0.300)  # the cores were not free after all (our own threads, say)
+    _slow_run(threads)
     taken = [threads.count() for _ in range(decode_threads.BACKOFF_STEPS + 1)]
     assert taken[:-1] == [1] * decode_threads.BACKOFF_STEPS and taken[-1] == 2
-    threads.record(2, 0.300)  # again: twice as long on one thread
+    _slow_run(threads)  # again: twice as long on one thread
     backoff = decode_threads.BACKOFF_STEPS
     assert sum(threads.count() == 1 for _ in range(4 * backoff)) == 2 * backoff
+
+
+def test_a_lone_slow_step_is_a_burst_not_a_lost_core(monkeypatch):
+    monkeypatch.setattr(omp_env, "sample_machine", FakeMachine(0.0))
+    threads = StepThreads(2, steer=True)
+    threads.record(2, 0.016)
+    for _ in range(50):  # a frame drawn beside every other step, as in the explorer
+        for seconds in [0.300] * (decode_threads.SLOW_RUN - 1) + [0.017]:
+            threads.record(2, seconds)
+            assert threads.count() == 2
+    _slow_run(threads)
+    assert threads.count() == 1
 
 
 def test_not_steered_unless_this_process_chose_to_spin(monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import threading
 
 import pytest
 from rich.console import Console
@@ -228,6 +229,32 @@ async def test_restart_runs_the_request_again_with_a_new_id(default_engine):
         assert app.request.request_id != first
         await wait_for(pilot, lambda: app.view.result is not None and app.view.result.request_id != first)
         assert app.view.result.usage.completion_tokens == 2
+
+
+async def test_loading_and_every_run_share_one_model_thread(default_engine, monkeypatch):
+    # Two threads with OpenMP teams on 2 cores throttle libgomp's spinning: every parallel
+    # region of a step then wakes a sleeping worker (see minengine.threads.ModelThread).
+    threads: list[tuple[str, int]] = []
+    start = Engine.start
+
+    def recording_start(engine, request):
+        threads.append(("run", threading.get_ident()))
+        return start(engine, request)
+
+    def open_engine(progress):
+        threads.append(("load", threading.get_ident()))
+        return default_engine
+
+    monkeypatch.setattr(Engine, "start", recording_start)
+    app = ExplorerApp.live_run(open_engine, kyoto_request(max_tokens=2))
+    async with app.run_test() as pilot:
+        await finished(pilot, app)
+        first = app.view.result.request_id
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.view.result is not None and app.view.result.request_id != first)
+    assert [what for what, _ in threads] == ["load", "run", "run"]
+    assert len({ident for _, ident in threads}) == 1
+    assert threading.get_ident() not in {ident for _, ident in threads}  # never the UI's thread
 
 
 async def test_editing_the_system_prompt_and_prompt_runs_them(default_engine):

@@ -1,6 +1,6 @@
 """The explorer: one request on screen, live from the engine or replayed from a trace.
 
-The engine runs on a Textual thread worker (see `live_run`). It never calls into the UI per
+The engine loads and runs on one thread of its own (`ModelThread`, see `live_run`). It never calls into the UI per
 token: events wait in the run's inbox, and one `RunProgress` message wakes the UI to take
 all of them. Repaints are coalesced and, while the engine decodes, paced by `RepaintPacer`
 (at most `repaint_hz` a second, and no more than `REPAINT_DUTY` of a core, see `ExplorerBase`),
@@ -31,6 +31,7 @@ from minengine.progress import PullProgress, StatusCallback
 from minengine.record.export import export_run
 from minengine.record.trace_io import TraceHeader, trace_header
 from minengine.sampling.sampler import SamplingParams
+from minengine.threads import ModelThread
 from reqscope.ui.base import ExplorerBase, renewed
 from reqscope.ui.keys import LIVE, REPLAY, action_name, bindings, keys_for
 from reqscope.ui.loading_screen import LoadingScreen
@@ -115,6 +116,7 @@ class ExplorerApp(ExplorerBase):
         self._probe: MemoryProbe | None = None
         self._play_timer: Timer | None = None
         self._switch_interval = sys.getswitchinterval()
+        self._model_thread = ModelThread()  # loading and every run: one OpenMP team (see ModelThread)
         self._loading: LoadingScreen | None = None
         self._reported_failure = False
 
@@ -158,8 +160,8 @@ class ExplorerApp(ExplorerBase):
 
     # -- the engine ------------------------------------------------------------------------------
 
-    @work(thread=True, group="loader", exit_on_error=False)
-    def _load_engine(self) -> None:
+    @work(group="loader", exit_on_error=False)
+    async def _load_engine(self) -> None:
         assert self._open_engine is not None and self._loading is not None
         screen = self._loading
 
@@ -167,11 +169,11 @@ class ExplorerApp(ExplorerBase):
             self.call_from_thread(screen.add_message, message)
 
         try:
-            engine = self._open_engine(progress)
+            engine = await self._model_thread.run(self._open_engine, progress)
         except ReqscopeError as exc:
-            self.call_from_thread(self._engine_failed, str(exc))
+            self._engine_failed(str(exc))
             return
-        self.call_from_thread(self._engine_ready, engine)
+        self._engine_ready(engine)
 
     def _engine_failed(self, message: str) -> None:
         self.load_error = message
@@ -204,12 +206,8 @@ class ExplorerApp(ExplorerBase):
         self._preview_cache = None
         self._reported_failure = False
         self.live = LiveRun(self.engine, request, paused=paused, wake=self._wake)
-        self._drive(self.live, previous)
+        self._model_thread.submit(self.live.drive, previous)
         self._invalidate()
-
-    @work(thread=True, group="engine", exit_on_error=False)
-    def _drive(self, live: LiveRun, previous: LiveRun | None) -> None:
-        live.drive(after=previous)
 
     def _rerun(self, **changes: object) -> None:
         if self._engine_missing():
@@ -525,6 +523,7 @@ class ExplorerApp(ExplorerBase):
     def _stop(self) -> None:
         if self.live is not None:
             self.live.cancel()
+        self._model_thread.shutdown()
         sys.setswitchinterval(self._switch_interval)  # leaving: the UI no longer draws beside decode
 
     def _running_live(self) -> LiveRun | None:
