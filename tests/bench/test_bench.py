@@ -266,7 +266,9 @@ def test_gpu_check_summary_reads_the_bench_report(smoke_report):
 
     gpu_check = runpy.run_path(str(ROOT / "scripts" / "gpu-check"), run_name="gpu_check")
     summary = gpu_check["summary"](json.loads(json.dumps(to_json(smoke_report))))
-    assert summary["decode_speedup_vs_transformers"] == smoke_report.decode.speedup.median
+    assert summary["decode_speedup_vs_transformers"] == smoke_report.fair.decode_speedup.median
+    assert summary["in_process_decode_speedup"] == smoke_report.decode.speedup.median
+    assert summary["decode_tokens_per_s"] == smoke_report.fair.side("reqscope").decode_tokens_per_s.median
     assert summary["hbm_roofline_fraction_of_matvec_probe"] == smoke_report.roofline.matvec_fraction.median
     assert summary["kv_bytes_computed"] is None  # CPU: no device memory section
 
