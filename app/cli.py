@@ -122,12 +122,25 @@ def mistyped_verb(word: str) -> str | None:
     return matches[0] if len(matches) == 1 else None
 
 
+SPINNING_VERBS = ("run", "calibrate")
+
+
+def decodes_requests(argv: list[str]) -> bool:
+    """Whether this command line decodes in this process, so that OpenMP's workers may spin.
+
+    A request's decode spins (watching the machine): the explorer, `--plain`, `--json`, and each
+    browser tab's explorer (`web --session`, a process of its own). So does calibrate, whose
+    fit must describe the steps `run` takes. Every other verb sleeps.
+    """
+    if argv[:1] == ["web"]:
+        return "--session" in argv
+    return not argv or argv[0] in SPINNING_VERBS or argv[0] not in SUBCOMMANDS
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `reqscope` console script."""
-    # Before any verb's module imports torch: a request's decode spins (watching the machine),
-    # every other verb sleeps (minengine.omp_env).
-    first = (sys.argv[1:] if argv is None else argv)[:1]
-    choose_policy(decodes=not first or first[0] == "run" or first[0] not in SUBCOMMANDS)
+    # Before any verb's module imports torch (minengine.omp_env).
+    choose_policy(decodes=decodes_requests(sys.argv[1:] if argv is None else argv))
     try:
         return _main(argv)
     except KeyboardInterrupt:  # also while a verb's imports load (torch takes seconds)

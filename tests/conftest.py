@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -61,3 +62,21 @@ def chatty_engine(chatty_tiny_dir):
     from minengine.engine.engine import Engine
 
     return Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20)
+
+
+@pytest.fixture(autouse=True)
+def _openmp_policy_restored(monkeypatch):
+    """Tests that call `reqscope.cli.main` in this process let it choose an OpenMP policy, which
+    it writes into os.environ and minengine.omp_env; undo that after each test, so the next one
+    (and the children it starts) sees the environment the suite started with."""
+    from minengine import omp_env
+
+    for name in (omp_env.VARIABLE, omp_env.SPIN_VARIABLE):
+        before = os.environ.get(name)
+        monkeypatch.setenv(name, "")  # records the value before, so teardown restores (or removes) it
+        if before is None:
+            monkeypatch.delenv(name)
+        else:
+            monkeypatch.setenv(name, before)
+    for attribute in ("_set_here", "_spin_here", "_start"):
+        monkeypatch.setattr(omp_env, attribute, getattr(omp_env, attribute))

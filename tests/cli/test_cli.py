@@ -57,3 +57,21 @@ def test_vllm_names_for_dtypes_are_accepted():
     assert (run.kv_dtype, run.dtype) == ("fp8", "half")
     plan = cli.build_parser("plan").parse_args(["smollm2-135m-instruct", "--kv-dtype", "float8_e4m3fn"])
     assert plan.kv_dtype == "fp8"
+
+
+@pytest.mark.parametrize(
+    ("argv", "spins"),
+    [
+        ([], True),  # the explorer on the default prompt
+        (["Show me hotels in Kyoto"], True),
+        (["run", "--plain", "hi"], True),
+        (["calibrate", "--json"], True),  # its fit must describe the steps `run` takes
+        (["serve"], False),
+        (["bench"], False),
+        (["web"], False),  # the server only relays screens...
+        (["web", "--session", "--model", "m"], True),  # ...each tab's explorer decodes in its own process
+        (["plan"], False),
+    ],
+)
+def test_only_verbs_that_decode_here_let_openmp_spin(argv, spins):
+    assert cli.decodes_requests(argv) is spins
