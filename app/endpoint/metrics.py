@@ -81,3 +81,9 @@ def compare_tpot(
     if timings is not None and timings.predicted_per_token_ms is not None:
         return DecodeComparison(metrics.tpot_ms, timings.predicted_per_token_ms, "timings")
     return None
+
+
+def prompt_count(usage: Usage) -> str:
+    """The prompt's token count as the server reported it, with the prefix cache's share when any."""
+    cached = f" ({usage.cached_tokens} cached)" if usage.cached_tokens else ""
+    return f"{usage.prompt_tokens}{cached}"

@@ -18,6 +18,7 @@ from reqscope.endpoint.events import (
     ServerTimings,
     StreamEnded,
 )
+from reqscope.endpoint.metrics import prompt_count
 from reqscope.endpoint.settings import LOGPROBS_COST_NOTE, RequestSettings, logprobs_text, settings_text
 
 
@@ -67,7 +68,7 @@ def endpoint_summary(
     lines = [""]
     if r.error:
         lines.append(f"error: {r.error}")
-    usage = f"prompt {r.usage.prompt_tokens} tokens, " if r.usage else ""
+    usage = f"prompt {prompt_count(r.usage)} tokens, " if r.usage else ""
     lines.append(
         f"finish    {r.finish_reason or '-'}   {usage}output {r.output_tokens} tokens "
         f"(counted from {r.output_tokens_source}), {r.chunks} chunks"

@@ -101,13 +101,19 @@ def parse_chunk(data: str) -> StreamChunk:
 
 
 def parse_usage(raw: object) -> Usage | None:
-    """OpenAI's usage object, or None when absent or malformed."""
+    """OpenAI's usage object, or None when absent or malformed.
+
+    `prompt_tokens_details.cached_tokens` (OpenAI, vLLM, `reqscope serve`) is the part of the
+    prompt the server took from its prefix cache; 0 when the server does not say.
+    """
     if not isinstance(raw, dict):
         return None
-    prompt, completion = raw.get("prompt_tokens"), raw.get("completion_tokens")
-    if not isinstance(prompt, int) or not isinstance(completion, int):
+    prompt, completion = _count(raw.get("prompt_tokens")), _count(raw.get("completion_tokens"))
+    if prompt is None or completion is None:
         return None
-    return Usage(prompt, completion)
+    details = raw.get("prompt_tokens_details")
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return Usage(prompt, completion, cached_tokens=min(cached or 0, prompt))
 
 
 def parse_server_report(chunk: dict) -> ServerReport | None:

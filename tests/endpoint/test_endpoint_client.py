@@ -144,3 +144,20 @@ def test_cli_plain_mode_shows_server_defaults_and_the_servers_tpot(served, capsy
     assert sent in err
     assert "ms/token on its clock (its report); client TPOT" in err
     assert "logprobs  on (top 2 per token), returned for 4 tokens: asking for logprobs can slow the server" in err
+
+
+def test_the_prefix_cache_hit_reported_by_the_server_reaches_the_client(served, capsys):
+    long = GenerationRequest.from_prompt("Kyoto hotels with step-free rooms, near the station. " * 12)
+
+    async def twice():
+        async with EndpointClient(served.v1, api_key=KEY) as c:
+            return [[e async for e in c.stream_chat(long, MODEL, SETTINGS)] for _ in range(2)]
+
+    first, second = (events[-1].result for events in asyncio.run(twice()))
+    cached = second.usage.cached_tokens  # the first may hit the chat template's opening blocks
+    assert first.usage.cached_tokens < cached < second.usage.prompt_tokens  # never the last token
+    assert cached == served.telemetry.wait_for(second.request_id).result.usage.cached_tokens
+
+    argv = ["--endpoint", served.v1, "--model", MODEL, "--api-key", KEY, "--plain", "--max-tokens", "2"]
+    assert main([*argv, "--temperature", "0", long.messages[-1].content]) == 0
+    assert f"({cached} cached)" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Group, RenderableType
 from rich.text import Text
 
+from reqscope.endpoint.metrics import prompt_count
 from reqscope.ui.endpoint.frame import EndpointFrame
 from reqscope.ui.endpoint.view import CLIENT_PIPELINE
 from reqscope.ui.panel import Panel
@@ -50,7 +51,7 @@ class AnswerPanel(Panel[EndpointFrame]):
         usage = view.result.usage if view.result is not None else None
         counts = Text(no_wrap=True, overflow="ellipsis")
         if usage is not None:
-            counts.append(f"prompt {usage.prompt_tokens} · ", style="bold")
+            counts.append(f"prompt {prompt_count(usage)} · ", style="bold")
         limit = frame.settings.max_tokens
         counts.append(f"output {tokens}{'' if limit is None else f'/{limit}'} tokens ({source})", style="bold")
         counts.append(f" in {len(view.chunks)} chunks")
