@@ -107,6 +107,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds an idle connection stays open between requests (default %(default)g)",
     )
     c.add_argument(
+        "--write-timeout",
+        type=positive,
+        default=limits.write_timeout_s,
+        metavar="S",
+        help="seconds a streamed response may wait for a client that stopped reading; then the connection "
+        "is closed and its request cancelled (default %(default)g)",
+    )
+    c.add_argument(
         "--max-connections",
         type=positive_whole_number,
         default=limits.max_connections,
@@ -148,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
             keepalive_timeout_s=args.keepalive_timeout,
+            write_timeout_s=args.write_timeout,
             max_connections=args.max_connections,
         ),
     )

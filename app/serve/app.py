@@ -14,6 +14,7 @@ others wait in its bounded queue, and their wait is part of their TTFT.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -155,7 +156,7 @@ async def _complete(request: web.Request, arrival: Arrival, kind: Kind) -> web.S
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         shape = ResponseShape(kind, prefix + api.generation.request_id, api.model, int(time.time()))
         if api.stream:
-            return await _stream(request, arrival, api, run, shape)
+            return await _stream(request, arrival, api, run, shape, state.config.limits.write_timeout_s)
         return await _collect(api, run, shape)
     finally:
         # Reached early only when the handler was cancelled (client gone) or a write failed.
@@ -184,16 +185,25 @@ def _refusal(item: Ended | Crashed, api: ApiRequest, context: int) -> ApiError:
 
 
 async def _stream(
-    request: web.Request, arrival: Arrival, api: ApiRequest, run: EngineRun, shape: ResponseShape
+    request: web.Request,
+    arrival: Arrival,
+    api: ApiRequest,
+    run: EngineRun,
+    shape: ResponseShape,
+    write_timeout_s: float,
 ) -> web.StreamResponse:
     headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **arrival.headers}
     response = web.StreamResponse(headers=headers)
     await response.prepare(request)
     if (access := access_entry(request)) is not None:
         access.status = response.status  # what the client got, should it leave mid-stream
+
+    async def send(data: bytes) -> None:
+        await write_or_drop(request, response, data, write_timeout_s)
+
     try:
         if api.kind == "chat":
-            await response.write(sse(shape.role_chunk()))
+            await send(sse(shape.role_chunk()))
         streamed, waiting_logprobs = "", []
         while True:
             item = await run.next()
@@ -204,16 +214,31 @@ async def _stream(
                     # Tokens that made no text yet (half a character, a held-back stop prefix)
                     # ride along with the chunk that finally shows their text.
                     chunk = shape.text_chunk(item.token.text, _logprobs(api, waiting_logprobs), len(streamed))
-                    await response.write(sse(chunk))
+                    await send(sse(chunk))
                     streamed += item.token.text
                     waiting_logprobs = []
             elif isinstance(item, Ended | Crashed):
-                await response.write(_closing(api, shape, item, streamed, waiting_logprobs))
+                await send(_closing(api, shape, item, streamed, waiting_logprobs))
                 break
         await response.write_eof()
-    except ConnectionResetError:  # the client went away mid-stream
+    except ConnectionError:  # the client went away mid-stream (a reset, or lost while a write waited)
         run.cancel()
     return response
+
+
+async def write_or_drop(request: web.Request, response: web.StreamResponse, data: bytes, timeout_s: float) -> None:
+    """Write `data`; a client that takes none of it in for `timeout_s` is disconnected.
+
+    aiohttp's write waits while the socket's buffers are full. A client that stops reading
+    without closing would hold that wait, its connection and the response forever; after
+    `timeout_s` the connection is aborted and ConnectionResetError raised, as for a client gone.
+    """
+    try:
+        await asyncio.wait_for(response.write(data), timeout_s)
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        raise ConnectionResetError(f"the client read nothing for {timeout_s:g} s") from None
 
 
 def _closing(

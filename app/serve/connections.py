@@ -39,6 +39,7 @@ class ConnectionLimits:
     header_timeout_s: float = 10.0  # request line and headers, from the first byte
     body_timeout_s: float = 30.0  # the whole body, once the headers are in
     keepalive_timeout_s: float = 75.0  # an idle connection between requests
+    write_timeout_s: float = 30.0  # one streamed write the client does not take in (it stopped reading)
     max_connections: int = 128
 
 
