@@ -21,7 +21,7 @@ import socket
 import sys
 from urllib.parse import urlsplit
 
-from minengine.argtypes import whole_number
+from minengine.argtypes import positive_whole_number, whole_number
 from minengine.errors import ReqscopeError
 from reqscope.run_options import (
     DEFAULT_PROMPT,
@@ -33,6 +33,7 @@ from reqscope.run_options import (
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8123
+DEFAULT_MAX_SESSIONS = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST}: this machine only)"
     )
     n.add_argument("--port", type=whole_number, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    n.add_argument(
+        "--max-sessions",
+        type=positive_whole_number,
+        default=DEFAULT_MAX_SESSIONS,
+        help="open pages at once: each runs its own explorer process with its own copy of the model "
+        f"(default {DEFAULT_MAX_SESSIONS}; the default model takes about 0.8 GiB a session)",
+    )
     parser.add_argument(
         "--paused", action="store_true", help="each session holds before the first token (s steps, space runs)"
     )
@@ -74,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     command = session_command(args, str(model_dir.resolve()))
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     server = _server_class(Server)(command, host=args.host, port=args.port, title=f"reqscope: {prompt[:60]}")
+    server.max_sessions = args.max_sessions
     try:
         server.serve()
     except OSError as exc:  # lost the port between the check and the bind
@@ -162,6 +171,9 @@ def _server_class(base: type) -> type:
     """textual-serve's Server, quieter and reachable under any address the browser used."""
 
     class ExplorerServer(base):
+        max_sessions = DEFAULT_MAX_SESSIONS
+        sessions = 0  # pages whose explorer runs now
+
         def initialize_logging(self) -> None:
             # textual-serve logs every connection through rich at INFO; warnings are enough here.
             logging.basicConfig(level=logging.WARNING, format="reqscope web: %(message)s")
@@ -176,6 +188,7 @@ def _server_class(base: type) -> type:
 
         async def handle_index(self, request):
             _refuse_foreign(request, self.host)
+            self._refuse_beyond_cap()
             # The page tells the browser where its websocket is; textual-serve builds that from
             # --host, which for 0.0.0.0 is no address a browser can use. The address the
             # browser itself used always is (no await below runs before the page is made).
@@ -184,7 +197,25 @@ def _server_class(base: type) -> type:
 
         async def handle_websocket(self, request):
             _refuse_foreign(request, self.host)
-            return await super().handle_websocket(request)
+            self._refuse_beyond_cap()
+            self.sessions += 1  # counted from here: the page's explorer starts with its websocket
+            try:
+                return await super().handle_websocket(request)
+            finally:
+                self.sessions -= 1
+
+        def _refuse_beyond_cap(self) -> None:
+            # Each page starts a process that loads the model: without a cap, tabs left open
+            # (or a page reloaded in a loop) would exhaust the machine's memory.
+            if self.sessions >= self.max_sessions:
+                from aiohttp import web as aiohttp_web
+
+                raise aiohttp_web.HTTPServiceUnavailable(
+                    text=f"reqscope web: {self.sessions} explorer sessions are open, the most allowed "
+                    f"(--max-sessions {self.max_sessions}); close one of their pages, or restart with a "
+                    "higher --max-sessions",
+                    headers={"Retry-After": "5"},
+                )
 
     return ExplorerServer
 

@@ -317,6 +317,41 @@ async def test_other_web_sites_cannot_reach_the_server():
         await client.close()
 
 
+@pytest.mark.anyio
+async def test_pages_beyond_max_sessions_are_refused_until_one_closes():
+    """Each page's session is a process with its own model; past the cap, a clear 503."""
+    from aiohttp.test_utils import TestClient, TestServer
+    from textual_serve.server import Server
+
+    server = web._server_class(Server)("sleep 30", host="127.0.0.1", port=0, title="reqscope: test")
+    server.max_sessions = 1
+    client = TestClient(TestServer(await server._make_app(), host="127.0.0.1"))
+    await client.start_server()
+    own = {"Origin": f"http://127.0.0.1:{client.port}"}
+    try:
+        first = await client.ws_connect("/ws", headers=own)
+        await _until(lambda: True if server.sessions == 1 else None, 10, "the first session to start")
+        page = await client.get("/", headers=own)
+        assert page.status == 503 and page.headers["Retry-After"] == "5"
+        assert "(--max-sessions 1)" in await page.text()
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await client.ws_connect("/ws", headers=own)
+        assert refused.value.status == 503
+        await first.close()
+        await _until_async(_page_status(client, own, 200), 10, "the page to be served again")
+        assert server.sessions == 0
+    finally:
+        await client.close()
+
+
+def _page_status(client, headers: dict, status: int):
+    async def probe() -> bool | None:
+        async with await client.get("/", headers=headers) as page:
+            return True if page.status == status else None
+
+    return probe
+
+
 @pytest.mark.parametrize(("host", "loopback"), [("127.0.0.1", True), ("::1", True), ("localhost", True),
                                                 ("0.0.0.0", False), ("192.168.1.20", False)])  # fmt: skip
 def test_loopback_hosts(host, loopback):
