@@ -44,7 +44,8 @@ from reqscope.ui.repaint_scheduler import RepaintScheduler
 
 # The share of one core that repainting may take while the run streams. On 2 cores whose both
 # threads decode, every millisecond the UI draws is taken from a decode thread: at 0.08 the
-# explorer decoded at 0.88-0.90 of `--plain`, at 0.04 (about 13 frames a second at 160x50) 0.96.
+# explorer decoded at 0.88-0.90 of headless speed, at 0.04 (4-6 frames a second at 160x50,
+# ~8 ms each) at 0.96.
 REPAINT_DUTY = 0.04
 SLOWEST_REPAINT_S = 2.0  # however costly, the screen follows a streaming run at least every 2 s
 

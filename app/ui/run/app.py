@@ -1,8 +1,8 @@
 """The explorer: one request on screen, live from the engine or replayed from a trace.
 
-The engine loads and runs on one thread of its own (`ModelThread`, see `live_run`). It never calls into the UI per
-token: events wait in the run's inbox, and one `RunProgress` message wakes the UI to take
-all of them. Repaints are coalesced and, while the engine decodes, paced by `RepaintPacer`
+The engine loads and runs on one thread of its own (`ModelThread`, see `live_run`). It never
+calls into the UI per token: events wait in the run's inbox, and one `RunProgress` message
+wakes the UI to take all of them. Repaints are coalesced and, while the engine decodes, paced by `RepaintPacer`
 (at most `repaint_hz` a second, and no more than `REPAINT_DUTY` of a core, see `ExplorerBase`),
 so a slow terminal repaints less often instead of slowing decode. Every panel draws a bounded
 amount, so a repaint costs the same at token 10 and token 10,000.
