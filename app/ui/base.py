@@ -43,9 +43,10 @@ from reqscope.ui.repaint_pacer import RepaintPacer
 from reqscope.ui.repaint_scheduler import RepaintScheduler
 
 # The share of one core that repainting may take while the run streams. On 2 cores whose both
-# threads decode, every millisecond the UI draws is taken from a decode thread: at 0.08 the
-# explorer decoded at 0.88-0.90 of headless speed, at 0.04 (4-6 frames a second at 160x50,
-# ~8 ms each) at 0.96.
+# threads decode, at 0.08 the explorer decoded at 0.88-0.90 of headless speed, at 0.04 (4-6
+# frames a second at 160x50, ~8 ms each) at 0.96. A spare core does not buy more: decoding on
+# one thread beside a free core, 0.04 kept 0.97, 0.10 0.92 and 0.25 0.77, because drawing holds
+# the GIL that the engine thread needs back between its ~120 kernels a step.
 REPAINT_DUTY = 0.04
 SLOWEST_REPAINT_S = 2.0  # however costly, the screen follows a streaming run at least every 2 s
 
