@@ -305,6 +305,17 @@ async def test_engine_that_cannot_load_is_reported_on_the_loading_screen():
     assert app.return_code == 0
 
 
+async def test_a_loader_that_breaks_is_reported_not_a_silent_stall():
+    def broken(progress):
+        raise KeyError("lm_head.weight")
+
+    app = ExplorerApp.live_run(broken, kyoto_request())
+    async with app.run_test() as pilot:
+        await wait_for(pilot, lambda: app.load_error is not None, timeout=10)
+        assert app.load_error == "KeyError: 'lm_head.weight'"
+        assert "lm_head.weight" in panel_text(app, "#loading-error")
+
+
 # -- replays of the recorded trace ------------------------------------------------------------
 
 

@@ -173,6 +173,9 @@ class ExplorerApp(ExplorerBase):
         except ReqscopeError as exc:
             self._engine_failed(str(exc))
             return
+        except Exception as exc:  # a bug: on the loading screen, not a silent stall
+            self._engine_failed(f"{type(exc).__name__}: {exc}")
+            return
         self._engine_ready(engine)
 
     def _engine_failed(self, message: str) -> None:
