@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import os
 import sys
 
@@ -22,6 +21,7 @@ from minengine.device import DTYPE_CHOICES
 from minengine.errors import ReqscopeError
 from minengine.kv.arithmetic import KIB
 from minengine.sampling.sampler import SamplingParams
+from reqscope.loopback import listens_on_loopback
 from reqscope.run_options import add_prefix_cache_argument, open_engine, stderr_progress
 from reqscope.serve.access import LOG_LEVELS, configure_logging
 from reqscope.serve.app import ServeConfig, build_app
@@ -148,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_kib * KIB,
             rate_per_minute=args.rate_limit or None,
             rate_burst=args.rate_burst,
+            loopback_hosts_only=not keys and listens_on_loopback(args.host),
         ),
         sampler_order=order,
         default_max_tokens=args.default_max_tokens,
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         ),
     )
     app = build_app(engine, config, TelemetryLog(args.telemetry))
-    if not keys and not _is_loopback(args.host):
+    if not keys and not listens_on_loopback(args.host):
         stderr_progress(f"warning: listening on {args.host} without --api-key; anyone who can reach it can use it")
 
     def ready(url: str) -> None:
@@ -197,12 +198,3 @@ def _api_keys(flags: list[str], env: str) -> frozenset[str] | str:
         if key != key.strip():
             return f"{where} has spaces around it, which a bearer token cannot carry; remove them"
     return frozenset([*flags, *([env] if env else [])])
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -14,7 +14,6 @@ otherwise: whoever opens the page drives the model, and there is no login.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import shlex
 import socket
@@ -23,6 +22,7 @@ from urllib.parse import urlsplit
 
 from minengine.argtypes import positive_whole_number, whole_number
 from minengine.errors import ReqscopeError
+from reqscope.loopback import host_header_names_loopback, listens_on_loopback
 from reqscope.run_options import (
     DEFAULT_PROMPT,
     add_run_arguments,
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(args, stderr_progress)
     if not model_dir.is_dir():
         raise ReqscopeError(f"model folder {model_dir} does not exist; pass --model PATH")
-    if not is_loopback(args.host):
+    if not listens_on_loopback(args.host):
         stderr_progress(
             f"warning: serving on {args.host}, beyond this machine: anyone who can reach "
             f"port {args.port} can drive the model (there is no login)"
@@ -135,19 +135,6 @@ def run_flags(args: argparse.Namespace, **overrides: object) -> list[str]:
         else:
             words += [flag, str(value)]
     return words
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` names only this machine (127.0.0.0/8, ::1, localhost)."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        pass
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except (socket.gaierror, UnicodeError):
-        return False
-    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -234,18 +221,8 @@ def _refuse_foreign(request, listen_host: str) -> None:
     origin = request.headers.get("Origin")
     if origin is not None and urlsplit(origin).netloc != request.host:
         raise aiohttp_web.HTTPForbidden(text="reqscope web: cross-origin request refused")
-    if is_loopback(listen_host) and not _names_loopback(urlsplit(f"//{request.host}").hostname or ""):
+    if listens_on_loopback(listen_host) and not host_header_names_loopback(request.host):
         raise aiohttp_web.HTTPForbidden(text="reqscope web: use a loopback address (127.0.0.1 or localhost)")
-
-
-def _names_loopback(hostname: str) -> bool:
-    """A loopback IP literal or localhost, without asking DNS (whose answer a site could control)."""
-    if hostname == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(hostname).is_loopback
-    except ValueError:
-        return False
 
 
 def _url_host(host: str) -> str:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from minengine.engine.timeline import Timeline
+from reqscope.loopback import host_header_names_loopback
 from reqscope.openai.schema import ApiError, shown
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -54,6 +55,9 @@ class GatewayConfig:
     """What the gateway enforces."""
 
     api_keys: frozenset[str] = frozenset()  # empty: no authentication
+    # Answer only requests whose Host names this machine (a keyless server on loopback, against
+    # web pages that reach it through a DNS-rebound name: see reqscope.loopback).
+    loopback_hosts_only: bool = False
     max_body_bytes: int = 1 << 20
     rate_per_minute: float | None = None  # None: no rate limit
     rate_burst: int = 10
@@ -188,7 +192,16 @@ class Gateway:
         return guarded
 
     def _admit(self, request: web.Request) -> None:
-        """Key, then rate, then declared size and type: raise the first ApiError that applies."""
+        """Host, key, then rate, then declared size and type: raise the first ApiError that applies."""
+        if self.config.loopback_hosts_only and not host_header_names_loopback(request.host):
+            raise ApiError(
+                403,
+                f"this server has no API key, so it answers only requests addressed to this machine "
+                f"(Host 127.0.0.1, ::1 or localhost), not Host {shown(request.host)}; use one of those, or "
+                "start it with --api-key",
+                kind="permission_error",
+                code="host_not_allowed",
+            )
         caller = self._caller(request)
         if self.limiter is not None and (wait_s := self.limiter.acquire(caller)) > 0:
             raise retry_error(wait_s, "rate limit reached", "rate_limit_exceeded")

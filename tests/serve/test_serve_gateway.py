@@ -7,6 +7,7 @@ import pytest
 from serve_harness import KEY, MODEL, authorized, chat_body, raw_request, serving
 
 from minengine.engine.engine import Engine
+from reqscope.cli import main
 from reqscope.serve.gateway import GatewayConfig, RateLimiter
 
 
@@ -124,3 +125,48 @@ def test_rate_limiter_refills_at_its_rate():
     now[0] += 60  # a long pause refills only up to the burst
     assert [limiter.acquire("k") for _ in range(3)][2] == pytest.approx(2.0)
     assert limiter.acquire("other") == 0
+
+
+def test_a_keyless_loopback_server_answers_only_requests_addressed_to_this_machine(engine):
+    # A web page reaching the server through a DNS-rebound name sends that name as Host.
+    with serving(engine, GatewayConfig(loopback_hosts_only=True)) as s:
+        port = s.url.rsplit(":", 1)[1]
+        rebound = raw_request(s.url, "POST", "/v1/chat/completions", chat_body(max_tokens=1),
+                              {"Host": f"evil.example:{port}"})  # fmt: skip
+        assert rebound.status == 403 and rebound.headers["x-request-id"]
+        error = rebound.json()["error"]
+        assert error["code"] == "host_not_allowed" and "--api-key" in error["message"]
+        assert "'evil.example:" in error["message"]
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}"):
+            mine = raw_request(s.url, "POST", "/v1/chat/completions", chat_body(max_tokens=1), {"Host": host})
+            assert mine.status == 200, host
+        assert raw_request(s.url, "GET", "/v1/models", headers={"Host": "evil.example"}).status == 403
+    with serving(engine, GatewayConfig(api_keys=frozenset({KEY}))) as keyed:  # a key is the login: any Host
+        answer = raw_request(keyed.url, "GET", "/v1/models", headers={"Host": "models.example", **authorized()})
+        assert answer.status == 200
+
+
+def test_the_serve_command_guards_hosts_only_when_keyless_on_loopback(monkeypatch):
+    from reqscope.commands import serve as command
+
+    seen = {}
+
+    def capture(engine, config, telemetry):
+        seen["loopback_hosts_only"] = config.gateway.loopback_hosts_only
+        raise SystemExit(0)
+
+    monkeypatch.setattr(command, "build_app", capture)
+    monkeypatch.setattr(command, "open_engine", lambda args, progress: _FakeEngine())
+    monkeypatch.delenv("REQSCOPE_API_KEY", raising=False)
+    for argv, expected in ((["serve"], True), (["serve", "--api-key", "k"], False),
+                           (["serve", "--host", "0.0.0.0"], False)):  # fmt: skip
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert seen.pop("loopback_hosts_only") is expected, argv
+
+
+class _FakeEngine:
+    class _Path:
+        name = "fake"
+
+    model_dir = _Path()

@@ -352,12 +352,6 @@ def _page_status(client, headers: dict, status: int):
     return probe
 
 
-@pytest.mark.parametrize(("host", "loopback"), [("127.0.0.1", True), ("::1", True), ("localhost", True),
-                                                ("0.0.0.0", False), ("192.168.1.20", False)])  # fmt: skip
-def test_loopback_hosts(host, loopback):
-    assert web.is_loopback(host) is loopback
-
-
 def test_a_port_in_use_is_one_line_and_no_traceback(capsys, chatty_tiny_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
