@@ -122,7 +122,9 @@ async def test_a_held_step_is_shown_apart_from_the_engine_itl(default_engine):
 
 @pytest.mark.parametrize("size", [(80, 24), (140, 45)])
 async def test_the_readout_is_on_screen_while_decoding(default_engine, size):
-    app = live_app(default_engine, kyoto_request(max_tokens=256))  # long enough to be decoding still
+    # Decoding still when checked: past any end of sequence, and far longer than the first paced
+    # repaints take on a loaded machine (leaving the app cancels the run).
+    app = live_app(default_engine, kyoto_request(max_tokens=2048, ignore_eos=True))
     async with app.run_test(size=size) as pilot:
         await wait_for(pilot, lambda: len(app.view.tokens) >= 4 and app.repaints > 1)
         await wait_for(pilot, lambda: not app.needs_repaint)
