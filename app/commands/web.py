@@ -14,6 +14,7 @@ otherwise: whoever opens the page drives the model, and there is no login.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import shlex
 import socket
@@ -161,6 +162,11 @@ def _server_class(base: type) -> type:
         max_sessions = DEFAULT_MAX_SESSIONS
         sessions = 0  # pages whose explorer runs now
 
+        @functools.cached_property
+        def on_loopback(self) -> bool:
+            # Once per server: for a host name this asks DNS, which no request should wait on.
+            return listens_on_loopback(self.host)
+
         def initialize_logging(self) -> None:
             # textual-serve logs every connection through rich at INFO; warnings are enough here.
             logging.basicConfig(level=logging.WARNING, format="reqscope web: %(message)s")
@@ -174,7 +180,7 @@ def _server_class(base: type) -> type:
             )
 
         async def handle_index(self, request):
-            _refuse_foreign(request, self.host)
+            _refuse_foreign(request, self.on_loopback)
             self._refuse_beyond_cap()
             # The page tells the browser where its websocket is; textual-serve builds that from
             # --host, which for 0.0.0.0 is no address a browser can use. The address the
@@ -183,7 +189,7 @@ def _server_class(base: type) -> type:
             return await super().handle_index(request)
 
         async def handle_websocket(self, request):
-            _refuse_foreign(request, self.host)
+            _refuse_foreign(request, self.on_loopback)
             self._refuse_beyond_cap()
             self.sessions += 1  # counted from here: the page's explorer starts with its websocket
             try:
@@ -207,7 +213,7 @@ def _server_class(base: type) -> type:
     return ExplorerServer
 
 
-def _refuse_foreign(request, listen_host: str) -> None:
+def _refuse_foreign(request, on_loopback: bool) -> None:
     """403 for a request another web site made the browser send.
 
     Websockets are not bound by the same-origin policy, so any page a user visits could open
@@ -221,7 +227,7 @@ def _refuse_foreign(request, listen_host: str) -> None:
     origin = request.headers.get("Origin")
     if origin is not None and urlsplit(origin).netloc != request.host:
         raise aiohttp_web.HTTPForbidden(text="reqscope web: cross-origin request refused")
-    if listens_on_loopback(listen_host) and not host_header_names_loopback(request.host):
+    if on_loopback and not host_header_names_loopback(request.host):
         raise aiohttp_web.HTTPForbidden(text="reqscope web: use a loopback address (127.0.0.1 or localhost)")
 
 
