@@ -5,12 +5,15 @@ Every server listens on 127.0.0.1 on a free port; no test reaches any other addr
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
+
+import aiohttp
 
 from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, RequestResult
@@ -117,3 +120,25 @@ def sse_payloads(body: bytes) -> list[str]:
 def engine_result(engine: Engine, request: GenerationRequest) -> RequestResult:
     """Run `request` on the engine directly (the reference the server must match)."""
     return next(e for e in engine.generate(request) if isinstance(e, DoneEvent)).result
+
+
+async def first_texts(resp: aiohttp.ClientResponse, count: int) -> list[str]:
+    """Read a streamed answer's SSE lines until `count` chunks of visible text have arrived; return them."""
+    texts = []
+    while len(texts) < count:
+        line = (await resp.content.readline()).decode().strip()
+        if line.startswith("data: {"):
+            choice = json.loads(line[len("data: ") :])["choices"][0]
+            if choice["delta"].get("content"):
+                texts.append(choice["delta"]["content"])
+    return texts
+
+
+async def wait_for_waiting(session: aiohttp.ClientSession, url: str, count: int) -> None:
+    """Poll the server's /health until `count` requests wait in its queue (5 s at most)."""
+    for _ in range(500):
+        async with session.get(url + "/health") as resp:
+            if (await resp.json())["waiting"] == count:
+                return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the queue never held {count} request(s)")

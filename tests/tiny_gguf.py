@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import dequantize, quantize
+from tiny_models import BASE, random_model
 from tokenizers import pre_tokenizers
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -76,26 +77,16 @@ def tiny_vocab() -> TinyVocab:
 
 def tiny_hf_model(model_type: str, vocab_size: int, *, tied: bool, seed: int = 0):
     """A seeded random transformers model with every weight (norms and biases too) non-trivial."""
-    import transformers
-
-    config_cls = transformers.AutoConfig.for_model(model_type).__class__
-    config = config_cls(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        rope_theta=ROPE_THETA,
-        tie_word_embeddings=tied,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    config = BASE | {
+        "vocab_size": vocab_size,
+        "intermediate_size": 96,
+        "head_dim": 16,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": ROPE_THETA,
+        "tie_word_embeddings": tied,
+    }
+    model = random_model(model_type, config, seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

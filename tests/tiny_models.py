@@ -59,12 +59,8 @@ SPECS = [
 
 def build_tiny(spec: TinySpec, folder: Path, seed: int = 0):
     """Create a seeded random model with transformers and save it to `folder`; return it."""
-    import transformers
-
-    config_cls = transformers.AutoConfig.for_model(spec.model_type).__class__
-    config = config_cls(**(BASE | spec.overrides))
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = random_model(spec.model_type, BASE | spec.overrides, seed)
+    config = model.config
     # Random init is small; widen it so logits spread and greedy choices are decisive.
     with torch.no_grad():
         for p in model.parameters():
@@ -75,3 +71,13 @@ def build_tiny(spec: TinySpec, folder: Path, seed: int = 0):
     model.eval()
     model.save_pretrained(folder, safe_serialization=True)
     return model
+
+
+def random_model(model_type: str, config: dict, seed: int):
+    """A float32 transformers model of `model_type` built from `config`, initialised from `seed`."""
+    import transformers
+
+    config_cls = transformers.AutoConfig.for_model(model_type).__class__
+    hf_config = config_cls(**config)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterable
 from dataclasses import asdict
 from typing import TextIO
 
 from minengine.engine.events import DoneEvent, Event, PrefixCacheEvent, RequestResult, StageEvent, TokenEvent
-from minengine.engine.metrics import RequestMetrics
 from minengine.engine.request import GenerationRequest, setting_value
-
-
-def _emit(out: TextIO, record: dict) -> None:
-    out.write(json.dumps(record, ensure_ascii=False) + "\n")
-    out.flush()
+from reqscope.console.json_out import emit, metrics_json
 
 
 def print_jsonl(
@@ -31,10 +25,10 @@ def print_jsonl(
         settings = {
             s.name: {"value": setting_value(request, s.name), "source": s.source} for s in request.setting_sources
         }
-        _emit(out, {"event": "request", "request_id": request.request_id, "settings": settings})
+        emit(out, {"event": "request", "request_id": request.request_id, "settings": settings})
     for ev in events:
         if isinstance(ev, StageEvent):
-            _emit(
+            emit(
                 out,
                 {
                     "event": "stage",
@@ -44,9 +38,9 @@ def print_jsonl(
                 },
             )
         elif isinstance(ev, PrefixCacheEvent):
-            _emit(out, prefix_cache_record(ev))
+            emit(out, prefix_cache_record(ev))
         elif isinstance(ev, TokenEvent):
-            _emit(
+            emit(
                 out,
                 {
                     "event": "token",
@@ -63,9 +57,9 @@ def print_jsonl(
             result = ev.result
     assert result is not None, "a session always ends with a DoneEvent"
     if result.error:
-        _emit(out, {"event": "error", "message": result.error})
+        emit(out, {"event": "error", "message": result.error})
     else:
-        _emit(out, done_record(result))
+        emit(out, done_record(result))
     return result
 
 
@@ -100,18 +94,4 @@ def done_record(r: RequestResult) -> dict:
         "metrics": metrics_json(r.metrics),
         "engine_metrics": metrics_json(r.engine_metrics),
         "held_ms": round(r.held_ms, 3),
-    }
-
-
-def metrics_json(m: RequestMetrics | None) -> dict | None:
-    """One metric set as --json writes it."""
-    if m is None:
-        return None
-    return {
-        "ttft_ms": m.ttft_ms,
-        "e2e_ms": m.e2e_ms,
-        "tpot_ms": m.tpot_ms,
-        "itl_ms": None if m.itl is None else m.itl.summary(),
-        "decode_output_tokens_per_second": m.decode_output_tokens_per_second,
-        "whole_request_output_tokens_per_second": m.whole_request_output_tokens_per_second,
     }

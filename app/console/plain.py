@@ -20,6 +20,7 @@ from minengine.engine.events import (
 )
 from minengine.engine.request import GenerationRequest, settings_line
 from minengine.kv.arithmetic import KIB, MIB
+from reqscope.console.latency_lines import latency_lines
 
 
 def print_plain(
@@ -107,19 +108,7 @@ def summary(engine: Engine, r: RequestResult) -> str:
                 f"decode    {d:9.2f} ms / {m.output_tokens - 1:5d} tokens "
                 f"({m.tpot_ms:7.2f} ms/token, {m.decode_output_tokens_per_second:8.2f} tokens/s)"
             )
-        lines.append(f"TTFT      {m.ttft_ms:9.2f} ms")
-        if m.tpot_ms is not None:
-            lines.append(f"TPOT      {m.tpot_ms:9.2f} ms/token")
-        if m.itl is not None:
-            i = m.itl
-            lines.append(
-                f"ITL       mean {i.mean:.2f}  median {i.median:.2f}  p90 {i.p90:.2f}  "
-                f"p99 {i.p99:.2f}  max {i.max:.2f} ms"
-            )
-        lines.append(
-            f"E2E       {m.e2e_ms:9.2f} ms   "
-            f"({m.whole_request_output_tokens_per_second or 0:.2f} tokens/s whole request)"
-        )
+        lines += latency_lines(m)
         e = r.engine_metrics
         if r.held_ms > 0 and e is not None:  # a run held at a step (never a headless one): both clocks
             lines.append(

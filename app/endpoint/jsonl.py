@@ -9,14 +9,13 @@ sampling fields the body carried (by their body names) and those left to the ser
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import TextIO
 
-from minengine.engine.metrics import RequestMetrics
 from minengine.plan.planner import Plan
+from reqscope.console.json_out import emit, metrics_json
 from reqscope.endpoint.events import (
     ChunkReceived,
     ClientEvent,
@@ -27,11 +26,6 @@ from reqscope.endpoint.events import (
     StreamEnded,
 )
 from reqscope.endpoint.settings import LOGPROBS_COST_NOTE, RequestSettings
-
-
-def _emit(out: TextIO, record: dict) -> None:
-    out.write(json.dumps(record, ensure_ascii=False) + "\n")
-    out.flush()
 
 
 def _ms(value: float | None) -> float | None:
@@ -50,23 +44,23 @@ async def print_endpoint_jsonl(
     async for ev in events:
         if isinstance(ev, RequestSent):
             settings = ev.settings
-            _emit(out, sent_record(ev))
+            emit(out, sent_record(ev))
         elif isinstance(ev, ConnectionReady):
             record = {"event": "connection", "reused": ev.reused, "connect_ms": _ms(ev.connect_ms)}
-            _emit(out, {**record, "t_ms": _ms(ev.t_ms)})
+            emit(out, {**record, "t_ms": _ms(ev.t_ms)})
         elif isinstance(ev, ResponseStarted):
             record = {"event": "response", "status": ev.status, "request_id": ev.request_id}
-            _emit(out, {**record, "t_ms": _ms(ev.t_ms)})
+            emit(out, {**record, "t_ms": _ms(ev.t_ms)})
         elif isinstance(ev, ChunkReceived):
-            _emit(out, chunk_record(ev))
+            emit(out, chunk_record(ev))
         elif isinstance(ev, StreamEnded):
             result = ev.result
     assert result is not None, "a stream always ends with StreamEnded"
     if result.error:
-        _emit(out, {"event": "error", "status": result.status, "message": result.error})
+        emit(out, {"event": "error", "status": result.status, "message": result.error})
     else:
         plan = kv_plan_for(result) if kv_plan_for is not None and result.usage is not None else None
-        _emit(out, done_record(result, plan, settings))
+        emit(out, done_record(result, plan, settings))
     return result
 
 
@@ -109,21 +103,6 @@ def chunk_record(ev: ChunkReceived) -> dict:
     return record
 
 
-def metrics_record(m: RequestMetrics | None) -> dict | None:
-    """The same metric keys the engine's `done` record uses."""
-    if m is None:
-        return None
-    itl = None if m.itl is None else m.itl.summary()
-    return {
-        "ttft_ms": m.ttft_ms,
-        "e2e_ms": m.e2e_ms,
-        "tpot_ms": m.tpot_ms,
-        "itl_ms": itl,
-        "decode_output_tokens_per_second": m.decode_output_tokens_per_second,
-        "whole_request_output_tokens_per_second": m.whole_request_output_tokens_per_second,
-    }
-
-
 def done_record(r: EndpointResult, plan: Plan | None, settings: RequestSettings | None = None) -> dict:
     """The closing record: counts, client metrics, the server's view, the logprobs asked and planned KV."""
     server = None
@@ -155,7 +134,7 @@ def done_record(r: EndpointResult, plan: Plan | None, settings: RequestSettings 
         "output_tokens_source": r.output_tokens_source,
         "chunks": r.chunks,
         "connection": {"reused": r.connection_reused, "connect_ms": r.connect_ms},
-        "metrics": metrics_record(r.metrics),
+        "metrics": metrics_json(r.metrics),
         "server": server,
         "ttft_comparison": ttft,
         "server_timings": None if r.timings is None else asdict(r.timings),

@@ -8,6 +8,7 @@ from typing import TextIO
 
 from minengine.kv.arithmetic import KIB, MIB
 from minengine.plan.planner import Plan
+from reqscope.console.latency_lines import ChunkStream, latency_lines
 from reqscope.endpoint.events import (
     ChunkReceived,
     ClientEvent,
@@ -75,24 +76,7 @@ def endpoint_summary(
     )
     m = r.metrics
     if m is not None:
-        lines.append(f"TTFT      {m.ttft_ms:9.2f} ms (client clock, from send)")
-        if m.tpot_ms is not None:
-            lines.append(f"TPOT      {m.tpot_ms:9.2f} ms/token ({m.output_tokens - 1} tokens after the first)")
-        if m.itl is not None:
-            i = m.itl
-            lines.append(
-                f"ITL       per chunk: mean {i.mean:.2f}  median {i.median:.2f}  p90 {i.p90:.2f}  "
-                f"p99 {i.p99:.2f}  max {i.max:.2f} ms ({i.count} gaps)"
-            )
-        if r.chunks and r.output_tokens > r.chunks:
-            lines.append(
-                f"          chunks carry {r.output_tokens / r.chunks:.2f} tokens on average, so ITL (per chunk) "
-                "and TPOT (per token) differ"
-            )
-        rates = f"{m.whole_request_output_tokens_per_second or 0:.2f} tokens/s whole request"
-        if m.decode_output_tokens_per_second is not None:
-            rates += f", {m.decode_output_tokens_per_second:.2f} tokens/s decode-only"
-        lines.append(f"E2E       {m.e2e_ms:9.2f} ms   ({rates})")
+        lines += latency_lines(m, ChunkStream(r.chunks, r.output_tokens))
     lines += server_view_lines(r)
     if settings is not None and settings.logprobs:
         lines.append(logprobs_cost_line(r, settings))

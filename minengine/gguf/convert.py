@@ -65,7 +65,7 @@ def convert_gguf(
         files: dict[str, Any] = {
             "config.json": hparams.hf_config(dtype),
             "generation_config.json": hparams.generation_config(),
-            "tokenizer_config.json": tokenizer_config(meta, hparams.max_position_embeddings),
+            "tokenizer_config.json": tokenizer_config(meta, hparams.config.max_position_embeddings),
         }
         tokenizer.save(str(stage / "tokenizer.json"))
         for name, content in files.items():

@@ -12,6 +12,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+from minengine.config import ModelConfig, RopeScaling
 from minengine.errors import ConfigError, WeightsError
 from minengine.gguf.metadata import GGUFMetadata
 
@@ -24,24 +25,14 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
 
 @dataclass(frozen=True)
 class GGUFHyperParams:
-    """What config.json needs, read from GGUF metadata and the list of tensor names."""
+    """What config.json needs, read from GGUF metadata and the list of tensor names.
+
+    `config` is the architecture as the engine will read it back from the converted folder;
+    GGUF names the architecture itself and adds the padding id.
+    """
 
     architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_linear_factor: float | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
+    config: ModelConfig
     pad_token_id: int | None
 
     @classmethod
@@ -74,8 +65,8 @@ class GGUFHyperParams:
             )
         eos = meta.get_int("tokenizer.ggml.eos_token_id", None)
         eot = meta.get_int("tokenizer.ggml.eot_token_id", None)
-        return cls(
-            architecture=arch,
+        config = ModelConfig(
+            model_type=SUPPORTED_ARCHITECTURES[arch][0],
             vocab_size=embedding[0],
             hidden_size=hidden,
             intermediate_size=meta.get_int(f"{arch}.feed_forward_length"),
@@ -85,78 +76,74 @@ class GGUFHyperParams:
             head_dim=head_dim,
             rms_norm_eps=meta.get_float(f"{arch}.attention.layer_norm_rms_epsilon"),
             rope_theta=meta.get_float(f"{arch}.rope.freq_base", 10000.0),
-            rope_linear_factor=_linear_rope_factor(meta, arch),
+            rope_scaling=_rope_scaling(meta, arch),
             max_position_embeddings=meta.get_int(f"{arch}.context_length"),
             tie_word_embeddings="output.weight" not in tensor_shapes,
             attention_bias="blk.0.attn_q.bias" in tensor_shapes,
             bos_token_id=meta.get_int("tokenizer.ggml.bos_token_id", None),
             eos_token_ids=tuple(dict.fromkeys(i for i in (eos, eot) if i is not None)),
-            pad_token_id=meta.get_int("tokenizer.ggml.padding_token_id", None),
         )
-
-    @property
-    def model_type(self) -> str:
-        """config.json `model_type`."""
-        return SUPPORTED_ARCHITECTURES[self.architecture][0]
+        return cls(arch, config, pad_token_id=meta.get_int("tokenizer.ggml.padding_token_id", None))
 
     def hf_config(self, torch_dtype: str) -> dict[str, Any]:
         """The content of config.json for this model, weights stored as `torch_dtype`."""
-        model_type, class_name = SUPPORTED_ARCHITECTURES[self.architecture]
+        cfg = self.config
+        class_name = SUPPORTED_ARCHITECTURES[self.architecture][1]
+        rope = cfg.rope_scaling
         config: dict[str, Any] = {
             "architectures": [class_name],
-            "model_type": model_type,
+            "model_type": cfg.model_type,
             "hidden_act": "silu",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_hidden_layers,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "rope_theta": cfg.rope_theta,
             "rope_scaling": (
-                {"rope_type": "linear", "factor": self.rope_linear_factor}
-                if self.rope_linear_factor
-                else None
+                {"rope_type": rope.rope_type, "factor": rope.factor} if rope.rope_type == "linear" else None
             ),
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": _one_or_many(self.eos_token_ids),
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+            "bos_token_id": cfg.bos_token_id,
+            "eos_token_id": _one_or_many(cfg.eos_token_ids),
             "pad_token_id": self.pad_token_id,
             "initializer_range": 0.02,
             "attention_dropout": 0.0,
             "use_cache": True,
             "torch_dtype": torch_dtype,
         }
-        if model_type == "llama":
-            config |= {"attention_bias": self.attention_bias, "mlp_bias": False}
+        if cfg.model_type == "llama":
+            config |= {"attention_bias": cfg.attention_bias, "mlp_bias": False}
         else:
             # Qwen2 always has q/k/v biases; its sliding window is off in every released model.
             config |= {
                 "use_sliding_window": False,
                 "sliding_window": None,
-                "max_window_layers": self.num_hidden_layers,
+                "max_window_layers": cfg.num_hidden_layers,
             }
         return config
 
     def generation_config(self) -> dict[str, Any]:
         """The content of generation_config.json: the ids that end a reply."""
         return {
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": _one_or_many(self.eos_token_ids),
+            "bos_token_id": self.config.bos_token_id,
+            "eos_token_id": _one_or_many(self.config.eos_token_ids),
             "pad_token_id": self.pad_token_id,
         }
 
     def expected_tensors(self) -> set[str]:
         """Every Hugging Face tensor name the converted checkpoint must hold."""
+        cfg = self.config
         names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not self.tie_word_embeddings:
+        if not cfg.tie_word_embeddings:
             names.add("lm_head.weight")
         projections = ["q_proj", "k_proj", "v_proj", "o_proj"]
-        biased = projections if self.model_type == "llama" else projections[:3]
-        for layer in range(self.num_hidden_layers):
+        biased = projections if cfg.model_type == "llama" else projections[:3]
+        for layer in range(cfg.num_hidden_layers):
             prefix = f"model.layers.{layer}"
             names |= {f"{prefix}.self_attn.{p}.weight" for p in projections}
             names |= {f"{prefix}.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
@@ -164,7 +151,7 @@ class GGUFHyperParams:
                 f"{prefix}.input_layernorm.weight",
                 f"{prefix}.post_attention_layernorm.weight",
             }
-            if self.attention_bias or self.model_type == "qwen2":
+            if cfg.attention_bias or cfg.model_type == "qwen2":
                 names |= {f"{prefix}.self_attn.{p}.bias" for p in biased}
         return names
 
@@ -181,13 +168,14 @@ def _refuse_unsupported(meta: GGUFMetadata, arch: str, tensor_names: Collection[
         )
 
 
-def _linear_rope_factor(meta: GGUFMetadata, arch: str) -> float | None:
+def _rope_scaling(meta: GGUFMetadata, arch: str) -> RopeScaling:
     kind = meta.get_str(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
-        return None
+        return RopeScaling()
     if kind != "linear":
         raise ConfigError(f"GGUF uses {kind!r} RoPE scaling; only linear scaling can be converted")
-    return meta.get_float(f"{arch}.rope.scaling.factor")
+    factor = meta.get_float(f"{arch}.rope.scaling.factor")
+    return RopeScaling(rope_type="linear", factor=factor) if factor else RopeScaling()
 
 
 def _one_or_many(ids: tuple[int, ...]) -> int | list[int] | None:

@@ -83,9 +83,9 @@ def iter_hf_tensors(reader: GGUFReader, hparams: GGUFHyperParams) -> Iterator[HF
         values = _dequantized(tensor.data, tensor.tensor_type, tensor.name)
         if hparams.architecture == "llama":
             if ".q_proj." in name:
-                values = unpermute_rotary_rows(values, hparams.num_attention_heads)
+                values = unpermute_rotary_rows(values, hparams.config.num_attention_heads)
             elif ".k_proj." in name:
-                values = unpermute_rotary_rows(values, hparams.num_key_value_heads)
+                values = unpermute_rotary_rows(values, hparams.config.num_key_value_heads)
         yield HFTensor(name, values)
 
 
@@ -105,10 +105,10 @@ def _check_complete(seen: set[str], hparams: GGUFHyperParams) -> None:
     expected = hparams.expected_tensors()
     if missing := sorted(expected - seen):
         raise WeightsError(
-            f"GGUF lacks {len(missing)} tensor(s) a {hparams.model_type} model needs, "
+            f"GGUF lacks {len(missing)} tensor(s) a {hparams.config.model_type} model needs, "
             f"e.g. {missing[0]}; the file is incomplete"
         )
     if extra := sorted(seen - expected):
         raise WeightsError(
-            f"GGUF has tensor(s) the {hparams.model_type} config does not use, e.g. {extra[0]}"
+            f"GGUF has tensor(s) the {hparams.config.model_type} config does not use, e.g. {extra[0]}"
         )

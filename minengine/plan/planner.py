@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from minengine.engine.metrics import MetricsInputError, request_metrics
 from minengine.errors import ConfigError
@@ -235,13 +235,8 @@ def _latency(inputs: PlanInputs) -> LatencyPlan:
         metrics = request_metrics(0.0, ttft, last, inputs.output_tokens)
     except MetricsInputError as exc:
         raise PlanInputError(f"latency inputs describe no valid request: {exc}") from None
-    return LatencyPlan(
-        ttft_ms=metrics.ttft_ms,
-        e2e_ms=metrics.e2e_ms,
-        tpot_ms=metrics.tpot_ms,
-        decode_output_tokens_per_second=metrics.decode_output_tokens_per_second,
-        whole_request_output_tokens_per_second=metrics.whole_request_output_tokens_per_second,
-    )
+    # The plan's figures are the request metrics of the same names, from the same formulas.
+    return LatencyPlan(**{f.name: getattr(metrics, f.name) for f in fields(LatencyPlan)})
 
 
 def _ttft(inputs: PlanInputs) -> float | None:

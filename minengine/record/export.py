@@ -17,11 +17,11 @@ from pathlib import Path
 
 from minengine.engine.events import RequestResult
 from minengine.engine.metrics import RequestMetrics
+from minengine.engine.timeline import TimelineEvent
 from minengine.errors import ReqscopeError
 from minengine.kv.arithmetic import MIB
 from minengine.record.telemetry import telemetry_record
 from minengine.record.timeline_csv import Timeline as CsvTimeline
-from minengine.record.timeline_csv import TimelineEvent as CsvEvent
 from minengine.record.timeline_csv import write_timeline
 from minengine.record.trace_io import TraceHeader, write_trace
 
@@ -95,7 +95,7 @@ def csv_timeline(r: RequestResult) -> CsvTimeline:
             name, detail = f"token_{n}", f"token {n} id {e.detail}"
         else:
             detail = e.detail
-        rows.append(CsvEvent(name, round(e.t_ms, 3), detail))
+        rows.append(TimelineEvent(name, round(e.t_ms, 3), detail))
     return CsvTimeline(tuple(rows))
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minengine.engine.metrics import MetricsInputError
+from minengine.engine.timeline import TimelineEvent
 
 HEADER = ("event", "time_ms", "detail")
 SEND, FIRST_TOKEN, LAST_TOKEN = "client_send", "first_visible_token", "last_visible_token"
@@ -32,30 +33,24 @@ class TimelineFileError(MetricsInputError):
 
 
 @dataclass(frozen=True)
-class TimelineEvent:
-    """One timestamped hop of a request, in ms on the timeline's single clock."""
-
-    event: str
-    time_ms: float
-    detail: str = ""
-
-
-@dataclass(frozen=True)
 class Timeline:
-    """A request's events in file order; construction enforces the rules in the module doc."""
+    """A request's events in file order; construction enforces the rules in the module doc.
+
+    A row's `event` column is its event's `name`, its `time_ms` column the event's `t_ms`.
+    """
 
     events: tuple[TimelineEvent, ...]
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
         for item in self.events:
-            if not item.event:
+            if not item.name:
                 raise TimelineFileError("an event has an empty name")
-            if item.event in seen:
-                raise TimelineFileError(f"event {item.event!r} appears more than once")
-            if not math.isfinite(item.time_ms):
-                raise TimelineFileError(f"event {item.event!r} has time_ms={item.time_ms}")
-            seen.add(item.event)
+            if item.name in seen:
+                raise TimelineFileError(f"event {item.name!r} appears more than once")
+            if not math.isfinite(item.t_ms):
+                raise TimelineFileError(f"event {item.name!r} has time_ms={item.t_ms}")
+            seen.add(item.name)
         missing = [name for name in REQUIRED_EVENTS if name not in seen]
         if missing:
             raise TimelineFileError(f"timeline lacks required event(s): {', '.join(missing)}")
@@ -69,8 +64,8 @@ class Timeline:
     def time_of(self, event: str) -> float:
         """Timestamp of a named event (KeyError if absent)."""
         for item in self.events:
-            if item.event == event:
-                return item.time_ms
+            if item.name == event:
+                return item.t_ms
         raise KeyError(event)
 
     @property
@@ -136,7 +131,7 @@ def format_timeline(timeline: Timeline) -> str:
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(HEADER)
     for item in timeline.events:
-        writer.writerow((item.event, _format_time(item.time_ms), item.detail))
+        writer.writerow((item.name, _format_time(item.t_ms), item.detail))
     return out.getvalue()
 
 

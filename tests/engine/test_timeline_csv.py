@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minengine.engine.metrics import MetricsInputError
+from minengine.engine.timeline import TimelineEvent
 from minengine.record.timeline_csv import (
     Timeline,
-    TimelineEvent,
     TimelineFileError,
     format_timeline,
     parse_timeline,
@@ -32,7 +32,7 @@ GOOD = (
 def test_reads_the_worked_example():
     timeline = read_timeline(WORKED_EXAMPLE)
     assert (timeline.send_ms, timeline.first_token_ms, timeline.last_token_ms) == (0, 190, 3915)
-    assert [e.event for e in timeline.events] == [
+    assert [e.name for e in timeline.events] == [
         "client_send",
         "server_arrival",
         "scheduler_admit",

@@ -25,9 +25,18 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
-from serve_harness import KEY, MODEL, authorized, chat_body, raw_request, serving, sse_payloads
+from serve_harness import (
+    KEY,
+    MODEL,
+    authorized,
+    chat_body,
+    first_texts,
+    raw_request,
+    serving,
+    sse_payloads,
+    wait_for_waiting,
+)
 
-from minengine.engine.engine import Engine
 from reqscope.cli import main
 from reqscope.serve.connections import ConnectionLimits
 from reqscope.serve.gateway import GatewayConfig, RateLimiter, retry_error
@@ -60,11 +69,6 @@ def _settled(served, timeout_s: float = 10.0) -> Resources:
             break
         time.sleep(0.02)
     return _resources()
-
-
-@pytest.fixture(scope="module")
-def engine(chatty_tiny_dir):
-    return Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -154,23 +158,6 @@ def test_concurrent_streams_beyond_the_queue_are_200_429_or_503(engine):
     }
 
 
-async def _first_texts(resp: aiohttp.ClientResponse, count: int) -> None:
-    seen = 0
-    while seen < count:
-        line = (await resp.content.readline()).decode().strip()
-        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
-            seen += 1
-
-
-async def _waiting(session: aiohttp.ClientSession, url: str, count: int) -> None:
-    for _ in range(500):
-        async with session.get(url + "/health") as resp:
-            if (await resp.json())["waiting"] == count:
-                return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"the queue never held {count} request(s)")
-
-
 def test_clients_that_leave_mid_stream_or_while_queued_are_cancelled(served):
     url = served.v1 + "/chat/completions"
 
@@ -178,22 +165,22 @@ def test_clients_that_leave_mid_stream_or_while_queued_are_cancelled(served):
         async with aiohttp.ClientSession() as session:
             stream = chat_body(max_tokens=LONG, temperature=0, stream=True)
             running = await session.post(url, json=stream, headers=authorized({"x-request-id": "fault-running"}))
-            await _first_texts(running, 3)
+            await first_texts(running, 3)
             leaver = asyncio.create_task(
                 session.post(url, json=chat_body(max_tokens=3), headers=authorized({"x-request-id": "fault-leaver"}))
             )
             follower = asyncio.create_task(
                 session.post(url, json=stream, headers=authorized({"x-request-id": "fault-follower"}))
             )
-            await _waiting(session, served.url, 2)
+            await wait_for_waiting(session, served.url, 2)
             await asyncio.sleep(0.3)
             leaver.cancel()  # its connection closes while it waits in the queue
-            await _waiting(session, served.url, 1)
+            await wait_for_waiting(session, served.url, 1)
             left = time.monotonic()
             running.close()  # mid-stream: the slot frees and the follower runs
             async with await follower as resp:
                 assert resp.status == 200
-                await _first_texts(resp, 2)
+                await first_texts(resp, 2)
                 resp.close()
             return left
 

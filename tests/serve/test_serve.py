@@ -10,25 +10,13 @@ import time
 
 import pytest
 from openai import OpenAI
-from serve_harness import KEY, MODEL, authorized, chat_body, engine_result, raw_request, serving, sse_payloads
+from serve_harness import KEY, MODEL, authorized, chat_body, engine_result, raw_request, sse_payloads
 
-from minengine.engine.engine import Engine
 from minengine.engine.events import TokenEvent
 from minengine.engine.request import GenerationRequest
 from minengine.sampling.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
-
-
-@pytest.fixture(scope="module")
-def engine(chatty_tiny_dir):
-    return Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20)
-
-
-@pytest.fixture(scope="module")
-def served(engine):
-    with serving(engine) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

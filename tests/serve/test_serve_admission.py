@@ -4,41 +4,11 @@ and a client that disconnects mid-stream stopping decode within one step."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
-import pytest
-from serve_harness import authorized, chat_body, serving
-
-from minengine.engine.engine import Engine
+from serve_harness import authorized, chat_body, first_texts, serving, wait_for_waiting
 
 LONG = 1500  # tokens: far more than the tests wait for, so the request is still decoding
-
-
-@pytest.fixture(scope="module")
-def engine(chatty_tiny_dir):
-    return Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20)
-
-
-async def _first_texts(resp: aiohttp.ClientResponse, count: int) -> list[str]:
-    """Read SSE lines until `count` chunks of visible text have arrived."""
-    texts = []
-    while len(texts) < count:
-        line = (await resp.content.readline()).decode().strip()
-        if line.startswith("data: {"):
-            choice = json.loads(line[len("data: ") :])["choices"][0]
-            if choice["delta"].get("content"):
-                texts.append(choice["delta"]["content"])
-    return texts
-
-
-async def _health_until(session: aiohttp.ClientSession, url: str, waiting: int) -> None:
-    for _ in range(500):
-        async with session.get(url + "/health") as resp:
-            if (await resp.json())["waiting"] == waiting:
-                return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"the queue never held {waiting} request(s)")
 
 
 def test_disconnect_mid_stream_cancels_decoding_within_one_step(engine):
@@ -49,7 +19,7 @@ def test_disconnect_mid_stream_cancels_decoding_within_one_step(engine):
                 body = chat_body(max_tokens=LONG, temperature=0, stream=True)
                 resp = await session.post(served.v1 + "/chat/completions", json=body, headers=authorized())
                 assert resp.status == 200
-                await _first_texts(resp, 3)
+                await first_texts(resp, 3)
                 resp.close()  # drop the connection mid-stream
                 return resp.headers["x-request-id"]
 
@@ -71,11 +41,11 @@ def test_full_queue_is_503_and_the_queued_wait_is_inside_ttft(engine):
                 url = served.v1 + "/chat/completions"
                 body = chat_body(max_tokens=LONG, temperature=0, stream=True)
                 running = await session.post(url, json=body, headers=authorized())
-                await _first_texts(running, 1)  # decoding: it holds the only running slot
+                await first_texts(running, 1)  # decoding: it holds the only running slot
                 queued = asyncio.create_task(
                     session.post(url, json=chat_body(max_tokens=3, temperature=0), headers=authorized())
                 )
-                await _health_until(session, served.url, waiting=1)
+                await wait_for_waiting(session, served.url, 1)
                 async with session.post(url, json=chat_body(max_tokens=3), headers=authorized()) as refused:
                     refused_body = await refused.json()
                     assert refused.status == 503 and refused.headers["retry-after"] == "1"

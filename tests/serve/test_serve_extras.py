@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from serve_harness import authorized, chat_body, engine_result, raw_request, serving
+from serve_harness import authorized, chat_body, engine_result, raw_request
 
-from minengine.engine.engine import Engine
 from minengine.engine.request import GenerationRequest
 from minengine.sampling.sampler import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module")
-def engine(chatty_tiny_dir):
-    return Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20)
-
-
-@pytest.fixture(scope="module")
-def served(engine):
-    with serving(engine) as s:
-        yield s
 
 
 def post(served, body: dict, path: str = CHAT):

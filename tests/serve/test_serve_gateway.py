@@ -6,14 +6,8 @@ import openai
 import pytest
 from serve_harness import KEY, MODEL, authorized, chat_body, raw_request, serving
 
-from minengine.engine.engine import Engine
 from reqscope.cli import main
 from reqscope.serve.gateway import GatewayConfig, RateLimiter
-
-
-@pytest.fixture(scope="module")
-def engine(chatty_tiny_dir):
-    return Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20)
 
 
 @pytest.fixture(scope="module")

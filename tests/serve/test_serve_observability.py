@@ -14,18 +14,12 @@ from aiohttp.http_exceptions import BadHttpMessage
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import MODEL, authorized, chat_body, raw_request, serving
 
-from minengine.engine.engine import Engine
 from reqscope.serve.access import ACCESS_LOGGER, ClientErrorsInOneLine, configure_logging
 from reqscope.serve.gateway import GatewayConfig
 from reqscope.serve.metrics import token_count_buckets
 
 CHAT = "/v1/chat/completions"
 KEYLESS = GatewayConfig()
-
-
-@pytest.fixture(scope="module")
-def engine(chatty_tiny_dir):
-    return Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20)
 
 
 def scrape(served, headers: dict[str, str] | None = None) -> dict[str, dict[tuple, float]]:

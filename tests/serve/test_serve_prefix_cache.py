@@ -43,11 +43,6 @@ def long_chat(**fields) -> dict:
     return {"model": MODEL, "messages": messages, "temperature": 0, **fields}
 
 
-@pytest.fixture(scope="module")
-def engine(chatty_tiny_dir):
-    return Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20)
-
-
 def test_cached_tokens_in_responses_telemetry_and_metrics(engine):
     with serving(engine) as served:
         first = raw_request(served.url, "POST", CHAT, long_chat(max_tokens=6), authorized())
