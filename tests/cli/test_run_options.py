@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from reqscope.cli import build_parser, main
-from reqscope.run_options import open_engine
+from reqscope.run_options import ModelFolder, open_engine
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -31,12 +31,14 @@ def test_asking_for_cuda_graphs_on_the_cpu_is_one_line(chatty_tiny_dir, capsys):
 
 
 def test_turning_cuda_graphs_off_on_the_cpu_changes_nothing(chatty_tiny_dir):
-    engine = open_engine(_args("--device", "cpu", "--no-cuda-graph", "--model", str(chatty_tiny_dir)))
+    args = _args("--device", "cpu", "--no-cuda-graph", "--model", str(chatty_tiny_dir))
+    engine = open_engine(args, ModelFolder.of(args))
     assert engine.device.type == "cpu" and engine.runner.static_decoder is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("flag", "static"), [("--cuda-graph", True), ("--no-cuda-graph", False)])
 def test_the_flag_switches_the_static_decoder_on_cuda(chatty_tiny_dir, flag, static):
-    engine = open_engine(_args("--device", "cuda", flag, "--model", str(chatty_tiny_dir)))
+    args = _args("--device", "cuda", flag, "--model", str(chatty_tiny_dir))
+    engine = open_engine(args, ModelFolder.of(args))
     assert (engine.runner.static_decoder is not None) is static
