@@ -42,3 +42,14 @@ def test_the_flag_switches_the_static_decoder_on_cuda(chatty_tiny_dir, flag, sta
     args = _args("--device", "cuda", flag, "--model", str(chatty_tiny_dir))
     engine = open_engine(args, ModelFolder.of(args))
     assert (engine.runner.static_decoder is not None) is static
+
+
+def test_the_model_folder_is_found_once_from_the_flags(chatty_tiny_dir, monkeypatch):
+    from minengine.hub import pull
+
+    given = ModelFolder.of(_args("--model", str(chatty_tiny_dir)))
+    assert given == ModelFolder(chatty_tiny_dir, default=False) and given.ensure() == chatty_tiny_dir
+    monkeypatch.setattr(pull, "ensure_default_model", lambda progress=None: pull.default_model_dir())
+    default = ModelFolder.of(_args())
+    assert default == ModelFolder(pull.default_model_dir(), default=True)
+    assert default.ensure() == default.path  # pulled there when missing: the folder the request read
