@@ -103,32 +103,51 @@ class LocalSampling:
 LOCAL_SAMPLING = LocalSampling()
 
 
-def model_sampling_defaults(args: argparse.Namespace) -> ModelSamplingDefaults:
-    """The model folder's generation_config.json defaults, unless --generation-config reqscope.
+@dataclass(frozen=True)
+class ModelFolder:
+    """The model folder a run uses, found once from the flags and handed to the request and the engine."""
 
-    Read before the model loads (the request is built first), from the folder --model names or
-    where the default model lives; a folder not there yet (a first pull) has none. An endpoint's
-    --model is a served name, not a folder: its server applies its own defaults.
-    """
-    if getattr(args, "generation_config", "auto") == "reqscope" or getattr(args, "endpoint", None):
-        return ModelSamplingDefaults()
-    if args.model:
-        folder = Path(args.model).expanduser()
-    else:
+    path: Path
+    default: bool  # the default model's folder: `ensure` pulls the model into it when it is missing
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> ModelFolder:
+        """--model's folder, or where the default model lives (nothing is pulled here)."""
+        if args.model:
+            return cls(Path(args.model).expanduser(), default=False)
         from minengine.hub.pull import default_model_dir  # platformdirs: only when no --model
 
-        folder = default_model_dir()
-    return ModelSamplingDefaults.read(folder) if folder.is_dir() else ModelSamplingDefaults()
+        return cls(default_model_dir(), default=True)
+
+    def ensure(self, progress: StatusCallback | None = None) -> Path:
+        """The folder, after pulling the default model into it when missing (its stages reported to `progress`)."""
+        if not self.default:
+            return self.path
+        from minengine.hub.pull import ensure_default_model
+
+        return ensure_default_model(progress=progress)
 
 
-def request_from_args(args: argparse.Namespace, prompt: str) -> GenerationRequest:
+def model_sampling_defaults(args: argparse.Namespace, model: ModelFolder | None) -> ModelSamplingDefaults:
+    """`model`'s generation_config.json defaults, unless --generation-config reqscope.
+
+    Read before the model loads (the request is built first); a folder not there yet (the
+    default model before its first pull) has none. Without a folder (`None`: an endpoint, whose
+    --model is a served name) there are none either: the server applies its own.
+    """
+    if getattr(args, "generation_config", "auto") == "reqscope" or model is None:
+        return ModelSamplingDefaults()
+    return ModelSamplingDefaults.read(model.path) if model.path.is_dir() else ModelSamplingDefaults()
+
+
+def request_from_args(args: argparse.Namespace, prompt: str, model: ModelFolder | None) -> GenerationRequest:
     """A GenerationRequest from the shared flags (validated later, at the gateway).
 
-    Each sampling value comes from its flag when given, else from the model's
-    generation_config.json when it sets one (as vLLM and transformers do), else from reqscope's
-    defaults (LOCAL_SAMPLING); the request records which.
+    Each sampling value comes from its flag when given, else from the generation_config.json of
+    `model` (None for an endpoint) when it sets one (as vLLM and transformers do), else from
+    reqscope's defaults (LOCAL_SAMPLING); the request records which.
     """
-    model = model_sampling_defaults(args)
+    defaults = model_sampling_defaults(args, model)
     model_file = FILE
     sources: list[SettingSource] = []
 
@@ -144,14 +163,14 @@ def request_from_args(args: argparse.Namespace, prompt: str) -> GenerationReques
 
     d = LOCAL_SAMPLING
     sampling = SamplingParams(
-        temperature=pick("temperature", args.temperature, model.temperature, d.temperature),
-        top_k=pick("top_k", args.top_k, model.top_k, d.top_k),
-        top_p=pick("top_p", args.top_p, model.top_p, d.top_p),
-        min_p=pick("min_p", args.min_p, model.min_p, d.min_p),
+        temperature=pick("temperature", args.temperature, defaults.temperature, d.temperature),
+        top_k=pick("top_k", args.top_k, defaults.top_k, d.top_k),
+        top_p=pick("top_p", args.top_p, defaults.top_p, d.top_p),
+        min_p=pick("min_p", args.min_p, defaults.min_p, d.min_p),
         seed=pick("seed", args.seed, None, d.seed),
         order=SamplingParams.parse_order(args.sampler_order),
     )
-    max_tokens = pick("max_tokens", args.max_tokens, model.max_new_tokens, d.max_tokens)
+    max_tokens = pick("max_tokens", args.max_tokens, defaults.max_new_tokens, d.max_tokens)
     return GenerationRequest.from_prompt(
         prompt,
         system=args.system,
@@ -165,17 +184,9 @@ def request_from_args(args: argparse.Namespace, prompt: str) -> GenerationReques
     )
 
 
-def resolve_model_dir(args: argparse.Namespace, progress: StatusCallback | None = None) -> Path:
-    """--model, or the default model (pulled first when missing, its stages reported to `progress`)."""
-    if args.model:
-        return Path(args.model).expanduser()
-    from minengine.hub.pull import ensure_default_model
-
-    return ensure_default_model(progress=progress)
-
-
-def open_engine(args: argparse.Namespace, progress: StatusCallback | None = None) -> Engine:
-    """Resolve the model folder and load it with the flags' device, dtype, KV budget and CUDA-graph choice.
+def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCallback | None = None) -> Engine:
+    """Load `model` (pulled first when it is the default one, missing) with the flags' device,
+    dtype, KV budget and CUDA-graph choice.
 
     `progress` hears status messages and the stages of a pull and of a first load (download,
     verify, convert, layout, cache) as `PullProgress` events.
@@ -187,7 +198,7 @@ def open_engine(args: argparse.Namespace, progress: StatusCallback | None = None
         # Asked for by name, a graph that cannot exist is an error, not a silent no-op.
         raise RequestError("--cuda-graph needs a CUDA device; this run is on the CPU (drop it, or use --device cuda)")
     try:
-        model_dir = resolve_model_dir(args, progress)
+        model_dir = model.ensure(progress)
         if progress is not None:
             progress(f"loading {model_dir}")
         budget = int(args.kv_budget_mib * MIB) if args.kv_budget_mib is not None else None
@@ -198,12 +209,11 @@ def open_engine(args: argparse.Namespace, progress: StatusCallback | None = None
             kv_budget_bytes=budget,
             progress=progress,
             prefix_cache=getattr(args, "prefix_cache", True),  # verbs without the flag keep it on
+            cuda_graph=cuda_graph is not False,  # unset: the engine's default (on, where there is CUDA)
         )
     finally:
         if isinstance(progress, ProgressLine):
             progress.close()  # a stage cut short by an error leaves its line open on a terminal
-    if cuda_graph is not None and engine.device.type == "cuda":
-        engine.runner.use_static_decode(cuda_graph)
     return engine
 
 

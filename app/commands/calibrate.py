@@ -73,10 +73,10 @@ def run(args: argparse.Namespace) -> int:
     from minengine.engine.engine import Engine
     from minengine.plan.calibrate import calibrate
     from reqscope.console.progress_line import ProgressLine
-    from reqscope.run_options import resolve_model_dir, stderr_progress
+    from reqscope.run_options import ModelFolder, stderr_progress
 
     plan = CalibrationPlan(args.prompt_lengths, args.context_lengths, args.repeats, args.decode_steps)
-    engine = Engine(resolve_model_dir(args, stderr_progress), device=args.device, dtype=args.dtype)
+    engine = Engine(ModelFolder.of(args).ensure(stderr_progress), device=args.device, dtype=args.dtype)
     line = ProgressLine(prefix="reqscope: ")  # redrawn in place on a terminal, start and end lines otherwise
     try:
         model = calibrate(engine, plan, progress=line)

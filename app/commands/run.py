@@ -8,7 +8,14 @@ from collections.abc import Iterable, Iterator
 
 from minengine.engine.events import Event
 from reqscope.endpoint.options import add_endpoint_arguments
-from reqscope.run_options import DEFAULT_PROMPT, add_run_arguments, open_engine, request_from_args, stderr_progress
+from reqscope.run_options import (
+    DEFAULT_PROMPT,
+    ModelFolder,
+    add_run_arguments,
+    open_engine,
+    request_from_args,
+    stderr_progress,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,11 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run one request in the chosen mode; exit code 1 when the request failed."""
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-    request = request_from_args(args, prompt)
-    if args.endpoint:
+    if args.endpoint:  # --model names the served model, not a folder
         from reqscope.endpoint.run import run_endpoint
 
-        return run_endpoint(args, request)
+        return run_endpoint(args, request_from_args(args, prompt, None))
+    model = ModelFolder.of(args)
+    request = request_from_args(args, prompt, model)
     headless = args.plain or args.json or not sys.stdout.isatty()
     if not headless:
         if args.export:  # the explorer exports on `x`, each run to a new folder; never drop the flag silently
@@ -42,12 +50,12 @@ def run(args: argparse.Namespace) -> int:
             return 2
         from reqscope.ui.launch import launch_explorer
 
-        return launch_explorer(args, request)
+        return launch_explorer(args, request, model)
     if args.export:
         from minengine.record.export import prepare_export_folder
 
         prepare_export_folder(args.export, force=args.force)  # before the run: a bad path wastes none
-    engine = open_engine(args, progress=None if args.json else stderr_progress)
+    engine = open_engine(args, model, progress=None if args.json else stderr_progress)
     recorded: list = []
     events = _recording(engine.start(request), recorded)
     if args.json:

@@ -22,7 +22,7 @@ from minengine.errors import ReqscopeError
 from minengine.kv.arithmetic import KIB
 from minengine.sampling.sampler import SamplingParams
 from reqscope.loopback import listens_on_loopback
-from reqscope.run_options import add_prefix_cache_argument, open_engine, stderr_progress
+from reqscope.run_options import ModelFolder, add_prefix_cache_argument, open_engine, stderr_progress
 from reqscope.serve.access import LOG_LEVELS, configure_logging
 from reqscope.serve.app import ServeConfig, build_app
 from reqscope.serve.connections import ConnectionLimits
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     order = SamplingParams.parse_order(args.sampler_order)
     configure_logging(args.log_level)
-    engine = open_engine(args, progress=stderr_progress)
+    engine = open_engine(args, ModelFolder.of(args), progress=stderr_progress)
     config = ServeConfig(
         model_name=args.served_model_name or engine.model_dir.name,
         gateway=GatewayConfig(

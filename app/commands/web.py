@@ -26,9 +26,9 @@ from minengine.errors import ReqscopeError
 from reqscope.loopback import host_header_names_loopback, listens_on_loopback
 from reqscope.run_options import (
     DEFAULT_PROMPT,
+    ModelFolder,
     add_run_arguments,
     request_from_args,
-    resolve_model_dir,
     stderr_progress,
 )
 
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise ReqscopeError("reqscope web needs textual-serve: pip install textual-serve") from None
     _check_port_free(args.host, args.port)  # before a pull that may take minutes
-    model_dir = resolve_model_dir(args, stderr_progress)
+    model_dir = ModelFolder.of(args).ensure(stderr_progress)
     if not model_dir.is_dir():
         raise ReqscopeError(f"model folder {model_dir} does not exist; pass --model PATH")
     if not listens_on_loopback(args.host):
@@ -97,7 +97,8 @@ def _session(args: argparse.Namespace) -> int:
     from reqscope.ui.launch import launch_explorer
 
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-    return launch_explorer(args, request_from_args(args, prompt), start_paused=args.paused)
+    model = ModelFolder.of(args)
+    return launch_explorer(args, request_from_args(args, prompt, model), model, start_paused=args.paused)
 
 
 def session_command(args: argparse.Namespace, model_dir: str) -> str:

@@ -12,14 +12,14 @@ from minengine.errors import ReqscopeError
 from minengine.plan.cards import Architecture
 from minengine.progress import paced
 from minengine.record.trace_io import read_trace
-from reqscope.run_options import open_engine
+from reqscope.run_options import ModelFolder, open_engine
 from reqscope.ui.endpoint.view import EndpointView
 from reqscope.ui.run.app import ExplorerApp
 from reqscope.ui.run.view import RunView
 
 
-def launch_explorer(args: argparse.Namespace, request: GenerationRequest, **options) -> int:
-    """Open the explorer on `request`, loading the engine from the shared run flags.
+def launch_explorer(args: argparse.Namespace, request: GenerationRequest, model: ModelFolder, **options) -> int:
+    """Open the explorer on `request`, loading `model` with the shared run flags.
 
     When the screen closes, one line on stderr keeps the outcome of the last run. The exit
     code is 1 when the engine could not start or the last run failed, as in the text modes.
@@ -36,7 +36,7 @@ def launch_explorer(args: argparse.Namespace, request: GenerationRequest, **opti
             return 1
     # The loading screen is fed across threads, a round trip per event: a pull's hundreds of
     # steps reach it at most 20 times a second per stage (starts and ends always).
-    app = ExplorerApp.live_run(lambda progress: open_engine(args, progress=paced(progress)), request, **options)
+    app = ExplorerApp.live_run(lambda progress: open_engine(args, model, progress=paced(progress)), request, **options)
     code = app.run()
     if app.load_error is not None:
         print(f"reqscope: error: {app.load_error}", file=sys.stderr)

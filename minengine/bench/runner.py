@@ -324,10 +324,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
 
 
 def _engine(config: BenchConfig) -> Engine:
-    engine = Engine(config.model_dir, device=config.device, dtype=config.dtype)
-    if engine.device.type == "cuda":
-        engine.runner.use_static_decode(config.cuda_graph)
-    return engine
+    return Engine(config.model_dir, device=config.device, dtype=config.dtype, cuda_graph=config.cuda_graph)
 
 
 def _fair(

@@ -71,10 +71,14 @@ class Engine:
         kv_budget_bytes: int | None = None,
         progress: ProgressCallback | None = None,
         prefix_cache: bool = True,
+        cuda_graph: bool = True,
     ) -> None:
         """Load the model in `model_dir`; a first load that lays out the CPU weights reports its
         stages to `progress` (see `minengine.progress`). `prefix_cache` keeps finished requests'
-        KV blocks for later requests with the same prompt prefix (`minengine.kv.prefix_cache`)."""
+        KV blocks for later requests with the same prompt prefix (`minengine.kv.prefix_cache`).
+        `cuda_graph`: on a CUDA device, decode steps replay captured CUDA graphs (the static step,
+        `minengine.model.cuda_graph`), else they run eagerly; other devices have no graphs, and
+        it changes nothing there."""
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
@@ -85,7 +89,8 @@ class Engine:
         self.tokenizer = ModelTokenizer(self.model_dir)
         self.model = Transformer.load(self.model_dir, self.cfg, self.dtype, self.device, progress)
         self.model.rope.ensure(min(self.cfg.max_position_embeddings, 4096))
-        self.runner = ModelRunner(self.model)  # requests make caches and run steps through it
+        # Requests make caches and run steps through it.
+        self.runner = ModelRunner(self.model, static_decode=cuda_graph and self.device.type == "cuda")
         synchronize(self.device)
         self.scheduler = Scheduler(kv_budget_bytes or default_kv_budget(self.device))
         self.fingerprint = model_fingerprint(self.model_dir)

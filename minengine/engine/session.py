@@ -1,30 +1,34 @@
 """One request's life in the engine, as one function per stage of the seeds' lifecycle.
 
 `RequestSession._run` chains the stages. Each is a generator that yields its events and
-returns what the next stage needs:
+returns the record the next stage starts from:
 
     _gateway    mark the arrival, validate               -> gateway stage
-    _template   render the chat template                 -> template stage; the prompt text
+    _template   render the chat template once            -> template stage; a `PromptText`
     _tokenize   encode, count tokens per prompt part     -> tokenize stage, PromptEvent; the ids
     _admit      size the KV cache, look the prompt up in the prefix cache, wait for the scheduler
-                                                         -> admit stage, AdmitEvent; the sizing
-    _prefix_cache  make the cache, copy the cached prefix in -> prefix_cache stage, PrefixCacheEvent
-    _prefill    one forward pass over the rest of the prompt -> prefill stage, PrefillEvent; logits
+                                                         -> admit stage, AdmitEvent; `Admitted`, and the hit
+    _prefix_cache  make the cache, copy the hit in       -> prefix_cache stage, PrefixCacheEvent; `Cached`
+    _prefill    one forward pass over the rest of the prompt -> prefill stage, PrefillEvent; the logits
     _decode     sample, stream, feed back, until a stop  -> StepReady/TokenEvent pairs; finish reason
     _complete   close the timeline, build the result     -> decode and complete stages, DoneEvent
 
 What decode produces (tokens, text, visible-token times, KV peak) lives in one `DecodeState`,
 made before the first stage so that a request failing anywhere still reports what it had. A
-failure in any stage ends the request as `error`; the KV cache and the admission are released
-whatever happens, before completion is reported; with the prefix cache on, the cache's full
-blocks are kept for later requests first. The model is reached only through `_new_cache` and
-`_forward`.
+failure in any stage ends the request as `error`. A stage that takes something to give back (the
+admission, the cache) registers its return on the run's exit stack the moment it holds it, so it
+is given back whatever happens, in reverse, before completion is reported: with the prefix
+cache on, the cache's full blocks are kept for later requests, then the cache and the admission
+are released. The session reaches its engine through `EngineHandle` and the model only through
+`_new_cache` and `_forward`.
 
 A RequestSession is an iterator of events. The consumer drives it: every pull runs the engine
 up to the next event, so a consumer that stops pulling at a `StepReady` has paused decode
 with the next token's logits computed and waiting. While paused it may preview the step with
 other sampling parameters, force the next token, or change the parameters for the steps that
 follow. `cancel()` may be called from any thread; decode stops before the next model step.
+Those controls, and what the run reports (`pending_logits`, `result`, `failure`), are all the
+state a session keeps on itself.
 
 A consumer that holds a step (the explorer, for a person) says so with `hold()`; the time until
 it pulls again is counted as held, not as the engine's. Each TokenEvent carries the held time
@@ -37,8 +41,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -59,7 +64,7 @@ from minengine.engine.events import (
 )
 from minengine.engine.metrics import request_metrics, without_held
 from minengine.engine.request import GenerationRequest, validate
-from minengine.engine.scheduler import Admission
+from minengine.engine.scheduler import Admission, Scheduler
 from minengine.engine.timeline import STAGE_SPANS, Timeline
 from minengine.errors import QueueCancelledError, ReqscopeError, RequestError
 from minengine.kv.arithmetic import kv_bytes_in_blocks, stored_kv_heads
@@ -72,7 +77,8 @@ from minengine.text.stop import StopMatcher
 
 if TYPE_CHECKING:
     from minengine.config import ModelConfig
-    from minengine.engine.engine import Engine
+    from minengine.model.runner import ModelRunner
+    from minengine.text.tokenizer import ModelTokenizer
 
 _STAGE_BY_END = {end: (stage, start) for stage, start, end in STAGE_SPANS}
 _KV_STORAGE = {
@@ -125,10 +131,68 @@ class DecodeState:
         return "".join(self.text_parts)
 
 
+class EngineHandle(Protocol):
+    """What a session uses of the engine that runs it (`Engine` is one)."""
+
+    tokenizer: ModelTokenizer
+    cfg: ModelConfig
+    dtype: torch.dtype  # the model's
+    device: torch.device
+    runner: ModelRunner  # makes the request's cache and runs its steps
+    scheduler: Scheduler
+    prefix_cache: PrefixCache | None  # read at each admission: the engine may turn it off between requests
+
+    def kv_identity(self, layout: str, storage_dtype: torch.dtype, block_size: int) -> KVIdentity:
+        """What, besides the tokens, decides the K/V of a request's cache on this engine."""
+        ...
+
+
+@dataclass(frozen=True)
+class PromptText:
+    """The template stage's output: the text the model reads, and where its generation prompt starts."""
+
+    text: str
+    generation_prompt_start: int | None  # len(text) when the template adds none; None for a raw prompt
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """Where a request's blocks are looked up and kept: the prefix cache, under the cache's identity."""
+
+    pool: PrefixCache
+    identity: KVIdentity
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The admit stage's output: the KV the request was admitted for, and its reservation."""
+
+    kv: KVSizing
+    admission: Admission
+    prefix: PrefixPlan | None  # None with the prefix cache off
+
+
+@dataclass(frozen=True)
+class Cached:
+    """The prefix cache stage's output: the request's KV cache, the hit copied in, and the stage's event."""
+
+    cache: KVCache
+    event: PrefixCacheEvent
+
+
+@dataclass(frozen=True)
+class Reached:
+    """What the stages before decode had handed over when the request ended, for its result."""
+
+    prompt_tokens: int = 0
+    queue_ms: float = 0.0  # the admission's wait (or, cancelled while queued, the wait until then)
+    prefix: PrefixCacheEvent | None = None
+
+
 class RequestSession:
     """Iterate to run the request; control it between events."""
 
-    def __init__(self, engine: Engine, request: GenerationRequest, timeline: Timeline | None = None):
+    def __init__(self, engine: EngineHandle, request: GenerationRequest, timeline: Timeline | None = None):
         self.engine = engine
         self.request = request
         self.timeline = timeline or Timeline()
@@ -138,19 +202,10 @@ class RequestSession:
         self.sampling: SamplingParams = request.sampling
         self.pending_logits: torch.Tensor | None = None
         self.result: RequestResult | None = None
-        self.prompt_tokens = 0
         self.failure: ReqscopeError | None = None  # why the request failed, for callers that map errors
         self._forced: int | None = None
-        self._sampler: Sampler | None = None
-        self._cache: KVCache | None = None
-        self._admission: Admission | None = None
-        self._queue_waited_ms = 0.0  # set when the request is cancelled before admission
+        self._sampler: Sampler | None = None  # decode's, made when decode starts; `update_sampling` reaches it
         self._held_ns = 0  # time the consumer held the session suspended (see `hold`)
-        self._prompt_ids: list[int] = []
-        self._pool: PrefixCache | None = None  # the engine's prefix cache, when on for this request
-        self._identity: KVIdentity | None = None  # what the cache's K/V depend on besides the tokens
-        self._hit: PrefixHit | None = None  # looked up at admission, copied in by _prefix_cache
-        self._prefix: PrefixCacheEvent | None = None
         self._holding = False  # the consumer holds the suspension in progress
 
     # -- control, from the consumer (or, for cancel, any thread) -----------------------------
@@ -222,24 +277,32 @@ class RequestSession:
         """The stages in order; a failure in any of them ends the request as an error."""
         state = DecodeState(IncrementalDetokenizer(self.engine.tokenizer.tok), StopMatcher(self.request.stop))
         finish, error = "error", None
+        reached = Reached()
+        releases = ExitStack()  # what the stages hold, given back in reverse however the request ends
         try:
             yield from self._gateway()
-            rendered = yield from self._template()
-            ids = yield from self._tokenize(rendered)
-            kv = yield from self._admit(ids)
-            yield from self._prefix_cache(ids, kv)
-            logits = yield from self._prefill(ids, kv, state)
-            finish = yield from self._decode(logits, state)
+            prompt = yield from self._template()
+            ids = yield from self._tokenize(prompt)
+            reached = replace(reached, prompt_tokens=len(ids))
+            admitted, hit = yield from self._admit(ids, releases)
+            reached = replace(reached, queue_ms=admitted.admission.queue_ms)
+            cached = yield from self._prefix_cache(ids, admitted, hit, state, releases)
+            hit = None  # copied in: the kept blocks it holds must not outlive their eviction
+            reached = replace(reached, prefix=cached.event)
+            logits = yield from self._prefill(ids, cached, state)
+            finish = yield from self._decode(logits, cached.cache, state)
         except QueueCancelledError as exc:  # cancelled before it ran: not a failure
-            finish, self.failure, self._queue_waited_ms = "cancelled", exc, exc.waited_ms
+            finish, self.failure = "cancelled", exc
+            reached = replace(reached, queue_ms=exc.waited_ms)
         except ReqscopeError as exc:
             finish, error = "error", str(exc)
             self.failure = exc
         except torch.OutOfMemoryError as exc:
             finish, error = "error", f"out of memory: {str(exc).splitlines()[0]}; lower --max-tokens"
         finally:
-            self._release(state)
-        yield from self._complete(finish, error, state)
+            self.pending_logits = None
+            releases.close()
+        yield from self._complete(finish, error, state, reached)
 
     def _gateway(self) -> Iterator[Event]:
         """Gateway: note the arrival, unless a server already did, and validate the request."""
@@ -248,69 +311,73 @@ class RequestSession:
         validate(self.request, vocab_size=self.engine.cfg.vocab_size)
         yield self._stage("validated", self.request.request_id)
 
-    def _template(self) -> Generator[Event, None, str]:
-        """Chat template: render the messages; return the prompt text (a raw prompt as it is)."""
-        req = self.request
+    def _template(self) -> Generator[Event, None, PromptText]:
+        """Chat template: render the messages, once; return the prompt text (a raw prompt as it is)."""
+        req, tok = self.request, self.engine.tokenizer
         if req.raw_prompt is not None:
             yield self._stage("templated", "raw prompt, no chat template")
-            return req.raw_prompt
-        rendered = self.engine.tokenizer.render(list(req.messages))
+            return PromptText(req.raw_prompt, None)
+        messages = list(req.messages)
+        rendered = tok.render(messages)
+        # Where the generation prompt starts is known from the template itself for the usual
+        # one (a fixed text appended at the end); only other templates render a second time.
+        prompt = PromptText(rendered, tok.generation_prompt_start(messages, rendered))
         yield self._stage("templated", f"{len(rendered)} chars")
-        return rendered
+        return prompt
 
-    def _tokenize(self, rendered: str) -> Generator[Event, None, list[int]]:
-        """Tokenization: encode the prompt text, then count its tokens per part; return the ids."""
-        tok, req = self.engine.tokenizer, self.request
-        pieces = tok.encode_pieces(rendered)
-        ids = [p.token_id for p in pieces]
-        self.prompt_tokens = len(ids)
+    def _tokenize(self, prompt: PromptText) -> Generator[Event, None, tuple[int, ...]]:
+        """Tokenization: encode the prompt text, count its tokens per part; return the ids."""
+        pieces = self.engine.tokenizer.encode_pieces(prompt.text)
+        ids = tuple(p.token_id for p in pieces)
         yield self._stage("tokenized", f"{len(ids)} tokens")
-        # Counting tokens per prompt part (for display) renders the template once more. It runs
-        # after `tokenized` is marked, so its time falls inside the admit stage's span.
-        if req.raw_prompt is None:
-            without_gen = tok.render(list(req.messages), add_generation_prompt=False)
-            parts = prompt_parts(rendered, without_gen, req.messages, pieces)
-        else:
+        if prompt.generation_prompt_start is None:  # a raw prompt is all the user's
             parts = (PromptPart("user", len(pieces)),)
-        yield PromptEvent(rendered, tuple(pieces), parts)
+        else:
+            parts = prompt_parts(prompt.text, prompt.generation_prompt_start, self.request.messages, pieces)
+        yield PromptEvent(prompt.text, tuple(pieces), parts)
         return ids
 
-    def _admit(self, ids: list[int]) -> Generator[Event, None, KVSizing]:
+    def _admit(
+        self, ids: tuple[int, ...], releases: ExitStack
+    ) -> Generator[Event, None, tuple[Admitted, PrefixHit | None]]:
         """Admission: size the worst-case KV, look the prompt up in the prefix cache, wait for
-        the scheduler to reserve the KV; return the sizing.
+        the scheduler to reserve the KV; return what was admitted, and the prefix cache's hit.
 
         The lookup comes first, as in vLLM's scheduler: it makes the hit most recently used, so
-        the kept blocks this admission evicts to make room are others.
+        the kept blocks this admission evicts to make room are others. The hit goes on apart
+        from the record: it holds the kept blocks until the next stage has copied them.
         """
         eng, req = self.engine, self.request
         prompt_tokens = len(ids)
         kv = kv_sizing(eng.cfg, eng.dtype, req, prompt_tokens)
-        self._prompt_ids = ids
-        self._pool = eng.prefix_cache
-        if self._pool is not None:
-            self._identity = eng.kv_identity(req.kv_layout, kv.storage, req.block_size)
-            self._hit = self._pool.lookup(ids, self._identity)
-        self._admission = eng.scheduler.admit(
+        prefix, hit = None, None
+        if eng.prefix_cache is not None:
+            prefix = PrefixPlan(eng.prefix_cache, eng.kv_identity(req.kv_layout, kv.storage, req.block_size))
+            hit = prefix.pool.lookup(ids, prefix.identity)
+        admission = eng.scheduler.admit(
             req.request_id,
             prompt_tokens=prompt_tokens,
             max_tokens=req.max_tokens,
             context_limit=eng.cfg.max_position_embeddings,
             kv_bytes=kv.reserved_bytes,
             cancelled=self.cancelled,
-            kept=self._pool,
+            kept=None if prefix is None else prefix.pool,
         )
-        yield self._stage("scheduler_admit", f"queue {self._admission.queue_ms:.1f} ms")
+        releases.callback(eng.scheduler.release, admission)
+        yield self._stage("scheduler_admit", f"queue {admission.queue_ms:.1f} ms")
         yield AdmitEvent(
             prompt_tokens,
             req.max_tokens,
             eng.cfg.max_position_embeddings,
             kv.reserved_bytes,
             eng.scheduler.kv_budget_bytes,
-            self._admission.queue_ms,
+            admission.queue_ms,
         )
-        return kv
+        return Admitted(kv, admission, prefix), hit
 
-    def _prefix_cache(self, ids: list[int], kv: KVSizing) -> Iterator[Event]:
+    def _prefix_cache(
+        self, ids: tuple[int, ...], admitted: Admitted, hit: PrefixHit | None, state: DecodeState, releases: ExitStack
+    ) -> Generator[Event, None, Cached]:
         """Prefix cache: make the cache and copy the prompt's cached prefix into it.
 
         Copying is far cheaper than computing. The issue's 352-token prompt on SmolLM2-135M
@@ -320,23 +387,25 @@ class RequestSession:
         lookup itself, 0.1 ms, ran at admission: `_admit`.)
         """
         self.timeline.mark("prefix_cache_start")
-        self._cache = self._new_cache(kv)
-        hit, self._hit = self._hit, None  # the hit holds the kept blocks only until they are copied
+        cache = self._new_cache(admitted.kv)
+        releases.callback(cache.release)
+        if admitted.prefix is not None:  # registered after the release: runs before it
+            releases.callback(self._keep_blocks, cache, ids, state, admitted)
         copy_ms = 0.0
         if hit is not None and hit.blocks:
             start = time.perf_counter()
-            self._cache.write_prefix(KVSpan.joined(list(hit.spans)))
+            cache.write_prefix(KVSpan.joined(list(hit.spans)))
             synchronize(self.engine.device)
             copy_ms = (time.perf_counter() - start) * 1000
         reused = 0 if hit is None else hit.tokens
-        if self._pool is None or hit is None:
+        pool = None if admitted.prefix is None else admitted.prefix.pool
+        if pool is None or hit is None:
             detail = "off"
         else:
             detail = f"{hit.blocks} of {hit.looked_up} blocks hit, {reused} of {len(ids)} prompt tokens reused"
         stage = self._stage("prefix_cache_end", detail)
         yield stage
-        pool = self._pool
-        self._prefix = PrefixCacheEvent(
+        event = PrefixCacheEvent(
             enabled=pool is not None,
             prompt_tokens=len(ids),
             block_size=self.request.block_size,
@@ -350,24 +419,27 @@ class RequestSession:
             kept_bytes=0 if pool is None else pool.kept_bytes,
             note="the engine runs without a prefix cache (--no-prefix-cache)" if pool is None else "",
         )
-        yield self._prefix
+        yield event
+        return Cached(cache, event)
 
-    def _prefill(self, ids: list[int], kv: KVSizing, state: DecodeState) -> Generator[Event, None, torch.Tensor]:
+    def _prefill(
+        self, ids: tuple[int, ...], cached: Cached, state: DecodeState
+    ) -> Generator[Event, None, torch.Tensor]:
         """Prefill: run the prompt after its reused prefix through the model; return the first logits."""
-        reused = self._prefix.reused_tokens if self._prefix is not None else 0
+        reused = cached.event.reused_tokens
         detail = f"{len(ids) - reused} tokens" + (f" after {reused} reused" if reused else "")
         self.timeline.mark("prefill_start", detail)
         state.step_start = time.perf_counter()
-        logits = self._forward(ids[reused:], reused)
+        logits = self._forward(ids[reused:], reused, cached.cache)
         state.pos = len(ids)
         synchronize(self.engine.device)  # prefill ends when the device has finished, not when it was queued
         stage = self._stage("prefill_end")
         yield stage
-        state.peak = self._cache.usage()
+        state.peak = cached.cache.usage()
         yield PrefillEvent(len(ids), stage.duration_ms, state.peak, reused_tokens=reused)
         return logits
 
-    def _decode(self, logits: torch.Tensor, state: DecodeState) -> Generator[Event, None, str]:
+    def _decode(self, logits: torch.Tensor, cache: KVCache, state: DecodeState) -> Generator[Event, None, str]:
         """Decode: pause at each step, sample, stream, feed the token back; return the finish reason."""
         # The sampler starts from the parameters in force now: the consumer may have changed
         # them while paused after prefill.
@@ -380,13 +452,13 @@ class RequestSession:
                 break
             token, trace, forced = self._sample(self._min_tokens_mask(logits, len(state.generated)))
             self.pending_logits = None
-            event, finish = self._stream(token, trace, forced, state)
+            event, finish = self._stream(token, trace, forced, cache, state)
             yield event
             finish = finish or self._stop_after_step(state)
             if finish is not None:
                 break
             state.step_start = time.perf_counter()
-            logits = self._forward([token], state.pos)
+            logits = self._forward((token,), state.pos, cache)
             state.pos += 1
         if finish != "stop_sequence":
             # Nothing after a stop string is shown; any other ending releases the text still
@@ -408,7 +480,7 @@ class RequestSession:
         return token, trace, forced is not None
 
     def _stream(
-        self, token: int, trace: StepTrace | None, forced: bool, state: DecodeState
+        self, token: int, trace: StepTrace | None, forced: bool, cache: KVCache, state: DecodeState
     ) -> tuple[TokenEvent, str | None]:
         """Streaming: commit `token` and release the text it makes visible.
 
@@ -436,7 +508,7 @@ class RequestSession:
                 state.first_visible_index = index
                 tl.mark("first_visible_token", f"token {index + 1}", t_ms=t)
             state.last_visible = (index, t)
-        state.peak = self._cache.usage()
+        state.peak = cache.usage()
         event = TokenEvent(
             index=index,
             token_id=token,
@@ -475,7 +547,7 @@ class RequestSession:
             return "cancelled"
         return None
 
-    def _complete(self, finish: str, error: str | None, state: DecodeState) -> Iterator[Event]:
+    def _complete(self, finish: str, error: str | None, state: DecodeState, reached: Reached) -> Iterator[Event]:
         """Completion: close decode's span, mark completion and report the result."""
         tl = self.timeline
         if state.last_visible is not None:
@@ -484,7 +556,7 @@ class RequestSession:
             tl.mark("last_visible_token", f"token {index + 1}", t_ms=t)
             yield StageEvent("decode", tl.time_of("prefill_end") or t, t)
         yield self._stage("completed", finish)
-        self.result = self._result(finish, error, state)
+        self.result = self._result(finish, error, state, reached)
         yield DoneEvent(self.result)
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -508,22 +580,11 @@ class RequestSession:
             kv.tokens, layout=req.kv_layout, storage_dtype=kv.storage, block_size=req.block_size
         )
 
-    def _forward(self, ids: list[int], start: int) -> torch.Tensor:
-        """Run `ids` at positions from `start` through the model, caching their K/V; next-token logits."""
-        return self.engine.runner.forward(torch.tensor(ids, device=self.engine.device), start, self._cache)
+    def _forward(self, ids: tuple[int, ...], start: int, cache: KVCache) -> torch.Tensor:
+        """Run `ids` at positions from `start` through the model, caching their K/V in `cache`; next-token logits."""
+        return self.engine.runner.forward(torch.tensor(ids, device=self.engine.device), start, cache)
 
-    def _release(self, state: DecodeState) -> None:
-        # Runs however the request ends (finished, failed, or closed by its consumer mid-stream).
-        self.pending_logits = None
-        self._hit = None
-        if self._cache is not None:
-            self._keep_blocks(state)
-            self._cache.release()
-            self._cache = None
-        if self._admission is not None:
-            self.engine.scheduler.release(self._admission)
-
-    def _keep_blocks(self, state: DecodeState) -> None:
+    def _keep_blocks(self, cache: KVCache, ids: tuple[int, ...], state: DecodeState, admitted: Admitted) -> None:
         """Give the cache's full blocks to the prefix cache, within the KV budget.
 
         Whatever the ending: every position all layers hold is the model's K/V for the tokens
@@ -531,20 +592,18 @@ class RequestSession:
         layers hold is kept). Runs before the cache and the admission are released, so no other
         request can take the static decoder's arena or the budget meanwhile.
         """
-        pool, identity = self._pool, self._identity
-        if pool is None or identity is None or self._admission is None:
-            return
-        tokens = self._prompt_ids + state.generated
+        assert admitted.prefix is not None
+        pool, identity = admitted.prefix.pool, admitted.prefix.identity
         try:
-            fresh = pool.copy_out(self._cache, tokens, identity)
+            fresh = pool.copy_out(cache, ids + tuple(state.generated), identity)
         except torch.OutOfMemoryError:
             return  # no memory for the copies: nothing is kept, the request is unaffected
         if fresh.new:
-            self.engine.scheduler.within_budget(lambda room: pool.store(fresh, room), releasing=self._admission)
+            self.engine.scheduler.within_budget(lambda room: pool.store(fresh, room), releasing=admitted.admission)
         else:
             pool.store(fresh, 0)  # nothing new: the chain only becomes most recently used
 
-    def _result(self, finish: str, error: str | None, state: DecodeState) -> RequestResult:
+    def _result(self, finish: str, error: str | None, state: DecodeState, reached: Reached) -> RequestResult:
         tl = self.timeline
         metrics = engine_metrics = None
         if state.first_visible_index is not None and state.last_visible is not None:
@@ -563,23 +622,22 @@ class RequestSession:
             engine_metrics = request_metrics(
                 send_ms, engine_times[0], engine_times[-1], len(engine_times), engine_times
             )
-        admit = self._admission
         return RequestResult(
             request_id=self.request.request_id,
             finish_reason=finish,
             text=state.text,
             token_ids=tuple(state.generated),
             usage=Usage(
-                self.prompt_tokens, len(state.generated), self._prefix.reused_tokens if self._prefix else 0
+                reached.prompt_tokens, len(state.generated), reached.prefix.reused_tokens if reached.prefix else 0
             ),
             timeline=tuple(tl.events),
             stages=tl.stages(),
             metrics=metrics,
-            queue_ms=admit.queue_ms if admit else self._queue_waited_ms,
+            queue_ms=reached.queue_ms,
             kv_peak=state.peak,
             sampler_order=self.sampling.order,
             error=error,
             engine_metrics=engine_metrics,
             held_ms=self._held_ns / 1e6,
-            prefix_cache=self._prefix,
+            prefix_cache=reached.prefix,
         )

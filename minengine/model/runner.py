@@ -31,20 +31,22 @@ from minengine.model.transformer import Transformer
 class ModelRunner:
     """A loaded `Transformer` and its decoders: `new_cache` for a request, then `forward` per step."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, *, static_decode: bool | None = None) -> None:
+        """Run `model`, decoding through the static step when `static_decode` (by default: on CUDA)."""
         self.model = model
         self.device = model.device
         self.eager_decoder = EagerDecoder(model)
         self.static_decoder: StaticDecoder | None = None
-        self.use_static_decode(model.device.type == "cuda")
+        self.use_static_decode(model.device.type == "cuda" if static_decode is None else static_decode)
         cpu = model.device.type == "cpu"
         self.step_threads = StepThreads(torch.get_num_threads() if cpu else 1, steer=None if cpu else False)
 
     def use_static_decode(self, enabled: bool, *, capture: bool | None = None) -> None:
         """Decode through the static-shape step (captured in CUDA graphs unless `capture=False`).
 
-        On by default on CUDA. Caches made by `new_cache` afterwards decode that way; on the CPU
-        the static step only runs eagerly (it exists there to be tested).
+        Caches made by `new_cache` afterwards decode that way; on the CPU the static step only
+        runs eagerly (it exists there to be tested). The engine chooses at construction (see
+        `static_decode`); switching later compares the paths over the same loaded weights.
         """
         if not enabled:
             self.static_decoder = None

@@ -21,6 +21,7 @@ from datetime import datetime
 from functools import lru_cache
 
 import jinja2
+from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 from minengine.errors import TokenizerError
@@ -127,17 +128,62 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
-@lru_cache(maxsize=8)
-def _compile(source: str) -> jinja2.Template:
+@lru_cache(maxsize=1)
+def _environment() -> _Sandbox:
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["range"] = _range
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str) -> jinja2.Template:
     try:
-        return env.from_string(source)
+        return _environment().from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise TokenizerError(f"the chat template does not parse: {exc.message} (line {exc.lineno})") from None
+
+
+@lru_cache(maxsize=8)
+def fixed_generation_prompt(source: str) -> str | None:
+    """What `add_generation_prompt` appends to every render of the template `source`, when that
+    is a fixed text: "" for a template that never reads the flag, the literal text of a closing
+    `{% if add_generation_prompt %}...{% endif %}` (ChatML's and most templates'). None for any
+    other use of the flag, whose effect may depend on the messages (or a template that does not
+    parse: rendering it reports why).
+
+    Rendering with the flag is then rendering without it, plus this text, read off the syntax
+    tree: the template is never run here.
+    """
+    try:
+        tree = _environment().parse(source)
+    except jinja2.TemplateSyntaxError:
+        return None
+    uses = [name for name in tree.find_all(nodes.Name) if name.name == "add_generation_prompt"]
+    if not uses:
+        return ""
+    last = tree.body[-1] if tree.body else None
+    closing = (
+        isinstance(last, nodes.If)
+        and isinstance(last.test, nodes.Name)
+        and last.test.name == "add_generation_prompt"
+        and not last.elif_
+        and not last.else_
+    )
+    if len(uses) != 1 or not closing:
+        return None
+    text: list[str] = []
+    for node in last.body:
+        for item in node.nodes if isinstance(node, nodes.Output) else (node,):
+            if isinstance(item, nodes.TemplateData):
+                text.append(item.data)
+            elif isinstance(item, nodes.Const) and isinstance(item.value, str):
+                text.append(item.value)
+            else:  # anything computed
+                return None
+    return "".join(text)
 
 
 def render_chat(

@@ -1,8 +1,8 @@
 """Attribute each prompt token to the part of the chat template it came from.
 
 Each message's content is located in the rendered prompt; a token belongs to the message whose
-content span holds its first character. Tokens after the rendering without the generation
-prompt belong to the generation prompt; everything else (role markers, separators, text the
+content span holds its first character. Tokens from where the generation prompt starts belong
+to the generation prompt; everything else (role markers, separators, text the
 template adds itself) counts as template. The parts therefore always sum to the prompt length.
 """
 
@@ -26,9 +26,12 @@ class PromptPart:
 
 
 def prompt_parts(
-    rendered: str, rendered_without_generation_prompt: str, messages: tuple[Message, ...], pieces: list[TokenPiece]
+    rendered: str, generation_prompt_start: int, messages: tuple[Message, ...], pieces: list[TokenPiece]
 ) -> tuple[PromptPart, ...]:
-    """Token counts per part, in order of first appearance; they sum to len(pieces)."""
+    """Token counts per part, in order of first appearance; they sum to len(pieces).
+
+    `generation_prompt_start` is where the generation prompt begins in `rendered` (its length
+    when there is none; see `ModelTokenizer.generation_prompt_start`)."""
     spans: list[tuple[int, int, str]] = []
     cursor = 0
     for msg in messages:
@@ -39,13 +42,10 @@ def prompt_parts(
             continue  # the template rewrote the content; its tokens count as template
         spans.append((at, at + len(msg.content), msg.role))
         cursor = at + len(msg.content)
-    gen_start = len(rendered_without_generation_prompt)
-    if not rendered.startswith(rendered_without_generation_prompt):
-        gen_start = len(rendered)
     counts: dict[str, int] = {}
     for piece in pieces:
         name = TEMPLATE
-        if piece.start >= gen_start:
+        if piece.start >= generation_prompt_start:
             name = GENERATION_PROMPT
         else:
             for a, b, role in spans:

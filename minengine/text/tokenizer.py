@@ -15,7 +15,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from minengine.errors import TokenizerError
-from minengine.text.chat_template import Message, render_chat
+from minengine.text.chat_template import Message, fixed_generation_prompt, render_chat
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,20 @@ class ModelTokenizer:
             )
         except TokenizerError as exc:
             raise TokenizerError(f"{self.template_origin}: {exc}") from None
+
+    def generation_prompt_start(self, messages: list[Message], rendered: str) -> int:
+        """Where the generation prompt begins in `rendered`, `messages` rendered with it (its
+        length when the template adds none).
+
+        Known without rendering again for a template that appends a fixed text
+        (`fixed_generation_prompt`); any other renders the messages once more, without it.
+        """
+        fixed = fixed_generation_prompt(self.chat_template or "")
+        # An empty rest is left to the second render to report, as it always was.
+        if fixed is not None and len(rendered) > len(fixed) and rendered.endswith(fixed):
+            return len(rendered) - len(fixed)
+        without = self.render(messages, add_generation_prompt=False)
+        return len(without) if rendered.startswith(without) else len(rendered)
 
     def encode(self, text: str) -> list[int]:
         """Token ids for already-templated text (no extra special tokens added)."""

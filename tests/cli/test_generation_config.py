@@ -12,7 +12,7 @@ from minengine.errors import ConfigError
 from minengine.sampling.model_defaults import ModelSamplingDefaults
 from minengine.sampling.sampler import SamplingParams
 from reqscope import cli
-from reqscope.run_options import LOCAL_SAMPLING, request_from_args
+from reqscope.run_options import LOCAL_SAMPLING, ModelFolder, request_from_args
 from reqscope.ui.run.status_line import settings_note
 
 
@@ -33,7 +33,7 @@ def _generation_config(folder, **fields):
 
 def _request(folder, *flags):
     args = cli.build_parser("run").parse_args(["--model", str(folder), *flags, "hi"])
-    return request_from_args(args, "hi")
+    return request_from_args(args, "hi", ModelFolder.of(args))
 
 
 def test_unset_flags_take_the_models_values_and_say_so(folder):

@@ -8,7 +8,7 @@ from reqscope.cli import build_parser, main
 from reqscope.endpoint.options import API_KEY_ENV
 from reqscope.endpoint.settings import RequestSettings
 from reqscope.endpoint.target import EndpointTarget
-from reqscope.run_options import DEFAULT_PROMPT, LOCAL_SAMPLING, request_from_args
+from reqscope.run_options import DEFAULT_PROMPT, LOCAL_SAMPLING, ModelFolder, request_from_args
 
 
 def args_of(*argv: str):
@@ -50,11 +50,12 @@ def test_settings_hold_only_the_flags_given_and_no_logprobs_by_default():
 
 
 def test_a_local_run_still_fills_in_its_own_defaults():
-    request = request_from_args(args_of(), DEFAULT_PROMPT)
+    request = request_from_args(args := args_of(), DEFAULT_PROMPT, ModelFolder.of(args))
     s, d = request.sampling, LOCAL_SAMPLING
     assert (s.temperature, s.top_k, s.top_p, s.min_p, s.seed) == (d.temperature, d.top_k, d.top_p, d.min_p, d.seed)
     assert request.max_tokens == d.max_tokens == 256 and s.temperature == 0.7 and s.seed == 0
-    given = request_from_args(args_of("--temperature", "0", "--top-k", "0", "--max-tokens", "5"), DEFAULT_PROMPT)
+    args = args_of("--temperature", "0", "--top-k", "0", "--max-tokens", "5")
+    given = request_from_args(args, DEFAULT_PROMPT, ModelFolder.of(args))
     assert (given.sampling.temperature, given.sampling.top_k, given.max_tokens) == (0.0, 0, 5)
 
 

@@ -100,13 +100,16 @@ def test_only_a_declared_hold_counts(chatty_engine):
 
 def test_closing_the_session_early_still_releases_the_cache(chatty_engine):
     session = _session(chatty_engine)
+    made = []
+    new_cache = session._new_cache
+    session._new_cache = lambda kv: made.append(new_cache(kv)) or made[-1]
     events = iter(session)
     for event in events:
         if isinstance(event, TokenEvent):
             break
-    assert session._cache is not None
+    assert len(made) == 1 and made[0].capacity > 0  # the session holds its cache
     events.close()  # a consumer that stops mid-stream: the timing wrapper passes the close on
-    assert session._cache is None and chatty_engine.scheduler.running == 0
+    assert made[0].capacity == 0 and chatty_engine.scheduler.running == 0  # released
 
 
 def test_without_held_checks_its_input():

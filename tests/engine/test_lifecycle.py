@@ -73,6 +73,45 @@ def test_prompt_parts_sum_to_prompt_tokens(chatty_engine):
     assert any(p.special for p in prompt.pieces)
 
 
+def test_a_request_renders_its_chat_template_once(chatty_engine, monkeypatch):
+    renders, render = [], chatty_engine.tokenizer.render
+    monkeypatch.setattr(chatty_engine.tokenizer, "render", lambda *a, **k: renders.append(k) or render(*a, **k))
+    events, _ = run(chatty_engine, sampling=GREEDY, max_tokens=1)
+    assert renders == [{}]  # the default model's template appends a fixed generation prompt
+    assert next(e for e in events if isinstance(e, PromptEvent)).parts[-1].name == "generation prompt"
+
+
+_TURNS = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+_QWEN_STYLE = (
+    "{%- for m in messages %}\n{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}\n{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "fixed"),
+    [(_TURNS, ""),  # no generation prompt at all
+     (_TURNS + "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n"),
+     (_QWEN_STYLE, "<|im_start|>assistant\n"),
+     (_TURNS + "{% if add_generation_prompt and messages[-1]['role'] == 'user' %}A:{% endif %}", None),
+     (_TURNS + "{% if add_generation_prompt %}A:{% else %}<|endoftext|>{% endif %}", None),
+     (_TURNS + "{% if add_generation_prompt %}A:{% endif %}<|end|>", None),  # text after it
+     (_TURNS + "{% if add_generation_prompt %}{{ bos_token }}A:{% endif %}", None),  # computed
+     ("{% if add_generation_prompt %}[G]{% endif %}" + _TURNS + "{% if add_generation_prompt %}A:{% endif %}", None)],
+)  # fmt: skip
+def test_the_generation_prompt_is_found_with_one_render_where_the_template_fixes_it(template, fixed):
+    from minengine.text.chat_template import Message, fixed_generation_prompt, render_chat
+
+    assert fixed_generation_prompt(template) == fixed
+    messages = [Message("system", "Be brief."), Message("user", "hi"), Message("assistant", "yo"), Message("user", "?")]
+    rendered, without = (
+        render_chat(template, messages, add_generation_prompt=flag, special_tokens={"bos_token": "<s>"})
+        for flag in (True, False)
+    )
+    if fixed is not None:  # what the second render would have told
+        assert without + fixed == rendered
+
+
 def test_stop_string_split_across_tokens_is_never_streamed(chatty_engine):
     events, result = run(chatty_engine, sampling=GREEDY, max_tokens=24)
     pieces = [e.text for e in tokens_of(events)]
@@ -236,11 +275,11 @@ def test_out_of_memory_in_decode_reports_what_was_produced(chatty_engine, monkey
     session = chatty_engine.start(GenerationRequest.from_prompt("Tell me", sampling=GREEDY, max_tokens=20))
     real_forward, calls = session._forward, []
 
-    def forward(ids, start):
+    def forward(ids, start, cache):
         calls.append(start)
         if len(calls) > 3:  # the prompt, then two decode steps
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\ndetails")
-        return real_forward(ids, start)
+        return real_forward(ids, start, cache)
 
     monkeypatch.setattr(session, "_forward", forward)
     events = list(session)

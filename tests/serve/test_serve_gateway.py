@@ -150,7 +150,7 @@ def test_the_serve_command_guards_hosts_only_when_keyless_on_loopback(monkeypatc
         raise SystemExit(0)
 
     monkeypatch.setattr(command, "build_app", capture)
-    monkeypatch.setattr(command, "open_engine", lambda args, progress: _FakeEngine())
+    monkeypatch.setattr(command, "open_engine", lambda args, model, progress: _FakeEngine())
     monkeypatch.delenv("REQSCOPE_API_KEY", raising=False)
     for argv, expected in ((["serve"], True), (["serve", "--api-key", "k"], False),
                            (["serve", "--host", "0.0.0.0"], False)):  # fmt: skip

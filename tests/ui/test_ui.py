@@ -18,7 +18,7 @@ from minengine.record.export import METRICS_JSON, TRACE_JSONL
 from minengine.record.trace_io import read_trace
 from minengine.sampling.sampler import SamplingParams, explain_candidates
 from reqscope.cli import build_parser, main
-from reqscope.run_options import DEFAULT_PROMPT, open_engine, request_from_args
+from reqscope.run_options import DEFAULT_PROMPT, ModelFolder, open_engine, request_from_args
 from reqscope.ui.help_screen import HelpScreen
 from reqscope.ui.keys import keys_for
 from reqscope.ui.loading_screen import LoadingScreen
@@ -429,8 +429,11 @@ def test_replay_command_reports_a_missing_trace_in_one_line(tmp_path, capsys):
 async def test_real_model_end_to_end_then_replay_the_export(default_model_dir, tmp_path):
     argv = ["--model", str(default_model_dir), "--device", "cpu", "--temperature", "0", "--max-tokens", "6"]
     args = build_parser("run").parse_args(argv)
-    request = request_from_args(args, DEFAULT_PROMPT)
-    app = ExplorerApp.live_run(lambda progress: open_engine(args, progress=progress), request, export_root=tmp_path)
+    model = ModelFolder.of(args)
+    request = request_from_args(args, DEFAULT_PROMPT, model)
+    app = ExplorerApp.live_run(
+        lambda progress: open_engine(args, model, progress=progress), request, export_root=tmp_path
+    )
     async with app.run_test(size=(160, 50)) as pilot:
         await finished(pilot, app)
         result = app.view.result

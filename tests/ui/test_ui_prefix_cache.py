@@ -210,10 +210,11 @@ async def test_an_old_trace_replays_without_the_stage():
 
 def test_the_run_flag_reads_a_fit_and_refuses_a_bad_file(tmp_path, capsys):
     from reqscope.cli import build_parser
+    from reqscope.run_options import ModelFolder
     from reqscope.ui.launch import launch_explorer
 
     args = build_parser("run").parse_args(["--service-model", str(tmp_path / "fit.json"), "hi"])
     assert args.service_model == str(tmp_path / "fit.json")
     (tmp_path / "fit.json").write_text("{}")
-    assert launch_explorer(args, kyoto_request()) == 1  # before any engine or screen
+    assert launch_explorer(args, kyoto_request(), ModelFolder.of(args)) == 1  # before any engine or screen
     assert "is not a service model" in capsys.readouterr().err
