@@ -5,17 +5,20 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from minengine.device import DTYPE_CHOICES, resolve_device
-from minengine.engine.engine import Engine
+from minengine.dtype_names import DTYPE_CHOICES
 from minengine.engine.request import GenerationRequest, SettingSource
 from minengine.errors import RequestError
 from minengine.kv.arithmetic import MIB
-from minengine.kv.cache import KV_DTYPE_ALIASES, KV_DTYPES, KV_LAYOUTS
+from minengine.kv.usage import KV_DTYPE_ALIASES, KV_DTYPES, KV_LAYOUTS
 from minengine.progress import StatusCallback
 from minengine.sampling.model_defaults import FILE, ModelSamplingDefaults
-from minengine.sampling.sampler import SamplingParams
+from minengine.sampling.params import SamplingParams
 from reqscope.console.progress_line import ProgressLine
+
+if TYPE_CHECKING:
+    from minengine.engine.engine import Engine
 
 DEFAULT_PROMPT = "Show me wheelchair-accessible hotels in Kyoto"
 
@@ -191,6 +194,10 @@ def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCa
     `progress` hears status messages and the stages of a pull and of a first load (download,
     verify, convert, layout, cache) as `PullProgress` events.
     """
+    # torch loads here, not with the flags: `--endpoint` parses them too and never makes a tensor.
+    from minengine.device import resolve_device
+    from minengine.engine.engine import Engine
+
     if args.kv_budget_mib is not None and args.kv_budget_mib <= 0:
         raise RequestError("--kv-budget-mib must be greater than 0")
     cuda_graph = getattr(args, "cuda_graph", None)  # verbs without the flag keep the engine's default

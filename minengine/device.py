@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from minengine.dtype_names import DTYPE_ALIASES, DTYPE_NAMES
 from minengine.errors import ReqscopeError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's and transformers' other names
-DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)  # what --dtype accepts
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def resolve_device(name: str = "auto") -> torch.device:

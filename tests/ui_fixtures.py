@@ -11,7 +11,7 @@ from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, StageEvent, TokenEvent
 from minengine.engine.request import GenerationRequest
 from minengine.record.trace_io import read_trace
-from minengine.sampling.sampler import SamplingParams
+from minengine.sampling.params import SamplingParams
 from reqscope.run_options import DEFAULT_PROMPT
 from reqscope.ui.run.app import ExplorerApp
 

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from minengine.argtypes import positive_whole_number
-from minengine.device import DTYPE_CHOICES
+from minengine.dtype_names import DTYPE_CHOICES
 from minengine.plan.calibrate import (
     DEFAULT_CONTEXT_LENGTHS,
     DEFAULT_DECODE_STEPS,

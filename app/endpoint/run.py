@@ -27,7 +27,7 @@ def run_endpoint(args: argparse.Namespace, request: GenerationRequest) -> int:
         return 2
     arch = architecture_for(args.config) if args.config else None
     if not (args.plain or args.json) and sys.stdout.isatty():
-        from reqscope.ui.launch import launch_endpoint_explorer  # the UI loads only when it is used
+        from reqscope.ui.endpoint.launch import launch_endpoint_explorer  # the UI loads only when it is used
 
         return launch_endpoint_explorer(args, request, arch)
 

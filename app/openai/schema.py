@@ -21,7 +21,7 @@ from typing import Literal
 
 from minengine.engine.request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, GenerationRequest, validate
 from minengine.errors import RequestError
-from minengine.sampling.sampler import SamplingParams
+from minengine.sampling.params import SamplingParams
 from minengine.text.chat_template import ROLES, Message
 
 MAX_TOP_LOGPROBS = 20

@@ -23,7 +23,7 @@ from aiohttp import web
 from minengine.engine.engine import Engine
 from minengine.engine.scheduler import Scheduler
 from minengine.errors import AdmissionError, QueueFullError, RequestError
-from minengine.sampling.sampler import VLLM_ORDER
+from minengine.sampling.params import VLLM_ORDER
 from reqscope.openai.logprobs import TokenLogprob
 from reqscope.openai.responses import SSE_DONE, ResponseShape, sse
 from reqscope.openai.schema import ApiError, ApiRequest, Kind, ParseOptions, parse_request

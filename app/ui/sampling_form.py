@@ -13,7 +13,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
 from minengine.errors import RequestError
-from minengine.sampling.sampler import NAMED_ORDERS, SamplingParams
+from minengine.sampling.params import NAMED_ORDERS, SamplingParams
 
 # (field, label, hint)
 FIELDS: tuple[tuple[str, str, str], ...] = (

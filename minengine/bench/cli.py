@@ -19,7 +19,7 @@ from minengine.bench import env as bench_env  # first: sets the OpenMP policy be
 from minengine.bench.fair.peers import PEER_NAMES, PeerChoice, check_names
 from minengine.bench.report import dumps, format_table, targets
 from minengine.bench.runner import DEFAULT_PROMPT, BenchConfig, run_bench
-from minengine.device import DTYPE_CHOICES
+from minengine.dtype_names import DTYPE_CHOICES
 from minengine.errors import ReqscopeError
 
 

@@ -70,7 +70,7 @@ from minengine.errors import ReqscopeError
 from minengine.kv.arithmetic import MIB, blocks_for, kv_bytes_per_token
 from minengine.kv.cache import KVCache
 from minengine.omp_env import user_environment
-from minengine.sampling.sampler import SamplingParams
+from minengine.sampling.params import SamplingParams
 
 DEFAULT_PROMPT = "Show me wheelchair-accessible hotels in Kyoto"
 _LONG_TEXT = (

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from minengine.engine.metrics import RequestMetrics
 from minengine.engine.timeline import StageTiming, TimelineEvent
-from minengine.kv.cache import KVUsage
-from minengine.sampling.sampler import StepTrace
+from minengine.kv.usage import KVUsage
+from minengine.sampling.step_trace import StepTrace
 from minengine.text.prompt_parts import PromptPart
 from minengine.text.tokenizer import TokenPiece
 

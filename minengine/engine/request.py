@@ -6,8 +6,8 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 from minengine.errors import RequestError
-from minengine.kv.cache import KV_DTYPE_ALIASES, KV_DTYPES, KV_LAYOUTS
-from minengine.sampling.sampler import SamplingParams
+from minengine.kv.usage import KV_DTYPE_ALIASES, KV_DTYPES, KV_LAYOUTS
+from minengine.sampling.params import SamplingParams
 from minengine.text.chat_template import ROLES, Message
 
 MAX_PAYLOAD_BYTES = 1 << 20  # message text accepted by the gateway

@@ -68,9 +68,14 @@ from minengine.engine.scheduler import Admission, Scheduler
 from minengine.engine.timeline import STAGE_SPANS, Timeline
 from minengine.errors import QueueCancelledError, ReqscopeError, RequestError
 from minengine.kv.arithmetic import kv_bytes_in_blocks, stored_kv_heads
-from minengine.kv.cache import KVCache, KVSpan, KVUsage
+from minengine.kv.cache import KVCache, KVSpan
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache, PrefixHit
-from minengine.sampling.sampler import Sampler, SamplingParams, StepTrace, explain, filter_logits
+from minengine.kv.usage import KVUsage
+from minengine.sampling.chain import filter_logits
+from minengine.sampling.params import SamplingParams
+from minengine.sampling.sampler import Sampler
+from minengine.sampling.step_trace import StepTrace
+from minengine.sampling.trace import explain
 from minengine.text.detokenizer import IncrementalDetokenizer
 from minengine.text.prompt_parts import prompt_parts
 from minengine.text.stop import StopMatcher

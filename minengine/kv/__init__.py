@@ -1,1 +1,1 @@
-"""The KV cache: block-accounted storage per layer, and the arithmetic of its size."""
+"""The KV cache: block-accounted storage per layer, what it holds (torch-free), and the arithmetic of its size."""

@@ -31,32 +31,9 @@ import torch
 
 from minengine.config import ModelConfig
 from minengine.kv.arithmetic import blocks_for, kv_bytes_per_token
+from minengine.kv.usage import KV_LAYOUTS, KVUsage
 
-KV_LAYOUTS = ("gqa", "mha")
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")
-KV_DTYPE_ALIASES = {"fp8": "float8_e4m3fn"}  # vLLM's name for the same storage
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn value
-
-
-@dataclass(frozen=True)
-class KVUsage:
-    """A snapshot of what the cache holds, in bytes (logical = tokens, physical = blocks)."""
-
-    layout: str
-    dtype: str
-    tokens: int
-    block_size: int
-    blocks: int
-    layers: int
-    stored_heads: int
-    head_dim: int
-    bytes_per_token: int  # logical K+V bytes per token, all layers
-    logical_bytes: int
-    physical_bytes: int  # whole blocks, plus FP8 scales where used
-    reserved_bytes: int  # the buffer reserved for the request's budget
-    per_layer_tokens: tuple[int, ...]
-    per_layer_logical_bytes: tuple[int, ...]
-    per_layer_physical_bytes: tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -16,41 +16,11 @@ from typing import Literal
 
 import torch
 
-from minengine.sampling.chain import Live, as_row, filter_logits, final_distribution, over_row, run_chain
-from minengine.sampling.params import (
-    HF_ORDER,
-    LLAMA_CPP_ORDER,
-    NAMED_ORDERS,
-    SAMPLER_STAGES,
-    VLLM_ORDER,
-    SamplingParams,
-)
-from minengine.sampling.trace import (
-    Candidate,
-    StepTrace,
-    build_trace,
-    check_token,
-    explain,
-    explain_candidates,
-    greedy_trace,
-)
+from minengine.sampling.chain import Live, as_row, final_distribution, over_row, run_chain
+from minengine.sampling.params import SamplingParams
+from minengine.sampling.step_trace import StepTrace
+from minengine.sampling.trace import build_trace, check_token, greedy_trace
 from minengine.threads import OneThread
-
-__all__ = [
-    "HF_ORDER",
-    "LLAMA_CPP_ORDER",
-    "NAMED_ORDERS",
-    "SAMPLER_STAGES",
-    "VLLM_ORDER",
-    "Candidate",
-    "DrawMethod",
-    "Sampler",
-    "SamplingParams",
-    "StepTrace",
-    "explain",
-    "explain_candidates",
-    "filter_logits",
-]
 
 DrawMethod = Literal["inverse_cdf", "multinomial"]
 

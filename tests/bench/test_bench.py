@@ -210,7 +210,7 @@ def test_explorer_and_bare_loop_step_in_turn(chatty_tiny_dir):
     from minengine.bench.runs import explorer_beside_bare, greedy_decode
     from minengine.engine.engine import Engine
     from minengine.engine.request import GenerationRequest
-    from minengine.sampling.sampler import SamplingParams
+    from minengine.sampling.params import SamplingParams
 
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32")
     request = GenerationRequest.from_prompt("hi", sampling=SamplingParams(temperature=0.0), max_tokens=7, trace=True)

@@ -8,7 +8,7 @@ import torch
 from minengine.engine.events import DoneEvent, TokenEvent
 from minengine.engine.request import GenerationRequest
 from minengine.kv.cache import KVCache
-from minengine.sampling.sampler import SamplingParams
+from minengine.sampling.params import SamplingParams
 
 KYOTO = "Show me wheelchair-accessible hotels in Kyoto"
 pytestmark = pytest.mark.slow

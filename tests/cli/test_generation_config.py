@@ -10,7 +10,7 @@ import pytest
 from minengine.engine.request import SettingSource
 from minengine.errors import ConfigError
 from minengine.sampling.model_defaults import ModelSamplingDefaults
-from minengine.sampling.sampler import SamplingParams
+from minengine.sampling.params import SamplingParams
 from reqscope import cli
 from reqscope.run_options import LOCAL_SAMPLING, ModelFolder, request_from_args
 from reqscope.ui.run.status_line import settings_note

@@ -13,7 +13,7 @@ from minengine.engine.metrics import MetricsInputError, request_metrics, without
 from minengine.engine.request import GenerationRequest
 from minengine.record.export import METRICS_JSON, TELEMETRY_JSON, TRACE_JSONL, export_run
 from minengine.record.trace_io import read_trace
-from minengine.sampling.sampler import SamplingParams
+from minengine.sampling.params import SamplingParams
 from reqscope.console.jsonl import done_record
 
 GREEDY = SamplingParams(temperature=0.0)

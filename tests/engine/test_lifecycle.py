@@ -15,7 +15,7 @@ from minengine.engine.session import RequestSession, kv_sizing
 from minengine.engine.timeline import ALL_STAGES
 from minengine.errors import AdmissionError
 from minengine.kv.arithmetic import blocks_for, kv_bytes_in_blocks, stored_kv_heads
-from minengine.sampling.sampler import SamplingParams
+from minengine.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -19,7 +19,7 @@ from minengine.kv.cache import KVCache, KVSpan
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache, block_hashes
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
-from minengine.sampling.sampler import SamplingParams
+from minengine.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 CPU = torch.device("cpu")

@@ -14,7 +14,7 @@ import pytest
 from minengine.engine.events import DoneEvent, RequestResult, StepReady
 from minengine.engine.request import MAX_STOP_TOKEN_IDS, GenerationRequest, validate
 from minengine.errors import RequestError
-from minengine.sampling.sampler import SamplingParams
+from minengine.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = "Tell me about Kyoto"

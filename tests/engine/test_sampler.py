@@ -18,18 +18,17 @@ from transformers.generation.logits_process import (
 from transformers.generation.utils import GenerationMixin
 
 from minengine.errors import RequestError
-from minengine.sampling.sampler import (
+from minengine.sampling.chain import filter_logits
+from minengine.sampling.params import (
     HF_ORDER,
     LLAMA_CPP_ORDER,
     NAMED_ORDERS,
     SAMPLER_STAGES,
     VLLM_ORDER,
-    Sampler,
     SamplingParams,
-    explain,
-    explain_candidates,
-    filter_logits,
 )
+from minengine.sampling.sampler import Sampler
+from minengine.sampling.trace import explain, explain_candidates
 
 NEG_INF = float("-inf")
 

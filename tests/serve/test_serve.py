@@ -14,7 +14,7 @@ from serve_harness import KEY, MODEL, authorized, chat_body, engine_result, raw_
 
 from minengine.engine.events import TokenEvent
 from minengine.engine.request import GenerationRequest
-from minengine.sampling.sampler import SamplingParams
+from minengine.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 

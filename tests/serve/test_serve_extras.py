@@ -6,7 +6,7 @@ import pytest
 from serve_harness import authorized, chat_body, engine_result, raw_request
 
 from minengine.engine.request import GenerationRequest
-from minengine.sampling.sampler import SamplingParams
+from minengine.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 CHAT = "/v1/chat/completions"

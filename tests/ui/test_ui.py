@@ -16,7 +16,8 @@ from minengine.engine.events import DoneEvent, TokenEvent
 from minengine.errors import ModelNotFoundError
 from minengine.record.export import METRICS_JSON, TRACE_JSONL
 from minengine.record.trace_io import read_trace
-from minengine.sampling.sampler import SamplingParams, explain_candidates
+from minengine.sampling.params import SamplingParams
+from minengine.sampling.trace import explain_candidates
 from reqscope.cli import build_parser, main
 from reqscope.run_options import DEFAULT_PROMPT, ModelFolder, open_engine, request_from_args
 from reqscope.ui.help_screen import HelpScreen

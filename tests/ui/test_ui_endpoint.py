@@ -32,7 +32,7 @@ from reqscope.ui.endpoint.settings_form import EndpointSettingsForm, parse_setti
 from reqscope.ui.endpoint.timeline_panel import client_events
 from reqscope.ui.endpoint.view import EndpointView
 from reqscope.ui.help_screen import HelpScreen
-from reqscope.ui.launch import endpoint_outcome
+from reqscope.ui.outcome import endpoint_outcome
 
 pytestmark = pytest.mark.anyio
 TOKENS = 12

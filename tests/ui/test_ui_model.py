@@ -8,9 +8,10 @@ import pytest
 
 from minengine.engine.events import DoneEvent, PrefillEvent, StageEvent, StepReady, TokenEvent
 from minengine.errors import RequestError
-from minengine.kv.cache import KVUsage
+from minengine.kv.usage import KVUsage
 from minengine.record.trace_io import TraceHeader
-from minengine.sampling.sampler import Candidate, SamplingParams, StepTrace
+from minengine.sampling.params import SamplingParams
+from minengine.sampling.step_trace import Candidate, StepTrace
 from reqscope.ui.base import renewed
 from reqscope.ui.glyphs import PlotSeries, bar, columns, plot, sparkline
 from reqscope.ui.keys import KEYS, action_name
@@ -364,7 +365,7 @@ def test_glyphs():
 def test_the_closing_line_names_the_outcome():
     from minengine.engine.events import RequestResult, Usage
     from minengine.engine.metrics import request_metrics
-    from reqscope.ui.launch import outcome
+    from reqscope.ui.outcome import outcome
 
     view = RunView()
     assert outcome(view) == "left while running (0 tokens generated)"

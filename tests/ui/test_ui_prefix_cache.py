@@ -10,10 +10,10 @@ from textual.widgets import Static
 from ui_fixtures import finished, kyoto_request, live_app, replay_app, wait_for
 
 from minengine.engine.events import PrefillEvent, PrefixCacheEvent, PromptEvent, StageEvent
-from minengine.kv.cache import KVUsage
+from minengine.kv.usage import KVUsage
 from minengine.plan.service_model import LineFit, ServiceModel
 from minengine.record.trace_io import TraceHeader
-from minengine.sampling.sampler import SamplingParams
+from minengine.sampling.params import SamplingParams
 from minengine.text.prompt_parts import PromptPart
 from minengine.text.tokenizer import TokenPiece
 from reqscope.ui.panels.kv import shared_blocks_line

@@ -14,7 +14,7 @@ from rich.text import Text
 
 from minengine.engine.events import PrefixCacheEvent
 from minengine.kv.arithmetic import KIB, MIB
-from minengine.kv.cache import KVUsage
+from minengine.kv.usage import KVUsage
 from reqscope.ui.glyphs import PlotSeries, bar, columns, plot
 from reqscope.ui.panel import Panel
 from reqscope.ui.run.frame import Frame

@@ -8,7 +8,8 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from minengine.engine.events import TokenEvent
-from minengine.sampling.sampler import Candidate, SamplingParams, StepTrace
+from minengine.sampling.params import SamplingParams
+from minengine.sampling.step_trace import Candidate, StepTrace
 from reqscope.ui.glyphs import show_piece
 from reqscope.ui.panel import Panel
 from reqscope.ui.run.frame import Frame

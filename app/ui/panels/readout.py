@@ -15,7 +15,7 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from minengine.kv.arithmetic import MIB
-from minengine.kv.cache import KVUsage
+from minengine.kv.usage import KVUsage
 from reqscope.ui.panel import Panel
 from reqscope.ui.run.frame import Frame
 

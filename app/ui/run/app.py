@@ -30,7 +30,7 @@ from minengine.errors import ReqscopeError
 from minengine.progress import PullProgress, StatusCallback
 from minengine.record.export import export_run
 from minengine.record.trace_io import TraceHeader, trace_header
-from minengine.sampling.sampler import SamplingParams
+from minengine.sampling.params import SamplingParams
 from minengine.threads import ModelThread
 from reqscope.ui.base import ExplorerBase, renewed
 from reqscope.ui.keys import LIVE, REPLAY, action_name, bindings, keys_for

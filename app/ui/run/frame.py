@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from minengine.record.trace_io import TraceHeader
-from minengine.sampling.sampler import SamplingParams, StepTrace
+from minengine.sampling.params import SamplingParams
+from minengine.sampling.step_trace import StepTrace
 from reqscope.ui.run.latency import LatencyFigures, RunTtft
 from reqscope.ui.run.layout_compare import MeasuredLayout
 from reqscope.ui.run.memory_probe import MemoryReading

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minengine.kv.cache import KVUsage
+from minengine.kv.usage import KVUsage
 from reqscope.ui.run.view import RunView
 
 MAX_POINTS = 512

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minengine.kv.arithmetic import kv_bytes_per_token
-from minengine.kv.cache import KVUsage
+from minengine.kv.usage import KVUsage
 from minengine.record.trace_io import TraceHeader
 from reqscope.ui.run.kv_growth import KVPoint, growth_points
 from reqscope.ui.run.latency import LatencyFigures, latency_figures

@@ -21,7 +21,8 @@ from minengine.engine.engine import Engine
 from minengine.engine.events import Event, StepReady
 from minengine.engine.request import GenerationRequest
 from minengine.engine.session import RequestSession
-from minengine.sampling.sampler import SamplingParams, StepTrace
+from minengine.sampling.params import SamplingParams
+from minengine.sampling.step_trace import StepTrace
 
 
 class LiveRun:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from minengine.engine.request import GenerationRequest
-from minengine.sampling.sampler import SamplingParams
+from minengine.sampling.params import SamplingParams
 from reqscope.ui.run.frame import Frame
 
 _STATE_STYLE = {

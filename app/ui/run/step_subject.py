@@ -7,7 +7,8 @@ settings differ from the recorded ones. Otherwise: the last committed token's ow
 
 from __future__ import annotations
 
-from minengine.sampling.sampler import SamplingParams, explain_candidates
+from minengine.sampling.params import SamplingParams
+from minengine.sampling.trace import explain_candidates
 from reqscope.ui.run.frame import StepSubject
 from reqscope.ui.run.live import LiveRun
 from reqscope.ui.run.replay import ReplayRun

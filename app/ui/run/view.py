@@ -21,7 +21,7 @@ from minengine.engine.events import (
     TokenEvent,
 )
 from minengine.engine.timeline import ALL_STAGES
-from minengine.kv.cache import KVUsage
+from minengine.kv.usage import KVUsage
 
 # The pipeline as the explorer shows it: the engine's stages (the prefix cache stage between
 # admit and prefill included) plus `stream`, the span from the first to the last visible token

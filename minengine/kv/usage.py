@@ -1,0 +1,34 @@
+"""What a KV cache holds, as plain numbers, and the names of its layouts and storage dtypes.
+
+Torch-free, so that whatever only reads or names a cache (events, the UI, a request's
+validation, the endpoint client) does not load torch; `kv.cache` makes the tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_LAYOUTS = ("gqa", "mha")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")
+KV_DTYPE_ALIASES = {"fp8": "float8_e4m3fn"}  # vLLM's name for the same storage
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """A snapshot of what the cache holds, in bytes (logical = tokens, physical = blocks)."""
+
+    layout: str
+    dtype: str
+    tokens: int
+    block_size: int
+    blocks: int
+    layers: int
+    stored_heads: int
+    head_dim: int
+    bytes_per_token: int  # logical K+V bytes per token, all layers
+    logical_bytes: int
+    physical_bytes: int  # whole blocks, plus FP8 scales where used
+    reserved_bytes: int  # the buffer reserved for the request's budget
+    per_layer_tokens: tuple[int, ...]
+    per_layer_logical_bytes: tuple[int, ...]
+    per_layer_physical_bytes: tuple[int, ...]
