@@ -13,8 +13,8 @@ from ui_fixtures import kyoto_request, wait_for
 from minengine.errors import ReqscopeError
 from minengine.progress import TENSORS, PullProgress, Stage, paced
 from reqscope.console.progress_line import ProgressLine, finished_line, live_line, started_line
-from reqscope.ui.loading_screen import LoadingScreen, StageRow
 from reqscope.ui.run.app import ExplorerApp
+from reqscope.ui.run.loading_screen import LoadingScreen, StageRow
 
 
 class FakeStream(io.StringIO):

@@ -21,13 +21,13 @@ from reqscope.cli import build_parser, main
 from reqscope.run_options import DEFAULT_PROMPT, open_engine, request_from_args
 from reqscope.ui.help_screen import HelpScreen
 from reqscope.ui.keys import keys_for
-from reqscope.ui.loading_screen import LoadingScreen
 from reqscope.ui.panel import Panel
-from reqscope.ui.panels.readout import short_ms
 from reqscope.ui.prompt_form import PromptForm
 from reqscope.ui.run.app import ExplorerApp
-from reqscope.ui.run.latency import latency_figures
-from reqscope.ui.sampling_form import SamplingForm
+from reqscope.ui.run.figures.latency import latency_figures
+from reqscope.ui.run.loading_screen import LoadingScreen
+from reqscope.ui.run.panels.readout import short_ms
+from reqscope.ui.run.sampling_form import SamplingForm
 
 pytestmark = pytest.mark.anyio
 

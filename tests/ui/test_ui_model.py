@@ -14,19 +14,19 @@ from minengine.sampling.sampler import Candidate, SamplingParams, StepTrace
 from reqscope.ui.base import renewed
 from reqscope.ui.glyphs import PlotSeries, bar, columns, plot, sparkline
 from reqscope.ui.keys import KEYS, action_name
-from reqscope.ui.panels.kv import growth_chart
-from reqscope.ui.panels.logits import chain_text, cut_positions
-from reqscope.ui.panels.readout import fit_line, readout_items
 from reqscope.ui.run.app import ExplorerApp
 from reqscope.ui.run.export_folder import claim_run_folder
+from reqscope.ui.run.figures.kv_growth import growth_points
+from reqscope.ui.run.figures.latency import latency_figures
+from reqscope.ui.run.figures.layout_compare import element_bytes, formula_rows
 from reqscope.ui.run.frame import Frame
-from reqscope.ui.run.kv_growth import growth_points
-from reqscope.ui.run.latency import latency_figures
-from reqscope.ui.run.layout_compare import element_bytes, formula_rows
 from reqscope.ui.run.live import LiveRun
+from reqscope.ui.run.panels.kv import growth_chart
+from reqscope.ui.run.panels.logits import chain_text, cut_positions
+from reqscope.ui.run.panels.readout import fit_line, readout_items
 from reqscope.ui.run.replay import ReplayRun
+from reqscope.ui.run.sampling_form import parse_choice
 from reqscope.ui.run.view import RunView
-from reqscope.ui.sampling_form import parse_choice
 
 SMOLLM = TraceHeader("SmolLM2-135M-Instruct", "", layers=30, q_heads=9, kv_heads=3, head_dim=64,
                      dtype="float32", device="cpu", load_ms=0.0)

@@ -16,12 +16,12 @@ from minengine.record.trace_io import TraceHeader
 from minengine.sampling.sampler import SamplingParams
 from minengine.text.prompt_parts import PromptPart
 from minengine.text.tokenizer import TokenPiece
-from reqscope.ui.panels.kv import shared_blocks_line
-from reqscope.ui.panels.latency import LatencyPanel, predicted_prefill, prefix_cache_ttft
-from reqscope.ui.panels.pipeline import PipelinePanel, prefix_cache_cell, stage_label
-from reqscope.ui.panels.tokens import REUSED_STYLE, TokensPanel, prompt_style, reused_legend
+from reqscope.ui.run.figures.latency import RunTtft, latency_figures, ttft_without_hit
 from reqscope.ui.run.frame import Frame
-from reqscope.ui.run.latency import RunTtft, latency_figures, ttft_without_hit
+from reqscope.ui.run.panels.kv import shared_blocks_line
+from reqscope.ui.run.panels.latency import LatencyPanel, predicted_prefill, prefix_cache_ttft
+from reqscope.ui.run.panels.pipeline import PipelinePanel, prefix_cache_cell, stage_label
+from reqscope.ui.run.panels.tokens import REUSED_STYLE, TokensPanel, prompt_style, reused_legend
 from reqscope.ui.run.view import PIPELINE, PIPELINE_WITHOUT_PREFIX_CACHE, RunView
 
 SMOLLM = TraceHeader("SmolLM2-135M-Instruct", "", layers=30, q_heads=9, kv_heads=3, head_dim=64,

@@ -34,26 +34,26 @@ from minengine.sampling.sampler import SamplingParams
 from minengine.threads import ModelThread
 from reqscope.ui.base import ExplorerBase, renewed
 from reqscope.ui.keys import LIVE, REPLAY, action_name, bindings, keys_for
-from reqscope.ui.loading_screen import LoadingScreen
-from reqscope.ui.panels.kv import KVPanel
-from reqscope.ui.panels.latency import LatencyPanel
-from reqscope.ui.panels.layout import LayoutPanel
-from reqscope.ui.panels.logits import LogitsPanel
-from reqscope.ui.panels.pipeline import PipelinePanel
-from reqscope.ui.panels.readout import ReadoutPanel
-from reqscope.ui.panels.template import TemplatePanel
-from reqscope.ui.panels.tokens import TokensPanel
 from reqscope.ui.run.export_folder import DEFAULT_ROOT, claim_run_folder
+from reqscope.ui.run.figures.latency import RunTtft, latency_figures
+from reqscope.ui.run.figures.layout_compare import MeasuredLayout, measured_layout
+from reqscope.ui.run.figures.memory_probe import MemoryProbe
 from reqscope.ui.run.frame import Frame, StepSubject
-from reqscope.ui.run.latency import RunTtft, latency_figures
-from reqscope.ui.run.layout_compare import MeasuredLayout, measured_layout
 from reqscope.ui.run.live import LiveRun
-from reqscope.ui.run.memory_probe import MemoryProbe
+from reqscope.ui.run.loading_screen import LoadingScreen
+from reqscope.ui.run.panels.kv import KVPanel
+from reqscope.ui.run.panels.latency import LatencyPanel
+from reqscope.ui.run.panels.layout import LayoutPanel
+from reqscope.ui.run.panels.logits import LogitsPanel
+from reqscope.ui.run.panels.pipeline import PipelinePanel
+from reqscope.ui.run.panels.readout import ReadoutPanel
+from reqscope.ui.run.panels.template import TemplatePanel
+from reqscope.ui.run.panels.tokens import TokensPanel
 from reqscope.ui.run.replay import ReplayRun
+from reqscope.ui.run.sampling_form import SamplingChoice, SamplingForm
 from reqscope.ui.run.status_line import settings_note, status_text
 from reqscope.ui.run.step_subject import held_subject, last_token_subject, replay_subject
 from reqscope.ui.run.view import RunView
-from reqscope.ui.sampling_form import SamplingChoice, SamplingForm
 
 if TYPE_CHECKING:  # numpy, only for a fit given with --service-model
     from minengine.plan.service_model import ServiceModel
