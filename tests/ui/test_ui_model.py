@@ -12,19 +12,21 @@ from minengine.kv.cache import KVUsage
 from minengine.record.trace_io import TraceHeader
 from minengine.sampling.sampler import Candidate, SamplingParams, StepTrace
 from reqscope.ui.base import renewed
+from reqscope.ui.endpoint.app import EndpointApp
 from reqscope.ui.glyphs import PlotSeries, bar, columns, plot, sparkline
-from reqscope.ui.keys import KEYS, action_name
-from reqscope.ui.run.app import ExplorerApp
+from reqscope.ui.keys import ENDPOINT, LIVE, REPLAY, action_name, keys_for
 from reqscope.ui.run.export_folder import claim_run_folder
 from reqscope.ui.run.figures.kv_growth import growth_points
 from reqscope.ui.run.figures.latency import latency_figures
 from reqscope.ui.run.figures.layout_compare import element_bytes, formula_rows
 from reqscope.ui.run.frame import Frame
 from reqscope.ui.run.live import LiveRun
+from reqscope.ui.run.live_app import LiveExplorer
 from reqscope.ui.run.panels.kv import growth_chart
 from reqscope.ui.run.panels.logits import chain_text, cut_positions
 from reqscope.ui.run.panels.readout import fit_line, readout_items
 from reqscope.ui.run.replay import ReplayRun
+from reqscope.ui.run.replay_app import ReplayExplorer
 from reqscope.ui.run.sampling_form import parse_choice
 from reqscope.ui.run.view import RunView
 
@@ -348,9 +350,10 @@ def test_a_renewed_request_keeps_everything_but_its_id():
     assert (again.messages, again.sampling, again.kv_layout) == (request.messages, request.sampling, "mha")
 
 
-def test_every_key_has_an_action_on_the_app():
-    for key in KEYS:
-        assert callable(getattr(ExplorerApp, f"action_{action_name(key)}", None)), key.action
+@pytest.mark.parametrize(("mode", "app"), [(LIVE, LiveExplorer), (REPLAY, ReplayExplorer), (ENDPOINT, EndpointApp)])
+def test_every_key_has_an_action_on_the_app(mode, app):
+    for key in keys_for(mode):  # every key has a mode, so every key is checked on the app of each of its modes
+        assert callable(getattr(app, f"action_{action_name(key)}", None)), key.action
 
 
 def test_glyphs():

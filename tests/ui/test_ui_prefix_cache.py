@@ -190,8 +190,8 @@ async def test_restarting_the_same_prompt_hits_the_prefix_cache(chatty_engine):
         assert f"blocks {event.blocks_hit} shared (from the prefix cache)" in panel_text(app, "#kv")
         latency = panel_text(app, "#latency")
         assert "TTFT hit" in latency and f"{event.reused_tokens} of {prompt} tokens cached" in latency
-        assert app.prefill_history[-1][0] == prompt - event.reused_tokens
-        assert app.ttft_history[-1].reused_tokens == event.reused_tokens
+        assert app.history.prefill[-1][0] == prompt - event.reused_tokens
+        assert app.history.ttft[-1].reused_tokens == event.reused_tokens
 
 
 @pytest.mark.anyio
