@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -25,7 +25,6 @@ from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from minengine.progress import PullProgress, StatusCallback
 from minengine.record.trace_io import trace_header
-from minengine.sampling.sampler import SamplingParams
 from minengine.threads import ModelThread
 from reqscope.ui.base import renewed
 from reqscope.ui.keys import LIVE, bindings
@@ -34,24 +33,14 @@ from reqscope.ui.run.figures.memory_probe import MemoryProbe, MemoryReading
 from reqscope.ui.run.frame import StepSubject
 from reqscope.ui.run.live import LiveRun
 from reqscope.ui.run.loading_screen import LoadingScreen
+from reqscope.ui.run.on_screen import RunOnScreen
 from reqscope.ui.run.sampling_form import SamplingChoice
 from reqscope.ui.run.status_line import settings_note
-from reqscope.ui.run.step_subject import held_subject, last_token_subject
+from reqscope.ui.run.step_subject import last_token_subject
 from reqscope.ui.run.view import RunView
 
 EngineOpener = Callable[[StatusCallback], Engine]
 GIL_SWITCH_S = 0.0005
-
-
-@dataclass
-class OnScreen:
-    """The run on screen and what the screen knows of it; every run gets a new one."""
-
-    run: LiveRun
-    applied: SamplingParams  # what the session was last told to use
-    held: int | None = None  # the step the run holds at, as the screen shows it
-    preview: tuple[tuple[int, SamplingParams], StepSubject | None] | None = None  # the held step re-filtered
-    failure_shown: bool = False  # the worker's failure has been notified
 
 
 class LiveExplorer(RunExplorer):
@@ -68,7 +57,7 @@ class LiveExplorer(RunExplorer):
         self.request = request
         self.start_paused = start_paused
         self.engine: Engine | None = None
-        self.on_screen: OnScreen | None = None  # None until the engine has loaded
+        self.on_screen: RunOnScreen | None = None  # None until the engine has loaded
         self._open_engine = open_engine
         self._probe: MemoryProbe | None = None
         self._loading: LoadingScreen | None = None
@@ -138,7 +127,7 @@ class LiveExplorer(RunExplorer):
         self.view = RunView()
         self.cursor = 0
         run = LiveRun(self.engine, request, paused=paused, wake=self._wake)
-        self.on_screen = OnScreen(run, applied=request.sampling)
+        self.on_screen = RunOnScreen(run, applied=request.sampling)
         self._model_thread.submit(run.drive, previous)
         self._invalidate()
 
@@ -154,7 +143,7 @@ class LiveExplorer(RunExplorer):
         if self.on_screen is not None:
             self._take(self.on_screen)
 
-    def _take(self, shown: OnScreen) -> None:
+    def _take(self, shown: RunOnScreen) -> None:
         events = shown.run.take()
         for event in events:
             self.view.apply(event)
@@ -163,25 +152,22 @@ class LiveExplorer(RunExplorer):
                 self.notify(event.result.error, title="request failed", severity="error", timeout=30)
         if events:
             self._invalidate()
-        held = shown.run.held_at if self.view.waiting_step is not None else None
-        if held != shown.held:
-            shown.held = held
+        if shown.follow(self.view):
             self.refresh_bindings()
             self._invalidate()
-        if held is not None and self.sampling.params != shown.applied:
+        if shown.held is not None and self.sampling.params != shown.applied:
             self._apply_params(shown)
         if shown.run.failure and not shown.failure_shown:
             shown.failure_shown = True
             self.notify(shown.run.failure, title="the engine worker failed", severity="error", timeout=30)
             self._invalidate()
 
-    def _apply_params(self, shown: OnScreen) -> None:
+    def _apply_params(self, shown: RunOnScreen) -> None:
         try:
-            shown.run.update_sampling(self.sampling.params)
+            shown.apply(self.sampling.params)
         except ReqscopeError as exc:
             self.notify(str(exc), title="sampling not changed", severity="error")
             self.sampling = replace(self.sampling, params=shown.applied)
-        shown.applied = self.sampling.params
         self._invalidate()
 
     def _streaming(self) -> bool:
@@ -211,14 +197,9 @@ class LiveExplorer(RunExplorer):
         return "pausing" if self.on_screen.run.pausing else "running"
 
     def _subject(self) -> StepSubject | None:
-        shown = self.on_screen
-        if shown is None or shown.held is None:
+        if self.on_screen is None or self.on_screen.held is None:
             return last_token_subject(self.view)
-        params = self._shown_params()
-        key = (shown.held, params)  # a preview filters 49k logits: once per step and settings
-        if shown.preview is None or shown.preview[0] != key:
-            shown.preview = (key, held_subject(shown.run, shown.held, params))
-        return shown.preview[1]
+        return self.on_screen.subject(self._shown_params())
 
     def _memory(self) -> MemoryReading | None:
         return self._probe.read() if self._probe is not None else None
@@ -242,25 +223,16 @@ class LiveExplorer(RunExplorer):
     def action_toggle_run(self) -> None:
         """Run freely or pause at the next step."""
         shown = self._unfinished()
-        if shown is None:
-            return
-        if shown.run.pausing:
-            shown.run.resume()
-        else:
-            shown.run.pause()
-        self._invalidate()
+        if shown is not None:
+            shown.toggle()
+            self._invalidate()
 
     def action_step(self) -> None:
         """Commit one token and hold (running: hold at the next step)."""
         shown = self._unfinished()
-        if shown is None:
-            return
-        if shown.held is not None:
-            shown.held = None
-            shown.run.step()
-        else:
-            shown.run.pause()
-        self._invalidate()
+        if shown is not None:
+            shown.step()
+            self._invalidate()
 
     def action_pick(self) -> None:
         """Commit the highlighted candidate at the held step, then hold at the next one."""
@@ -271,12 +243,10 @@ class LiveExplorer(RunExplorer):
             return
         candidate = subject.trace.candidates[min(self.cursor, len(subject.trace.candidates) - 1)]
         try:
-            shown.run.force_next(candidate.token_id)
+            shown.pick(candidate.token_id)
         except ReqscopeError as exc:
             self.notify(str(exc), severity="error")
             return
-        shown.held = None
-        shown.run.step()
         self._invalidate()
 
     def action_sampling(self) -> None:
@@ -310,7 +280,7 @@ class LiveExplorer(RunExplorer):
         self.notify(f"running the same request with the {other} cache")
         self._rerun(kv_layout=other)
 
-    def _unfinished(self) -> OnScreen | None:
+    def _unfinished(self) -> RunOnScreen | None:
         if self.on_screen is None or self.view.result is not None:
             self.notify("the request has finished: r runs it again" if self.on_screen else "the engine is loading")
             return None

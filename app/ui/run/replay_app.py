@@ -33,12 +33,12 @@ class ReplayExplorer(RunExplorer):
 
     def __init__(self, header: TraceHeader, events: list[Event], *, source_name: str = "", **options: Any) -> None:
         """`source_name` (the trace's file name) goes on the status line; `options` go to `RunExplorer`."""
-        replay = ReplayRun(header, events)
-        view = replay.view()
+        recording = ReplayRun(header, events)
+        view = recording.view()
         recorded = next((e.trace.params for e in events if getattr(e, "trace", None)), SamplingParams())
         super().__init__(mode=REPLAY, header=header,
                          sampling=SamplingChoice(recorded, view.admit.max_tokens if view.admit else 0), **options)
-        self.replay = replay
+        self.recording = recording  # the events, and the cursor over them
         self.source_name = source_name
         self.view = view
         self._play_timer: Timer | None = None
@@ -60,18 +60,18 @@ class ReplayExplorer(RunExplorer):
         return False
 
     def _show_cursor(self) -> None:
-        self.view = self.replay.view()
+        self.view = self.recording.view()
         self._invalidate()
 
     def _play_next(self) -> None:
         """Show the next recorded step after the recorded gap (bounded), then schedule the one after."""
         self._play_timer = None
-        if not self.replay.forward():
+        if not self.recording.forward():
             self._invalidate()
             return
         self._show_cursor()
         low, high = _PLAYBACK_MS
-        delay = min(max(self.replay.next_delay_ms(), low), high) / 1000
+        delay = min(max(self.recording.next_delay_ms(), low), high) / 1000
         self._play_timer = self.set_timer(delay, self._play_next)
 
     def _stop_playing(self) -> None:
@@ -90,17 +90,17 @@ class ReplayExplorer(RunExplorer):
     def _request_id(self) -> str:
         if self.view.result is not None:
             return self.view.result.request_id
-        gateway = self.replay.events[0] if self.replay.events else None
+        gateway = self.recording.events[0] if self.recording.events else None
         return getattr(gateway, "detail", "") or "replay"
 
     def _state(self) -> str:
         return "replay"
 
     def _subject(self) -> StepSubject | None:
-        return replay_subject(self.replay, self._shown_params())
+        return replay_subject(self.recording, self._shown_params())
 
     def _recorded_events(self) -> list[Event]:
-        return list(self.replay.events)
+        return list(self.recording.events)
 
     # -- actions ---------------------------------------------------------------------------------
 
@@ -109,33 +109,33 @@ class ReplayExplorer(RunExplorer):
         if self.playing:
             self._stop_playing()
         else:
-            if self.replay.at_end:
-                self.replay.to_start()
+            if self.recording.at_end:
+                self.recording.to_start()
             self._play_next()
         self._invalidate()
 
     def action_step(self) -> None:
         """One step forward."""
         self._stop_playing()
-        if not self.replay.forward():
+        if not self.recording.forward():
             self.notify("end of the recorded run")
         self._show_cursor()
 
     def action_step_back(self) -> None:
         """One step back."""
         self._stop_playing()
-        if not self.replay.back():
+        if not self.recording.back():
             self.notify("already at the first step")
         self._show_cursor()
 
     def action_first_step(self) -> None:
         """The first step."""
         self._stop_playing()
-        self.replay.to_start()
+        self.recording.to_start()
         self._show_cursor()
 
     def action_last_step(self) -> None:
         """The end of the run."""
         self._stop_playing()
-        self.replay.to_end()
+        self.recording.to_end()
         self._show_cursor()
