@@ -16,14 +16,12 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from textual import work
-
 from minengine.device import device_memory_bytes
 from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, Event
 from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
-from minengine.progress import PullProgress, StatusCallback
+from minengine.progress import StatusCallback
 from minengine.record.trace_io import trace_header
 from minengine.threads import ModelThread
 from reqscope.ui.base import renewed
@@ -60,7 +58,6 @@ class LiveExplorer(RunExplorer):
         self.on_screen: RunOnScreen | None = None  # None until the engine has loaded
         self._open_engine = open_engine
         self._probe: MemoryProbe | None = None
-        self._loading: LoadingScreen | None = None
         self._model_thread = ModelThread()  # loading and every run: one OpenMP team (see ModelThread)
         self._switch_interval = sys.getswitchinterval()
 
@@ -77,41 +74,18 @@ class LiveExplorer(RunExplorer):
         # keeps a repaint from stalling decode for its whole length.
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(GIL_SWITCH_S)
-        self._loading = LoadingScreen()
-        self.push_screen(self._loading)
-        self._load_engine()
-
-    @work(group="loader", exit_on_error=False)
-    async def _load_engine(self) -> None:
-        assert self._loading is not None
-        screen = self._loading
-
-        def progress(message: str | PullProgress) -> None:
-            self.call_from_thread(screen.add_message, message)
-
-        try:
-            engine = await self._model_thread.run(self._open_engine, progress)
-        except ReqscopeError as exc:
-            self._engine_failed(str(exc))
-            return
-        except Exception as exc:  # a bug: on the loading screen, not a silent stall
-            self._engine_failed(f"{type(exc).__name__}: {exc}")
-            return
-        self._engine_ready(engine)
+        loading = LoadingScreen(partial(self._model_thread.run, self._open_engine), self._engine_failed)
+        self.push_screen(loading, self._engine_ready)
 
     def _engine_failed(self, message: str) -> None:
         self.load_error = message
-        if self._loading is not None:
-            self._loading.show_error(message)
         self.notify(message, title="cannot start the engine", severity="error", timeout=30)
 
-    def _engine_ready(self, engine: Engine) -> None:
+    def _engine_ready(self, engine: Engine | None) -> None:
+        assert engine is not None  # the loading screen is dismissed with the engine only
         self.engine = engine
         self.header = trace_header(engine)
         self._probe = MemoryProbe(engine.device.type, partial(device_memory_bytes, engine.device))
-        if self._loading is not None:
-            self.pop_screen()
-            self._loading = None
         self._start(self.request, paused=self.start_paused)
 
     # -- the run ---------------------------------------------------------------------------------
