@@ -356,6 +356,14 @@ def test_every_key_has_an_action_on_the_app(mode, app):
         assert callable(getattr(app, f"action_{action_name(key)}", None)), key.action
 
 
+def test_an_action_of_another_modes_keys_never_runs():
+    from ui_fixtures import replay_app
+
+    app = replay_app()  # it inherits restart and the prompt form from the base both explorers share
+    assert app.check_action("step_back", ()) and app.check_action("quit", ())
+    assert not any(app.check_action(action, ()) for action in ("restart", "edit_prompt", "pick", "cancel"))
+
+
 def test_glyphs():
     assert bar(0.5, 4) == "██  "
     assert bar(1 / 16, 2) == "▏ "
