@@ -1,13 +1,13 @@
 """What the two explorers share: the window, the panel layout, repaints, help and the prompt form.
 
-The run explorer (`reqscope.ui.run.app`: live or replayed) and the endpoint explorer
-(`reqscope.ui.endpoint.app`) show one request in the same frame: a status line, the pipeline strip, the readout line (an
-explorer that has one: the running figures, at every size), an error box, and a body of panels
-laid out by `detail_layout` (every panel from 150x40 on, else the token panel and one detail
-panel picked with v or the number keys). Both take their run's events from an inbox on
-another thread's behalf and draw every panel from one frame per repaint, through the same
-`RepaintScheduler`. `ExplorerBase` holds that frame and its machinery; each explorer fills in
-its own panels, its frame, its run and what its keys do to it.
+The run explorer (`reqscope.ui.run.app`, live or replayed) and the endpoint explorer
+(`reqscope.ui.endpoint.app`) show one request in the same frame: a status line, the pipeline
+strip, the readout line (an explorer that has one: the running figures, at every size), an error
+box, and a body of panels laid out by `detail_layout` (every panel from 150x40 on, else the
+token panel and one detail panel picked with v or the number keys). Both take their run's events
+from an inbox on another thread's behalf and draw every panel from one frame per repaint,
+through the same `RepaintScheduler`. `ExplorerBase` holds that frame and its machinery; each
+explorer fills in its own panels, its frame, its run and what its keys do to it.
 
 Textual calls a message handler (`on_mount`, `on_resize`, `on_unmount`, ...) once for every class
 in the MRO that defines it, so those live here only and the explorers plug into them through

@@ -55,7 +55,7 @@ class LiveExplorer(RunExplorer):
         self.request = request
         self.start_paused = start_paused
         self.engine: Engine | None = None
-        self.on_screen: RunOnScreen | None = None  # None until the engine has loaded
+        self.shown: RunOnScreen | None = None  # None until the engine has loaded
         self._open_engine = open_engine
         self._probe: MemoryProbe | None = None
         self._model_thread = ModelThread()  # loading and every run: one OpenMP team (see ModelThread)
@@ -64,7 +64,7 @@ class LiveExplorer(RunExplorer):
     @property
     def held_step(self) -> int | None:
         """The step (0-based) the run holds at, as the screen shows it."""
-        return self.on_screen.held if self.on_screen is not None else None
+        return self.shown.held if self.shown is not None else None
 
     # -- the engine ------------------------------------------------------------------------------
 
@@ -93,7 +93,7 @@ class LiveExplorer(RunExplorer):
     def _start(self, request: GenerationRequest, *, paused: bool) -> None:
         """Run `request`, after the run on screen (if any) has been cancelled and has ended."""
         assert self.engine is not None
-        previous = self.on_screen.run if self.on_screen is not None else None
+        previous = self.shown.run if self.shown is not None else None
         if previous is not None:
             previous.cancel()
         self.request = request
@@ -101,7 +101,7 @@ class LiveExplorer(RunExplorer):
         self.view = RunView()
         self.cursor = 0
         run = LiveRun(self.engine, request, paused=paused, wake=self._wake)
-        self.on_screen = RunOnScreen(run, applied=request.sampling)
+        self.shown = RunOnScreen(run, applied=request.sampling)
         self._model_thread.submit(run.drive, previous)
         self._invalidate()
 
@@ -114,8 +114,8 @@ class LiveExplorer(RunExplorer):
         self._start(request, paused=self._stepping())
 
     def _take_events(self) -> None:
-        if self.on_screen is not None:
-            self._take(self.on_screen)
+        if self.shown is not None:
+            self._take(self.shown)
 
     def _take(self, shown: RunOnScreen) -> None:
         events = shown.run.take()
@@ -145,14 +145,14 @@ class LiveExplorer(RunExplorer):
         self._invalidate()
 
     def _streaming(self) -> bool:
-        return self.on_screen is not None and self.view.result is None and self.on_screen.held is None
+        return self.shown is not None and self.view.result is None and self.shown.held is None
 
     def _stepping(self) -> bool:
-        return self.on_screen is not None and self.on_screen.run.pausing and self.view.result is None
+        return self.shown is not None and self.shown.run.pausing and self.view.result is None
 
     def _stop(self) -> None:
-        if self.on_screen is not None:
-            self.on_screen.run.cancel()
+        if self.shown is not None:
+            self.shown.run.cancel()
         self._model_thread.shutdown()
         sys.setswitchinterval(self._switch_interval)  # leaving: the UI no longer draws beside decode
 
@@ -164,16 +164,16 @@ class LiveExplorer(RunExplorer):
     def _state(self) -> str:
         if self.view.result is not None:
             return self.view.result.finish_reason
-        if self.on_screen is None:
+        if self.shown is None:
             return "loading"
-        if self.on_screen.held is not None:
+        if self.shown.held is not None:
             return "paused"
-        return "pausing" if self.on_screen.run.pausing else "running"
+        return "pausing" if self.shown.run.pausing else "running"
 
     def _subject(self) -> StepSubject | None:
-        if self.on_screen is None or self.on_screen.held is None:
+        if self.shown is None or self.shown.held is None:
             return last_token_subject(self.view)
-        return self.on_screen.subject(self._shown_params())
+        return self.shown.subject(self._shown_params())
 
     def _memory(self) -> MemoryReading | None:
         return self._probe.read() if self._probe is not None else None
@@ -182,10 +182,10 @@ class LiveExplorer(RunExplorer):
         return settings_note(self.request, self.sampling.params)
 
     def _error_line(self) -> str | None:
-        return self.view.error or (self.on_screen.run.failure if self.on_screen is not None else None)
+        return self.view.error or (self.shown.run.failure if self.shown is not None else None)
 
     def _recorded_events(self) -> list[Event]:
-        return list(self.on_screen.run.recorded) if self.on_screen is not None else []
+        return list(self.shown.run.recorded) if self.shown is not None else []
 
     # -- actions ---------------------------------------------------------------------------------
 
@@ -211,7 +211,7 @@ class LiveExplorer(RunExplorer):
     def action_pick(self) -> None:
         """Commit the highlighted candidate at the held step, then hold at the next one."""
         subject = self._subject()
-        shown = self.on_screen
+        shown = self.shown
         if shown is None or shown.held is None or subject is None:
             self.notify("pause first (space or s): a candidate can only be picked at a held step")
             return
@@ -225,7 +225,7 @@ class LiveExplorer(RunExplorer):
 
     def action_sampling(self) -> None:
         """Open the sampling form (a running request pauses at its next step first)."""
-        shown = self.on_screen
+        shown = self.shown
         if shown is not None and self.view.result is None and not shown.run.pausing:
             shown.run.pause()
             self.notify("paused: the new settings apply from the held step on")
@@ -233,8 +233,8 @@ class LiveExplorer(RunExplorer):
 
     def _use(self, choice: SamplingChoice) -> None:
         self.sampling = choice
-        if self.on_screen is not None and self.on_screen.held is not None:
-            self._apply_params(self.on_screen)
+        if self.shown is not None and self.shown.held is not None:
+            self._apply_params(self.shown)
 
     def action_cancel(self) -> None:
         """Cancel the request."""
@@ -255,10 +255,10 @@ class LiveExplorer(RunExplorer):
         self._rerun(kv_layout=other)
 
     def _unfinished(self) -> RunOnScreen | None:
-        if self.on_screen is None or self.view.result is not None:
-            self.notify("the request has finished: r runs it again" if self.on_screen else "the engine is loading")
+        if self.shown is None or self.view.result is not None:
+            self.notify("the request has finished: r runs it again" if self.shown else "the engine is loading")
             return None
-        return self.on_screen
+        return self.shown
 
     def _engine_missing(self) -> bool:
         if self.engine is None:
