@@ -13,7 +13,9 @@ from minengine.engine.request import GenerationRequest
 from minengine.record.trace_io import read_trace
 from minengine.sampling.params import SamplingParams
 from reqscope.run_options import DEFAULT_PROMPT
-from reqscope.ui.run.app import ExplorerApp
+from reqscope.ui.run.app import RunExplorer
+from reqscope.ui.run.live_app import LiveExplorer
+from reqscope.ui.run.replay_app import ReplayExplorer
 
 # A real run of the default model, recorded with:
 #   reqscope --plain --export DIR --max-tokens 12 "Show me wheelchair-accessible hotels in Kyoto"
@@ -22,13 +24,13 @@ TRACE = Path(__file__).parent / "data" / "explorer-trace.jsonl"
 TRACE_NAME = "explorer-trace.jsonl"
 
 
-def replay_app(**options) -> ExplorerApp:
+def replay_app(**options) -> ReplayExplorer:
     """The explorer replaying the recorded trace."""
     header, events = read_trace(TRACE)
-    return ExplorerApp.replaying(header, events, source_name=TRACE_NAME, **options)
+    return ReplayExplorer(header, events, source_name=TRACE_NAME, **options)
 
 
-def held_replay_app(at: int = 5, held_ms: float = 2500.0, **options) -> ExplorerApp:
+def held_replay_app(at: int = 5, held_ms: float = 2500.0, **options) -> ReplayExplorer:
     """The recorded trace as if the run had been held `held_ms` at step `at` (paused, then stepped).
 
     Tokens from `at` on come `held_ms` later and token `at` carries the held time, as the engine
@@ -45,7 +47,7 @@ def held_replay_app(at: int = 5, held_ms: float = 2500.0, **options) -> Explorer
             event = replace(event, t_ms=event.t_ms + held_ms, held_ms=held_ms if first else 0.0,
                             itl_ms=event.itl_ms + held_ms if first and event.itl_ms is not None else event.itl_ms)
         held.append(event)
-    return ExplorerApp.replaying(header, held, source_name=TRACE_NAME, **options)
+    return ReplayExplorer(header, held, source_name=TRACE_NAME, **options)
 
 
 def kyoto_request(**changes) -> GenerationRequest:
@@ -54,9 +56,9 @@ def kyoto_request(**changes) -> GenerationRequest:
     return GenerationRequest.from_prompt(DEFAULT_PROMPT, **(defaults | changes))
 
 
-def live_app(engine: Engine, request: GenerationRequest, **options) -> ExplorerApp:
+def live_app(engine: Engine, request: GenerationRequest, **options) -> LiveExplorer:
     """The explorer over an already loaded engine."""
-    return ExplorerApp.live_run(lambda progress: engine, request, **options)
+    return LiveExplorer(lambda progress: engine, request, **options)
 
 
 async def wait_for(pilot, condition: Callable[[], bool], timeout: float = 60.0) -> None:
@@ -69,13 +71,13 @@ async def wait_for(pilot, condition: Callable[[], bool], timeout: float = 60.0) 
     await pilot.pause()  # one more turn so the screen reflects the state
 
 
-async def held_at(pilot, app: ExplorerApp, index: int) -> None:
+async def held_at(pilot, app: LiveExplorer, index: int) -> None:
     """Wait until the live run holds at step `index` (0-based) and the screen shows it."""
     await wait_for(pilot, lambda: app.held_step == index)
     await wait_for(pilot, lambda: app.repaints > 0 and not app.needs_repaint)
 
 
-async def finished(pilot, app: ExplorerApp, timeout: float = 120.0) -> None:
+async def finished(pilot, app: RunExplorer, timeout: float = 120.0) -> None:
     """Wait until the request on screen has finished and is drawn."""
     await wait_for(pilot, lambda: app.view.result is not None, timeout)
     await wait_for(pilot, lambda: not app.needs_repaint)

@@ -1,13 +1,13 @@
 """What the two explorers share: the window, the panel layout, repaints, help and the prompt form.
 
-The engine explorer (`reqscope.ui.run.app`) and the endpoint explorer (`reqscope.ui.endpoint.app`)
-show one request in the same frame: a status line, the pipeline strip, the readout line (an
-explorer that has one: the running figures, at every size), an error box, and a body of panels
-laid out by `detail_layout` (every panel from 150x40 on, else the token panel and one detail
-panel picked with v or the number keys). Both take their run's events from an inbox on
-another thread's behalf and draw every panel from one frame per repaint, through the same
-`RepaintScheduler`. `ExplorerBase` holds that frame and its machinery; each explorer fills in
-its own panels, its frame, its run and what its keys do to it.
+The run explorer (`reqscope.ui.run.app`, live or replayed) and the endpoint explorer
+(`reqscope.ui.endpoint.app`) show one request in the same frame: a status line, the pipeline
+strip, the readout line (an explorer that has one: the running figures, at every size), an error
+box, and a body of panels laid out by `detail_layout` (every panel from 150x40 on, else the
+token panel and one detail panel picked with v or the number keys). Both take their run's events
+from an inbox on another thread's behalf and draw every panel from one frame per repaint,
+through the same `RepaintScheduler`. `ExplorerBase` holds that frame and its machinery; each
+explorer fills in its own panels, its frame, its run and what its keys do to it.
 
 Textual calls a message handler (`on_mount`, `on_resize`, `on_unmount`, ...) once for every class
 in the MRO that defines it, so those live here only and the explorers plug into them through
@@ -36,7 +36,7 @@ from minengine.engine.request import GenerationRequest
 from minengine.text.chat_template import Message as ChatMessage
 from reqscope.ui.detail_layout import fit_panels, mark_detail_panels, next_view
 from reqscope.ui.help_screen import HelpScreen
-from reqscope.ui.keys import keys_for
+from reqscope.ui.keys import KEYS, action_name, keys_for
 from reqscope.ui.panel import Panel
 from reqscope.ui.prompt_form import PromptChoice, PromptForm
 from reqscope.ui.repaint_pacer import RepaintPacer
@@ -49,6 +49,7 @@ from reqscope.ui.repaint_scheduler import RepaintScheduler
 # the GIL that the engine thread needs back between its ~120 kernels a step.
 REPAINT_DUTY = 0.04
 SLOWEST_REPAINT_S = 2.0  # however costly, the screen follows a streaming run at least every 2 s
+_KEYED_ACTIONS = frozenset(action_name(k) for k in KEYS)
 
 
 class RunProgress(Message):
@@ -85,11 +86,11 @@ class ExplorerBase(App[int]):
     VIEW_LABELS: ClassVar[Mapping[str, str]] = {}  # a detail panel's name in the hints, where not its id
     KEYS_SKIP_PACER: ClassVar[bool] = False  # whether a key's repaint is drawn at once while the run streams
 
-    request: GenerationRequest | None  # the request on screen (a replay has none)
-
     def __init__(self, *, mode: str, repaint_hz: float) -> None:
         super().__init__()
         self.mode = mode  # which keys apply: "live", "replay" or "endpoint" (see keys.py)
+        self._mode_actions = frozenset(action_name(k) for k in keys_for(mode))
+        self.request: GenerationRequest | None = None  # the request on screen (a replay has none)
         self.compact_view = self.DETAIL_VIEWS[0]
         self.load_error: str | None = None  # why the run could not start (no engine, no server)
         self.repaints = 0
@@ -170,6 +171,10 @@ class ExplorerBase(App[int]):
             panel.show(frame)
 
     # -- actions both explorers have -----------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # The actions here serve several modes; one whose keys belong to other modes only never runs.
+        return action not in _KEYED_ACTIONS or action in self._mode_actions
 
     def action_restart(self) -> None:
         """Run the same messages again with the current settings."""

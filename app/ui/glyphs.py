@@ -1,4 +1,4 @@
-"""Small text-drawing helpers shared by the panels: token pieces, bars, sparklines, line plots, numbers."""
+"""Small text-drawing helpers shared by the panels: token pieces, bars, sparklines, line plots, numbers, cells."""
 
 from __future__ import annotations
 
@@ -144,3 +144,28 @@ def ms(value: float | None, digits: int = 1) -> str:
 def rate(value: float | None) -> str:
     """Tokens per second for a table cell, or an en dash when unknown."""
     return "–" if value is None else f"{value:.1f} tok/s"
+
+
+def pairs(items: list[tuple[str, str]], width: int) -> list[Text]:
+    """Label/value pairs, two to a line when there is room."""
+    per_line = 2 if width >= 44 else 1
+    cell = width // per_line
+    lines = []
+    for start in range(0, len(items), per_line):
+        line = Text(no_wrap=True)
+        for label, value in items[start : start + per_line]:
+            line.append(f"{label:<11}", style="dim")
+            line.append(value.ljust(cell - 11), style="bold")
+        lines.append(line)
+    return lines
+
+
+def duration_text(value_ms: float) -> str:
+    """A stage duration in ms, or in seconds from 10 s on."""
+    return f"{value_ms / 1000:.2f}s" if value_ms >= 10_000 else f"{value_ms:.1f}ms"
+
+
+def fit_cell(text: str, width: int) -> str:
+    """`text` in a cell `width` wide: one leading space, cut with an ellipsis when too long."""
+    text = text if len(text) < width else text[: width - 2] + "…"
+    return (" " + text).ljust(width)

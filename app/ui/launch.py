@@ -12,7 +12,8 @@ from minengine.progress import paced
 from minengine.record.trace_io import read_trace
 from reqscope.run_options import ModelFolder, open_engine
 from reqscope.ui.outcome import outcome
-from reqscope.ui.run.app import ExplorerApp
+from reqscope.ui.run.live_app import LiveExplorer
+from reqscope.ui.run.replay_app import ReplayExplorer
 
 
 def launch_explorer(args: argparse.Namespace, request: GenerationRequest, model: ModelFolder, **options) -> int:
@@ -20,7 +21,7 @@ def launch_explorer(args: argparse.Namespace, request: GenerationRequest, model:
 
     When the screen closes, one line on stderr keeps the outcome of the last run. The exit
     code is 1 when the engine could not start or the last run failed, as in the text modes.
-    `options` go to `ExplorerApp` (`start_paused=True` holds before the first token).
+    `options` go to `LiveExplorer` (`start_paused=True` holds before the first token).
     `--service-model FILE` (a `reqscope calibrate` fit) is read first: a bad file is a one-line error.
     """
     if getattr(args, "service_model", None) and "service_model" not in options:
@@ -33,7 +34,7 @@ def launch_explorer(args: argparse.Namespace, request: GenerationRequest, model:
             return 1
     # The loading screen is fed across threads, a round trip per event: a pull's hundreds of
     # steps reach it at most 20 times a second per stage (starts and ends always).
-    app = ExplorerApp.live_run(lambda progress: open_engine(args, model, progress=paced(progress)), request, **options)
+    app = LiveExplorer(lambda progress: open_engine(args, model, progress=paced(progress)), request, **options)
     code = app.run()
     if app.load_error is not None:
         print(f"reqscope: error: {app.load_error}", file=sys.stderr)
@@ -50,5 +51,5 @@ def launch_explorer(args: argparse.Namespace, request: GenerationRequest, model:
 def launch_replay(trace: str | Path) -> int:
     """Open the explorer on a trace written by an export (no model needed)."""
     header, events = read_trace(trace)
-    app = ExplorerApp.replaying(header, events, source_name=Path(trace).name)
+    app = ReplayExplorer(header, events, source_name=Path(trace).name)
     return app.run() or 0

@@ -13,8 +13,8 @@ from ui_fixtures import kyoto_request, wait_for
 from minengine.errors import ReqscopeError
 from minengine.progress import TENSORS, PullProgress, Stage, paced
 from reqscope.console.progress_line import ProgressLine, finished_line, live_line, started_line
-from reqscope.ui.loading_screen import LoadingScreen, StageRow
-from reqscope.ui.run.app import ExplorerApp
+from reqscope.ui.run.live_app import LiveExplorer
+from reqscope.ui.run.loading_screen import LoadingScreen, StageRow
 
 
 class FakeStream(io.StringIO):
@@ -177,7 +177,7 @@ async def test_the_loading_screen_shows_one_progress_bar_per_stage():
         release.wait(20)
         raise ReqscopeError("no engine in this test")
 
-    app = ExplorerApp.live_run(fake_open_engine, kyoto_request())
+    app = LiveExplorer(fake_open_engine, kyoto_request())
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: reported.is_set() and len(app.screen.query(StageRow)) == 3, timeout=20)
         await wait_for(pilot, lambda: app.screen.query(StageRow)[-1].event.finished, timeout=20)

@@ -22,13 +22,15 @@ from reqscope.cli import build_parser, main
 from reqscope.run_options import DEFAULT_PROMPT, ModelFolder, open_engine, request_from_args
 from reqscope.ui.help_screen import HelpScreen
 from reqscope.ui.keys import keys_for
-from reqscope.ui.loading_screen import LoadingScreen
 from reqscope.ui.panel import Panel
-from reqscope.ui.panels.readout import short_ms
 from reqscope.ui.prompt_form import PromptForm
-from reqscope.ui.run.app import ExplorerApp
-from reqscope.ui.run.latency import latency_figures
-from reqscope.ui.sampling_form import SamplingForm
+from reqscope.ui.run.app import RunExplorer
+from reqscope.ui.run.figures.latency import latency_figures
+from reqscope.ui.run.live_app import LiveExplorer
+from reqscope.ui.run.loading_screen import LoadingScreen
+from reqscope.ui.run.panels.readout import short_ms
+from reqscope.ui.run.replay_app import ReplayExplorer
+from reqscope.ui.run.sampling_form import SamplingForm
 
 pytestmark = pytest.mark.anyio
 
@@ -38,7 +40,7 @@ def anyio_backend():
     return "asyncio"
 
 
-def panel_text(app: ExplorerApp, selector: str) -> str:
+def panel_text(app: RunExplorer, selector: str) -> str:
     """What a widget on the current screen draws, as plain text."""
     widget = app.screen.query_one(selector)
     console = Console(width=300, file=io.StringIO(), record=True, color_system=None)
@@ -56,7 +58,7 @@ def top_p_rule(trace, top_p: float) -> list[int]:
     return [c.token_id for i, c in enumerate(cands) if (cands[i - 1].cumulative if i else 0.0) < top_p]
 
 
-async def set_sampling(pilot, app: ExplorerApp, **fields: str) -> SamplingForm:
+async def set_sampling(pilot, app: RunExplorer, **fields: str) -> SamplingForm:
     """Open the sampling form and type `fields` into it (not applied yet)."""
     await pilot.press("o")
     await wait_for(pilot, lambda: isinstance(app.screen, SamplingForm))
@@ -172,7 +174,7 @@ async def test_invalid_setting_is_refused_in_the_form(default_engine):
         assert app.screen is form  # not applied
         assert "top_p must be in (0, 1]" in panel_text(app, "#form-error")
         await pilot.press("escape")
-        assert app.params.top_p == 0.9
+        assert app.sampling.params.top_p == 0.9
 
 
 async def test_picking_a_candidate_commits_it_as_the_next_token(default_engine):
@@ -212,7 +214,7 @@ async def test_switching_the_kv_layout_measures_both_layouts(default_engine):
         await finished(pilot, app)
         assert app.view.result.token_ids == gqa_ids  # the layout changes bytes, not results
         h = app.header
-        gqa, mha = app.measured["gqa"], app.measured["mha"]
+        gqa, mha = app.history.measured["gqa"], app.history.measured["mha"]
         assert gqa.tokens == mha.tokens == app.view.kv.tokens
         assert mha.logical_bytes == gqa.logical_bytes * h.q_heads // h.kv_heads
         assert gqa.bytes_per_token == 2 * h.layers * h.kv_heads * h.head_dim * 4  # float32
@@ -249,7 +251,7 @@ async def test_loading_and_every_run_share_one_model_thread(default_engine, monk
         return default_engine
 
     monkeypatch.setattr(Engine, "start", recording_start)
-    app = ExplorerApp.live_run(open_engine, kyoto_request(max_tokens=2))
+    app = LiveExplorer(open_engine, kyoto_request(max_tokens=2))
     async with app.run_test() as pilot:
         await finished(pilot, app)
         first = app.view.result.request_id
@@ -298,7 +300,7 @@ async def test_engine_that_cannot_load_is_reported_on_the_loading_screen():
         progress("loading /nowhere")
         raise ModelNotFoundError("model folder /nowhere does not exist; pass --model PATH")
 
-    app = ExplorerApp.live_run(refuse, kyoto_request())
+    app = LiveExplorer(refuse, kyoto_request())
     async with app.run_test() as pilot:
         await wait_for(pilot, lambda: app.load_error is not None)
         assert isinstance(app.screen, LoadingScreen)
@@ -312,7 +314,7 @@ async def test_a_loader_that_breaks_is_reported_not_a_silent_stall():
     def broken(progress):
         raise KeyError("lm_head.weight")
 
-    app = ExplorerApp.live_run(broken, kyoto_request())
+    app = LiveExplorer(broken, kyoto_request())
     async with app.run_test() as pilot:
         await wait_for(pilot, lambda: app.load_error is not None, timeout=10)
         assert app.load_error == "KeyError: 'lm_head.weight'"
@@ -432,9 +434,7 @@ async def test_real_model_end_to_end_then_replay_the_export(default_model_dir, t
     args = build_parser("run").parse_args(argv)
     model = ModelFolder.of(args)
     request = request_from_args(args, DEFAULT_PROMPT, model)
-    app = ExplorerApp.live_run(
-        lambda progress: open_engine(args, model, progress=progress), request, export_root=tmp_path
-    )
+    app = LiveExplorer(lambda progress: open_engine(args, model, progress=progress), request, export_root=tmp_path)
     async with app.run_test(size=(160, 50)) as pilot:
         await finished(pilot, app)
         result = app.view.result
@@ -451,7 +451,7 @@ async def test_real_model_end_to_end_then_replay_the_export(default_model_dir, t
     assert folder == tmp_path / result.request_id
     header, events = read_trace(folder / TRACE_JSONL)
     assert header.kv_heads == 3 and header.q_heads == 9
-    replay = ExplorerApp.replaying(header, events)
+    replay = ReplayExplorer(header, events)
     async with replay.run_test() as pilot:
         await pilot.press("end")
         assert replay.view.result.token_ids == result.token_ids

@@ -13,21 +13,23 @@ from minengine.record.trace_io import TraceHeader
 from minengine.sampling.params import SamplingParams
 from minengine.sampling.step_trace import Candidate, StepTrace
 from reqscope.ui.base import renewed
+from reqscope.ui.endpoint.app import EndpointApp
 from reqscope.ui.glyphs import PlotSeries, bar, columns, plot, sparkline
-from reqscope.ui.keys import KEYS, action_name
-from reqscope.ui.panels.kv import growth_chart
-from reqscope.ui.panels.logits import chain_text, cut_positions
-from reqscope.ui.panels.readout import fit_line, readout_items
-from reqscope.ui.run.app import ExplorerApp
+from reqscope.ui.keys import ENDPOINT, LIVE, REPLAY, action_name, keys_for
 from reqscope.ui.run.export_folder import claim_run_folder
+from reqscope.ui.run.figures.kv_growth import growth_points
+from reqscope.ui.run.figures.latency import latency_figures
+from reqscope.ui.run.figures.layout_compare import element_bytes, formula_rows
 from reqscope.ui.run.frame import Frame
-from reqscope.ui.run.kv_growth import growth_points
-from reqscope.ui.run.latency import latency_figures
-from reqscope.ui.run.layout_compare import element_bytes, formula_rows
 from reqscope.ui.run.live import LiveRun
+from reqscope.ui.run.live_app import LiveExplorer
+from reqscope.ui.run.panels.kv import growth_chart
+from reqscope.ui.run.panels.logits import chain_text, cut_positions
+from reqscope.ui.run.panels.readout import fit_line, readout_items
 from reqscope.ui.run.replay import ReplayRun
+from reqscope.ui.run.replay_app import ReplayExplorer
+from reqscope.ui.run.sampling_form import parse_choice
 from reqscope.ui.run.view import RunView
-from reqscope.ui.sampling_form import parse_choice
 
 SMOLLM = TraceHeader("SmolLM2-135M-Instruct", "", layers=30, q_heads=9, kv_heads=3, head_dim=64,
                      dtype="float32", device="cpu", load_ms=0.0)
@@ -349,9 +351,18 @@ def test_a_renewed_request_keeps_everything_but_its_id():
     assert (again.messages, again.sampling, again.kv_layout) == (request.messages, request.sampling, "mha")
 
 
-def test_every_key_has_an_action_on_the_app():
-    for key in KEYS:
-        assert callable(getattr(ExplorerApp, f"action_{action_name(key)}", None)), key.action
+@pytest.mark.parametrize(("mode", "app"), [(LIVE, LiveExplorer), (REPLAY, ReplayExplorer), (ENDPOINT, EndpointApp)])
+def test_every_key_has_an_action_on_the_app(mode, app):
+    for key in keys_for(mode):  # every key has a mode, so every key is checked on the app of each of its modes
+        assert callable(getattr(app, f"action_{action_name(key)}", None)), key.action
+
+
+def test_an_action_of_another_modes_keys_never_runs():
+    from ui_fixtures import replay_app
+
+    app = replay_app()  # it inherits restart and the prompt form from the base both explorers share
+    assert app.check_action("step_back", ()) and app.check_action("quit", ())
+    assert not any(app.check_action(action, ()) for action in ("restart", "edit_prompt", "pick", "cancel"))
 
 
 def test_glyphs():

@@ -16,12 +16,12 @@ from minengine.record.trace_io import TraceHeader
 from minengine.sampling.params import SamplingParams
 from minengine.text.prompt_parts import PromptPart
 from minengine.text.tokenizer import TokenPiece
-from reqscope.ui.panels.kv import shared_blocks_line
-from reqscope.ui.panels.latency import LatencyPanel, predicted_prefill, prefix_cache_ttft
-from reqscope.ui.panels.pipeline import PipelinePanel, prefix_cache_cell, stage_label
-from reqscope.ui.panels.tokens import REUSED_STYLE, TokensPanel, prompt_style, reused_legend
+from reqscope.ui.run.figures.latency import RunTtft, latency_figures, ttft_without_hit
 from reqscope.ui.run.frame import Frame
-from reqscope.ui.run.latency import RunTtft, latency_figures, ttft_without_hit
+from reqscope.ui.run.panels.kv import shared_blocks_line
+from reqscope.ui.run.panels.latency import LatencyPanel, predicted_prefill, prefix_cache_ttft
+from reqscope.ui.run.panels.pipeline import PipelinePanel, prefix_cache_cell, stage_label
+from reqscope.ui.run.panels.tokens import REUSED_STYLE, TokensPanel, prompt_style, reused_legend
 from reqscope.ui.run.view import PIPELINE, PIPELINE_WITHOUT_PREFIX_CACHE, RunView
 
 SMOLLM = TraceHeader("SmolLM2-135M-Instruct", "", layers=30, q_heads=9, kv_heads=3, head_dim=64,
@@ -190,8 +190,8 @@ async def test_restarting_the_same_prompt_hits_the_prefix_cache(chatty_engine):
         assert f"blocks {event.blocks_hit} shared (from the prefix cache)" in panel_text(app, "#kv")
         latency = panel_text(app, "#latency")
         assert "TTFT hit" in latency and f"{event.reused_tokens} of {prompt} tokens cached" in latency
-        assert app.prefill_history[-1][0] == prompt - event.reused_tokens
-        assert app.ttft_history[-1].reused_tokens == event.reused_tokens
+        assert app.history.prefill[-1][0] == prompt - event.reused_tokens
+        assert app.history.ttft[-1].reused_tokens == event.reused_tokens
 
 
 @pytest.mark.anyio

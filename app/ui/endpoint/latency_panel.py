@@ -14,9 +14,9 @@ from rich.text import Text
 from reqscope.endpoint.events import EndpointResult
 from reqscope.endpoint.settings import LOGPROBS_COST_NOTE
 from reqscope.ui.endpoint.frame import Baseline, EndpointFrame
-from reqscope.ui.glyphs import ms, rate
+from reqscope.ui.glyphs import ms, pairs, rate
+from reqscope.ui.latency_lines import itl_chart, metric_figures
 from reqscope.ui.panel import Panel
-from reqscope.ui.panels.latency import itl_chart, metric_figures, pairs
 
 
 class EndpointLatencyPanel(Panel[EndpointFrame]):

@@ -8,8 +8,8 @@ from rich.text import Text
 from reqscope.endpoint.metrics import prompt_count
 from reqscope.ui.endpoint.frame import EndpointFrame
 from reqscope.ui.endpoint.view import CLIENT_PIPELINE
+from reqscope.ui.glyphs import duration_text, fit_cell
 from reqscope.ui.panel import Panel
-from reqscope.ui.panels.pipeline import duration_text, fit_cell
 
 # Alternate chunks take alternate styles, so where the server cut its stream stays visible.
 _CHUNK_STYLES = ("", "on grey23")

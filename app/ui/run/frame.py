@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 from minengine.record.trace_io import TraceHeader
 from minengine.sampling.params import SamplingParams
 from minengine.sampling.step_trace import StepTrace
-from reqscope.ui.run.latency import LatencyFigures, RunTtft
-from reqscope.ui.run.layout_compare import MeasuredLayout
-from reqscope.ui.run.memory_probe import MemoryReading
+from reqscope.ui.run.figures.latency import LatencyFigures, RunTtft
+from reqscope.ui.run.figures.layout_compare import MeasuredLayout
+from reqscope.ui.run.figures.memory_probe import MemoryReading
 from reqscope.ui.run.view import RunView
 
 if TYPE_CHECKING:  # numpy, only for a fit given with --service-model

@@ -1,20 +1,26 @@
-"""Startup: progress while the model is pulled and loaded, or the reason it could not be.
+"""Startup: the engine loads, with its progress while the model is pulled and loaded, or why it could not.
 
-Each stage of a pull or a first load (download, verify, convert, layout, cache) gets one row
-with its own progress bar, the amount done, the rate and the ETA; plain messages ("loading
-...") go to the log below the bars.
+The screen runs the loader it is given and is dismissed with the engine; on a failure it stays,
+with the error, until the person quits. Each stage of a pull or a first load (download, verify,
+convert, layout, cache) gets one row with its own progress bar, the amount done, the rate and
+the ETA; plain messages ("loading ...") go to the log below the bars.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from rich.text import Text
+from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, LoadingIndicator, Log, ProgressBar, Static
 
-from minengine.progress import PullProgress
+from minengine.engine.engine import Engine
+from minengine.errors import ReqscopeError
+from minengine.progress import PullProgress, StatusCallback
 from reqscope.console.progress_line import eta_text, finished_line, progress_amount, rate_text
 
 
@@ -61,7 +67,10 @@ class StageRow(Horizontal):
         self.set_class(event.finished, "-finished")
 
 
-class LoadingScreen(Screen[None]):
+EngineLoader = Callable[[StatusCallback], Awaitable[Engine]]
+
+
+class LoadingScreen(Screen[Engine]):
     """A spinner, one progress bar per stage, and the loader's messages; on failure, the error."""
 
     BINDINGS = [Binding("q,escape", "app.quit", "Quit")]
@@ -69,8 +78,11 @@ class LoadingScreen(Screen[None]):
     #loading-stages { height: auto; margin-bottom: 1; }
     """
 
-    def __init__(self) -> None:
+    def __init__(self, load: EngineLoader, failed: Callable[[str], object]) -> None:
+        """`load(progress)` loads the engine off the UI thread; `failed(message)` hears why it could not."""
         super().__init__()
+        self._load = load
+        self._failed = failed
         self._rows: dict[tuple[str, float | None], StageRow] = {}
 
     def compose(self) -> ComposeResult:
@@ -81,6 +93,28 @@ class LoadingScreen(Screen[None]):
             yield Log(id="loading-log", auto_scroll=True)
             yield Static("", id="loading-error")
         yield Footer()
+
+    def on_mount(self) -> None:
+        self._load_engine()
+
+    @work(group="loader", exit_on_error=False)
+    async def _load_engine(self) -> None:
+        def progress(message: str | PullProgress) -> None:
+            self.app.call_from_thread(self.add_message, message)
+
+        try:
+            engine = await self._load(progress)
+        except ReqscopeError as exc:
+            self._fail(str(exc))
+            return
+        except Exception as exc:  # a bug: on the loading screen, not a silent stall
+            self._fail(f"{type(exc).__name__}: {exc}")
+            return
+        self.dismiss(engine)
+
+    def _fail(self, message: str) -> None:
+        self.show_error(message)
+        self._failed(message)
 
     def add_message(self, message: str | PullProgress) -> None:
         """A plain message goes to the log; a stage event moves that stage's bar."""

@@ -2,7 +2,7 @@
 
 Tokens out, TTFT, the last ITL and the ITL median, the decode rate, KV logical/physical MiB and
 the cache layout, and, once the run has been held at a step, the time held. The figures are
-the engine's (held time taken out, see `reqscope.ui.run.latency`), the same the latency panel
+the engine's (held time taken out, see `reqscope.ui.run.figures.latency`), the same the latency panel
 shows. Each item has a few spellings, longest first; the line takes the longest that fit, so
 at 80 columns it says the same in fewer letters.
 """

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from minengine.kv.arithmetic import kv_bytes_per_token
 from minengine.kv.usage import KVUsage
 from minengine.record.trace_io import TraceHeader
-from reqscope.ui.run.kv_growth import KVPoint, growth_points
-from reqscope.ui.run.latency import LatencyFigures, latency_figures
+from reqscope.ui.run.figures.kv_growth import KVPoint, growth_points
+from reqscope.ui.run.figures.latency import LatencyFigures, latency_figures
 from reqscope.ui.run.view import RunView
 
 

@@ -12,17 +12,14 @@ from typing import TYPE_CHECKING
 from rich.console import Group, RenderableType
 from rich.text import Text
 
-from minengine.engine.metrics import ItlStats, RequestMetrics
-from reqscope.ui.glyphs import columns, ms, rate, sparkline
+from reqscope.ui.glyphs import ms, pairs
+from reqscope.ui.latency_lines import itl_chart, metric_figures
 from reqscope.ui.panel import Panel
+from reqscope.ui.run.figures.latency import LatencyFigures, RunTtft, ttft_without_hit
 from reqscope.ui.run.frame import Frame
-from reqscope.ui.run.latency import LatencyFigures, RunTtft, ttft_without_hit
 
 if TYPE_CHECKING:  # numpy, only for a fit given with --service-model
     from minengine.plan.service_model import ServiceModel
-
-_CHART_MAX_ROWS = 10
-
 
 class LatencyPanel(Panel):
     """Label/value pairs, the held time, the prefill figures, then the ITLs as a chart (a sparkline when cramped)."""
@@ -60,36 +57,6 @@ def held_lines(fig: LatencyFigures) -> list[Text]:
     wall.append(f"last ITL {ms(fig.wall_last_itl_ms)} · ITL max {ms(w.itl.max if w and w.itl else None)} · "
                 f"E2E {ms(w.e2e_ms if w else None)} · TTFT {ms(w.ttft_ms if w else None)}")
     return [held, wall]
-
-
-def metric_figures(m: RequestMetrics | None, itl: ItlStats | None, last_itl_ms: float | None) -> list[tuple[str, str]]:
-    """The headline latency figures as label/value pairs, an en dash where not known yet."""
-    return [
-        ("TTFT", ms(m.ttft_ms if m else None)),
-        ("E2E", ms(m.e2e_ms if m else None)),
-        ("last ITL", ms(last_itl_ms)),
-        ("TPOT", ms(m.tpot_ms if m else None, 2)),
-        ("ITL mean", ms(itl.mean if itl else None, 2)),
-        ("ITL median", ms(itl.median if itl else None, 2)),
-        ("ITL p95", ms(itl.p95 if itl else None, 2)),
-        ("ITL max", ms(itl.max if itl else None, 2)),
-        ("decode", rate(m.decode_output_tokens_per_second if m else None)),
-        ("whole req.", rate(m.whole_request_output_tokens_per_second if m else None)),
-    ]
-
-
-def pairs(items: list[tuple[str, str]], width: int) -> list[Text]:
-    """Label/value pairs, two to a line when there is room."""
-    per_line = 2 if width >= 44 else 1
-    cell = width // per_line
-    lines = []
-    for start in range(0, len(items), per_line):
-        line = Text(no_wrap=True)
-        for label, value in items[start : start + per_line]:
-            line.append(f"{label:<11}", style="dim")
-            line.append(value.ljust(cell - 11), style="bold")
-        lines.append(line)
-    return lines
 
 
 def _prefill(prefill_ms: float | None, tokens: int | None, reused: int = 0) -> Text:
@@ -140,24 +107,3 @@ def predicted_prefill(service: ServiceModel, fig: LatencyFigures) -> Text:
     text.append(f" vs measured {ms(fig.prefill_ms)}")
     text.append(f" for {computed} tokens", style="dim")
     return text
-
-
-def itl_chart(itls: tuple[float, ...], width: int, rows: int, unit: str = "tokens", clock: str = "") -> list[Text]:
-    """The last ITLs as bars scaled to their maximum, with a caption; one sparkline line when cramped.
-
-    `clock` names the clock in the caption when it matters (" (engine time)").
-    """
-    if rows < 2:
-        return []
-    tail = itls[-(width - 1) :]
-    caption = Text(no_wrap=True, overflow="ellipsis", style="dim")
-    if not tail:
-        caption.append(f"ITL chart: from the second streamed {unit[:-1]} on")
-        return [caption]
-    caption.append(f"ITL{clock} of the last {len(tail)} {unit}: {min(tail):.1f}–{max(tail):.1f} ms")
-    if rows < 4:
-        return [Text(sparkline(tail, width), style="cyan", no_wrap=True), caption]
-    top = max(tail)
-    each = max(1, min(3, width // len(tail)))
-    chart = columns([v / top for v in tail], min(rows - 1, _CHART_MAX_ROWS), each)
-    return [Text(line, style="cyan", no_wrap=True) for line in chart] + [caption]

@@ -6,6 +6,7 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from minengine.engine.events import PrefixCacheEvent
+from reqscope.ui.glyphs import duration_text, fit_cell
 from reqscope.ui.panel import Panel
 from reqscope.ui.run.frame import Frame
 
@@ -59,14 +60,3 @@ def prefix_cache_cell(duration: str, event: PrefixCacheEvent | None, detail: str
         if len(shown) < cell:
             return shown
     return duration
-
-
-def duration_text(value_ms: float) -> str:
-    """A stage duration in ms, or in seconds from 10 s on."""
-    return f"{value_ms / 1000:.2f}s" if value_ms >= 10_000 else f"{value_ms:.1f}ms"
-
-
-def fit_cell(text: str, width: int) -> str:
-    """`text` in a cell `width` wide: one leading space, cut with an ellipsis when too long."""
-    text = text if len(text) < width else text[: width - 2] + "…"
-    return (" " + text).ljust(width)

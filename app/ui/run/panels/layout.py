@@ -8,8 +8,8 @@ from rich.text import Text
 from minengine.kv.arithmetic import KIB, MIB
 from reqscope.ui.glyphs import ms
 from reqscope.ui.panel import Panel
+from reqscope.ui.run.figures.layout_compare import MeasuredLayout, formula_rows
 from reqscope.ui.run.frame import Frame
-from reqscope.ui.run.layout_compare import MeasuredLayout, formula_rows
 
 _ROOMY = 12  # from this height on, the panel spells out the formula and spaces its sections
 

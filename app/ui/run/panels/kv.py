@@ -17,10 +17,10 @@ from minengine.kv.arithmetic import KIB, MIB
 from minengine.kv.usage import KVUsage
 from reqscope.ui.glyphs import PlotSeries, bar, columns, plot
 from reqscope.ui.panel import Panel
+from reqscope.ui.run.figures.kv_growth import KVPoint, growth_points
+from reqscope.ui.run.figures.layout_compare import formula_rows
+from reqscope.ui.run.figures.memory_probe import MemoryReading
 from reqscope.ui.run.frame import Frame
-from reqscope.ui.run.kv_growth import KVPoint, growth_points
-from reqscope.ui.run.layout_compare import formula_rows
-from reqscope.ui.run.memory_probe import MemoryReading
 
 _MIN_BAR = 6  # narrower horizontal bars say too little: draw the layers as columns instead
 _CHART_MIN_ROWS = 5  # a legend, three rows of plot, the token axis

@@ -1,0 +1,1 @@
+"""What the run explorer computes from a run for its panels: latency, KV growth, the layouts compared, device memory."""

@@ -1,0 +1,267 @@
+"""The explorer over the engine: the request runs live, and the keys hold, step, pick and re-run it.
+
+The engine loads and runs on one thread of its own (`ModelThread`). It never calls into the UI
+per token: events wait in the run's inbox, and one `RunProgress` message wakes the UI to take
+all of them. Repaints are coalesced and, while the engine decodes, paced by `RepaintPacer`
+(at most `repaint_hz` a second, and no more than `REPAINT_DUTY` of a core, see `ExplorerBase`),
+so a slow terminal repaints less often instead of slowing decode. Every panel draws a bounded
+amount, so a repaint costs the same at token 10 and token 10,000.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+from minengine.device import device_memory_bytes
+from minengine.engine.engine import Engine
+from minengine.engine.events import DoneEvent, Event
+from minengine.engine.request import GenerationRequest
+from minengine.errors import ReqscopeError
+from minengine.progress import StatusCallback
+from minengine.record.trace_io import trace_header
+from minengine.threads import ModelThread
+from reqscope.ui.base import renewed
+from reqscope.ui.keys import LIVE, bindings
+from reqscope.ui.run.app import RunExplorer
+from reqscope.ui.run.figures.memory_probe import MemoryProbe, MemoryReading
+from reqscope.ui.run.frame import StepSubject
+from reqscope.ui.run.live import LiveRun
+from reqscope.ui.run.loading_screen import LoadingScreen
+from reqscope.ui.run.on_screen import RunOnScreen
+from reqscope.ui.run.sampling_form import SamplingChoice
+from reqscope.ui.run.status_line import settings_note
+from reqscope.ui.run.step_subject import last_token_subject
+from reqscope.ui.run.view import RunView
+
+EngineOpener = Callable[[StatusCallback], Engine]
+GIL_SWITCH_S = 0.0005
+
+
+class LiveExplorer(RunExplorer):
+    """The explorer over a real engine, loaded on startup by `open_engine(progress)`."""
+
+    BINDINGS = bindings(LIVE)
+    RECORDED = False
+
+    def __init__(self, open_engine: EngineOpener, request: GenerationRequest, *, start_paused: bool = False,
+                 **options: Any) -> None:
+        """`start_paused` holds before the first token; `options` go to `RunExplorer`."""
+        super().__init__(mode=LIVE, header=None, sampling=SamplingChoice(request.sampling, request.max_tokens),
+                         **options)
+        self.request = request
+        self.start_paused = start_paused
+        self.engine: Engine | None = None
+        self.shown: RunOnScreen | None = None  # None until the engine has loaded
+        self._open_engine = open_engine
+        self._probe: MemoryProbe | None = None
+        self._model_thread = ModelThread()  # loading and every run: one OpenMP team (see ModelThread)
+        self._switch_interval = sys.getswitchinterval()
+
+    @property
+    def held_step(self) -> int | None:
+        """The step (0-based) the run holds at, as the screen shows it."""
+        return self.shown.held if self.shown is not None else None
+
+    # -- the engine ------------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        # The engine thread needs the GIL back between its kernels; while this thread draws,
+        # Python hands it over only every switch interval (5 ms by default). A shorter one
+        # keeps a repaint from stalling decode for its whole length.
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(GIL_SWITCH_S)
+        loading = LoadingScreen(partial(self._model_thread.run, self._open_engine), self._engine_failed)
+        self.push_screen(loading, self._engine_ready)
+
+    def _engine_failed(self, message: str) -> None:
+        self.load_error = message
+        self.notify(message, title="cannot start the engine", severity="error", timeout=30)
+
+    def _engine_ready(self, engine: Engine | None) -> None:
+        assert engine is not None  # the loading screen is dismissed with the engine only
+        self.engine = engine
+        self.header = trace_header(engine)
+        self._probe = MemoryProbe(engine.device.type, partial(device_memory_bytes, engine.device))
+        self._start(self.request, paused=self.start_paused)
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def _start(self, request: GenerationRequest, *, paused: bool) -> None:
+        """Run `request`, after the run on screen (if any) has been cancelled and has ended."""
+        assert self.engine is not None
+        previous = self.shown.run if self.shown is not None else None
+        if previous is not None:
+            previous.cancel()
+        self.request = request
+        self.sampling = SamplingChoice(request.sampling, request.max_tokens)
+        self.view = RunView()
+        self.cursor = 0
+        run = LiveRun(self.engine, request, paused=paused, wake=self._wake)
+        self.shown = RunOnScreen(run, applied=request.sampling)
+        self._model_thread.submit(run.drive, previous)
+        self._invalidate()
+
+    def _rerun(self, **changes: object) -> None:
+        if self._engine_missing():
+            return
+        if "messages" in changes:
+            self.history.measured.clear()  # measurements of another prompt do not compare
+        request = renewed(self.request, sampling=self.sampling.params, max_tokens=self.sampling.max_tokens, **changes)
+        self._start(request, paused=self._stepping())
+
+    def _take_events(self) -> None:
+        if self.shown is not None:
+            self._take(self.shown)
+
+    def _take(self, shown: RunOnScreen) -> None:
+        events = shown.run.take()
+        for event in events:
+            self.view.apply(event)
+            self.history.record(event)
+            if isinstance(event, DoneEvent) and event.result.error:
+                self.notify(event.result.error, title="request failed", severity="error", timeout=30)
+        if events:
+            self._invalidate()
+        if shown.follow(self.view):
+            self.refresh_bindings()
+            self._invalidate()
+        if shown.held is not None and self.sampling.params != shown.applied:
+            self._apply_params(shown)
+        if shown.run.failure and not shown.failure_shown:
+            shown.failure_shown = True
+            self.notify(shown.run.failure, title="the engine worker failed", severity="error", timeout=30)
+            self._invalidate()
+
+    def _apply_params(self, shown: RunOnScreen) -> None:
+        try:
+            shown.apply(self.sampling.params)
+        except ReqscopeError as exc:
+            self.notify(str(exc), title="sampling not changed", severity="error")
+            self.sampling = replace(self.sampling, params=shown.applied)
+        self._invalidate()
+
+    def _streaming(self) -> bool:
+        return self.shown is not None and self.view.result is None and self.shown.held is None
+
+    def _stepping(self) -> bool:
+        return self.shown is not None and self.shown.run.pausing and self.view.result is None
+
+    def _stop(self) -> None:
+        if self.shown is not None:
+            self.shown.run.cancel()
+        self._model_thread.shutdown()
+        sys.setswitchinterval(self._switch_interval)  # leaving: the UI no longer draws beside decode
+
+    # -- what the frame shows --------------------------------------------------------------------
+
+    def _request_id(self) -> str:
+        return self.request.request_id
+
+    def _state(self) -> str:
+        if self.view.result is not None:
+            return self.view.result.finish_reason
+        if self.shown is None:
+            return "loading"
+        if self.shown.held is not None:
+            return "paused"
+        return "pausing" if self.shown.run.pausing else "running"
+
+    def _subject(self) -> StepSubject | None:
+        if self.shown is None or self.shown.held is None:
+            return last_token_subject(self.view)
+        return self.shown.subject(self._shown_params())
+
+    def _memory(self) -> MemoryReading | None:
+        return self._probe.read() if self._probe is not None else None
+
+    def _settings_note(self) -> str:
+        return settings_note(self.request, self.sampling.params)
+
+    def _error_line(self) -> str | None:
+        return self.view.error or (self.shown.run.failure if self.shown is not None else None)
+
+    def _recorded_events(self) -> list[Event]:
+        return list(self.shown.run.recorded) if self.shown is not None else []
+
+    # -- actions ---------------------------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "pick":
+            return self.held_step is not None
+        return super().check_action(action, parameters)
+
+    def action_toggle_run(self) -> None:
+        """Run freely or pause at the next step."""
+        shown = self._unfinished()
+        if shown is not None:
+            shown.toggle()
+            self._invalidate()
+
+    def action_step(self) -> None:
+        """Commit one token and hold (running: hold at the next step)."""
+        shown = self._unfinished()
+        if shown is not None:
+            shown.step()
+            self._invalidate()
+
+    def action_pick(self) -> None:
+        """Commit the highlighted candidate at the held step, then hold at the next one."""
+        subject = self._subject()
+        shown = self.shown
+        if shown is None or shown.held is None or subject is None:
+            self.notify("pause first (space or s): a candidate can only be picked at a held step")
+            return
+        candidate = subject.trace.candidates[min(self.cursor, len(subject.trace.candidates) - 1)]
+        try:
+            shown.pick(candidate.token_id)
+        except ReqscopeError as exc:
+            self.notify(str(exc), severity="error")
+            return
+        self._invalidate()
+
+    def action_sampling(self) -> None:
+        """Open the sampling form (a running request pauses at its next step first)."""
+        shown = self.shown
+        if shown is not None and self.view.result is None and not shown.run.pausing:
+            shown.run.pause()
+            self.notify("paused: the new settings apply from the held step on")
+        super().action_sampling()
+
+    def _use(self, choice: SamplingChoice) -> None:
+        self.sampling = choice
+        if self.shown is not None and self.shown.held is not None:
+            self._apply_params(self.shown)
+
+    def action_cancel(self) -> None:
+        """Cancel the request."""
+        shown = self._unfinished()
+        if shown is not None:
+            shown.run.cancel()
+            self.notify("cancelling: the request stops before its next model step")
+
+    def _can_edit_prompt(self) -> bool:
+        return not self._engine_missing()
+
+    def action_switch_layout(self) -> None:
+        """Re-run this request in the other KV cache layout, keeping what this one measured."""
+        if self._engine_missing():
+            return
+        other = "mha" if self.request.kv_layout == "gqa" else "gqa"
+        self.notify(f"running the same request with the {other} cache")
+        self._rerun(kv_layout=other)
+
+    def _unfinished(self) -> RunOnScreen | None:
+        if self.shown is None or self.view.result is not None:
+            self.notify("the request has finished: r runs it again" if self.shown else "the engine is loading")
+            return None
+        return self.shown
+
+    def _engine_missing(self) -> bool:
+        if self.engine is None:
+            self.notify("the engine is not loaded" + (f": {self.load_error}" if self.load_error else ""))
+            return True
+        return False

@@ -1,0 +1,81 @@
+"""The sampling settings form: the chain's parameters, seed, max tokens and order, checked as typed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from minengine.errors import RequestError
+from minengine.sampling.params import NAMED_ORDERS, SamplingParams
+from reqscope.ui.field_form import Field, FieldForm, field_reader
+
+
+@dataclass(frozen=True)
+class SamplingChoice:
+    """What the form returns: parameters for the next steps and the token limit for the next run."""
+
+    params: SamplingParams
+    max_tokens: int
+
+
+def order_text(order: tuple[str, ...]) -> str:
+    """An order as its engine name when it has one, else as a comma list."""
+    named = {v: k for k, v in NAMED_ORDERS.items()}
+    return named.get(order, ",".join(order))
+
+
+def _number(name: str, kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    def read(text: str) -> int | float:
+        text = text.strip()
+        try:
+            return kind(text)
+        except ValueError:
+            raise RequestError(f"{name} must be {'an integer' if kind is int else 'a number'}; got {text!r}") from None
+
+    return read
+
+
+def _seed(text: str) -> int | None:
+    return _number("seed", int)(text) if text.strip() else None  # blank: a new seed each run
+
+
+FIELDS: tuple[Field[SamplingChoice], ...] = (
+    Field("temperature", "temperature", "0 = greedy", lambda c: f"{c.params.temperature:g}",
+          _number("temperature", float)),
+    Field("top_k", "top-k", "0 = off", lambda c: str(c.params.top_k), _number("top_k", int)),
+    Field("top_p", "top-p", "1 = off", lambda c: f"{c.params.top_p:g}", _number("top_p", float)),
+    Field("min_p", "min-p", "0 = off", lambda c: f"{c.params.min_p:g}", _number("min_p", float)),
+    Field("seed", "seed", "blank = random", lambda c: "" if c.params.seed is None else str(c.params.seed), _seed),
+    Field("max_tokens", "max tokens", "applies on restart (r)", lambda c: str(c.max_tokens),
+          _number("max_tokens", int)),
+    Field("order", "sampler order", "hf, llama.cpp, vllm or a comma list", lambda c: order_text(c.params.order),
+          SamplingParams.parse_order),
+)
+
+
+def parse_choice(values: Mapping[str, str], base: SamplingParams) -> SamplingChoice:
+    """Read the fields into a validated choice; RequestError names the first bad field."""
+    read = field_reader(FIELDS, values)
+    params = base.with_(
+        temperature=read("temperature"),
+        top_k=read("top_k"),
+        top_p=read("top_p"),
+        min_p=read("min_p"),
+        seed=read("seed"),
+        order=read("order"),
+    )
+    params.validate()
+    max_tokens = read("max_tokens")
+    if max_tokens < 1:
+        raise RequestError(f"max tokens must be at least 1; got {max_tokens}")
+    return SamplingChoice(params, max_tokens)
+
+
+class SamplingForm(FieldForm[SamplingChoice]):
+    """Edit the sampling settings; every valid edit is previewed on the waiting step at once."""
+
+    BOX_TITLE = "Sampling"
+    FIELDS = FIELDS
+
+    def parse(self, values: Mapping[str, str]) -> SamplingChoice:
+        return parse_choice(values, self.current.params)
