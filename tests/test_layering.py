@@ -21,7 +21,7 @@ PACKAGES = {"minengine": ROOT / "minengine", "reqscope": ROOT / "app"}
 
 # What serves one request, and what is built around it.
 REQUEST_PATH = ("text", "checkpoint", "model", "kv", "sampling", "engine")
-AROUND_IT = ("bench", "plan", "record", "hub", "gguf")
+AROUND_IT = ("plan", "record", "hub", "gguf")
 MAX_MODULES_PER_FOLDER = 15
 MAX_SHARED_PREFIX = 2  # modules in one folder that may share a `name_` prefix
 

@@ -12,7 +12,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from minengine.argtypes import positive_whole_number
+from reqscope.argtypes import positive_whole_number
 from minengine.device import DTYPE_CHOICES
 from minengine.plan.calibrate import (
     DEFAULT_CONTEXT_LENGTHS,

@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from minengine.argtypes import positive, whole_number
+from reqscope.argtypes import positive, whole_number
 from minengine.engine.metrics import MetricsInputError, SystemWindow, request_latency, request_metrics
 from minengine.kv.arithmetic import MIB, kv_bytes_per_token
 from minengine.plan.planner import tokens_at_stop

@@ -17,7 +17,7 @@ from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-from minengine.argtypes import (
+from reqscope.argtypes import (
     non_negative,
     positive,
     positive_whole_number,

@@ -16,7 +16,7 @@ import asyncio
 import os
 import sys
 
-from minengine.argtypes import non_negative, positive, positive_whole_number, whole_number
+from reqscope.argtypes import non_negative, positive, positive_whole_number, whole_number
 from minengine.device import DTYPE_CHOICES
 from minengine.errors import ReqscopeError
 from minengine.kv.arithmetic import KIB

@@ -21,7 +21,7 @@ import socket
 import sys
 from urllib.parse import urlsplit
 
-from minengine.argtypes import positive_whole_number, whole_number
+from reqscope.argtypes import positive_whole_number, whole_number
 from minengine.errors import ReqscopeError
 from reqscope.loopback import host_header_names_loopback, listens_on_loopback
 from reqscope.run_options import (

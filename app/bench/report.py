@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minengine.bench.fair.compare import REQSCOPE, FairComparison
-from minengine.bench.runner import BenchReport, Comparison
-from minengine.bench.stats import Spread
+from reqscope.bench.fair.compare import REQSCOPE, FairComparison
+from reqscope.bench.runner import BenchReport, Comparison
+from reqscope.bench.stats import Spread
 from minengine.kv.arithmetic import MIB
 
 DECODE_SPEEDUP_GOAL = 1.5

@@ -1,4 +1,4 @@
-"""`python -m minengine.bench` (also `reqscope bench`): minengine against Hugging Face transformers.
+"""`python -m reqscope.bench` (also `reqscope bench`): minengine against Hugging Face transformers.
 
 First the fair comparison: `reqscope --json`, transformers' `generate()` and any installed peer
 (llama.cpp), each in its own process with the environment its users have, timed from outside;
@@ -13,12 +13,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from minengine.argtypes import positive_whole_number as count
-from minengine.argtypes import whole_number
-from minengine.bench import env as bench_env  # first: sets the OpenMP policy before torch loads
-from minengine.bench.fair.peers import PEER_NAMES, PeerChoice, check_names
-from minengine.bench.report import dumps, format_table, targets
-from minengine.bench.runner import DEFAULT_PROMPT, BenchConfig, run_bench
+from reqscope.argtypes import positive_whole_number as count
+from reqscope.argtypes import whole_number
+from reqscope.bench import env as bench_env  # first: sets the OpenMP policy before torch loads
+from reqscope.bench.fair.peers import PEER_NAMES, PeerChoice, check_names
+from reqscope.bench.report import dumps, format_table, targets
+from reqscope.bench.runner import DEFAULT_PROMPT, BenchConfig, run_bench
 from minengine.device import DTYPE_CHOICES
 from minengine.errors import ReqscopeError
 
@@ -126,8 +126,8 @@ def _stderr(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m minengine.bench`."""
-    parser = argparse.ArgumentParser(prog="python -m minengine.bench", description=__doc__.splitlines()[0])
+    """Entry point of `python -m reqscope.bench`."""
+    parser = argparse.ArgumentParser(prog="python -m reqscope.bench", description=__doc__.splitlines()[0])
     add_bench_arguments(parser)
     args = parser.parse_args(argv)
     try:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minengine.bench.roofline import ReadProbe
-from minengine.bench.timer import StepClock
+from reqscope.bench.roofline import ReadProbe
+from reqscope.bench.timer import StepClock
 from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, TokenEvent
 from minengine.engine.request import GenerationRequest

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from minengine.bench.roofline import decode_bytes_per_step
+from reqscope.bench.roofline import decode_bytes_per_step
 from minengine.errors import PullError, ReqscopeError
 
 LLAMA_CPP = "llama.cpp"
@@ -194,7 +194,7 @@ def peer_bytes_per_step(plan: PeerPlan, prompt_tokens: int, steps: int) -> float
 def llama_child_argv(plan: PeerPlan, ids: list[int], new_tokens: int, threads: int, eos: list[int]) -> list[str]:
     """The command line of the llama.cpp child (`llama_child`)."""
     return [
-        sys.executable, "-m", "minengine.bench.fair.llama_child", "--gguf", str(plan.gguf),
+        sys.executable, "-m", "reqscope.bench.fair.llama_child", "--gguf", str(plan.gguf),
         "--ids", ",".join(map(str, ids)), "--max-new-tokens", str(new_tokens),
         "--threads", str(threads), "--eos", ",".join(map(str, eos)),
     ]  # fmt: skip

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from minengine.bench.fair.compare import (
+from reqscope.bench.fair.compare import (
     REQSCOPE,
     TRANSFORMERS,
     UNDER_LOAD,
@@ -36,7 +36,7 @@ from minengine.bench.fair.compare import (
     probe_environment,
     run_fair,
 )
-from minengine.bench.fair.peers import (
+from reqscope.bench.fair.peers import (
     PeerChoice,
     PeerSelection,
     ensure_default_gguf,
@@ -44,15 +44,15 @@ from minengine.bench.fair.peers import (
     peer_bytes_per_step,
     select_peers,
 )
-from minengine.bench.hf_reference import TransformersReference
-from minengine.bench.roofline import (
+from reqscope.bench.hf_reference import TransformersReference
+from reqscope.bench.roofline import (
     ReadProbe,
     achieved_bandwidth,
     decode_bytes_per_step,
     roofline_fraction,
     roofline_tokens_per_second,
 )
-from minengine.bench.runs import (
+from reqscope.bench.runs import (
     DecodeRun,
     RooflineRun,
     decode_beside_probes,
@@ -60,8 +60,8 @@ from minengine.bench.runs import (
     greedy_decode,
     prefill_ms,
 )
-from minengine.bench.start import PlainRun, child_environment, heavy_imports, launch_plain, plain_imports
-from minengine.bench.stats import Parity, Spread, overhead_percent, parity_of, ratios
+from reqscope.bench.start import PlainRun, child_environment, heavy_imports, launch_plain, plain_imports
+from reqscope.bench.stats import Parity, Spread, overhead_percent, parity_of, ratios
 from minengine.checkpoint import layout_cache
 from minengine.device import device_memory_bytes, synchronize
 from minengine.engine.engine import Engine
@@ -370,7 +370,7 @@ def fair_contenders(config: BenchConfig, engine: Engine, selection: PeerSelectio
     command += ["--device", device, "--dtype", dtype]
     if device == "cuda" and not config.cuda_graph:
         command.append("--no-cuda-graph")
-    hf = [sys.executable, "-m", "minengine.bench.fair.hf_child", "--model", str(config.model_dir)]
+    hf = [sys.executable, "-m", "reqscope.bench.fair.hf_child", "--model", str(config.model_dir)]
     hf += ["--ids", ",".join(map(str, ids)), "--max-new-tokens", str(config.new_tokens)]
     hf += ["--eos", ",".join(map(str, eos)), "--device", device, "--dtype", dtype]
     contenders = [

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from minengine.bench.runs import DecodeRun
-from minengine.bench.timer import StepClock
+from reqscope.bench.runs import DecodeRun
+from reqscope.bench.timer import StepClock
 from minengine.errors import ReqscopeError
 
 
