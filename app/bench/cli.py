@@ -13,14 +13,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from reqscope.bench import env as bench_env  # first: sets the OpenMP policy before torch loads
+
+# isort: split
+from minengine.device import DTYPE_CHOICES
+from minengine.errors import ReqscopeError
 from reqscope.argtypes import positive_whole_number as count
 from reqscope.argtypes import whole_number
-from reqscope.bench import env as bench_env  # first: sets the OpenMP policy before torch loads
 from reqscope.bench.fair.peers import PEER_NAMES, PeerChoice, check_names
 from reqscope.bench.report import dumps, format_table, targets
 from reqscope.bench.runner import DEFAULT_PROMPT, BenchConfig, run_bench
-from minengine.device import DTYPE_CHOICES
-from minengine.errors import ReqscopeError
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from minengine.errors import ReqscopeError
 from reqscope.bench.runs import DecodeRun
 from reqscope.bench.timer import StepClock
-from minengine.errors import ReqscopeError
 
 
 def import_transformers():

@@ -26,6 +26,15 @@ from pathlib import Path
 
 import torch
 
+from minengine.checkpoint import layout_cache
+from minengine.device import device_memory_bytes, synchronize
+from minengine.engine.engine import Engine
+from minengine.engine.request import GenerationRequest
+from minengine.errors import ReqscopeError
+from minengine.kv.arithmetic import MIB, blocks_for, kv_bytes_per_token
+from minengine.kv.cache import KVCache
+from minengine.omp_env import user_environment
+from minengine.sampling.sampler import SamplingParams
 from reqscope.bench.fair.compare import (
     REQSCOPE,
     TRANSFORMERS,
@@ -62,15 +71,6 @@ from reqscope.bench.runs import (
 )
 from reqscope.bench.start import PlainRun, child_environment, heavy_imports, launch_plain, plain_imports
 from reqscope.bench.stats import Parity, Spread, overhead_percent, parity_of, ratios
-from minengine.checkpoint import layout_cache
-from minengine.device import device_memory_bytes, synchronize
-from minengine.engine.engine import Engine
-from minengine.engine.request import GenerationRequest
-from minengine.errors import ReqscopeError
-from minengine.kv.arithmetic import MIB, blocks_for, kv_bytes_per_token
-from minengine.kv.cache import KVCache
-from minengine.omp_env import user_environment
-from minengine.sampling.sampler import SamplingParams
 
 DEFAULT_PROMPT = "Show me wheelchair-accessible hotels in Kyoto"
 _LONG_TEXT = (

@@ -12,7 +12,6 @@ import json
 import sys
 from collections.abc import Sequence
 
-from reqscope.argtypes import positive_whole_number
 from minengine.device import DTYPE_CHOICES
 from minengine.plan.calibrate import (
     DEFAULT_CONTEXT_LENGTHS,
@@ -29,6 +28,7 @@ from minengine.plan.service_model import (
     Point,
     ServiceModel,
 )
+from reqscope.argtypes import positive_whole_number
 
 PLOT_WIDTH, PLOT_HEIGHT = 56, 10
 

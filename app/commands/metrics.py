@@ -16,11 +16,11 @@ import argparse
 import json
 import sys
 
-from reqscope.argtypes import positive, whole_number
 from minengine.engine.metrics import MetricsInputError, SystemWindow, request_latency, request_metrics
 from minengine.kv.arithmetic import MIB, kv_bytes_per_token
 from minengine.plan.planner import tokens_at_stop
 from minengine.record.timeline_csv import read_timeline
+from reqscope.argtypes import positive, whole_number
 
 SCOPE = (
     "full causal attention with one K and one V vector per KV head (MHA/GQA/MQA); "

@@ -17,12 +17,6 @@ from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-from reqscope.argtypes import (
-    non_negative,
-    positive,
-    positive_whole_number,
-    whole_number,
-)
 from minengine.config import ModelConfig
 from minengine.errors import ConfigError
 from minengine.kv.arithmetic import GIB, KIB, MIB
@@ -38,6 +32,12 @@ from minengine.plan.planner import (
     plan,
 )
 from minengine.plan.service_model import ServiceModel
+from reqscope.argtypes import (
+    non_negative,
+    positive,
+    positive_whole_number,
+    whole_number,
+)
 
 _SHAPE_FLAGS = ("layers", "q_heads", "kv_heads", "head_dim")
 

@@ -16,11 +16,11 @@ import asyncio
 import os
 import sys
 
-from reqscope.argtypes import non_negative, positive, positive_whole_number, whole_number
 from minengine.device import DTYPE_CHOICES
 from minengine.errors import ReqscopeError
 from minengine.kv.arithmetic import KIB
 from minengine.sampling.sampler import SamplingParams
+from reqscope.argtypes import non_negative, positive, positive_whole_number, whole_number
 from reqscope.loopback import listens_on_loopback
 from reqscope.run_options import add_prefix_cache_argument, open_engine, stderr_progress
 from reqscope.serve.access import LOG_LEVELS, configure_logging

@@ -16,6 +16,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from minengine.checkpoint.mapped_pages import MappedFiles
+from minengine.kv.arithmetic import MIB
 from reqscope.bench.report import targets, to_json
 from reqscope.bench.roofline import (
     achieved_bandwidth,
@@ -25,8 +27,6 @@ from reqscope.bench.roofline import (
 )
 from reqscope.bench.runner import BenchConfig, run_bench
 from reqscope.bench.stats import Spread, overhead_percent, ratios
-from minengine.checkpoint.mapped_pages import MappedFiles
-from minengine.kv.arithmetic import MIB
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -207,10 +207,10 @@ def test_smoke_report_reads_as_a_table(smoke_report):
 
 
 def test_explorer_and_bare_loop_step_in_turn(chatty_tiny_dir):
-    from reqscope.bench.runs import explorer_beside_bare, greedy_decode
     from minengine.engine.engine import Engine
     from minengine.engine.request import GenerationRequest
     from minengine.sampling.sampler import SamplingParams
+    from reqscope.bench.runs import explorer_beside_bare, greedy_decode
 
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32")
     request = GenerationRequest.from_prompt("hi", sampling=SamplingParams(temperature=0.0), max_tokens=7, trace=True)
@@ -232,9 +232,9 @@ def test_explorer_and_bare_loop_step_in_turn(chatty_tiny_dir):
 
 
 def test_decode_runs_between_probe_passes(chatty_tiny_dir):
+    from minengine.engine.engine import Engine
     from reqscope.bench.roofline import ReadProbe
     from reqscope.bench.runs import decode_beside_probes
-    from minengine.engine.engine import Engine
 
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32")
     probe = ReadProbe(torch.device("cpu"), torch.float32, nbytes=4 * MIB)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from minengine import omp_env
+from minengine.errors import ReqscopeError
 from reqscope.bench.fair.compare import REQSCOPE, TRANSFORMERS, Contender, run_fair
 from reqscope.bench.fair.peers import (
     LLAMA_CPP,
@@ -28,7 +29,6 @@ from reqscope.bench.fair.peers import (
 from reqscope.bench.fair.pipes import stream_run
 from reqscope.bench.report import format_fair
 from reqscope.bench.runner import BenchConfig, fair_contenders
-from minengine.errors import ReqscopeError
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "tests"))

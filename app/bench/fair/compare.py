@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from minengine.errors import ReqscopeError
 from reqscope.bench.fair.pipes import ChildEnvironment, StreamedRun, stream_run
 from reqscope.bench.stats import Parity, Spread, parity_of, ratios
-from minengine.errors import ReqscopeError
 
 REQSCOPE = "reqscope"
 TRANSFORMERS = "transformers"

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from reqscope.bench.roofline import decode_bytes_per_step
 from minengine.errors import PullError, ReqscopeError
+from reqscope.bench.roofline import decode_bytes_per_step
 
 LLAMA_CPP = "llama.cpp"
 PEER_NAMES = (LLAMA_CPP,)
