@@ -16,20 +16,18 @@ from pathlib import Path
 from reqscope.bench import env as bench_env  # first: sets the OpenMP policy before torch loads
 
 # isort: split
-from minengine.device import DTYPE_CHOICES
 from minengine.errors import ReqscopeError
 from reqscope.argtypes import positive_whole_number as count
 from reqscope.argtypes import whole_number
 from reqscope.bench.fair.peers import PEER_NAMES, PeerChoice, check_names
 from reqscope.bench.report import dumps, format_table, targets
 from reqscope.bench.runner import DEFAULT_PROMPT, BenchConfig, run_bench
+from reqscope.engine_flags import add_engine_arguments
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags."""
-    parser.add_argument("--model", metavar="PATH", help="model folder (default: the pulled SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and compute (half = float16)")
+    add_engine_arguments(parser, "model", "device", "dtype")
     parser.add_argument("--threads", type=count, help="torch threads for both engines (default: torch's own)")
     parser.add_argument("--rounds", type=count, default=5, help="measured rounds (default 5)")
     parser.add_argument("--new-tokens", type=count, default=128, help="greedy tokens per decode run (default 128)")
