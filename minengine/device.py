@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from minengine.errors import ReqscopeError
+from minengine.errors import Mention, ReqscopeError, Setting
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's and transformers' other names
-DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)  # what --dtype accepts
+DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)  # what resolve_dtype accepts
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -16,7 +16,11 @@ def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ReqscopeError("--device cuda was asked for but no CUDA device is available; use --device cpu")
+        raise ReqscopeError(
+            Mention(Setting.DEVICE, "cuda"),
+            " was asked for but no CUDA device is available; use ",
+            Mention(Setting.DEVICE, "cpu"),
+        )
     if name not in ("cpu", "cuda"):
         raise ReqscopeError(f"unknown device {name!r}; choose auto, cpu or cuda")
     return torch.device(name)

@@ -23,6 +23,7 @@ from reqscope.bench.fair.peers import PEER_NAMES, PeerChoice, check_names
 from reqscope.bench.report import dumps, format_table, targets
 from reqscope.bench.runner import DEFAULT_PROMPT, BenchConfig, run_bench
 from reqscope.engine_flags import add_engine_arguments
+from reqscope.wording import error_text
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_from_args(args)
     except ReqscopeError as exc:
-        print(f"bench: error: {exc}", file=sys.stderr)
+        print(f"bench: error: {error_text(exc)}", file=sys.stderr)
         return 1
 
 

@@ -16,6 +16,7 @@ from reqscope.run_options import open_engine
 from reqscope.ui.endpoint.view import EndpointView
 from reqscope.ui.run.app import ExplorerApp
 from reqscope.ui.run.view import RunView
+from reqscope.wording import error_text
 
 
 def launch_explorer(args: argparse.Namespace, request: GenerationRequest, **options) -> int:
@@ -32,7 +33,7 @@ def launch_explorer(args: argparse.Namespace, request: GenerationRequest, **opti
         try:
             options["service_model"] = ServiceModel.load(args.service_model)
         except ReqscopeError as exc:
-            print(f"reqscope: error: {exc}", file=sys.stderr)
+            print(f"reqscope: error: {error_text(exc)}", file=sys.stderr)
             return 1
     # The loading screen is fed across threads, a round trip per event: a pull's hundreds of
     # steps reach it at most 20 times a second per stage (starts and ends always).

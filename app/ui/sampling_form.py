@@ -14,6 +14,7 @@ from textual.widgets import Button, Input, Label, Static
 
 from minengine.errors import RequestError
 from minengine.sampling.sampler import NAMED_ORDERS, SamplingParams
+from reqscope.wording import error_text
 
 # (field, label, hint)
 FIELDS: tuple[tuple[str, str, str], ...] = (
@@ -120,7 +121,7 @@ class SamplingForm(ModalScreen[SamplingChoice | None]):
         try:
             choice = parse_choice(self._values(), self.current.params)
         except RequestError as exc:
-            error.update(str(exc))
+            error.update(error_text(exc))
             return None
         error.update("")
         return choice

@@ -61,7 +61,7 @@ from minengine.engine.metrics import request_metrics, without_held
 from minengine.engine.request import GenerationRequest, validate
 from minengine.engine.scheduler import Admission
 from minengine.engine.timeline import STAGE_SPANS, Timeline
-from minengine.errors import QueueCancelledError, ReqscopeError, RequestError
+from minengine.errors import Message, QueueCancelledError, ReqscopeError, RequestError, Setting
 from minengine.kv.arithmetic import kv_bytes_in_blocks, stored_kv_heads
 from minengine.kv.cache import KVCache, KVSpan, KVUsage
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache, PrefixHit
@@ -233,10 +233,10 @@ class RequestSession:
         except QueueCancelledError as exc:  # cancelled before it ran: not a failure
             finish, self.failure, self._queue_waited_ms = "cancelled", exc, exc.waited_ms
         except ReqscopeError as exc:
-            finish, error = "error", str(exc)
+            finish, error = "error", exc.message
             self.failure = exc
         except torch.OutOfMemoryError as exc:
-            finish, error = "error", f"out of memory: {str(exc).splitlines()[0]}; lower --max-tokens"
+            finish, error = "error", Message(f"out of memory: {str(exc).splitlines()[0]}; lower ", Setting.MAX_TOKENS)
         finally:
             self._release(state)
         yield from self._complete(finish, error, state)
@@ -348,7 +348,9 @@ class RequestSession:
             duration_ms=stage.duration_ms,
             kept_blocks=0 if pool is None else pool.kept_blocks,
             kept_bytes=0 if pool is None else pool.kept_bytes,
-            note="the engine runs without a prefix cache (--no-prefix-cache)" if pool is None else "",
+            note=Message("the engine runs without a prefix cache (", Setting.PREFIX_CACHE_OFF, ")")
+            if pool is None
+            else "",
         )
         yield self._prefix
 

@@ -110,7 +110,7 @@ class ModelTokenizer:
                 special_tokens=self.special_tokens,
             )
         except TokenizerError as exc:
-            raise TokenizerError(f"{self.template_origin}: {exc}") from None
+            raise TokenizerError(f"{self.template_origin}: ", exc.message) from None
 
     def encode(self, text: str) -> list[int]:
         """Token ids for already-templated text (no extra special tokens added)."""

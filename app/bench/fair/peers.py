@@ -20,6 +20,7 @@ from pathlib import Path
 
 from minengine.errors import PullError, ReqscopeError
 from reqscope.bench.roofline import decode_bytes_per_step
+from reqscope.wording import error_text
 
 LLAMA_CPP = "llama.cpp"
 PEER_NAMES = (LLAMA_CPP,)
@@ -107,7 +108,7 @@ def _llama_cpp_plan(
         try:
             gguf = default_gguf()
         except PullError as exc:
-            raise _Skip(f"the default model's GGUF could not be fetched ({exc})") from None
+            raise _Skip(f"the default model's GGUF could not be fetched ({error_text(exc)})") from None
     else:
         raise _Skip(f"no GGUF for {model_dir.name}; pass --peer-gguf FILE")
     weights, kv = gguf_read_bytes(gguf)

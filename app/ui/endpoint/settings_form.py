@@ -16,6 +16,7 @@ from textual.widgets import Button, Input, Label, Static
 
 from minengine.errors import RequestError
 from reqscope.endpoint.settings import LOGPROBS_COST_NOTE, RequestSettings
+from reqscope.wording import error_text
 
 # (field, label, kind, hint)
 FIELDS: tuple[tuple[str, str, type, str], ...] = (
@@ -91,7 +92,7 @@ class EndpointSettingsForm(ModalScreen[RequestSettings | None]):
         try:
             settings = parse_settings(values)
         except RequestError as exc:
-            error.update(str(exc))
+            error.update(error_text(exc))
             return None
         error.update("")
         return settings

@@ -54,6 +54,7 @@ from reqscope.ui.run.status_line import settings_note, status_text
 from reqscope.ui.run.step_subject import held_subject, last_token_subject, replay_subject
 from reqscope.ui.run.view import RunView
 from reqscope.ui.sampling_form import SamplingChoice, SamplingForm
+from reqscope.wording import error_text
 
 if TYPE_CHECKING:  # numpy, only for a fit given with --service-model
     from minengine.plan.service_model import ServiceModel
@@ -171,7 +172,7 @@ class ExplorerApp(ExplorerBase):
         try:
             engine = await self._model_thread.run(self._open_engine, progress)
         except ReqscopeError as exc:
-            self._engine_failed(str(exc))
+            self._engine_failed(error_text(exc))
             return
         except Exception as exc:  # a bug: on the loading screen, not a silent stall
             self._engine_failed(f"{type(exc).__name__}: {exc}")
@@ -257,7 +258,7 @@ class ExplorerApp(ExplorerBase):
         try:
             live.update_sampling(self.params)
         except ReqscopeError as exc:
-            self.notify(str(exc), title="sampling not changed", severity="error")
+            self.notify(error_text(exc), title="sampling not changed", severity="error")
             self.params = self._applied or self.params
         self._applied = self.params
         self._invalidate()
@@ -458,7 +459,7 @@ class ExplorerApp(ExplorerBase):
         try:
             self.live.force_next(candidate.token_id)
         except ReqscopeError as exc:
-            self.notify(str(exc), severity="error")
+            self.notify(error_text(exc), severity="error")
             return
         self._held = None
         self.live.step()
@@ -518,7 +519,7 @@ class ExplorerApp(ExplorerBase):
             folder = claim_run_folder(self.export_root, result.request_id)
             written = export_run(result, folder, list(events), self.header)
         except (ReqscopeError, OSError) as exc:
-            self.notify(str(exc), title="export failed", severity="error", timeout=15)
+            self.notify(error_text(exc), title="export failed", severity="error", timeout=15)
             return
         self.last_export = folder
         self.notify(f"{len(written)} files in {folder}", title="exported", timeout=15)

@@ -22,6 +22,7 @@ from minengine.engine.events import Event, StepReady
 from minengine.engine.request import GenerationRequest
 from minengine.engine.session import RequestSession
 from minengine.sampling.sampler import SamplingParams, StepTrace
+from reqscope.wording import in_app_words
 
 
 class LiveRun:
@@ -61,7 +62,7 @@ class LiveRun:
                 self.session = session
                 if self._cancelled:
                     session.cancel()
-            for event in session:
+            for event in in_app_words(session):
                 self.recorded.append(event)
                 self.inbox.append(event)
                 self._signal()
