@@ -22,7 +22,7 @@ class Setting(Enum):
     PREFIX_CACHE_OFF = "prefix_cache=False"
     BLOCK_SIZE = "block_size"
     MODEL_SAMPLING_DEFAULTS_OFF = "ModelSamplingDefaults()"  # generation_config.json left unread
-    EXPORT_DIR = "export folder"
+    EXPORT_DIR = "export_dir"
     EXPORT_REPLACES = "force=True"  # prepare_export_folder's: replace the export files of the run before
     CALIBRATION_REPEATS = "repeats"
     CALIBRATION_DECODE_STEPS = "decode_steps"

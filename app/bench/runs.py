@@ -134,7 +134,7 @@ def _session_steps(engine: Engine, request: GenerationRequest) -> Iterator[tuple
     resumed = time.perf_counter()
     for event in engine.start(request):
         if isinstance(event, DoneEvent) and event.result.error:
-            raise ReqscopeError(f"the benchmark request failed: {event.result.error}")
+            raise ReqscopeError("the benchmark request failed: ", event.result.error)
         if isinstance(event, TokenEvent):
             yield event.token_id, None if first else (time.perf_counter() - resumed) * 1000
             first = False
