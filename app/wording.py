@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from minengine.errors import Mention, Message, Setting
 
 if TYPE_CHECKING:
-    from minengine.engine.events import Event, PrefixCacheEvent
+    from minengine.engine.events import Event, PrefixCacheEvent, RequestResult
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,13 @@ def _prefix_cache(event: PrefixCacheEvent | None) -> PrefixCacheEvent | None:
     return replace(event, note=worded(event.note))
 
 
+def _result(result: RequestResult) -> RequestResult:
+    prefix_cache = _prefix_cache(result.prefix_cache)
+    if not isinstance(result.error, Message) and prefix_cache is result.prefix_cache:
+        return result
+    return replace(result, error=worded(result.error) if result.error is not None else None, prefix_cache=prefix_cache)
+
+
 def in_app_words(events: Iterable[Event]) -> Iterator[Event]:
     """The engine's events, with the texts they carry in the app's words (the rest passed on as they are)."""
     from minengine.engine.events import DoneEvent, PrefixCacheEvent  # here: error_text's users need no torch
@@ -84,9 +91,8 @@ def in_app_words(events: Iterable[Event]) -> Iterator[Event]:
     for event in events:
         if isinstance(event, PrefixCacheEvent):
             yield _prefix_cache(event)
-        elif isinstance(event, DoneEvent):
-            result = event.result
-            error = None if result.error is None else worded(result.error)
-            yield DoneEvent(replace(result, error=error, prefix_cache=_prefix_cache(result.prefix_cache)))
+        elif isinstance(event, DoneEvent) and event.result is not None:
+            result = _result(event.result)
+            yield event if result is event.result else DoneEvent(result)
         else:
             yield event
