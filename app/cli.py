@@ -16,6 +16,7 @@ from importlib import metadata
 
 from minengine.errors import ReqscopeError
 from minengine.omp_env import choose_policy
+from reqscope.wording import error_text
 
 # verb -> (module, one-line help). The default verb (no name given) is "run".
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -181,7 +182,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         return int(module.run(args) or 0)
     except ReqscopeError as exc:
-        print(f"reqscope: error: {exc}", file=sys.stderr)
+        print(f"reqscope: error: {error_text(exc)}", file=sys.stderr)
         return exc.exit_code
     except BrokenPipeError:
         return _reader_left()

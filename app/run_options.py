@@ -16,6 +16,7 @@ from minengine.progress import StatusCallback
 from minengine.sampling.model_defaults import FILE, ModelSamplingDefaults
 from minengine.sampling.params import SamplingParams
 from reqscope.console.progress_line import ProgressLine
+from reqscope.engine_flags import MODEL_HELP, add_engine_arguments
 
 if TYPE_CHECKING:
     from minengine.engine.engine import Engine
@@ -26,10 +27,7 @@ DEFAULT_PROMPT = "Show me wheelchair-accessible hotels in Kyoto"
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Model, device, sampling and KV flags (shared by run, the UI and the benchmark)."""
     m = parser.add_argument_group("model")
-    m.add_argument(
-        "--model", metavar="PATH", help="Hugging Face style model folder (default: the pulled SmolLM2-135M-Instruct)"
-    )
-    m.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    add_engine_arguments(m, "model", "device", model_help=f"Hugging Face style {MODEL_HELP}")
     m.add_argument(
         "--generation-config",
         default="auto",
@@ -37,7 +35,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: unset sampling flags take the model's generation_config.json values, as in vLLM; "
         "reqscope: ignore that file and use reqscope's defaults (default: auto)",
     )
-    m.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and compute (half = float16)")
+    add_engine_arguments(m, "dtype")
     m.add_argument(
         "--cuda-graph",
         action=argparse.BooleanOptionalAction,
@@ -70,7 +68,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV storage (fp8 = float8_e4m3fn)",
     )
     k.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    k.add_argument("--kv-budget-mib", type=float, help="KV memory budget for admission (default: half of free memory)")
+    add_engine_arguments(k, "kv_budget_mib")
     add_prefix_cache_argument(k)
     parser.add_argument_group("explorer").add_argument(
         "--service-model",

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minengine.errors import ConfigError
+from minengine.errors import ConfigError, Setting
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -73,8 +73,9 @@ class ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
-                f"model_type {model_type!r} is not supported; reqscope runs "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (point --model at one of those)"
+                f"model_type {model_type!r} is not supported; reqscope runs {', '.join(SUPPORTED_MODEL_TYPES)} (point ",
+                Setting.MODEL_DIR,
+                " at one of those)",
             )
         for key in ("num_local_experts", "num_experts", "n_routed_experts", "kv_lora_rank"):
             if raw.get(key):
@@ -122,7 +123,7 @@ class ModelConfig:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            raise ConfigError(f"no config.json at {path}; --model must be a Hugging Face model folder")
+            raise ConfigError(f"no config.json at {path}; ", Setting.MODEL_DIR, " must be a Hugging Face model folder")
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from minengine.dtype_names import DTYPE_ALIASES, DTYPE_NAMES
-from minengine.errors import ReqscopeError
+from minengine.errors import Mention, ReqscopeError, Setting
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -15,7 +15,11 @@ def resolve_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ReqscopeError("--device cuda was asked for but no CUDA device is available; use --device cpu")
+        raise ReqscopeError(
+            Mention(Setting.DEVICE, "cuda"),
+            " was asked for but no CUDA device is available; use ",
+            Mention(Setting.DEVICE, "cpu"),
+        )
     if name not in ("cpu", "cuda"):
         raise ReqscopeError(f"unknown device {name!r}; choose auto, cpu or cuda")
     return torch.device(name)

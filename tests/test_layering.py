@@ -9,6 +9,7 @@ executed by any other test. A failure names the files and lines to look at.
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ PACKAGES = {"minengine": ROOT / "minengine", "reqscope": ROOT / "app"}
 
 # What serves one request, and what is built around it.
 REQUEST_PATH = ("text", "checkpoint", "model", "kv", "sampling", "engine")
-AROUND_IT = ("bench", "plan", "record", "hub", "gguf")
+AROUND_IT = ("plan", "record", "hub", "gguf")
 MAX_MODULES_PER_FOLDER = 15
 MAX_SHARED_PREFIX = 2  # modules in one folder that may share a `name_` prefix
 
@@ -201,3 +202,183 @@ def test_the_checker_sees_the_project():
     # Guards the rules above against passing vacuously (a wrong root, a parser that finds nothing).
     assert "minengine.engine.session" in MODULES and "reqscope.cli" in MODULES
     assert any(imp.source == "minengine.engine.session" and imp.target == "minengine.kv.cache" for imp in IMPORTS)
+
+
+# -- minengine leaves the command line's and the explorer's words to the app ----------------------
+#
+# Every string the engine writes (not its docstrings, which explain the app around it) is read.
+# An f-string is read with each `{...}` as a stand-in (`_HOLE`), so "--{name}-lengths" is caught
+# when a flag of that shape exists.
+
+_HOLE = "\x00"
+_PROCESS_CALLS = {
+    "run", "Popen", "call", "check_call", "check_output", "system", "create_subprocess_exec",
+    "create_subprocess_shell", "which", "execv", "execvp", "execve", "execl", "execlp", "spawnv", "spawnl",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Source:
+    """One parsed file of the engine."""
+
+    name: str  # its path from the repository root
+    tree: ast.Module
+
+
+@dataclass(frozen=True)
+class Literal:
+    """One string the engine's code writes."""
+
+    text: str  # an f-string with `_HOLE` for each replacement field
+    where: str  # file:line
+
+
+def _sources(folder: Path) -> list[Source]:
+    return [
+        Source(str(path.relative_to(folder.parent)), ast.parse(path.read_text(), filename=str(path)))
+        for path in sorted(folder.rglob("*.py"))
+    ]
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list):
+            found.update(
+                id(stmt.value) for stmt in body
+                if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant | ast.JoinedStr)
+            )  # fmt: skip
+    return found
+
+
+def _literals(sources: list[Source]) -> list[Literal]:
+    found = []
+    for source in sources:
+        skipped = _docstrings(source.tree)
+        for node in ast.walk(source.tree):
+            if isinstance(node, ast.JoinedStr):
+                skipped.update(id(part) for part in node.values)
+        for node in ast.walk(source.tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                text = node.value
+            elif isinstance(node, ast.JoinedStr):
+                text = "".join(p.value if isinstance(p, ast.Constant) else _HOLE for p in node.values)
+            else:
+                continue
+            found.append(Literal(text, f"{source.name}:{node.lineno}"))
+    return found
+
+
+def _app_option_strings() -> set[str]:
+    """Every option of every `reqscope` verb (the benchmark's are `reqscope bench`'s)."""
+    from reqscope.cli import SUBCOMMANDS, build_parser
+
+    options = {"--version", "-V"}  # read by cli.main before any parser
+    for verb in SUBCOMMANDS:
+        options.update(opt for action in build_parser(verb)._actions for opt in action.option_strings)
+    return options
+
+
+_OPTION_LIKE = re.compile(rf"(?<![\w-])--?[A-Za-z{_HOLE}][\w{_HOLE}-]*")
+
+
+def flags_named(literals: list[Literal], options: set[str]) -> list[str]:
+    """file:line and the flag, for each literal that names one of `options` (a hole stands for any name)."""
+    wrong = []
+    for lit in literals:
+        for token in dict.fromkeys(_OPTION_LIKE.findall(lit.text)):
+            shape = re.compile(re.escape(token).replace(_HOLE, r"[\w-]+"))
+            named = sorted(opt for opt in options if shape.fullmatch(opt))
+            if named:
+                wrong.append(f"{lit.where} names {' / '.join(named)}: {lit.text!r}")
+    return wrong
+
+
+_KEY_WORDS = re.compile(rf"\b(the\s+[\w+{_HOLE}-]+\s+key|press(es)?\s+\S+|ctrl[+-]\w)", re.IGNORECASE)
+
+
+def keys_named(literals: list[Literal]) -> list[str]:
+    """file:line for each literal that tells the user to press a key ("the x key", "press x", "ctrl+c")."""
+    return [f"{lit.where} names a key: {lit.text!r}" for lit in literals if _KEY_WORDS.search(lit.text)]
+
+
+def verbs_named(literals: list[Literal], verbs: tuple[str, ...]) -> list[str]:
+    """file:line for each literal that names a `reqscope VERB` command."""
+    pattern = re.compile(rf"\breqscope\s+({'|'.join(verbs)})\b")
+    return [f"{lit.where} names a command: {lit.text!r}" for lit in literals if pattern.search(lit.text)]
+
+
+def _is_app(text: str | None) -> bool:
+    return text is not None and (text == "reqscope" or text.startswith(("reqscope.", "reqscope ")))
+
+
+def _text(node: ast.AST) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def processes_started(sources: list[Source]) -> list[str]:
+    """file:line for each place that builds or runs a `reqscope` command line."""
+    shell = re.compile(r"-m\s+reqscope\b")
+    wrong = [f"{lit.where} runs the app: {lit.text!r}" for lit in _literals(sources) if shell.search(lit.text)]
+    for source in sources:
+        for node in ast.walk(source.tree):
+            where = f"{source.name}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.List | ast.Tuple):  # an argv: [python, "-m", "reqscope", ...] or ["reqscope", ...]
+                texts = [_text(e) for e in node.elts]
+                after_m = any(a == "-m" and _is_app(b) for a, b in zip(texts, texts[1:], strict=False))
+                if after_m or (texts and _is_app(texts[0])):
+                    wrong.append(f"{where} builds a reqscope command line")
+            elif isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if name in _PROCESS_CALLS and any(_is_app(_text(a)) for a in node.args):
+                    wrong.append(f"{where} starts reqscope with {name}()")
+    return wrong
+
+
+def test_the_engine_never_starts_the_app():
+    wrong = processes_started(_sources(PACKAGES["minengine"]))
+    assert not wrong, "minengine must not start a reqscope process (tools that do live in the app):\n  " + (
+        "\n  ".join(wrong)
+    )
+
+
+def test_the_engine_never_names_a_flag_a_key_or_a_command():
+    from reqscope.cli import SUBCOMMANDS
+
+    literals = _literals(_sources(PACKAGES["minengine"]))
+    wrong = [
+        *flags_named(literals, _app_option_strings()),
+        *keys_named(literals),
+        *verbs_named(literals, tuple(SUBCOMMANDS)),
+    ]
+    assert not wrong, (
+        "minengine's texts name engine settings (minengine.errors.Setting), and the app words them "
+        "(reqscope.wording); these name the app's flags, keys or commands:\n  " + "\n  ".join(wrong)
+    )
+
+
+def test_the_word_rules_catch_what_they_are_for():
+    # Guards the two rules above against passing vacuously.
+    probe = Source("probe.py", ast.parse(
+        "import subprocess, sys\n"
+        'subprocess.run([sys.executable, "-m", "reqscope", "--plain"])\n'
+        'argv = ["reqscope", "serve"]\n'
+        'shell = "python -m reqscope.bench"\n'
+        'hint = f"give at least 2 (--{name}-lengths)"\n'
+        'tip = "export one with the x key"\n'
+        'cmd = "write one with `reqscope calibrate`"\n'
+        'fine = ["pip", "download", "--no-deps", "-m"]\n'
+    ))  # fmt: skip
+    literals = _literals([probe])
+    options = _app_option_strings()
+    assert {"--plain", "--prompt-lengths", "--no-prefix-cache", "--kv-budget-mib", "--export"} <= options
+    flagged = flags_named(literals, options)
+    assert sorted(w.split(" names ")[0] for w in flagged) == ["probe.py:2", "probe.py:5"]
+    assert any("probe.py:5 names --context-lengths / --prompt-lengths" in w for w in flagged)
+    assert keys_named(literals) == ["probe.py:6 names a key: 'export one with the x key'"]
+    assert len(verbs_named(literals, ("calibrate", "serve"))) == 1
+    started = processes_started([probe])
+    assert sorted(w.split(" ")[0] for w in started) == ["probe.py:2", "probe.py:3", "probe.py:4"], started

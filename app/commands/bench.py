@@ -1,6 +1,6 @@
 """`reqscope bench`: minengine against Hugging Face transformers on this machine.
 
-The benchmark itself lives in `minengine.bench.cli` (also runnable as `python -m minengine.bench`);
+The benchmark itself lives in `reqscope.bench.cli` (also runnable as `python -m reqscope.bench`);
 this verb only exposes it. transformers, a dev dependency, is imported when the benchmark runs,
 never by other verbs.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from minengine.bench.cli import add_bench_arguments, run_from_args
+from reqscope.bench.cli import add_bench_arguments, run_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

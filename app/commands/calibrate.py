@@ -12,8 +12,6 @@ import json
 import sys
 from collections.abc import Sequence
 
-from minengine.argtypes import positive_whole_number
-from minengine.dtype_names import DTYPE_CHOICES
 from minengine.plan.calibrate import (
     DEFAULT_CONTEXT_LENGTHS,
     DEFAULT_DECODE_STEPS,
@@ -29,6 +27,8 @@ from minengine.plan.service_model import (
     Point,
     ServiceModel,
 )
+from reqscope.argtypes import positive_whole_number
+from reqscope.engine_flags import add_engine_arguments
 
 PLOT_WIDTH, PLOT_HEIGHT = 56, 10
 
@@ -45,11 +45,7 @@ def _lengths(text: str) -> tuple[int, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Model, device and what to measure."""
-    parser.add_argument(
-        "--model", metavar="PATH", help="model folder (default: the pulled SmolLM2-135M-Instruct)"
-    )
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and compute")
+    add_engine_arguments(parser, "model", "device", "dtype", dtype_help="weights and compute")
     parser.add_argument(
         "--prompt-lengths", type=_lengths, default=DEFAULT_PROMPT_LENGTHS, metavar="N,N,...",
         help=f"prefill prompt lengths (default {','.join(map(str, DEFAULT_PROMPT_LENGTHS))})",

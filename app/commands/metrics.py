@@ -16,11 +16,12 @@ import argparse
 import json
 import sys
 
-from minengine.argtypes import positive, whole_number
 from minengine.engine.metrics import MetricsInputError, SystemWindow, request_latency, request_metrics
 from minengine.kv.arithmetic import MIB, kv_bytes_per_token
 from minengine.plan.planner import tokens_at_stop
 from minengine.record.timeline_csv import read_timeline
+from reqscope.argtypes import positive, whole_number
+from reqscope.wording import error_text
 
 SCOPE = (
     "full causal attention with one K and one V vector per KV head (MHA/GQA/MQA); "
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         artifact = _artifact(args)
     except MetricsInputError as exc:
-        print(f"reqscope: error: {exc}", file=sys.stderr)
+        print(f"reqscope: error: {error_text(exc)}", file=sys.stderr)
         return 2
     print(json.dumps(artifact, indent=2))
     return 0

@@ -17,12 +17,6 @@ from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-from minengine.argtypes import (
-    non_negative,
-    positive,
-    positive_whole_number,
-    whole_number,
-)
 from minengine.config import ModelConfig
 from minengine.errors import ConfigError
 from minengine.kv.arithmetic import GIB, KIB, MIB
@@ -38,6 +32,13 @@ from minengine.plan.planner import (
     plan,
 )
 from minengine.plan.service_model import ServiceModel
+from reqscope.argtypes import (
+    non_negative,
+    positive,
+    positive_whole_number,
+    whole_number,
+)
+from reqscope.wording import error_text, worded
 
 _SHAPE_FLAGS = ("layers", "q_heads", "kv_heads", "head_dim")
 
@@ -95,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
         arch = _architecture(args, cards_dir)
         inputs = _inputs(args, arch)
         result = plan(arch, inputs)
+        result = dataclasses.replace(result, notes=tuple(map(worded, result.notes)))
     except PlanInputError as exc:
-        print(f"reqscope: error: {exc}", file=sys.stderr)
+        print(f"reqscope: error: {error_text(exc)}", file=sys.stderr)
         return 2
     print(json.dumps(result.as_json(), indent=2) if args.json else render_table(result))
     return 0
@@ -118,7 +120,7 @@ def _architecture(args: argparse.Namespace, cards_dir: Traversable) -> Architect
     try:
         return dataclasses.replace(base, **overrides)
     except ConfigError as exc:
-        raise PlanInputError(str(exc)) from None
+        raise PlanInputError(exc.message) from None
 
 
 def _resolve(name: str, cards_dir: Traversable, by_card_only: bool) -> Architecture:

@@ -16,6 +16,7 @@ from reqscope.run_options import (
     request_from_args,
     stderr_progress,
 )
+from reqscope.wording import in_app_words
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         prepare_export_folder(args.export, force=args.force)  # before the run: a bad path wastes none
     engine = open_engine(args, model, progress=None if args.json else stderr_progress)
     recorded: list = []
-    events = _recording(engine.start(request), recorded)
+    events = _recording(in_app_words(engine.start(request)), recorded)
     if args.json:
         from reqscope.console.jsonl import print_jsonl
 

@@ -16,11 +16,11 @@ import asyncio
 import os
 import sys
 
-from minengine.argtypes import non_negative, positive, positive_whole_number, whole_number
-from minengine.dtype_names import DTYPE_CHOICES
 from minengine.errors import ReqscopeError
 from minengine.kv.arithmetic import KIB
 from minengine.sampling.params import SamplingParams
+from reqscope.argtypes import non_negative, positive, positive_whole_number, whole_number
+from reqscope.engine_flags import add_engine_arguments
 from reqscope.loopback import listens_on_loopback
 from reqscope.run_options import ModelFolder, add_prefix_cache_argument, open_engine, stderr_progress
 from reqscope.serve.access import LOG_LEVELS, configure_logging
@@ -36,11 +36,9 @@ API_KEY_ENV = "REQSCOPE_API_KEY"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Model, network, gateway and telemetry flags."""
     m = parser.add_argument_group("model")
-    m.add_argument("--model", metavar="PATH", help="model folder (default: the pulled SmolLM2-135M-Instruct)")
+    add_engine_arguments(m, "model")
     m.add_argument("--served-model-name", metavar="NAME", help="name clients pass as `model` (default: folder name)")
-    m.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    m.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and compute (half = float16)")
-    m.add_argument("--kv-budget-mib", type=float, help="KV memory budget for admission (default: half of free memory)")
+    add_engine_arguments(m, "device", "dtype", "kv_budget_mib")
     add_prefix_cache_argument(m)
     m.add_argument(
         "--sampler-order", default="vllm", metavar="ORDER", help="hf, llama.cpp, vllm or a comma list (default vllm)"
@@ -85,35 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     limits = ConnectionLimits()
     c = parser.add_argument_group("connections")
-    c.add_argument(
-        "--header-timeout",
-        type=positive,
-        default=limits.header_timeout_s,
-        metavar="S",
-        help="seconds a client has to send a request's line and headers; then 408 and close (default %(default)g)",
-    )
-    c.add_argument(
-        "--body-timeout",
-        type=positive,
-        default=limits.body_timeout_s,
-        metavar="S",
-        help="seconds a client has to send a request's whole body; then 408 and close (default %(default)g)",
-    )
-    c.add_argument(
-        "--keepalive-timeout",
-        type=positive,
-        default=limits.keepalive_timeout_s,
-        metavar="S",
-        help="seconds an idle connection stays open between requests (default %(default)g)",
-    )
-    c.add_argument(
-        "--write-timeout",
-        type=positive,
-        default=limits.write_timeout_s,
-        metavar="S",
-        help="seconds a streamed response may wait for a client that stopped reading; then the connection "
-        "is closed and its request cancelled (default %(default)g)",
-    )
+    for flag, default, text in (
+        ("--header-timeout", limits.header_timeout_s,
+         "a client has to send a request's line and headers; then 408 and close"),
+        ("--body-timeout", limits.body_timeout_s, "a client has to send a request's whole body; then 408 and close"),
+        ("--keepalive-timeout", limits.keepalive_timeout_s, "an idle connection stays open between requests"),
+        ("--write-timeout", limits.write_timeout_s, "a streamed response may wait for a client that stopped reading; "
+         "then the connection is closed and its request cancelled"),
+    ):  # fmt: skip
+        c.add_argument(flag, type=positive, default=default, metavar="S", help=f"seconds {text} (default %(default)g)")
     c.add_argument(
         "--max-connections",
         type=positive_whole_number,

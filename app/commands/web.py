@@ -21,8 +21,8 @@ import socket
 import sys
 from urllib.parse import urlsplit
 
-from minengine.argtypes import positive_whole_number, whole_number
 from minengine.errors import ReqscopeError
+from reqscope.argtypes import positive_whole_number, whole_number
 from reqscope.loopback import host_header_names_loopback, listens_on_loopback
 from reqscope.run_options import (
     DEFAULT_PROMPT,

@@ -4,18 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from reqscope.argtypes import whole_number
+
 API_KEY_ENV = "OPENAI_API_KEY"
-
-
-def logprobs_count(text: str) -> int:
-    """--logprobs N: a whole number, 0 or more (0 asks for the chosen token's logprob only)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, 0 or more; got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more; got {n}")
-    return n
 
 
 def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +28,7 @@ def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
     # disturb the very latency this mode measures.
     e.add_argument(
         "--logprobs",
-        type=logprobs_count,
+        type=whole_number,  # 0 asks for the chosen token's logprob only
         metavar="N",
         help="ask the server for logprobs with the top N alternatives per token (0: the chosen token's only); "
         "this can slow the server, and the outputs say so (default: off)",

@@ -23,6 +23,7 @@ from minengine.engine.request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Gener
 from minengine.errors import RequestError
 from minengine.sampling.params import SamplingParams
 from minengine.text.chat_template import ROLES, Message
+from reqscope.wording import error_text
 
 MAX_TOP_LOGPROBS = 20
 SHOWN_CHARS = 64  # the most of a client's value an error message echoes
@@ -209,7 +210,8 @@ def parse_request(kind: Kind, body: object, request_id: str, options: ParseOptio
     try:
         validate(generation, vocab_size=options.vocab_size)
     except RequestError as exc:
-        raise ApiError(400, str(exc), param=_field_named(str(exc), kind)) from None
+        message = error_text(exc)
+        raise ApiError(400, message, param=_field_named(message, kind)) from None
     return ApiRequest(kind, model, generation, stream, include_usage, top_logprobs)
 
 
@@ -245,7 +247,7 @@ def _check_sampling(sampling: SamplingParams) -> None:
     try:
         sampling.validate()
     except RequestError as exc:
-        message = str(exc)
+        message = error_text(exc)
         param = next((name for name in _SAMPLING_FIELDS if message.startswith(name)), None)
         raise ApiError(400, message, param=param) from None
 

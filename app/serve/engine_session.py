@@ -24,6 +24,7 @@ from minengine.engine.timeline import Timeline
 from minengine.errors import ReqscopeError
 from reqscope.openai.logprobs import TokenLogprob
 from reqscope.serve.logprobs import LogprobProbe
+from reqscope.wording import in_app_words
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class EngineRun:
 
     def _work(self) -> None:
         try:
-            for event in self.session:
+            for event in in_app_words(self.session):
                 if isinstance(event, StepReady) and self._probe is not None:
                     self._probe.capture(self.session.pending_logits)
                 elif isinstance(event, AdmitEvent):

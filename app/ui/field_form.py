@@ -20,6 +20,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
 from minengine.errors import RequestError
+from reqscope.wording import error_text
 
 R = TypeVar("R")  # the record a form edits
 
@@ -79,7 +80,7 @@ class FieldForm(ModalScreen[R | None]):
         try:
             record = self.parse(values)
         except RequestError as exc:
-            error.update(str(exc))
+            error.update(error_text(exc))
             return None
         error.update("")
         return record

@@ -14,6 +14,7 @@ from reqscope.run_options import ModelFolder, open_engine
 from reqscope.ui.outcome import outcome
 from reqscope.ui.run.live_app import LiveExplorer
 from reqscope.ui.run.replay_app import ReplayExplorer
+from reqscope.wording import error_text
 
 
 def launch_explorer(args: argparse.Namespace, request: GenerationRequest, model: ModelFolder, **options) -> int:
@@ -30,7 +31,7 @@ def launch_explorer(args: argparse.Namespace, request: GenerationRequest, model:
         try:
             options["service_model"] = ServiceModel.load(args.service_model)
         except ReqscopeError as exc:
-            print(f"reqscope: error: {exc}", file=sys.stderr)
+            print(f"reqscope: error: {error_text(exc)}", file=sys.stderr)
             return 1
     # The loading screen is fed across threads, a round trip per event: a pull's hundreds of
     # steps reach it at most 20 times a second per stage (starts and ends always).

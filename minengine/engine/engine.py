@@ -17,7 +17,7 @@ from minengine.engine.request import GenerationRequest
 from minengine.engine.scheduler import Scheduler
 from minengine.engine.session import RequestSession
 from minengine.engine.timeline import Timeline
-from minengine.errors import ModelNotFoundError
+from minengine.errors import Mention, ModelNotFoundError, Setting
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
@@ -82,7 +82,9 @@ class Engine:
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
-            raise ModelNotFoundError(f"model folder {self.model_dir} does not exist; pass --model PATH")
+            raise ModelNotFoundError(
+                f"model folder {self.model_dir} does not exist; pass ", Mention(Setting.MODEL_DIR, every_way=True)
+            )
         self.cfg = ModelConfig.from_file(self.model_dir)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from minengine.errors import AdmissionError, QueueCancelledError, QueueFullError
+from minengine.errors import AdmissionError, QueueCancelledError, QueueFullError, Setting
 from minengine.kv.arithmetic import MIB
 
 R = TypeVar("R")
@@ -112,12 +112,15 @@ class Scheduler:
         if prompt_tokens + max_tokens > context_limit:
             raise AdmissionError(
                 f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) = {prompt_tokens + max_tokens} "
-                f"tokens exceeds the model's context of {context_limit}; lower --max-tokens"
+                f"tokens exceeds the model's context of {context_limit}; lower ",
+                Setting.MAX_TOKENS,
             )
         if kv_bytes > self.kv_budget_bytes:
             raise AdmissionError(
-                f"needs {kv_bytes / MIB:.1f} MiB of KV, budget {self.kv_budget_bytes / MIB:.1f} MiB; "
-                "lower --max-tokens or raise --kv-budget-mib"
+                f"needs {kv_bytes / MIB:.1f} MiB of KV, budget {self.kv_budget_bytes / MIB:.1f} MiB; lower ",
+                Setting.MAX_TOKENS,
+                " or raise ",
+                Setting.KV_BUDGET,
             )
         start = time.perf_counter()
         with self._cond:

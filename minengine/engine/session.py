@@ -66,7 +66,7 @@ from minengine.engine.metrics import request_metrics, without_held
 from minengine.engine.request import GenerationRequest, validate
 from minengine.engine.scheduler import Admission, Scheduler
 from minengine.engine.timeline import STAGE_SPANS, Timeline
-from minengine.errors import QueueCancelledError, ReqscopeError, RequestError
+from minengine.errors import Message, QueueCancelledError, ReqscopeError, RequestError, Setting
 from minengine.kv.arithmetic import kv_bytes_in_blocks, stored_kv_heads
 from minengine.kv.cache import KVCache, KVSpan
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache, PrefixHit
@@ -300,10 +300,10 @@ class RequestSession:
             finish, self.failure = "cancelled", exc
             reached = replace(reached, queue_ms=exc.waited_ms)
         except ReqscopeError as exc:
-            finish, error = "error", str(exc)
+            finish, error = "error", exc.message
             self.failure = exc
         except torch.OutOfMemoryError as exc:
-            finish, error = "error", f"out of memory: {str(exc).splitlines()[0]}; lower --max-tokens"
+            finish, error = "error", Message(f"out of memory: {str(exc).splitlines()[0]}; lower ", Setting.MAX_TOKENS)
         finally:
             self.pending_logits = None
             releases.close()
@@ -422,7 +422,9 @@ class RequestSession:
             duration_ms=stage.duration_ms,
             kept_blocks=0 if pool is None else pool.kept_blocks,
             kept_bytes=0 if pool is None else pool.kept_bytes,
-            note="the engine runs without a prefix cache (--no-prefix-cache)" if pool is None else "",
+            note=Message("the engine runs without a prefix cache (", Setting.PREFIX_CACHE_OFF, ")")
+            if pool is None
+            else "",
         )
         yield event
         return Cached(cache, event)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minengine.config import ModelConfig, RopeScaling
-from minengine.errors import ConfigError, WeightsError
+from minengine.errors import ConfigError, Setting, WeightsError
 from minengine.gguf.metadata import GGUFMetadata
 
 # general.architecture -> (config.json model_type, architectures entry)
@@ -44,8 +44,9 @@ class GGUFHyperParams:
         arch = meta.architecture
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
-                f"GGUF architecture {arch!r} is not supported; `reqscope import` converts "
-                f"{' and '.join(SUPPORTED_ARCHITECTURES)} models"
+                f"GGUF architecture {arch!r} is not supported; `",
+                Setting.GGUF_IMPORT,
+                f"` converts {' and '.join(SUPPORTED_ARCHITECTURES)} models",
             )
         _refuse_unsupported(meta, arch, tensor_shapes)
         embedding = tensor_shapes.get("token_embd.weight")

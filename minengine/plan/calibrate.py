@@ -19,6 +19,7 @@ import torch
 
 from minengine.device import synchronize
 from minengine.engine.engine import Engine
+from minengine.errors import Setting
 from minengine.plan.service_model import CalibrationError, Point, ServiceModel
 from minengine.progress import ProgressCallback, Stage
 
@@ -43,14 +44,21 @@ class CalibrationPlan:
         room = context_limit - self.decode_steps - 1
         prompts = tuple(n for n in self.prompt_lengths if 1 <= n <= context_limit)
         contexts = tuple(n for n in self.context_lengths if 1 <= n <= room)
-        for name, kept in (("prompt", prompts), ("context", contexts)):
+        for name, kept, setting in (
+            ("prompt", prompts, Setting.CALIBRATION_PROMPT_LENGTHS),
+            ("context", contexts, Setting.CALIBRATION_CONTEXT_LENGTHS),
+        ):
             if len(set(kept)) < 2:
                 raise CalibrationError(
                     f"only {len(set(kept))} {name} length(s) fit the model's context of {context_limit}; "
-                    f"give at least 2 (--{name}-lengths)"
+                    "give at least 2 (",
+                    setting,
+                    ")",
                 )
         if self.repeats < 1 or self.decode_steps < 1:
-            raise CalibrationError("--repeats and --decode-steps must be at least 1")
+            raise CalibrationError(
+                Setting.CALIBRATION_REPEATS, " and ", Setting.CALIBRATION_DECODE_STEPS, " must be at least 1"
+            )
         return CalibrationPlan(prompts, contexts, self.repeats, self.decode_steps)
 
     @property

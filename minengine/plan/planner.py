@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, fields
 
 from minengine.engine.metrics import MetricsInputError, request_metrics
-from minengine.errors import ConfigError
+from minengine.errors import ConfigError, Message, Setting
 from minengine.kv.arithmetic import DTYPE_BYTES, blocks_for, kv_bytes_per_token
 from minengine.plan.cards import NONSTANDARD_ATTENTION, Architecture
 
@@ -164,7 +164,9 @@ def check_kv_formula_applies(arch: Architecture) -> None:
     raise UnsupportedLayoutError(
         f"{arch.name} uses {arch.layout} attention, which "
         f"{NONSTANDARD_ATTENTION[arch.attention]}; the 2 x layers x kv_heads x head_dim formula "
-        "would print a wrong number, so reqscope plan refuses it"
+        "would print a wrong number, so ",
+        Setting.PLANNER,
+        " refuses it",
     )
 
 
@@ -234,7 +236,7 @@ def _latency(inputs: PlanInputs) -> LatencyPlan:
     try:
         metrics = request_metrics(0.0, ttft, last, inputs.output_tokens)
     except MetricsInputError as exc:
-        raise PlanInputError(f"latency inputs describe no valid request: {exc}") from None
+        raise PlanInputError("latency inputs describe no valid request: ", exc.message) from None
     # The plan's figures are the request metrics of the same names, from the same formulas.
     return LatencyPlan(**{f.name: getattr(metrics, f.name) for f in fields(LatencyPlan)})
 
@@ -282,7 +284,7 @@ def _notes(arch: Architecture, inputs: PlanInputs) -> tuple[str, ...]:
         "not included, and tensor parallelism may shard or replicate KV heads",
     ]
     if inputs.block_size is None:
-        notes.append("no --block-size: physical block rounding not shown")
+        notes.append(Message("no ", Setting.BLOCK_SIZE, ": physical block rounding not shown"))
     else:
         notes.append(
             f"physical KV rounds each request up to whole {inputs.block_size}-token blocks"

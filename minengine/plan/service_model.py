@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minengine.errors import ReqscopeError
+from minengine.errors import Mention, ReqscopeError, Setting
 
 # The seed's numbers, shown beside a fit for comparison.
 SEED_PREFILL_FIXED_MS = 20.0
@@ -157,7 +157,7 @@ class ServiceModel:
             raise CalibrationError(f"cannot read service model {path}: {exc.strerror or exc}") from None
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
             raise CalibrationError(
-                f"{path} is not a service model (write one with `reqscope calibrate --output {path.name}`)"
+                f"{path} is not a service model (write one with `", Mention(Setting.CALIBRATION_SAVED, path.name), "`)"
             ) from None
         for line in (model.prefill, model.decode):
             if not all(math.isfinite(v) for v in (line.fixed_ms, line.per_token_ms, line.r2)):

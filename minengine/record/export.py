@@ -18,7 +18,7 @@ from pathlib import Path
 from minengine.engine.events import RequestResult
 from minengine.engine.metrics import RequestMetrics
 from minengine.engine.timeline import TimelineEvent
-from minengine.errors import ReqscopeError
+from minengine.errors import Mention, ReqscopeError, Setting
 from minengine.kv.arithmetic import MIB
 from minengine.record.telemetry import telemetry_record
 from minengine.record.timeline_csv import Timeline as CsvTimeline
@@ -41,15 +41,17 @@ def prepare_export_folder(folder: str | Path, *, force: bool = False) -> Path:
     """
     out = Path(folder)
     if out.exists() and not out.is_dir():
-        raise ReqscopeError(f"--export {out} is a file, not a folder; choose a new folder")
+        raise ReqscopeError(Mention(Setting.EXPORT_DIR, str(out)), " is a file, not a folder; choose a new folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
         present = sorted(entry.name for entry in out.iterdir())
         if present and not force:
             shown = ", ".join(present[:3]) + (f" and {len(present) - 3} more" if len(present) > 3 else "")
             raise ReqscopeError(
-                f"--export folder {out} already holds files ({shown}); choose a new folder, "
-                "or add --force to replace the export files in it"
+                Setting.EXPORT_DIR,
+                f" folder {out} already holds files ({shown}); choose a new folder, or add ",
+                Setting.EXPORT_REPLACES,
+                " to replace the export files in it",
             )
         for name in EXPORT_FILES:
             (out / name).unlink(missing_ok=True)
@@ -58,7 +60,9 @@ def prepare_export_folder(folder: str | Path, *, force: bool = False) -> Path:
         os.unlink(probe)
     except OSError as exc:
         why = exc.strerror or exc
-        raise ReqscopeError(f"cannot write to --export folder {out} ({why}); choose another folder") from None
+        raise ReqscopeError(
+            "cannot write to ", Setting.EXPORT_DIR, f" folder {out} ({why}); choose another folder"
+        ) from None
     return out
 
 
@@ -77,7 +81,9 @@ def export_run(result: RequestResult, folder: str | Path, events: Sequence, head
         _write_json(out / PERFETTO_JSON, perfetto_trace(result))
         _write_json(out / TELEMETRY_JSON, telemetry_record(result))
     except OSError as exc:
-        raise ReqscopeError(f"cannot export to {out}: {exc.strerror or exc}; choose another --export folder") from None
+        raise ReqscopeError(
+            f"cannot export to {out}: {exc.strerror or exc}; choose another ", Setting.EXPORT_DIR, " folder"
+        ) from None
     return paths
 
 

@@ -109,7 +109,7 @@ def parse_timeline(text: str, source: str = "timeline") -> Timeline:
     try:
         return Timeline(tuple(events))
     except TimelineFileError as exc:
-        raise TimelineFileError(f"{source}: {exc}") from None
+        raise TimelineFileError(f"{source}: ", exc.message) from None
 
 
 def read_timeline(path: str | Path) -> Timeline:

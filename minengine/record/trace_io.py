@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from minengine.engine import events as ev
-from minengine.errors import NotATraceError, ReqscopeError
+from minengine.errors import Mention, NotATraceError, ReqscopeError, Setting
 
 if TYPE_CHECKING:
     from minengine.engine.engine import Engine
@@ -36,6 +36,7 @@ EVENT_TYPES: dict[str, type] = {
     )
 }
 HEADER_TYPE = "reqscope-trace"
+_EXPORT = Mention(Setting.EXPORT_DIR, every_way=True)  # how a trace is made, for the errors
 FORMAT_VERSION = 1
 
 
@@ -132,12 +133,11 @@ def read_trace(path: str | Path) -> tuple[TraceHeader, list]:
         raise ReqscopeError(f"cannot read trace {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise NotATraceError(
-            f"{path} is not a reqscope trace (not UTF-8 text at byte {exc.start}); "
-            "export one with --export DIR or the x key"
+            f"{path} is not a reqscope trace (not UTF-8 text at byte {exc.start}); export one with ", _EXPORT
         ) from None
     records = list(_parse(path, lines))
     if not records or records[0].get("type") != HEADER_TYPE:
-        raise NotATraceError(f"{path} is not a reqscope trace (export one with --export DIR or the x key)")
+        raise NotATraceError(f"{path} is not a reqscope trace (export one with ", _EXPORT, ")")
     try:
         header = _decode(TraceHeader, records[0])
     except (KeyError, TypeError, ValueError) as exc:

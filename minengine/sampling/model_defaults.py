@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from minengine.errors import ConfigError
+from minengine.errors import ConfigError, Setting
 
 FILE = "generation_config.json"
 # field -> the value at which it does nothing (so a config that spells it out is fine)
@@ -61,8 +61,9 @@ class ModelSamplingDefaults:
             value = raw.get(name)
             if value is not None and value != neutral:
                 raise ConfigError(
-                    f"{path} sets {name} {value!r}, which reqscope's sampler does not apply; "
-                    "run with --generation-config reqscope to use reqscope's defaults instead"
+                    f"{path} sets {name} {value!r}, which reqscope's sampler does not apply; run with ",
+                    Setting.MODEL_SAMPLING_DEFAULTS_OFF,
+                    " to use reqscope's defaults instead",
                 )
         return cls(
             temperature=_number(raw, "temperature", path, low=0.0),

@@ -110,7 +110,7 @@ class ModelTokenizer:
                 special_tokens=self.special_tokens,
             )
         except TokenizerError as exc:
-            raise TokenizerError(f"{self.template_origin}: {exc}") from None
+            raise TokenizerError(f"{self.template_origin}: ", exc.message) from None
 
     def generation_prompt_start(self, messages: list[Message], rendered: str) -> int:
         """Where the generation prompt begins in `rendered`, `messages` rendered with it (its

@@ -16,17 +16,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from minengine.bench.report import targets, to_json
-from minengine.bench.roofline import (
+from minengine.checkpoint.mapped_pages import MappedFiles
+from minengine.kv.arithmetic import MIB
+from reqscope.bench.report import targets, to_json
+from reqscope.bench.roofline import (
     achieved_bandwidth,
     decode_bytes_per_step,
     roofline_fraction,
     roofline_tokens_per_second,
 )
-from minengine.bench.runner import BenchConfig, run_bench
-from minengine.bench.stats import Spread, overhead_percent, ratios
-from minengine.checkpoint.mapped_pages import MappedFiles
-from minengine.kv.arithmetic import MIB
+from reqscope.bench.runner import BenchConfig, run_bench
+from reqscope.bench.stats import Spread, overhead_percent, ratios
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -197,7 +197,7 @@ def test_smoke_run_produces_every_key(smoke_report):
 
 
 def test_smoke_report_reads_as_a_table(smoke_report):
-    from minengine.bench.report import format_table
+    from reqscope.bench.report import format_table
 
     text = format_table(smoke_report)
     assert "decode 6 tokens (tok/s)" in text and "prefill 48 tokens (ms)" in text
@@ -207,10 +207,10 @@ def test_smoke_report_reads_as_a_table(smoke_report):
 
 
 def test_explorer_and_bare_loop_step_in_turn(chatty_tiny_dir):
-    from minengine.bench.runs import explorer_beside_bare, greedy_decode
     from minengine.engine.engine import Engine
     from minengine.engine.request import GenerationRequest
     from minengine.sampling.params import SamplingParams
+    from reqscope.bench.runs import explorer_beside_bare, greedy_decode
 
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32")
     request = GenerationRequest.from_prompt("hi", sampling=SamplingParams(temperature=0.0), max_tokens=7, trace=True)
@@ -232,9 +232,9 @@ def test_explorer_and_bare_loop_step_in_turn(chatty_tiny_dir):
 
 
 def test_decode_runs_between_probe_passes(chatty_tiny_dir):
-    from minengine.bench.roofline import ReadProbe
-    from minengine.bench.runs import decode_beside_probes
     from minengine.engine.engine import Engine
+    from reqscope.bench.roofline import ReadProbe
+    from reqscope.bench.runs import decode_beside_probes
 
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32")
     probe = ReadProbe(torch.device("cpu"), torch.float32, nbytes=4 * MIB)
@@ -275,7 +275,7 @@ def test_gpu_check_summary_reads_the_bench_report(smoke_report):
 
 def test_bench_command_prints_json_with_every_target(chatty_tiny_dir, tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "minengine.bench", "--model", str(chatty_tiny_dir), "--device", "cpu"]
+    cmd = [sys.executable, "-m", "reqscope.bench", "--model", str(chatty_tiny_dir), "--device", "cpu"]
     cmd += ["--dtype", "float32", "--rounds", "1", "--new-tokens", "4", "--long-prompt-tokens", "24"]
     cmd += ["--launches", "0", "--json", "--output", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from minengine import omp_env
-from minengine.bench.fair.compare import REQSCOPE, TRANSFORMERS, Contender, run_fair
-from minengine.bench.fair.peers import (
+from minengine.errors import ReqscopeError
+from reqscope.bench.fair.compare import REQSCOPE, TRANSFORMERS, Contender, run_fair
+from reqscope.bench.fair.peers import (
     LLAMA_CPP,
     PeerChoice,
     PeerPlan,
@@ -25,10 +26,9 @@ from minengine.bench.fair.peers import (
     llama_cpp_installed,
     select_peers,
 )
-from minengine.bench.fair.pipes import stream_run
-from minengine.bench.report import format_fair
-from minengine.bench.runner import BenchConfig, fair_contenders
-from minengine.errors import ReqscopeError
+from reqscope.bench.fair.pipes import stream_run
+from reqscope.bench.report import format_fair
+from reqscope.bench.runner import BenchConfig, fair_contenders
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -101,8 +101,8 @@ def test_a_fake_peer_sits_beside_both_sides_with_per_round_ratios():
 
 
 def test_both_sides_measured_through_pipes_each_in_its_users_environment(chatty_tiny_dir, policy_set_by_reqscope):
-    from minengine.bench.fair.peers import PeerSelection
-    from minengine.bench.runner import _engine
+    from reqscope.bench.fair.peers import PeerSelection
+    from reqscope.bench.runner import _engine
 
     config = BenchConfig(model_dir=chatty_tiny_dir, device="cpu", dtype="float32", rounds=1, new_tokens=5)
     contenders = fair_contenders(config, _engine(config), PeerSelection((), ()))
@@ -164,9 +164,9 @@ def test_unknown_peer_is_an_error():
 @pytest.mark.parametrize(
     "argv",
     [
-        [sys.executable, "-m", "minengine.bench", "--peer", "nope"],
+        [sys.executable, "-m", "reqscope.bench", "--peer", "nope"],
         [sys.executable, "-m", "reqscope", "bench", "--peer", "nope"],
-        [sys.executable, "-m", "minengine.bench", "--no-peers", "--peer", LLAMA_CPP],
+        [sys.executable, "-m", "reqscope.bench", "--no-peers", "--peer", LLAMA_CPP],
     ],
 )
 def test_bad_peer_choice_is_one_line_and_fails_fast(argv, tmp_path):
@@ -177,7 +177,7 @@ def test_bad_peer_choice_is_one_line_and_fails_fast(argv, tmp_path):
 
 
 def test_model_that_cannot_load_is_one_line(tmp_path):
-    cmd = [sys.executable, "-m", "minengine.bench", "--no-peers", "--model", str(tmp_path / "nothing")]
+    cmd = [sys.executable, "-m", "reqscope.bench", "--no-peers", "--model", str(tmp_path / "nothing")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode != 0
     lines = [line for line in done.stderr.strip().splitlines() if not line.startswith("bench: loading")]

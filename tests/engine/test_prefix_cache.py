@@ -20,6 +20,7 @@ from minengine.kv.prefix_cache import KVIdentity, PrefixCache, block_hashes
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.sampling.params import SamplingParams
+from reqscope.wording import worded
 
 GREEDY = SamplingParams(temperature=0.0)
 CPU = torch.device("cpu")
@@ -208,7 +209,7 @@ def test_no_prefix_cache_looks_nothing_up(reference):
     run(reference, req)
     events, result = run(reference, req)
     off = prefix_event(events)
-    assert not off.enabled and off.blocks_hit == off.blocks_looked_up == 0 and "--no-prefix-cache" in off.note
+    assert not off.enabled and off.blocks_hit == off.blocks_looked_up == 0 and "--no-prefix-cache" in worded(off.note)
     assert result.usage.cached_tokens == 0
     assert any(isinstance(e, StageEvent) and e.name == "prefix_cache" and e.detail == "off" for e in events)
 

@@ -37,6 +37,7 @@ from reqscope.ui.endpoint.timeline_panel import EndpointTimelinePanel
 from reqscope.ui.endpoint.view import EndpointView
 from reqscope.ui.endpoint.worker import EndpointRequest, EndpointWorker
 from reqscope.ui.keys import ENDPOINT, bindings
+from reqscope.wording import error_text
 
 
 class EndpointApp(ExplorerBase):
@@ -84,7 +85,7 @@ class EndpointApp(ExplorerBase):
         try:
             model = worker.connect()
         except ReqscopeError as exc:
-            self.call_from_thread(self._connect_failed, str(exc))
+            self.call_from_thread(self._connect_failed, error_text(exc))
             return
         self.call_from_thread(self._connected, model)
 

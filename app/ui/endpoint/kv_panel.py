@@ -20,6 +20,7 @@ from reqscope.ui.endpoint.frame import EndpointFrame
 from reqscope.ui.endpoint.view import EndpointView
 from reqscope.ui.glyphs import bar
 from reqscope.ui.panel import Panel
+from reqscope.wording import error_text
 
 
 class EndpointKVPanel(Panel[EndpointFrame]):
@@ -47,7 +48,7 @@ def _planned(arch: Architecture, view: EndpointView, width: int) -> list[Text]:
     try:
         plan = planned_kv(arch, prompt, output if output else None)
     except ReqscopeError as exc:  # e.g. MLA or sliding windows: the standard formula does not apply
-        return [Text(f"the planner cannot compute this model's KV: {exc}", style="yellow")]
+        return [Text(f"the planner cannot compute this model's KV: {error_text(exc)}", style="yellow")]
     mem = plan.memory
     shape = Text(no_wrap=True, overflow="ellipsis")
     shape.append(f"planner: {arch.name}", style="bold")

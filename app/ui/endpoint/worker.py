@@ -26,6 +26,7 @@ from reqscope.endpoint.client import EndpointClient
 from reqscope.endpoint.events import ClientEvent, StreamEnded
 from reqscope.endpoint.settings import RequestSettings
 from reqscope.endpoint.target import EndpointTarget, model_name
+from reqscope.wording import error_text
 
 
 class EndpointRequest:
@@ -114,7 +115,7 @@ class EndpointWorker:
             run.cancelled = True
             raise
         except ReqscopeError as exc:
-            run.failure = str(exc)
+            run.failure = error_text(exc)
         except Exception as exc:  # a bug must reach the screen as a message, not vanish with the thread
             run.failure = f"{type(exc).__name__}: {exc}"
         finally:

@@ -41,6 +41,7 @@ from reqscope.ui.run.panels.tokens import TokensPanel
 from reqscope.ui.run.sampling_form import SamplingChoice, SamplingForm
 from reqscope.ui.run.status_line import status_text
 from reqscope.ui.run.view import RunView
+from reqscope.wording import error_text
 
 if TYPE_CHECKING:  # numpy, only for a fit given with --service-model
     from minengine.plan.service_model import ServiceModel
@@ -158,7 +159,7 @@ class RunExplorer(ExplorerBase):
             folder = claim_run_folder(self.export_root, result.request_id)
             written = export_run(result, folder, self._recorded_events(), self.header)
         except (ReqscopeError, OSError) as exc:
-            self.notify(str(exc), title="export failed", severity="error", timeout=15)
+            self.notify(error_text(exc), title="export failed", severity="error", timeout=15)
             return
         self.last_export = folder
         self.notify(f"{len(written)} files in {folder}", title="exported", timeout=15)

@@ -23,6 +23,7 @@ from minengine.engine.request import GenerationRequest
 from minengine.engine.session import RequestSession
 from minengine.sampling.params import SamplingParams
 from minengine.sampling.step_trace import StepTrace
+from reqscope.wording import in_app_words
 
 
 class LiveRun:
@@ -62,7 +63,7 @@ class LiveRun:
                 self.session = session
                 if self._cancelled:
                     session.cancel()
-            for event in session:
+            for event in in_app_words(session):
                 self.recorded.append(event)
                 self.inbox.append(event)
                 self._signal()

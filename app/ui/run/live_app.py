@@ -36,6 +36,7 @@ from reqscope.ui.run.sampling_form import SamplingChoice
 from reqscope.ui.run.status_line import settings_note
 from reqscope.ui.run.step_subject import last_token_subject
 from reqscope.ui.run.view import RunView
+from reqscope.wording import error_text
 
 EngineOpener = Callable[[StatusCallback], Engine]
 GIL_SWITCH_S = 0.0005
@@ -140,7 +141,7 @@ class LiveExplorer(RunExplorer):
         try:
             shown.apply(self.sampling.params)
         except ReqscopeError as exc:
-            self.notify(str(exc), title="sampling not changed", severity="error")
+            self.notify(error_text(exc), title="sampling not changed", severity="error")
             self.sampling = replace(self.sampling, params=shown.applied)
         self._invalidate()
 
@@ -219,7 +220,7 @@ class LiveExplorer(RunExplorer):
         try:
             shown.pick(candidate.token_id)
         except ReqscopeError as exc:
-            self.notify(str(exc), severity="error")
+            self.notify(error_text(exc), severity="error")
             return
         self._invalidate()
 

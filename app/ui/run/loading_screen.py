@@ -22,6 +22,7 @@ from minengine.engine.engine import Engine
 from minengine.errors import ReqscopeError
 from minengine.progress import PullProgress, StatusCallback
 from reqscope.console.progress_line import eta_text, finished_line, progress_amount, rate_text
+from reqscope.wording import error_text
 
 
 class StageRow(Horizontal):
@@ -105,7 +106,7 @@ class LoadingScreen(Screen[Engine]):
         try:
             engine = await self._load(progress)
         except ReqscopeError as exc:
-            self._fail(str(exc))
+            self._fail(error_text(exc))
             return
         except Exception as exc:  # a bug: on the loading screen, not a silent stall
             self._fail(f"{type(exc).__name__}: {exc}")

@@ -23,9 +23,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from minengine.bench.fair.pipes import ChildEnvironment, StreamedRun, stream_run
-from minengine.bench.stats import Parity, Spread, parity_of, ratios
 from minengine.errors import ReqscopeError
+from reqscope.bench.fair.pipes import ChildEnvironment, StreamedRun, stream_run
+from reqscope.bench.stats import Parity, Spread, parity_of, ratios
 
 REQSCOPE = "reqscope"
 TRANSFORMERS = "transformers"
@@ -153,7 +153,7 @@ def _side(c: Contender, runs: list[StreamedRun], theirs: list[float]) -> SideRes
 
 def probe_environment(env: dict[str, str]) -> ChildEnvironment:
     """What `reqscope` runs with under `env`: policy, threads, torch (see `probe`)."""
-    run = stream_run("the environment probe", [sys.executable, "-m", "minengine.bench.fair.probe"], env, timeout_s=300)
+    run = stream_run("the environment probe", [sys.executable, "-m", "reqscope.bench.fair.probe"], env, timeout_s=300)
     if run.environment is None:
         raise ReqscopeError("the environment probe reported nothing")
     return run.environment

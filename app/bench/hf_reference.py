@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from minengine.bench.runs import DecodeRun
-from minengine.bench.timer import StepClock
 from minengine.errors import ReqscopeError
+from reqscope.bench.runs import DecodeRun
+from reqscope.bench.timer import StepClock
 
 
 def import_transformers():

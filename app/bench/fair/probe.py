@@ -1,6 +1,6 @@
 """What the `reqscope` command runs with, found by doing what it does before torch loads.
 
-    python -m minengine.bench.fair.probe
+    python -m reqscope.bench.fair.probe
 
 Launched with the environment the benchmark launches `reqscope --json` with, it makes the
 command's own OpenMP choice for a verb that runs a request (`omp_env.choose_policy`, the first
@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from minengine import omp_env
-from minengine.bench.fair.pipes import emit
+from reqscope.bench.fair.pipes import emit
 
 
 def main() -> int:

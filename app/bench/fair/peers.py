@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from minengine.bench.roofline import decode_bytes_per_step
 from minengine.errors import PullError, ReqscopeError
+from reqscope.bench.roofline import decode_bytes_per_step
+from reqscope.wording import error_text
 
 LLAMA_CPP = "llama.cpp"
 PEER_NAMES = (LLAMA_CPP,)
@@ -107,7 +108,7 @@ def _llama_cpp_plan(
         try:
             gguf = default_gguf()
         except PullError as exc:
-            raise _Skip(f"the default model's GGUF could not be fetched ({exc})") from None
+            raise _Skip(f"the default model's GGUF could not be fetched ({error_text(exc)})") from None
     else:
         raise _Skip(f"no GGUF for {model_dir.name}; pass --peer-gguf FILE")
     weights, kv = gguf_read_bytes(gguf)
@@ -194,7 +195,7 @@ def peer_bytes_per_step(plan: PeerPlan, prompt_tokens: int, steps: int) -> float
 def llama_child_argv(plan: PeerPlan, ids: list[int], new_tokens: int, threads: int, eos: list[int]) -> list[str]:
     """The command line of the llama.cpp child (`llama_child`)."""
     return [
-        sys.executable, "-m", "minengine.bench.fair.llama_child", "--gguf", str(plan.gguf),
+        sys.executable, "-m", "reqscope.bench.fair.llama_child", "--gguf", str(plan.gguf),
         "--ids", ",".join(map(str, ids)), "--max-new-tokens", str(new_tokens),
         "--threads", str(threads), "--eos", ",".join(map(str, eos)),
     ]  # fmt: skip

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from minengine.bench.fair.compare import REQSCOPE, FairComparison
-from minengine.bench.runner import BenchReport, Comparison
-from minengine.bench.stats import Spread
 from minengine.kv.arithmetic import MIB
+from reqscope.bench.fair.compare import REQSCOPE, FairComparison
+from reqscope.bench.runner import BenchReport, Comparison
+from reqscope.bench.stats import Spread
 
 DECODE_SPEEDUP_GOAL = 1.5
 UNDER_LOAD_KEEPS_GOAL = 0.5  # decode beside one busy process / idle: spinning engines kept 0.1-0.4 here

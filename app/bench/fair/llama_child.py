@@ -1,6 +1,6 @@
 """The llama.cpp peer of the fair comparison: llama-cpp-python in its own process.
 
-    python -m minengine.bench.fair.llama_child --gguf FILE --ids 1,2,3 --max-new-tokens 128 --threads 2 [--eos 2]
+    python -m reqscope.bench.fair.llama_child --gguf FILE --ids 1,2,3 --max-new-tokens 128 --threads 2 [--eos 2]
 
 Run by the benchmark with the user's environment, it loads the GGUF the default model was
 converted from, runs one short warm-up generation, resets the context (llama-cpp-python would
@@ -20,7 +20,7 @@ import time
 
 def main(argv: list[str] | None = None) -> int:
     """Load, warm up, generate; events on stdout (see `pipes`)."""
-    parser = argparse.ArgumentParser(prog="python -m minengine.bench.fair.llama_child")
+    parser = argparse.ArgumentParser(prog="python -m reqscope.bench.fair.llama_child")
     parser.add_argument("--gguf", required=True)
     parser.add_argument("--ids", required=True, help="prompt token ids, comma-separated")
     parser.add_argument("--max-new-tokens", type=int, required=True)
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     policy = os.environ.get("OMP_WAIT_POLICY") or "not set"
 
-    from minengine.bench.fair.pipes import emit  # stdlib only
+    from reqscope.bench.fair.pipes import emit  # stdlib only
 
     try:
         import llama_cpp

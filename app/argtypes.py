@@ -1,7 +1,6 @@
 """argparse `type=` converters for numeric flags, so bad numbers fail as one-line usage errors.
 
-In the engine package because `python -m minengine.bench` parses flags too; the CLI's verbs use them
-from here.
+Shared by the CLI's verbs and `python -m reqscope.bench`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`python -m minengine.bench` (also `reqscope bench`): minengine against Hugging Face transformers.
+"""`python -m reqscope.bench` (also `reqscope bench`): minengine against Hugging Face transformers.
 
 First the fair comparison: `reqscope --json`, transformers' `generate()` and any installed peer
 (llama.cpp), each in its own process with the environment its users have, timed from outside;
@@ -13,21 +13,23 @@ import argparse
 import sys
 from pathlib import Path
 
-from minengine.argtypes import positive_whole_number as count
-from minengine.argtypes import whole_number
-from minengine.bench import env as bench_env  # first: sets the OpenMP policy before torch loads
-from minengine.bench.fair.peers import PEER_NAMES, PeerChoice, check_names
-from minengine.bench.report import dumps, format_table, targets
-from minengine.bench.runner import DEFAULT_PROMPT, BenchConfig, run_bench
+from reqscope.bench import env as bench_env  # first: sets the OpenMP policy before torch loads
+
+# isort: split
 from minengine.dtype_names import DTYPE_CHOICES
 from minengine.errors import ReqscopeError
+from reqscope.argtypes import positive_whole_number as count
+from reqscope.argtypes import whole_number
+from reqscope.bench.fair.peers import PEER_NAMES, PeerChoice, check_names
+from reqscope.bench.report import dumps, format_table, targets
+from reqscope.bench.runner import DEFAULT_PROMPT, BenchConfig, run_bench
+from reqscope.engine_flags import add_engine_arguments
+from reqscope.wording import error_text
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags."""
-    parser.add_argument("--model", metavar="PATH", help="model folder (default: the pulled SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and compute (half = float16)")
+    add_engine_arguments(parser, "model", "device", "dtype")
     parser.add_argument("--threads", type=count, help="torch threads for both engines (default: torch's own)")
     parser.add_argument("--rounds", type=count, default=5, help="measured rounds (default 5)")
     parser.add_argument("--new-tokens", type=count, default=128, help="greedy tokens per decode run (default 128)")
@@ -126,14 +128,14 @@ def _stderr(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m minengine.bench`."""
-    parser = argparse.ArgumentParser(prog="python -m minengine.bench", description=__doc__.splitlines()[0])
+    """Entry point of `python -m reqscope.bench`."""
+    parser = argparse.ArgumentParser(prog="python -m reqscope.bench", description=__doc__.splitlines()[0])
     add_bench_arguments(parser)
     args = parser.parse_args(argv)
     try:
         return run_from_args(args)
     except ReqscopeError as exc:
-        print(f"bench: error: {exc}", file=sys.stderr)
+        print(f"bench: error: {error_text(exc)}", file=sys.stderr)
         return 1
 
 

@@ -1,6 +1,6 @@
 """The transformers side of the fair comparison: `generate()` in a plain Python process.
 
-    python -m minengine.bench.fair.hf_child --model DIR --ids 1,2,3 --max-new-tokens 128 [--eos 2]
+    python -m reqscope.bench.fair.hf_child --model DIR --ids 1,2,3 --max-new-tokens 128 [--eos 2]
 
 Run by the benchmark in its own process with the user's environment as it was before reqscope
 touched it (`omp_env.user_environment`), it loads the model with `AutoModelForCausalLM`, runs one
@@ -23,7 +23,7 @@ import time
 
 def main(argv: list[str] | None = None) -> int:
     """Load, warm up, generate; events on stdout (see `pipes`)."""
-    parser = argparse.ArgumentParser(prog="python -m minengine.bench.fair.hf_child")
+    parser = argparse.ArgumentParser(prog="python -m reqscope.bench.fair.hf_child")
     parser.add_argument("--model", required=True)
     parser.add_argument("--ids", required=True, help="prompt token ids, comma-separated")
     parser.add_argument("--max-new-tokens", type=int, required=True)
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     policy = os.environ.get("OMP_WAIT_POLICY") or "not set"  # before torch loads its OpenMP runtime
 
-    from minengine.bench.fair.pipes import emit  # stdlib only: safe before torch
+    from reqscope.bench.fair.pipes import emit  # stdlib only: safe before torch
 
     try:
         import torch

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from minengine.bench.roofline import ReadProbe
-from minengine.bench.timer import StepClock
 from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, TokenEvent
 from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from minengine.model.runner import ModelRunner
+from reqscope.bench.roofline import ReadProbe
+from reqscope.bench.timer import StepClock
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def _session_steps(engine: Engine, request: GenerationRequest) -> Iterator[tuple
     resumed = time.perf_counter()
     for event in engine.start(request):
         if isinstance(event, DoneEvent) and event.result.error:
-            raise ReqscopeError(f"the benchmark request failed: {event.result.error}")
+            raise ReqscopeError("the benchmark request failed: ", event.result.error)
         if isinstance(event, TokenEvent):
             yield event.token_id, None if first else (time.perf_counter() - resumed) * 1000
             first = False

@@ -3,5 +3,5 @@
 `compare` runs the rounds, `pipes` launches a child and stamps its token lines on arrival,
 `peers` finds the optional other engines (llama.cpp), and `hf_child`, `llama_child` and `probe`
 are what the children run. This package imports nothing at import time: the children start with
-`python -m minengine.bench.fair.<child>` and must load torch only after reading their environment.
+`python -m reqscope.bench.fair.<child>` and must load torch only after reading their environment.
 """

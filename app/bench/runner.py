@@ -26,42 +26,6 @@ from pathlib import Path
 
 import torch
 
-from minengine.bench.fair.compare import (
-    REQSCOPE,
-    TRANSFORMERS,
-    UNDER_LOAD,
-    Contender,
-    FairComparison,
-    busy_neighbour,
-    probe_environment,
-    run_fair,
-)
-from minengine.bench.fair.peers import (
-    PeerChoice,
-    PeerSelection,
-    ensure_default_gguf,
-    llama_child_argv,
-    peer_bytes_per_step,
-    select_peers,
-)
-from minengine.bench.hf_reference import TransformersReference
-from minengine.bench.roofline import (
-    ReadProbe,
-    achieved_bandwidth,
-    decode_bytes_per_step,
-    roofline_fraction,
-    roofline_tokens_per_second,
-)
-from minengine.bench.runs import (
-    DecodeRun,
-    RooflineRun,
-    decode_beside_probes,
-    explorer_beside_bare,
-    greedy_decode,
-    prefill_ms,
-)
-from minengine.bench.start import PlainRun, child_environment, heavy_imports, launch_plain, plain_imports
-from minengine.bench.stats import Parity, Spread, overhead_percent, parity_of, ratios
 from minengine.checkpoint import layout_cache
 from minengine.device import device_memory_bytes, synchronize
 from minengine.engine.engine import Engine
@@ -71,6 +35,42 @@ from minengine.kv.arithmetic import MIB, blocks_for, kv_bytes_per_token
 from minengine.kv.cache import KVCache
 from minengine.omp_env import user_environment
 from minengine.sampling.params import SamplingParams
+from reqscope.bench.fair.compare import (
+    REQSCOPE,
+    TRANSFORMERS,
+    UNDER_LOAD,
+    Contender,
+    FairComparison,
+    busy_neighbour,
+    probe_environment,
+    run_fair,
+)
+from reqscope.bench.fair.peers import (
+    PeerChoice,
+    PeerSelection,
+    ensure_default_gguf,
+    llama_child_argv,
+    peer_bytes_per_step,
+    select_peers,
+)
+from reqscope.bench.hf_reference import TransformersReference
+from reqscope.bench.roofline import (
+    ReadProbe,
+    achieved_bandwidth,
+    decode_bytes_per_step,
+    roofline_fraction,
+    roofline_tokens_per_second,
+)
+from reqscope.bench.runs import (
+    DecodeRun,
+    RooflineRun,
+    decode_beside_probes,
+    explorer_beside_bare,
+    greedy_decode,
+    prefill_ms,
+)
+from reqscope.bench.start import PlainRun, child_environment, heavy_imports, launch_plain, plain_imports
+from reqscope.bench.stats import Parity, Spread, overhead_percent, parity_of, ratios
 
 DEFAULT_PROMPT = "Show me wheelchair-accessible hotels in Kyoto"
 _LONG_TEXT = (
@@ -367,7 +367,7 @@ def fair_contenders(config: BenchConfig, engine: Engine, selection: PeerSelectio
     command += ["--device", device, "--dtype", dtype]
     if device == "cuda" and not config.cuda_graph:
         command.append("--no-cuda-graph")
-    hf = [sys.executable, "-m", "minengine.bench.fair.hf_child", "--model", str(config.model_dir)]
+    hf = [sys.executable, "-m", "reqscope.bench.fair.hf_child", "--model", str(config.model_dir)]
     hf += ["--ids", ",".join(map(str, ids)), "--max-new-tokens", str(config.new_tokens)]
     hf += ["--eos", ",".join(map(str, eos)), "--device", device, "--dtype", dtype]
     contenders = [

@@ -1,0 +1,98 @@
+"""The engine's messages in the app's words: each engine setting a message names becomes its flag or key.
+
+minengine names what to change by its own `Setting` ("lower max_tokens"); the user changes it
+with a flag, a key in the explorer or a command, so the app says that ("lower --max-tokens").
+`WORDS` is the one table; `error_text` words an error wherever the app shows one (the CLI's line,
+the `--plain`/`--json` records, the explorers, serve's JSON errors), and `in_app_words` words
+the texts the engine's events carry (a result's error, the prefix cache's note) as they leave it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from minengine.errors import Mention, Message, Setting
+
+if TYPE_CHECKING:
+    from minengine.engine.events import Event, PrefixCacheEvent, RequestResult
+
+
+@dataclass(frozen=True)
+class Words:
+    """How a user of the app gives one engine setting."""
+
+    said: str  # the flag (or the command) that sets it
+    placeholder: str = ""  # what follows the flag when no value is named ("PATH")
+    key: str = ""  # the explorer's key that does it, if one does
+
+
+WORDS: dict[Setting, Words] = {
+    Setting.MODEL_DIR: Words("--model", placeholder="PATH"),
+    Setting.DEVICE: Words("--device"),
+    Setting.MAX_TOKENS: Words("--max-tokens"),
+    Setting.KV_BUDGET: Words("--kv-budget-mib"),
+    Setting.PREFIX_CACHE_OFF: Words("--no-prefix-cache"),
+    Setting.BLOCK_SIZE: Words("--block-size"),
+    Setting.MODEL_SAMPLING_DEFAULTS_OFF: Words("--generation-config reqscope"),
+    Setting.EXPORT_DIR: Words("--export", placeholder="DIR", key="x"),
+    Setting.EXPORT_REPLACES: Words("--force"),
+    Setting.CALIBRATION_REPEATS: Words("--repeats"),
+    Setting.CALIBRATION_DECODE_STEPS: Words("--decode-steps"),
+    Setting.CALIBRATION_PROMPT_LENGTHS: Words("--prompt-lengths"),
+    Setting.CALIBRATION_CONTEXT_LENGTHS: Words("--context-lengths"),
+    Setting.CALIBRATION_SAVED: Words("reqscope calibrate --output"),
+    Setting.GGUF_IMPORT: Words("reqscope import"),
+    Setting.PLANNER: Words("reqscope plan"),
+}
+
+
+def _say(mention: Mention) -> str:
+    words = WORDS[mention.setting]
+    if mention.value is not None:
+        return f"{words.said} {mention.value}"
+    if not mention.every_way:
+        return words.said
+    said = f"{words.said} {words.placeholder}".rstrip()
+    return f"{said} or the {words.key} key" if words.key else said
+
+
+def worded(text: str) -> str:
+    """`text` in the app's words: the settings a `Message` names said as flags or keys; other text as it is."""
+    if not isinstance(text, Message):
+        return text
+    return "".join(part if isinstance(part, str) else _say(part) for part in text.parts)
+
+
+def error_text(exc: BaseException) -> str:
+    """What the app shows for an error: the engine's in the app's words, any other as `str()` gives it."""
+    message = getattr(exc, "message", None)
+    return worded(message) if isinstance(message, Message) else str(exc)
+
+
+def _prefix_cache(event: PrefixCacheEvent | None) -> PrefixCacheEvent | None:
+    if event is None or not isinstance(event.note, Message):
+        return event
+    return replace(event, note=worded(event.note))
+
+
+def _result(result: RequestResult) -> RequestResult:
+    prefix_cache = _prefix_cache(result.prefix_cache)
+    if not isinstance(result.error, Message) and prefix_cache is result.prefix_cache:
+        return result
+    return replace(result, error=worded(result.error) if result.error is not None else None, prefix_cache=prefix_cache)
+
+
+def in_app_words(events: Iterable[Event]) -> Iterator[Event]:
+    """The engine's events, with the texts they carry in the app's words (the rest passed on as they are)."""
+    from minengine.engine.events import DoneEvent, PrefixCacheEvent  # here: error_text's users need no torch
+
+    for event in events:
+        if isinstance(event, PrefixCacheEvent):
+            yield _prefix_cache(event)
+        elif isinstance(event, DoneEvent) and event.result is not None:
+            result = _result(event.result)
+            yield event if result is event.result else DoneEvent(result)
+        else:
+            yield event
