@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from minengine.dtype_names import DTYPE_CHOICES
 from minengine.engine.request import GenerationRequest, SettingSource
 from minengine.errors import RequestError
 from minengine.kv.arithmetic import MIB

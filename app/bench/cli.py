@@ -16,7 +16,6 @@ from pathlib import Path
 from reqscope.bench import env as bench_env  # first: sets the OpenMP policy before torch loads
 
 # isort: split
-from minengine.dtype_names import DTYPE_CHOICES
 from minengine.errors import ReqscopeError
 from reqscope.argtypes import positive_whole_number as count
 from reqscope.argtypes import whole_number
