@@ -54,11 +54,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `reqscope bench serve`."""
     # The verb's help formatter ends each line with its default, unless the help says it in words.
     t = parser.add_argument_group("server")
-    t.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, without the route")
-    t.add_argument("--endpoint", default=ENDPOINTS[0], help=f"the route: {' or '.join(ENDPOINTS)}")
+    t.add_argument("--base-url", metavar="URL", default="http://127.0.0.1:8000", help="the server, without the route")
+    t.add_argument("--endpoint", metavar="ROUTE", default=ENDPOINTS[0], help=f"the route: {' or '.join(ENDPOINTS)}")
     t.add_argument("--model", metavar="NAME", help="the model the requests name (default: the first the server lists)")
     t.add_argument("--api-key", metavar="KEY", help=f"bearer token (default: ${API_KEY_ENV})")
-    t.add_argument("--timeout", type=positive, default=600.0, help="seconds without new bytes before a request fails")
+    t.add_argument(
+        "--timeout", metavar="S", type=positive, default=600.0, help="seconds without new bytes before a request fails"
+    )
     d = parser.add_argument_group("prompts (vLLM's random dataset)")
     d.add_argument(
         "--tokenizer",
@@ -66,12 +68,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="a model folder with the server's tokenizer.json (default: --model when it is a folder, "
         "else the default model's)",
     )
-    d.add_argument("--num-prompts", type=positive_whole_number, default=100, help="requests to send")
-    length = {"type": positive_whole_number}
+    d.add_argument("--num-prompts", metavar="N", type=positive_whole_number, default=100, help="requests to send")
+    length = {"type": positive_whole_number, "metavar": "N"}
     d.add_argument("--input-len", "--random-input-len", dest="input_len", default=1024, help="prompt tokens", **length)
     d.add_argument("--output-len", "--random-output-len", dest="output_len", default=128, help="tokens out", **length)
-    d.add_argument("--random-range-ratio", type=range_ratio, default=0.0, help="lengths drawn from [L(1-r), L(1+r)]")
-    d.add_argument("--random-prefix-len", type=whole_number, default=0, help="random tokens every prompt starts with")
+    d.add_argument(
+        "--random-range-ratio", metavar="R", type=range_ratio, default=0.0, help="lengths drawn from [L(1-r), L(1+r)]"
+    )
+    d.add_argument(
+        "--random-prefix-len", metavar="N", type=whole_number, default=0, help="random tokens every prompt starts with"
+    )
     d.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
@@ -79,18 +85,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="send ignore_eos, so each request generates --output-len tokens (vLLM, llama-server and reqscope "
         "serve take it; default: on)",
     )
-    d.add_argument("--temperature", type=non_negative, default=0.0, help="sampling temperature sent (0: greedy)")
-    d.add_argument("--seed", type=whole_number, default=0, help="seed of the prompts and the arrivals")
+    d.add_argument(
+        "--temperature", metavar="T", type=non_negative, default=0.0, help="sampling temperature sent (0: greedy)"
+    )
+    d.add_argument("--seed", metavar="N", type=whole_number, default=0, help="seed of the prompts and the arrivals")
     a = parser.add_argument_group("load")
     a.add_argument(
         "--request-rate",
+        metavar="RPS",
         type=request_rate,
         default=math.inf,
         help="requests per second, Poisson arrivals (default: inf, every request at once)",
     )
-    a.add_argument("--burstiness", type=positive, default=1.0, help="gamma shape of the arrival gaps: 1 is Poisson")
-    a.add_argument("--max-concurrency", type=positive_whole_number, help="at most this many requests in flight")
-    a.add_argument("--num-warmups", type=whole_number, default=0, help="uncounted requests sent one by one first")
+    a.add_argument(
+        "--burstiness", metavar="K", type=positive, default=1.0, help="gamma shape of the arrival gaps: 1 is Poisson"
+    )
+    a.add_argument(
+        "--max-concurrency", metavar="N", type=positive_whole_number, help="at most this many requests in flight"
+    )
+    a.add_argument(
+        "--num-warmups", metavar="N", type=whole_number, default=0, help="uncounted requests sent one by one first"
+    )
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print the result as one JSON object instead of the summary")
     o.add_argument("--output", "--result-filename", dest="output", metavar="FILE", help="write the JSON result to FILE")
@@ -194,4 +209,3 @@ def _listed_model(root: str, api_key: str | None) -> str:
             return await model_name(client, target)
 
     return asyncio.run(ask())
-
