@@ -166,14 +166,9 @@ def run(args: argparse.Namespace) -> int:
         warmup_prompts=prompts[: args.num_warmups],
         timeout_s=args.timeout,
     )
-    bar = ProgressLine(prefix="bench serve: ")
-    started = time.monotonic()
-
-    def progress(ended: int, total: int) -> None:
-        bar(PullProgress("requests", ended, total, "", unit="requests", started=started, finished=ended == total))
-
-    run_result = run_load(plan, progress)
-    bar.close()
+    bar = _RequestsBar()
+    run_result = run_load(plan, bar)
+    bar.line.close()
     setup = BenchSetup(
         base_url=args.base_url,
         endpoint=args.endpoint,
@@ -193,6 +188,18 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         _save(Path(args.output).expanduser(), text)
     return 0
+
+
+class _RequestsBar:
+    """The requests ended so far, as a progress line on stderr; its clock starts after any warm-up."""
+
+    def __init__(self) -> None:
+        self.line = ProgressLine(prefix="bench serve: ")
+        self.started: float | None = None
+
+    def __call__(self, ended: int, total: int) -> None:
+        self.started = self.started if self.started is not None else time.monotonic()
+        self.line(PullProgress("requests", ended, total, "", "requests", self.started, finished=ended == total))
 
 
 def _save(path: Path, text: str) -> None:

@@ -67,6 +67,8 @@ async def _measured(session: aiohttp.ClientSession, plan: LoadPlan, progress: Pr
             progress(ended, total)
         return outcome
 
+    if progress is not None:
+        progress(0, total)
     start = time.perf_counter()
     tasks = []
     for prompt, offset in zip(plan.prompts, plan.offsets_s, strict=True):
