@@ -11,7 +11,6 @@ with O from the server's `usage` (one token per chunk when it sends none).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ import aiohttp
 from minengine.engine.metrics import RequestMetrics, inter_token_gaps
 from reqscope.bench.serve.prompts import BenchPrompt
 from reqscope.endpoint.metrics import client_metrics, output_token_count
-from reqscope.endpoint.wire import SseDecoder, error_message, parse_chunk
+from reqscope.endpoint.wire import SseDecoder, body_error, parse_chunk
 
 CHAT_SUFFIX = "/chat/completions"
 
@@ -82,7 +81,7 @@ async def send_request(session: aiohttp.ClientSession, target: RequestTarget, pr
     try:
         async with session.post(target.url, json=target.body(prompt), headers=dict(target.headers)) as resp:
             if resp.status != 200:
-                reading.error = f"HTTP {resp.status}: {_error_text(await resp.text())}"
+                reading.error = f"HTTP {resp.status}: {body_error(await resp.text())}"
             else:
                 await reading.stream(resp)
     except (TimeoutError, aiohttp.ClientError) as exc:
@@ -128,13 +127,6 @@ class _Reading:
             return RequestOutcome(prompt.prompt_len, input_tokens, tokens, None, (), self.error)
         metrics = client_metrics(self.times_ms, tokens, send_ms=send_ms)
         return RequestOutcome(prompt.prompt_len, input_tokens, tokens, metrics, inter_token_gaps(self.times_ms))
-
-
-def _error_text(body: str) -> str:
-    try:
-        return error_message(json.loads(body))
-    except json.JSONDecodeError:
-        return body.strip()[:300] or "(empty body)"
 
 
 def _now_ms() -> float:
