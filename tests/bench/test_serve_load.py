@@ -267,6 +267,7 @@ def test_without_a_model_an_unreachable_server_is_a_one_line_error(capsys, token
         (["--num-prompts", "-1"], "--num-prompts"),
         (["--random-range-ratio", "1"], "--random-range-ratio"),
         (["--input-len", "many"], "--input-len"),
+        (["--endpoint", "/v1/embeddings"], "is not a completions route"),
     ],
 )
 def test_bad_flags_are_one_line_errors(capsys, flags, named):
@@ -280,7 +281,6 @@ def test_bad_flags_are_one_line_errors(capsys, flags, named):
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        (["--endpoint", "/v1/embeddings"], "is not a completions route"),
         (["--base-url", "localhost:8000"], "is not an http(s) URL"),
         (["--tokenizer", "/nonexistent"], "no tokenizer.json in /nonexistent"),
     ],

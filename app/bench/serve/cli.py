@@ -42,6 +42,14 @@ def request_rate(text: str) -> float:
     return positive(text)
 
 
+def completions_route(text: str) -> str:
+    """A route of OpenAI's completions API: /v1/completions or /v1/chat/completions."""
+    route = "/" + text.strip().strip("/")
+    if not route.endswith("/completions"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a completions route; give {' or '.join(ENDPOINTS)}")
+    return route
+
+
 def range_ratio(text: str) -> float:
     """A ratio in [0, 1)."""
     value = non_negative(text)
@@ -55,7 +63,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     # The verb's help formatter ends each line with its default, unless the help says it in words.
     t = parser.add_argument_group("server")
     t.add_argument("--base-url", metavar="URL", default="http://127.0.0.1:8000", help="the server, without the route")
-    t.add_argument("--endpoint", metavar="ROUTE", default=ENDPOINTS[0], help=f"the route: {' or '.join(ENDPOINTS)}")
+    t.add_argument(
+        "--endpoint",
+        metavar="ROUTE",
+        type=completions_route,
+        default=ENDPOINTS[0],
+        help=f"the route: {' or '.join(ENDPOINTS)}",
+    )
     t.add_argument("--model", metavar="NAME", help="the model the requests name (default: the first the server lists)")
     t.add_argument("--api-key", metavar="KEY", help=f"bearer token (default: ${API_KEY_ENV})")
     t.add_argument(
@@ -141,8 +155,19 @@ def tokenizer_folder(args: argparse.Namespace) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     """Run the load and print its summary (or its JSON); 0 even when requests failed, as vLLM does."""
-    if not args.endpoint.rstrip("/").endswith("completions"):
-        raise ReqscopeError(f"--endpoint {args.endpoint!r} is not a completions route; give {' or '.join(ENDPOINTS)}")
+    setup, plan = plan_from_args(args)
+    bar = _RequestsBar()
+    result = summarize(setup, run_load(plan, bar))
+    bar.line.close()
+    text = json.dumps(result_dict(result))
+    print(text if args.json else summary_block(result), flush=True)
+    if args.output:
+        _save(Path(args.output).expanduser(), text)
+    return 0
+
+
+def plan_from_args(args: argparse.Namespace) -> tuple[BenchSetup, LoadPlan]:
+    """What the flags ask for, and the requests that do it (the model is asked of the server when not given)."""
     url = route_url(args.base_url, args.endpoint)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     folder = tokenizer_folder(args)
@@ -166,9 +191,6 @@ def run(args: argparse.Namespace) -> int:
         warmup_prompts=prompts[: args.num_warmups],
         timeout_s=args.timeout,
     )
-    bar = _RequestsBar()
-    run_result = run_load(plan, bar)
-    bar.line.close()
     setup = BenchSetup(
         base_url=args.base_url,
         endpoint=args.endpoint,
@@ -182,12 +204,7 @@ def run(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         seed=args.seed,
     )
-    result = summarize(setup, run_result)
-    text = json.dumps(result_dict(result))
-    print(text if args.json else summary_block(result), flush=True)
-    if args.output:
-        _save(Path(args.output).expanduser(), text)
-    return 0
+    return setup, plan
 
 
 class _RequestsBar:
