@@ -44,6 +44,7 @@ class Fake:
     bodies: list[dict] = field(default_factory=list)
     in_flight: int = 0
     most_in_flight: int = 0
+    client_ports: set[int] = field(default_factory=set)  # one per connection the client opened
 
 
 def _event(payload: dict | str) -> bytes:
@@ -59,6 +60,7 @@ def _fake_app(fake: Fake) -> web.Application:
         body = await request.json()
         n = len(fake.bodies)
         fake.bodies.append(body)
+        fake.client_ports.add(request.transport.get_extra_info("peername")[1])
         how = fake.fail.get(n)
         if how == "http":
             return web.json_response({"error": {"message": f"request {n} refused", "type": "server_error"}}, status=503)
@@ -195,7 +197,7 @@ def test_the_summary_is_vllms_block_and_the_chat_route_sends_messages(capsys, to
     assert "requests" in err  # the progress line, on stderr
 
 
-def test_max_concurrency_caps_the_requests_in_flight(capsys, tokenizer_dir):
+def test_max_concurrency_caps_the_requests_in_flight_over_kept_connections(capsys, tokenizer_dir):
     fake = Fake()
     with fake_server(fake) as url:
         code, out, _ = bench_serve(
@@ -204,6 +206,7 @@ def test_max_concurrency_caps_the_requests_in_flight(capsys, tokenizer_dir):
         )  # fmt: skip
     assert code == 0 and json.loads(out)["completed"] == 6
     assert fake.most_in_flight == 2
+    assert len(fake.client_ports) == 2  # each stream read to its end, so its connection is used again
 
 
 # -- failures ------------------------------------------------------------------------------------

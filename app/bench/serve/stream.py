@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from minengine.engine.events import Usage
 from minengine.engine.metrics import RequestMetrics, inter_token_gaps
 from reqscope.bench.serve.prompts import BenchPrompt
 from reqscope.endpoint.metrics import client_metrics, output_token_count
@@ -94,7 +95,7 @@ class _Reading:
 
     def __init__(self) -> None:
         self.times_ms: list[float] = []
-        self.usage = None
+        self.usage: Usage | None = None
         self.done = False
         self.error: str | None = None
 
@@ -107,6 +108,8 @@ class _Reading:
             arrived = _now_ms()
             if data.strip() == "[DONE]":
                 self.done = True
+                # To the end of the body: aiohttp pools a connection again only once it is read whole.
+                await resp.content.read()
                 return
             chunk = parse_chunk(data)
             if chunk.error is not None:
