@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from reqscope.bench import env as bench_env  # first: sets the OpenMP policy before torch loads
 
@@ -20,10 +21,12 @@ from minengine.errors import ReqscopeError
 from reqscope.argtypes import positive_whole_number as count
 from reqscope.argtypes import whole_number
 from reqscope.bench.fair.peers import PEER_NAMES, PeerChoice, check_names
-from reqscope.bench.report import dumps, format_table, targets
-from reqscope.bench.runner import DEFAULT_PROMPT, BenchConfig, run_bench
 from reqscope.engine_flags import add_engine_arguments
+from reqscope.run_options import DEFAULT_PROMPT
 from reqscope.wording import error_text
+
+if TYPE_CHECKING:
+    from reqscope.bench.runner import BenchConfig
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +72,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, progress=None) -> BenchConfig:
     """A BenchConfig from parsed flags (the default model is pulled first when missing)."""
+    # Imported here, not above: the flags are parsed (`reqscope bench --help`, `bench serve`)
+    # without torch, which the runner loads.
+    from reqscope.bench.runner import BenchConfig
+
     names = None if not args.peer else tuple(dict.fromkeys(args.peer))
     if args.no_peers:
         if names:
@@ -101,6 +108,9 @@ def config_from_args(args: argparse.Namespace, progress=None) -> BenchConfig:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run the benchmark and print it; 1 with `--check` when a target failed."""
+    from reqscope.bench.report import dumps, format_table, targets
+    from reqscope.bench.runner import run_bench
+
     config = config_from_args(args, progress=_stderr)
     report = run_bench(config, progress=_stderr)
     text = dumps(report)

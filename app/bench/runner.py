@@ -71,8 +71,8 @@ from reqscope.bench.runs import (
 )
 from reqscope.bench.start import PlainRun, child_environment, heavy_imports, launch_plain, plain_imports
 from reqscope.bench.stats import Parity, Spread, overhead_percent, parity_of, ratios
+from reqscope.run_options import DEFAULT_PROMPT
 
-DEFAULT_PROMPT = "Show me wheelchair-accessible hotels in Kyoto"
 _LONG_TEXT = (
     "Kyoto keeps more than a thousand temples, and visitors who use a wheelchair plan their days "
     "around step-free routes: the station, the buses along Horikawa street, the level paths of the "

@@ -145,7 +145,7 @@ def rate_text(event: PullProgress, now: float | None = None) -> str:
         return ""
     if event.unit == BYTES:
         return f"{rate / 1e6:.1f} MB/s"
-    return f"{rate:.0f} {event.unit}/s"
+    return f"{rate:.0f} {event.unit}/s" if rate >= 10 else f"{rate:.2g} {event.unit}/s"  # not "0 requests/s"
 
 
 def duration(seconds: float) -> str:

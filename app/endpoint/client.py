@@ -33,7 +33,7 @@ from reqscope.endpoint.events import (
 )
 from reqscope.endpoint.metrics import client_metrics, compare_tpot, compare_ttft, output_token_count
 from reqscope.endpoint.settings import RequestSettings, token_limit_field
-from reqscope.endpoint.wire import SseDecoder, StreamChunk, chat_body, error_message, parse_chunk
+from reqscope.endpoint.wire import SseDecoder, StreamChunk, body_error, chat_body, parse_chunk
 
 REQUEST_ID_HEADER = "x-request-id"
 
@@ -127,7 +127,7 @@ class EndpointClient:
         async with self._session.get(self.base_url + "/models", headers=self._headers()) as resp:
             body = await resp.text()
             if resp.status != 200:
-                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=_error_text(body))
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status, message=body_error(body))
         data = json.loads(body).get("data", [])
         return tuple(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
 
@@ -157,7 +157,7 @@ class EndpointClient:
                     yield reading.connection
                 yield ResponseStarted(t_first_byte, resp.status, reading.request_id)
                 if resp.status != 200:
-                    reading.error = f"HTTP {resp.status}: {_error_text(await resp.text())}"
+                    reading.error = f"HTTP {resp.status}: {body_error(await resp.text())}"
                 elif resp.content_type == "application/json":  # a server that ignored `stream`
                     for event in reading.whole(json.loads(await resp.text())):
                         yield event
@@ -167,13 +167,6 @@ class EndpointClient:
         except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
             reading.error = f"{url}: {type(exc).__name__}: {exc}".rstrip(": ")
         yield StreamEnded(reading.result())
-
-
-def _error_text(body: str) -> str:
-    try:
-        return error_message(json.loads(body))
-    except json.JSONDecodeError:
-        return body.strip()[:300] or "(empty body)"
 
 
 class _Reading:

@@ -168,6 +168,14 @@ def error_message(body: object) -> str:
     return str(body)[:300]
 
 
+def body_error(body: str) -> str:
+    """The message of an error response's body: its OpenAI error object's, else the text itself."""
+    try:
+        return error_message(json.loads(body))
+    except json.JSONDecodeError:
+        return body.strip()[:300] or "(empty body)"
+
+
 def _number(value: object) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 

@@ -12,7 +12,7 @@ from ui_fixtures import kyoto_request, wait_for
 
 from minengine.errors import ReqscopeError
 from minengine.progress import TENSORS, PullProgress, Stage, paced
-from reqscope.console.progress_line import ProgressLine, finished_line, live_line, started_line
+from reqscope.console.progress_line import ProgressLine, finished_line, live_line, rate_text, started_line
 from reqscope.ui.run.live_app import LiveExplorer
 from reqscope.ui.run.loading_screen import LoadingScreen, StageRow
 
@@ -194,3 +194,10 @@ async def test_the_loading_screen_shows_one_progress_bar_per_stage():
         release.set()
         await wait_for(pilot, lambda: app.load_error is not None, timeout=20)
         assert app.load_error == "no engine in this test"
+
+
+def test_a_slow_rate_keeps_its_figures():
+    # bench serve's requests end a few per second or fewer: "0 requests/s" would say nothing.
+    slow = PullProgress("requests", 16, 16, "", unit="requests", started=0.0)
+    assert rate_text(slow, now=130.0) == "0.12 requests/s"
+    assert rate_text(PullProgress("convert", 270, 270, "", unit=TENSORS, started=0.0), now=2.7) == "100 tensors/s"

@@ -27,6 +27,14 @@ ENDPOINT_PATH = (
     "reqscope.ui.endpoint.app",
 )
 
+# Everything `reqscope bench serve` runs through: the bench verb (whose flags it parses) and the load.
+BENCH_SERVE_PATH = (
+    "reqscope.commands.bench",
+    "reqscope.bench.serve.cli",
+    "reqscope.bench.serve.load",
+    "reqscope.bench.serve.summary",
+)
+
 WATCH_TORCH = """
 import sys, traceback
 class _WatchTorch:
@@ -63,7 +71,7 @@ def _run(code: str) -> list[str]:
 
 
 def test_importing_the_endpoint_path_leaves_torch_out():
-    imports = "".join(f"import {name}\n" for name in ENDPOINT_PATH)
+    imports = "".join(f"import {name}\n" for name in ENDPOINT_PATH + BENCH_SERVE_PATH)
     # The probe sees torch when something does load it (the engine's KV cache makes tensors);
     # the watcher goes first, as that import is meant.
     probe = (
@@ -95,3 +103,12 @@ def test_a_whole_endpoint_request_leaves_torch_out(served):
     lines = _run(code)
     assert lines[-1] == "False"
     assert lines[-2] == "0" and "0 0" in lines  # every mode finished its request
+
+
+def test_a_whole_bench_serve_run_leaves_torch_out(served, chatty_tiny_dir):
+    argv = ["bench", "serve", "--base-url", served.url, "--api-key", KEY, "--tokenizer", str(chatty_tiny_dir),
+            "--num-prompts", "2", "--input-len", "8", "--output-len", "3", "--json"]  # fmt: skip
+    code = f"from reqscope.cli import main\nprint(main({argv!r}))\nprint('torch' in sys.modules)\n"
+    lines = _run(code)
+    assert lines[-1] == "False" and lines[-2] == "0"
+    assert '"completed": 2' in lines[-3]

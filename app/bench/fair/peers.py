@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minengine.errors import PullError, ReqscopeError
-from reqscope.bench.roofline import decode_bytes_per_step
 from reqscope.wording import error_text
 
 LLAMA_CPP = "llama.cpp"
@@ -189,6 +188,8 @@ def gguf_read_bytes(path: Path) -> tuple[int, int]:
 
 def peer_bytes_per_step(plan: PeerPlan, prompt_tokens: int, steps: int) -> float:
     """Average bytes a decode step of `plan` reads over `steps` steps after the prompt."""
+    from reqscope.bench.roofline import decode_bytes_per_step  # torch: not while the bench's flags are parsed
+
     return decode_bytes_per_step(plan.weight_bytes_per_step, plan.kv_bytes_per_token, prompt_tokens, steps)
 
 

@@ -1,0 +1,136 @@
+"""One benchmark request: sent as a stream, every chunk timed on arrival, on the client's clock.
+
+The times are `time.perf_counter()` read when the line that ends a server-sent event arrives,
+so they hold what the network and the client's reading add, as a user would see them. A
+request has failed when no response came (connection refused, a timeout), when the status is
+not 200, when the server sends an error object, when the stream ends before `[DONE]` (a
+server that closed mid-stream) or when no visible token arrived; the error says which.
+Otherwise its metrics are the seeds' formulas (`minengine.engine.metrics`) over the chunk times,
+with O from the server's `usage` (one token per chunk when it sends none).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from minengine.engine.events import Usage
+from minengine.engine.metrics import RequestMetrics, inter_token_gaps
+from reqscope.bench.serve.prompts import BenchPrompt
+from reqscope.endpoint.metrics import client_metrics, output_token_count
+from reqscope.endpoint.wire import SseDecoder, body_error, parse_chunk
+
+CHAT_SUFFIX = "/chat/completions"
+
+
+@dataclass(frozen=True)
+class RequestTarget:
+    """Where and how every request of a run is sent."""
+
+    url: str  # the full route, e.g. http://127.0.0.1:8000/v1/completions
+    model: str
+    headers: tuple[tuple[str, str], ...] = ()
+    token_limit_field: str = "max_tokens"
+    ignore_eos: bool = True
+    temperature: float | None = 0.0
+
+    @property
+    def chat(self) -> bool:
+        """Whether the route takes messages (chat) rather than a prompt (completions)."""
+        return self.url.rstrip("/").endswith(CHAT_SUFFIX)
+
+    def body(self, prompt: BenchPrompt) -> dict:
+        """The JSON body of one streaming request for `prompt`."""
+        body: dict = {"model": self.model}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": prompt.text}]
+        else:
+            body["prompt"] = prompt.text
+        body[self.token_limit_field] = prompt.output_len
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    """What one request measured; `metrics` is None and `error` says why when it failed."""
+
+    prompt_len: int  # the prompt's tokens in the client's tokenizer
+    input_tokens: int  # the server's usage.prompt_tokens (chat templates add to it), else prompt_len
+    output_tokens: int
+    metrics: RequestMetrics | None
+    gaps_ms: tuple[float, ...]  # every gap between consecutive chunks: the ITLs
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the request succeeded."""
+        return self.error is None
+
+
+async def send_request(session: aiohttp.ClientSession, target: RequestTarget, prompt: BenchPrompt) -> RequestOutcome:
+    """Send `prompt` and read its stream to the end; failures come back as an outcome, never raised."""
+    reading = _Reading()
+    send = _now_ms()
+    try:
+        async with session.post(target.url, json=target.body(prompt), headers=dict(target.headers)) as resp:
+            if resp.status != 200:
+                reading.error = f"HTTP {resp.status}: {body_error(await resp.text())}"
+            else:
+                await reading.stream(resp)
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        reading.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    return reading.outcome(prompt, send)
+
+
+class _Reading:
+    """One response being read: the chunk times so far, the usage, the first problem."""
+
+    def __init__(self) -> None:
+        self.times_ms: list[float] = []
+        self.usage: Usage | None = None
+        self.done = False
+        self.error: str | None = None
+
+    async def stream(self, resp: aiohttp.ClientResponse) -> None:
+        decoder = SseDecoder()
+        while line := await resp.content.readline():
+            data = decoder.feed(line.decode("utf-8", errors="replace").rstrip("\r\n"))
+            if data is None:
+                continue
+            arrived = _now_ms()
+            if data.strip() == "[DONE]":
+                self.done = True
+                # To the end of the body: aiohttp pools a connection again only once it is read whole.
+                await resp.content.read()
+                return
+            chunk = parse_chunk(data)
+            if chunk.error is not None:
+                self.error = chunk.error
+                return
+            self.usage = chunk.usage or self.usage
+            if chunk.text:
+                self.times_ms.append(arrived)
+
+    def outcome(self, prompt: BenchPrompt, send_ms: float) -> RequestOutcome:
+        if self.error is None and not self.done:
+            self.error = f"the server closed the stream before [DONE], after {len(self.times_ms)} chunks"
+        if self.error is None and not self.times_ms:
+            self.error = "the stream ended without a visible token"
+        input_tokens = self.usage.prompt_tokens if self.usage is not None else prompt.prompt_len
+        tokens, _source = output_token_count(self.usage, 0, len(self.times_ms))
+        if self.error is not None:
+            return RequestOutcome(prompt.prompt_len, input_tokens, tokens, None, (), self.error)
+        metrics = client_metrics(self.times_ms, tokens, send_ms=send_ms)
+        return RequestOutcome(prompt.prompt_len, input_tokens, tokens, metrics, inter_token_gaps(self.times_ms))
+
+
+def _now_ms() -> float:
+    return time.perf_counter() * 1000.0
