@@ -10,10 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from minengine.engine.events import TokenEvent
-from minengine.engine.roofline import ReadCeiling, RooflineSummary, decode_roofline, step_roofline
+from minengine.engine.roofline import FEWER_BYTES, ReadCeiling, RooflineSummary, decode_roofline, step_roofline
 from minengine.kv.arithmetic import MIB
-
-FEWER_BYTES = 0.5  # the weights at half their bytes (float32 to 16-bit): what the ceiling would allow then
 
 
 def token_keys(ev: TokenEvent, ceiling: ReadCeiling | None) -> dict:
