@@ -71,7 +71,7 @@ def roofline_lines(fig: RooflineFigures) -> list[Text]:
     first.append(f": {step.roofline_ms:.1f} ms at {ceiling.bytes_per_s / 1e9:.1f} GB/s, took {step.step_ms:.1f} ms = ")
     first.append(f"{step.fraction:.0%}", style="bold green" if step.fraction >= 0.5 else "bold yellow")
     second = Text(no_wrap=True, overflow="ellipsis")
-    second.append("           ")
+    second.append("           memory-bound: ", style="dim")
     second.append(f"½ the weight bytes → {run.tokens_per_s_at(FEWER_BYTES):.1f} tok/s", style="bold")
     second.append(f" at the ceiling ({run.tokens_per_s_at():.1f} now) · weights {run.weight_share:.1%} of "
                   f"the bytes · run {run.fraction:.0%}", style="dim")  # fmt: skip
