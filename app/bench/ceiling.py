@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 CEILING_FILE = ".read-ceiling.json"  # in the reqscope home, beside the pulled models
 CEILING_PASSES = 15  # of each probe; the median is kept
-CALIBRATE_HINT = "reqscope calibrate --ceiling-only"  # a few seconds; the whole calibration measures it too
+MEASURED_BY = "reqscope calibrate"
+CALIBRATE_HINT = f"{MEASURED_BY} --ceiling-only"  # a few seconds; the whole calibration measures it too
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ def measure_ceiling(device: torch.device, passes: int = CEILING_PASSES) -> ReadC
         probe=f"{name} over {nbytes / MIB:.0f} MiB, median of {passes} passes; {others}",
         machine=machine_name(device),
         measured_at=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        source=MEASURED_BY,
     )
 
 

@@ -15,8 +15,8 @@ The KV term is the seeds' formula (`minengine.kv.arithmetic`) with the layout's 
 the model's own for GQA, one per query head for MHA. Only the bytes the step must read are
 counted: a cache stored narrower than the compute dtype is also widened on the way (FP8, or
 bfloat16 under a float32 model), traffic the formula leaves out, so such a step sits further
-under the ceiling. The ceiling is measured elsewhere (`reqscope calibrate` keeps one per machine);
-here it is a number with a note of where it came from. Nothing here touches a tensor: this runs
+under the ceiling. The ceiling is measured elsewhere (the app keeps one per machine); here it
+is a number with a note of where it came from. Nothing here touches a tensor: this runs
 once per decode step and must not slow it.
 """
 
@@ -54,8 +54,8 @@ class ReadCeiling:
     bytes_per_s: float
     probe: str  # how it was measured, e.g. "matvec over 512 MiB, median of 15 passes"
     machine: str  # what it was measured on, e.g. "cpu AMD EPYC 9B14, 2 threads"
-    measured_at: str  # UTC, ISO 8601 to the minute
-    source: str = "reqscope calibrate"  # the command that measured it
+    measured_at: str  # UTC, to the minute
+    source: str  # what measured it (the app names its command)
 
 
 @dataclass(frozen=True)

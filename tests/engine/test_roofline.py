@@ -22,7 +22,8 @@ from minengine.kv.usage import KVUsage
 from minengine.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
-CEILING = ReadCeiling(40e9, "matvec over 512 MiB, median of 15 passes", "cpu test, 2 threads", "2026-12-01 10:00 UTC")
+CEILING = ReadCeiling(40e9, "matvec over 512 MiB, median of 15 passes", "cpu test, 2 threads", "2026-12-01 10:00 UTC",
+                      "reqscope calibrate")  # fmt: skip
 
 
 def usage(layers: int, heads: int, head_dim: int, dtype: str, tokens: int, layout: str = "gqa") -> KVUsage:
@@ -66,7 +67,7 @@ def test_the_fraction_is_the_allowed_time_over_the_measured():
     assert without is not None and without.roofline_ms is None and without.fraction is None
     assert without.tokens_per_s_at() is None and decode_roofline([], CEILING) is None
     with pytest.raises(ValueError, match="positive"):
-        roofline_ms(1, ReadCeiling(0.0, "", "", ""))
+        roofline_ms(1, ReadCeiling(0.0, "", "", "", ""))
 
 
 def _decode_weight_bytes_by_hand(cfg, itemsize: int) -> int:
