@@ -52,7 +52,7 @@ class ReadCeiling:
     """A read bandwidth measured on a machine, and where it came from."""
 
     bytes_per_s: float
-    probe: str  # how it was measured, e.g. "matvec over 512 MiB, median of 15 passes"
+    probe: str  # how it was measured, e.g. "matvec over 512 MiB, fastest of 15 passes"
     machine: str  # what it was measured on, e.g. "cpu AMD EPYC 9B14, 2 threads"
     measured_at: str  # UTC, to the minute
     source: str  # what measured it (the app names its command)
