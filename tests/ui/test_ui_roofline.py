@@ -7,10 +7,19 @@ import io
 import pytest
 from rich.console import Console
 from textual.widgets import Static
-from ui_fixtures import RECORDED_CEILING, RECORDED_WEIGHT_BYTES, replay_app, roofline_replay_app
+from ui_fixtures import (
+    RECORDED_CEILING,
+    RECORDED_WEIGHT_BYTES,
+    finished,
+    kyoto_request,
+    live_app,
+    replay_app,
+    roofline_replay_app,
+)
 
 from minengine.engine.events import TokenEvent
 from minengine.kv.arithmetic import MIB
+from reqscope.bench.ceiling import CALIBRATE_HINT, machine_name, save_ceiling
 
 pytestmark = pytest.mark.anyio
 
@@ -68,3 +77,23 @@ async def test_an_older_trace_draws_no_roofline():
         await pilot.press("end", "4")
         await pilot.pause()
         assert "roofline" not in _latency(pilot.app)
+
+
+@pytest.mark.parametrize("stored", [True, False])
+async def test_a_live_run_reads_this_machines_ceiling(chatty_engine, read_ceiling_file, stored):
+    from dataclasses import replace
+
+    if stored:
+        save_ceiling(replace(RECORDED_CEILING, machine=machine_name(chatty_engine.device)), read_ceiling_file)
+    app = live_app(chatty_engine, kyoto_request(max_tokens=6))
+    async with app.run_test(size=(140, 45)) as pilot:
+        await pilot.press("4")
+        await finished(pilot, app)
+        assert (app.header.read_ceiling is not None) is stored
+        text = _latency(app)
+        last = app.view.tokens[-1]
+        assert f"roofline   step {last.index + 1} read {last.bytes_read.total / MIB:.1f} MiB" in text
+        if stored:
+            assert "at 16.1 GB/s, took " in text and "ceiling    reqscope calibrate, 2026-12-01 09:55 UTC" in text
+        else:
+            assert f"no read ceiling for this machine: {CALIBRATE_HINT}" in text
