@@ -80,3 +80,15 @@ def _openmp_policy_restored(monkeypatch):
             monkeypatch.setenv(name, before)
     for attribute in ("_set_here", "_spin_here", "_start"):
         monkeypatch.setattr(omp_env, attribute, getattr(omp_env, attribute))
+
+
+@pytest.fixture(autouse=True)
+def read_ceiling_file(tmp_path_factory, monkeypatch) -> Path:
+    """Where this test's runs read (and `reqscope calibrate` keeps) the machine's read ceiling: a
+    folder of its own, never the user's home, so no run's roofline depends on what was measured
+    before it."""
+    from reqscope.bench import ceiling
+
+    path = tmp_path_factory.mktemp("ceiling") / ceiling.CEILING_FILE
+    monkeypatch.setattr(ceiling, "ceiling_path", lambda: path)
+    return path

@@ -10,6 +10,7 @@ from pathlib import Path
 from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, StageEvent, TokenEvent
 from minengine.engine.request import GenerationRequest
+from minengine.engine.roofline import ReadCeiling, step_bytes
 from minengine.record.trace_io import read_trace
 from minengine.sampling.params import SamplingParams
 from reqscope.run_options import DEFAULT_PROMPT
@@ -48,6 +49,23 @@ def held_replay_app(at: int = 5, held_ms: float = 2500.0, **options) -> ReplayEx
                             itl_ms=event.itl_ms + held_ms if first and event.itl_ms is not None else event.itl_ms)
         held.append(event)
     return ReplayExplorer(header, held, source_name=TRACE_NAME, **options)
+
+
+# What the recorded run's decode steps read: SmolLM2-135M's float32 weights (134,515,008
+# parameters, the head tied to the embedding table) and the K/V its cache held; and a ceiling
+# measured on the machine it ran on.
+RECORDED_WEIGHT_BYTES = 134_515_008 * 4
+RECORDED_CEILING = ReadCeiling(16.1e9, "sum over 512 MiB, fastest of 15 passes; matvec 13.9 GB/s",
+                               "cpu AMD EPYC, 2 threads", "2026-12-01 09:55 UTC", "reqscope calibrate")  # fmt: skip
+
+
+def roofline_replay_app(ceiling: ReadCeiling | None = RECORDED_CEILING, **options) -> ReplayExplorer:
+    """The recorded trace as a run that kept the roofline records it: each decode step's bytes on its
+    token event, and the machine's read ceiling (or none) in the header."""
+    header, events = read_trace(TRACE)
+    events = [replace(e, bytes_read=step_bytes(RECORDED_WEIGHT_BYTES, e.kv)) if isinstance(e, TokenEvent) and e.index
+              else e for e in events]  # fmt: skip
+    return ReplayExplorer(replace(header, read_ceiling=ceiling), events, source_name=TRACE_NAME, **options)
 
 
 def kyoto_request(**changes) -> GenerationRequest:

@@ -2,7 +2,9 @@
 
 Prints the fitted prefill and decode lines beside seed 003's numbers with a small plot of the
 measured points, or one JSON object with `--json`; `--output FILE` saves the fit for
-`reqscope plan --service-model FILE`.
+`reqscope plan --service-model FILE`. First it measures the machine's read ceiling and keeps it
+in the reqscope home (`reqscope.bench.ceiling`), for the roofline every run shows;
+`--ceiling-only` measures just that (a few seconds, no model).
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
 
+from minengine.engine.roofline import ReadCeiling
 from minengine.plan.calibrate import (
     DEFAULT_CONTEXT_LENGTHS,
     DEFAULT_DECODE_STEPS,
@@ -62,17 +67,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--output", metavar="FILE", help="also save the fit as JSON (for `plan --service-model`)")
+    parser.add_argument(
+        "--ceiling-only", action="store_true",
+        help="only measure the read-bandwidth ceiling the runs' roofline uses, and keep it (no model, a few seconds)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
-    """Measure, fit, print; the fit is saved to --output when given."""
+    """Measure the ceiling, then (unless --ceiling-only) fit and print; the fit is saved to --output when given."""
+    from minengine.device import resolve_device
     from minengine.engine.engine import Engine
     from minengine.plan.calibrate import calibrate
+    from reqscope.bench.ceiling import measure_ceiling, save_ceiling
     from reqscope.console.progress_line import ProgressLine
     from reqscope.run_options import ModelFolder, stderr_progress
 
+    folder = None if args.ceiling_only else ModelFolder.of(args).ensure(stderr_progress)  # a bad one fails first
+    # Before the model loads: the probe's buffer and the weights are never in memory together.
+    ceiling = measure_ceiling(resolve_device(args.device))
+    kept = save_ceiling(ceiling)
+    if folder is None:
+        print(json.dumps(asdict(ceiling), indent=2) if args.json else ceiling_line(ceiling, kept))
+        return 0
+    print(f"reqscope: {ceiling_line(ceiling, kept)}", file=sys.stderr)
     plan = CalibrationPlan(args.prompt_lengths, args.context_lengths, args.repeats, args.decode_steps)
-    engine = Engine(ModelFolder.of(args).ensure(stderr_progress), device=args.device, dtype=args.dtype)
+    engine = Engine(folder, device=args.device, dtype=args.dtype)
     line = ProgressLine(prefix="reqscope: ")  # redrawn in place on a terminal, start and end lines otherwise
     try:
         model = calibrate(engine, plan, progress=line)
@@ -88,6 +107,14 @@ def run(args: argparse.Namespace) -> int:
             return 1
     print(json.dumps(model.as_json(), indent=2) if args.json else render(model))
     return 0
+
+
+def ceiling_line(ceiling: ReadCeiling, kept: Path) -> str:
+    """The measured ceiling, what it was measured on, and where it is kept."""
+    return (
+        f"read ceiling {ceiling.bytes_per_s / 1e9:.1f} GB/s on {ceiling.machine} ({ceiling.probe}); "
+        f"kept in {kept} for the runs' roofline"
+    )
 
 
 def render(model: ServiceModel) -> str:

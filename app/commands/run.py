@@ -57,21 +57,24 @@ def run(args: argparse.Namespace) -> int:
 
         prepare_export_folder(args.export, force=args.force)  # before the run: a bad path wastes none
     engine = open_engine(args, model, progress=None if args.json else stderr_progress)
+    from reqscope.bench.ceiling import stored_ceiling
+
+    ceiling = stored_ceiling(engine.device)  # this machine's read ceiling, for the roofline
     recorded: list = []
     events = _recording(in_app_words(engine.start(request)), recorded)
     if args.json:
         from reqscope.console.jsonl import print_jsonl
 
-        result = print_jsonl(events, request=request)
+        result = print_jsonl(events, request=request, ceiling=ceiling)
     else:
         from reqscope.console.plain import print_plain
 
-        result = print_plain(engine, events, request=request)
+        result = print_plain(engine, events, request=request, ceiling=ceiling)
     if args.export:
         from minengine.record.export import export_run
         from minengine.record.trace_io import trace_header
 
-        written = export_run(result, args.export, recorded, trace_header(engine))
+        written = export_run(result, args.export, recorded, trace_header(engine, ceiling.ceiling))
         print(f"reqscope: exported {len(written)} files to {args.export}", file=sys.stderr)
     if result.error:
         print(f"reqscope: error: {result.error}", file=sys.stderr)

@@ -5,22 +5,34 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 from dataclasses import asdict
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from minengine.engine.events import DoneEvent, Event, PrefixCacheEvent, RequestResult, StageEvent, TokenEvent
 from minengine.engine.request import GenerationRequest, setting_value
 from reqscope.console.json_out import emit, metrics_json
+from reqscope.console.roofline_lines import done_keys, summary_of, token_keys
+
+if TYPE_CHECKING:
+    from reqscope.bench.ceiling import CeilingLookup
 
 
 def print_jsonl(
-    events: Iterable[Event], out: TextIO | None = None, request: GenerationRequest | None = None
+    events: Iterable[Event],
+    out: TextIO | None = None,
+    request: GenerationRequest | None = None,
+    ceiling: CeilingLookup | None = None,
 ) -> RequestResult:
     """Write stage, token and done (or error) records; return the result.
 
     Given the request, a first `request` record says each sampling value and where it came from.
+    Each token record says what its decode step read and, given this machine's read `ceiling`,
+    the time the ceiling allows it (`roofline_ms`) and the fraction of it reached; the done
+    record sums them up under `roofline`.
     """
     out = out or sys.stdout
     result: RequestResult | None = None
+    read_ceiling = None if ceiling is None else ceiling.ceiling
+    tokens: list[TokenEvent] = []
     if request is not None and request.setting_sources:
         settings = {
             s.name: {"value": setting_value(request, s.name), "source": s.source} for s in request.setting_sources
@@ -51,15 +63,18 @@ def print_jsonl(
                     "itl_ms": None if ev.itl_ms is None else round(ev.itl_ms, 3),
                     "kv_logical_bytes": ev.kv.logical_bytes,
                     "kv_physical_bytes": ev.kv.physical_bytes,
-                },
+                }
+                | token_keys(ev, read_ceiling),
             )
+            tokens.append(ev)
         elif isinstance(ev, DoneEvent):
             result = ev.result
     assert result is not None, "a session always ends with a DoneEvent"
     if result.error:
         emit(out, {"event": "error", "message": result.error})
     else:
-        emit(out, done_record(result))
+        note = "" if ceiling is None else ceiling.note
+        emit(out, done_record(result, roofline=done_keys(summary_of(tokens, read_ceiling), note)))
     return result
 
 
@@ -80,12 +95,13 @@ def prefix_cache_record(ev: PrefixCacheEvent) -> dict:
     }
 
 
-def done_record(r: RequestResult) -> dict:
+def done_record(r: RequestResult, roofline: dict | None = None) -> dict:
     """The closing record: finish reason, usage and the request's metrics.
 
     `metrics` are on the wall clock, as a client sees the stream; `engine_metrics` are the same
     with `held_ms` (time the run was held at a step) taken out. Nobody holds a headless run, so
-    here they are equal and `held_ms` is 0.
+    here they are equal and `held_ms` is 0. `roofline` (`roofline_lines.done_keys`): the decode
+    steps' bytes against the read ceiling, None without decode steps.
     """
     return {
         "event": "done",
@@ -94,4 +110,5 @@ def done_record(r: RequestResult) -> dict:
         "metrics": metrics_json(r.metrics),
         "engine_metrics": metrics_json(r.engine_metrics),
         "held_ms": round(r.held_ms, 3),
+        "roofline": roofline,
     }

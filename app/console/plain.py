@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from minengine.engine.engine import Engine
 from minengine.engine.events import (
@@ -21,6 +21,10 @@ from minengine.engine.events import (
 from minengine.engine.request import GenerationRequest, settings_line
 from minengine.kv.arithmetic import KIB, MIB
 from reqscope.console.latency_lines import latency_lines
+from reqscope.console.roofline_lines import plain_lines, summary_of
+
+if TYPE_CHECKING:
+    from reqscope.bench.ceiling import CeilingLookup
 
 
 def print_plain(
@@ -29,11 +33,16 @@ def print_plain(
     out: TextIO | None = None,
     err: TextIO | None = None,
     request: GenerationRequest | None = None,
+    ceiling: CeilingLookup | None = None,
 ) -> RequestResult:
-    """Stream `events` as text; return the request's result (given the request, its settings' sources too)."""
+    """Stream `events` as text; return the request's result (given the request, its settings' sources too).
+
+    Given this machine's read `ceiling`, the summary sets the decode steps' bytes against it.
+    """
     out = out or sys.stdout
     err = err or sys.stderr
     result: RequestResult | None = None
+    tokens: list[TokenEvent] = []
     streamed = ""
     print(f"· model     {engine.describe()}  (loaded in {engine.load_ms:.0f} ms)", file=err, flush=True)
     if request is not None and request.setting_sources:
@@ -55,10 +64,12 @@ def print_plain(
             print(f"· prefix    {ev.duration_ms:9.2f} ms  {prefix_cache_line(ev)}", file=err, flush=True)
         elif isinstance(ev, PrefillEvent):
             print("", file=err, flush=True)
-        elif isinstance(ev, TokenEvent) and ev.text:
-            out.write(ev.text)
-            out.flush()
-            streamed += ev.text
+        elif isinstance(ev, TokenEvent):
+            tokens.append(ev)
+            if ev.text:
+                out.write(ev.text)
+                out.flush()
+                streamed += ev.text
         elif isinstance(ev, DoneEvent):
             result = ev.result
     assert result is not None, "a session always ends with a DoneEvent"
@@ -66,7 +77,9 @@ def print_plain(
         out.write(result.text[len(streamed) :])
     out.write("\n")
     out.flush()
-    print(summary(engine, result), file=err, flush=True)
+    read_ceiling = None if ceiling is None else ceiling.ceiling
+    roofline = plain_lines(summary_of(tokens, read_ceiling), "" if ceiling is None else ceiling.note)
+    print(summary(engine, result, roofline), file=err, flush=True)
     return result
 
 
@@ -82,8 +95,8 @@ def prefix_cache_line(ev: PrefixCacheEvent) -> str:
     )
 
 
-def summary(engine: Engine, r: RequestResult) -> str:
-    """A llama.cpp-style timing summary of a finished request."""
+def summary(engine: Engine, r: RequestResult, roofline: list[str] | None = None) -> str:
+    """A llama.cpp-style timing summary of a finished request (`roofline`: its lines, after the decode line)."""
     lines = [""]
     if r.error:
         lines.append(f"error: {r.error}")
@@ -108,6 +121,7 @@ def summary(engine: Engine, r: RequestResult) -> str:
                 f"decode    {d:9.2f} ms / {m.output_tokens - 1:5d} tokens "
                 f"({m.tpot_ms:7.2f} ms/token, {m.decode_output_tokens_per_second:8.2f} tokens/s)"
             )
+            lines += roofline or []
         lines += latency_lines(m)
         e = r.engine_metrics
         if r.held_ms > 0 and e is not None:  # a run held at a step (never a headless one): both clocks

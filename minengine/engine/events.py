@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minengine.engine.metrics import RequestMetrics
+from minengine.engine.roofline import StepBytes
 from minengine.engine.timeline import StageTiming, TimelineEvent
 from minengine.kv.usage import KVUsage
 from minengine.sampling.step_trace import StepTrace
@@ -103,7 +104,7 @@ class TokenEvent:
     text: str  # text this token made visible (may be empty: held back or special)
     t_ms: float
     itl_ms: float | None  # gap since the previous token event
-    step_ms: float  # model + sampling time for this token
+    step_ms: float  # model + sampling time for this token (a hold at its StepReady left out)
     kv: KVUsage
     trace: StepTrace | None
     forced: bool = False
@@ -112,6 +113,9 @@ class TokenEvent:
     # own time. Its ITL on the engine's clock is itl_ms - held_ms. 0 when nobody paused the run
     # (and in traces recorded before it was kept).
     held_ms: float = 0.0
+    # What the decode step behind this token read (`minengine.engine.roofline`): None for the
+    # first token, which prefill produced, and in traces recorded before it was kept.
+    bytes_read: StepBytes | None = None
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ from minengine.engine.events import (
 )
 from minengine.engine.metrics import request_metrics, without_held
 from minengine.engine.request import GenerationRequest, validate
+from minengine.engine.roofline import step_bytes
 from minengine.engine.scheduler import Admission, Scheduler
 from minengine.engine.timeline import STAGE_SPANS, Timeline
 from minengine.errors import Message, QueueCancelledError, ReqscopeError, RequestError, Setting
@@ -127,6 +128,8 @@ class DecodeState:
     peak: KVUsage | None = None  # the latest cache snapshot; the cache only grows
     pos: int = 0  # the position the next token fed to the model takes
     step_start: float = 0.0  # perf_counter when the model step behind the waiting logits began
+    step_held_ns: int = 0  # the session's held time when that step began: a hold within it is not its time
+    weight_bytes: int = 0  # weight bytes a decode step reads (the model's, for this request's steps)
     previous_t: float | None = None  # t_ms of the previous token, for the next one's ITL
     held_totals: list[float] = field(default_factory=list)  # ms held in all, as of each generated token
 
@@ -436,7 +439,7 @@ class RequestSession:
         reused = cached.event.reused_tokens
         detail = f"{len(ids) - reused} tokens" + (f" after {reused} reused" if reused else "")
         self.timeline.mark("prefill_start", detail)
-        state.step_start = time.perf_counter()
+        self._start_step(state)
         logits = self._forward(ids[reused:], reused, cached.cache)
         state.pos = len(ids)
         synchronize(self.engine.device)  # prefill ends when the device has finished, not when it was queued
@@ -451,6 +454,7 @@ class RequestSession:
         # The sampler starts from the parameters in force now: the consumer may have changed
         # them while paused after prefill.
         self._sampler = Sampler(self.sampling, self.engine.device)
+        state.weight_bytes = self.engine.runner.model.decode_weight_bytes  # once: it sums every tensor
         while True:
             self.pending_logits = logits
             yield StepReady(len(state.generated))
@@ -464,7 +468,7 @@ class RequestSession:
             finish = finish or self._stop_after_step(state)
             if finish is not None:
                 break
-            state.step_start = time.perf_counter()
+            self._start_step(state)
             logits = self._forward((token,), state.pos, cache)
             state.pos += 1
         if finish != "stop_sequence":
@@ -523,11 +527,12 @@ class RequestSession:
             text=visible,
             t_ms=t,
             itl_ms=None if state.previous_t is None else t - state.previous_t,
-            step_ms=(time.perf_counter() - state.step_start) * 1000,
+            step_ms=(time.perf_counter() - state.step_start) * 1000 - (self._held_ns - state.step_held_ns) / 1e6,
             kv=state.peak,
             trace=trace,
             forced=forced,
             held_ms=self._held_since_previous(state),
+            bytes_read=step_bytes(state.weight_bytes, state.peak) if index else None,  # token 0 came from prefill
         )
         state.previous_t = t
         return event, "stop" if stops else "stop_sequence" if stop_hit else None
@@ -572,6 +577,11 @@ class RequestSession:
         t_end = self.timeline.mark(end_event, detail)
         stage, start_event = _STAGE_BY_END[end_event]
         return StageEvent(stage, self.timeline.time_of(start_event) or t_end, t_end, detail)
+
+    def _start_step(self, state: DecodeState) -> None:
+        """Note when the model step behind the next token begins, and the held time so far."""
+        state.step_start = time.perf_counter()
+        state.step_held_ns = self._held_ns
 
     def _held_since_previous(self, state: DecodeState) -> float:
         """Held time (ms) since the previous token (since the send, for the first); noted per token."""

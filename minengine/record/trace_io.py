@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from minengine.engine import events as ev
+from minengine.engine.roofline import ReadCeiling
 from minengine.errors import Mention, NotATraceError, ReqscopeError, Setting
 
 if TYPE_CHECKING:
@@ -53,10 +54,13 @@ class TraceHeader:
     dtype: str
     device: str
     load_ms: float
+    # The read ceiling the run's roofline was drawn against (None without one, and in traces
+    # recorded before it was kept: readers that predate it skip the key).
+    read_ceiling: ReadCeiling | None = None
 
 
-def trace_header(engine: Engine) -> TraceHeader:
-    """What a recorded trace says about the engine that ran it."""
+def trace_header(engine: Engine, read_ceiling: ReadCeiling | None = None) -> TraceHeader:
+    """What a recorded trace says about the engine that ran it (and the ceiling its roofline used)."""
     c = engine.cfg
     return TraceHeader(
         model=str(engine.model_dir),
@@ -68,6 +72,7 @@ def trace_header(engine: Engine) -> TraceHeader:
         dtype=str(engine.dtype).removeprefix("torch."),
         device=engine.device.type,
         load_ms=engine.load_ms,
+        read_ceiling=read_ceiling,
     )
 
 

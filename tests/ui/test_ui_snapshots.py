@@ -7,7 +7,7 @@ Sizes: 80x24 (the smallest supported), 140x45 (an ordinary terminal: one detail 
 from __future__ import annotations
 
 from textual.widgets import Input
-from ui_fixtures import held_replay_app, replay_app
+from ui_fixtures import held_replay_app, replay_app, roofline_replay_app
 
 SMALL = (80, 24)
 MEDIUM = (140, 45)
@@ -66,6 +66,15 @@ def test_every_panel_wide_mid_run(snap_compare):
 
 def test_every_panel_wide_finished(snap_compare):
     assert snap_compare(replay_app(), press=["end"], terminal_size=WIDE)
+
+
+def test_roofline_latency_small(snap_compare):
+    # A trace that kept each step's bytes and the machine's read ceiling: the roofline line above the ITLs.
+    assert snap_compare(roofline_replay_app(), press=["end", "4"], terminal_size=SMALL)
+
+
+def test_roofline_latency_medium(snap_compare):
+    assert snap_compare(roofline_replay_app(), press=["end", "4"], terminal_size=MEDIUM)
 
 
 def test_help_screen(snap_compare):

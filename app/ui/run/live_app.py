@@ -24,6 +24,7 @@ from minengine.errors import ReqscopeError
 from minengine.progress import StatusCallback
 from minengine.record.trace_io import trace_header
 from minengine.threads import ModelThread
+from reqscope.bench.ceiling import stored_ceiling
 from reqscope.ui.base import renewed
 from reqscope.ui.keys import LIVE, bindings
 from reqscope.ui.run.app import RunExplorer
@@ -85,7 +86,7 @@ class LiveExplorer(RunExplorer):
     def _engine_ready(self, engine: Engine | None) -> None:
         assert engine is not None  # the loading screen is dismissed with the engine only
         self.engine = engine
-        self.header = trace_header(engine)
+        self.header = trace_header(engine, stored_ceiling(engine.device).ceiling)  # the roofline's, if measured
         self._probe = MemoryProbe(engine.device.type, partial(device_memory_bytes, engine.device))
         self._start(self.request, paused=self.start_paused)
 

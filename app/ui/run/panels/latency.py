@@ -1,8 +1,11 @@
-"""Running latency: TTFT, ITL and its spread, TPOT, both output rates, E2E, prefill against prompt length.
+"""Running latency: TTFT, ITL and its spread, TPOT, both output rates, E2E, prefill against prompt length,
+and the roofline of the latest decode step.
 
 The figures are the engine's: a run held at a step (paused, stepped) has the held time taken
 out, and the panel says how much was held and what the wall clock, as a client would have seen
-it, reads beside them.
+it, reads beside them. The roofline sets what the latest decode step read against this machine's
+read ceiling: the time those bytes take at the ceiling, the time the step took, the fraction
+reached; with room, what half the weight bytes would allow and where the ceiling came from.
 """
 
 from __future__ import annotations
@@ -12,14 +15,21 @@ from typing import TYPE_CHECKING
 from rich.console import Group, RenderableType
 from rich.text import Text
 
+from minengine.engine.roofline import FEWER_BYTES
+from minengine.kv.arithmetic import MIB
 from reqscope.ui.glyphs import ms, pairs
 from reqscope.ui.latency_lines import itl_chart, metric_figures
 from reqscope.ui.panel import Panel
 from reqscope.ui.run.figures.latency import LatencyFigures, RunTtft, ttft_without_hit
+from reqscope.ui.run.figures.roofline import RooflineFigures, roofline_figures
 from reqscope.ui.run.frame import Frame
 
 if TYPE_CHECKING:  # numpy, only for a fit given with --service-model
     from minengine.plan.service_model import ServiceModel
+
+_ROOFLINE_ROOMY = 7  # free rows from which the roofline takes three lines and the ITL chart keeps four
+_ROOFLINE_TWO = 5  # ... two lines, the chart three
+
 
 class LatencyPanel(Panel):
     """Label/value pairs, the held time, the prefill figures, then the ITLs as a chart (a sparkline when cramped)."""
@@ -38,9 +48,36 @@ class LatencyPanel(Panel):
         if len(frame.prefill_history) > 1:
             history = " · ".join(f"{n} tok {t:.1f} ms" for n, t in frame.prefill_history[-6:])
             lines.append(Text(f"prefill by tokens computed: {history}", style="dim", no_wrap=True, overflow="ellipsis"))
+        roofline = roofline_figures(frame.view, frame.header, frame.replay)
+        if roofline is not None:
+            free = height - len(lines)
+            wanted = 3 if free >= _ROOFLINE_ROOMY else 2 if free >= _ROOFLINE_TWO else 1
+            lines += roofline_lines(roofline)[:wanted]
         clock = " (engine time)" if fig.held_ms > 0 else ""
         lines += itl_chart(fig.itls_ms, width, height - len(lines), clock=clock)
         return Group(*lines[: max(height, 1)])
+
+
+def roofline_lines(fig: RooflineFigures) -> list[Text]:
+    """The latest step against the ceiling; then the run's fraction and what fewer bytes buy; then the ceiling."""
+    first = Text(no_wrap=True, overflow="ellipsis")
+    first.append("roofline   ", style="dim")
+    first.append(f"step {fig.index + 1} read {fig.read.total / MIB:.1f} MiB", style="bold")
+    run = fig.run
+    if fig.step is None or run.ceiling is None:
+        first.append(f" (weights {run.weight_share:.1%}) · {fig.ceiling_note}", style="dim")
+        return [first]
+    step, ceiling = fig.step, run.ceiling
+    first.append(f": {step.roofline_ms:.1f} ms at {ceiling.bytes_per_s / 1e9:.1f} GB/s, took {step.step_ms:.1f} ms = ")
+    first.append(f"{step.fraction:.0%}", style="bold green" if step.fraction >= 0.5 else "bold yellow")
+    second = Text(no_wrap=True, overflow="ellipsis")
+    second.append("           memory-bound: ", style="dim")
+    second.append(f"½ the weight bytes → {run.tokens_per_s_at(FEWER_BYTES):.1f} tok/s", style="bold")
+    second.append(f" at the ceiling ({run.tokens_per_s_at():.1f} now) · weights {run.weight_share:.1%} of "
+                  f"the bytes · run {run.fraction:.0%}", style="dim")  # fmt: skip
+    third = Text(no_wrap=True, overflow="ellipsis", style="dim")
+    third.append(f"ceiling    {fig.ceiling_note} · {ceiling.probe} · {ceiling.machine}")
+    return [first, second, third]
 
 
 def held_lines(fig: LatencyFigures) -> list[Text]:

@@ -1,0 +1,124 @@
+"""This machine's read ceiling: measured once by `reqscope calibrate`, kept in the reqscope home.
+
+The roofline a run shows (`minengine.engine.roofline`) sets each decode step's bytes against the
+read bandwidth of the machine. Measuring it at every start would cost a 512 MiB buffer (the
+peak memory of a run would grow by it) and a second of probing before the first token, and on
+a shared machine one second's bandwidth says little; so `reqscope calibrate` measures it, once
+per machine and thread count, and every run reads it back from a small JSON file, naming where
+it came from and when. A run on a machine (or a thread count) with none measured shows the
+bytes and says how to measure one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from minengine.checkpoint.paths import models_home
+from minengine.engine.roofline import ReadCeiling
+from minengine.kv.arithmetic import MIB
+
+if TYPE_CHECKING:
+    import torch
+
+CEILING_FILE = ".read-ceiling.json"  # in the reqscope home, beside the pulled models
+CEILING_PASSES = 15  # of each probe; the fastest is kept
+MEASURED_BY = "reqscope calibrate"
+CALIBRATE_HINT = f"{MEASURED_BY} --ceiling-only"  # a few seconds; the whole calibration measures it too
+
+
+@dataclass(frozen=True)
+class CeilingLookup:
+    """The ceiling stored for a machine, or why there is none."""
+
+    ceiling: ReadCeiling | None
+    machine: str
+    note: str  # where it came from, or what to run
+
+
+def ceiling_path() -> Path:
+    """Where the measured ceilings are kept."""
+    return models_home() / CEILING_FILE
+
+
+def machine_name(device: torch.device) -> str:
+    """What a ceiling is measured for: the device's name and, on a CPU, the threads that read."""
+    import torch
+
+    if device.type == "cuda":
+        return f"cuda {torch.cuda.get_device_name(device)}"
+    return f"cpu {_cpu_model()}, {torch.get_num_threads()} threads"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def measure_ceiling(device: torch.device, passes: int = CEILING_PASSES) -> ReadCeiling:
+    """The fastest pass of the two read probes on `device` (float32, past any cache).
+
+    The fastest, not the median: a ceiling is what the machine can read, and on a shared machine
+    the median is the load of those seconds, which a later, quieter run would then exceed.
+    """
+    from reqscope.bench.roofline import ReadProbe
+
+    probe = ReadProbe(device)
+    try:
+        matvec, total = [], []
+        for _ in range(passes):  # alternated, so a slow moment of the machine lands on both
+            matvec.append(probe.matvec_seconds())
+            total.append(probe.sum_seconds())
+        nbytes = probe.nbytes
+    finally:
+        probe.release()
+    speeds = {"matvec": nbytes / min(matvec), "sum": nbytes / min(total)}
+    name = max(speeds, key=speeds.__getitem__)
+    others = ", ".join(f"{n} {s / 1e9:.1f} GB/s" for n, s in speeds.items() if n != name)
+    return ReadCeiling(
+        bytes_per_s=speeds[name],
+        probe=f"{name} over {nbytes / MIB:.0f} MiB, fastest of {passes} passes; {others}",
+        machine=machine_name(device),
+        measured_at=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        source=MEASURED_BY,
+    )
+
+
+def save_ceiling(ceiling: ReadCeiling, path: Path | None = None) -> Path:
+    """Keep `ceiling` as its machine's, replacing an older one for the same machine."""
+    path = path or ceiling_path()
+    kept = [c for c in _read(path) if c.machine != ceiling.machine]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps({"version": 1, "ceilings": [asdict(c) for c in [*kept, ceiling]]}, indent=2))
+    temporary.replace(path)
+    return path
+
+
+def stored_ceiling(device: torch.device, path: Path | None = None) -> CeilingLookup:
+    """The ceiling kept for this machine, with a note of its origin; or none, and what to run."""
+    machine = machine_name(device)
+    for ceiling in _read(path or ceiling_path()):
+        if ceiling.machine == machine:
+            return CeilingLookup(ceiling, machine, f"{ceiling.source}, {ceiling.measured_at}")
+    return CeilingLookup(None, machine, f"no read ceiling measured for {machine}: run {CALIBRATE_HINT}")
+
+
+def _read(path: Path) -> list[ReadCeiling]:
+    """The ceilings in `path`; none when it is missing or unreadable (it is measured again, never misread)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return [ReadCeiling(**entry) for entry in data["ceilings"] if float(entry["bytes_per_s"]) > 0]
+    except (OSError, ValueError, TypeError, KeyError):
+        return []

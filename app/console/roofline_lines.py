@@ -1,0 +1,83 @@
+"""The roofline of a run in the console's words: the keys --json writes, the lines --plain prints.
+
+Each decode step's bytes come with its token event (`TokenEvent.bytes_read`); the ceiling is the
+one kept for this machine (`reqscope.bench.ceiling`), with a note of where it came from or what
+to run for one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from minengine.engine.events import TokenEvent
+from minengine.engine.roofline import FEWER_BYTES, ReadCeiling, RooflineSummary, decode_roofline, step_roofline
+from minengine.kv.arithmetic import MIB
+
+
+def token_keys(ev: TokenEvent, ceiling: ReadCeiling | None) -> dict:
+    """A token record's roofline keys: what its decode step read, and the time the ceiling allows it.
+
+    All None for the first token (prefill's); the ceiling's keys None without a ceiling.
+    """
+    read = ev.bytes_read
+    if read is None:
+        return {"bytes_read": None, "kv_bytes_read": None, "step_ms": round(ev.step_ms, 3), "roofline_ms": None,
+                "roofline_fraction": None}  # fmt: skip
+    step = step_roofline(read, ev.step_ms, ceiling) if ceiling is not None else None
+    return {
+        "bytes_read": read.total,
+        "kv_bytes_read": read.kv,
+        "step_ms": round(ev.step_ms, 3),
+        "roofline_ms": None if step is None else round(step.roofline_ms, 4),
+        "roofline_fraction": None if step is None else round(step.fraction, 4),
+    }
+
+
+def summary_of(tokens: Iterable[TokenEvent], ceiling: ReadCeiling | None) -> RooflineSummary | None:
+    """The decode steps among `tokens` against `ceiling`; None when there were none."""
+    return decode_roofline(((t.bytes_read, t.step_ms) for t in tokens if t.bytes_read is not None), ceiling)
+
+
+def done_keys(summary: RooflineSummary | None, note: str) -> dict | None:
+    """The done record's `roofline`: the mean decode step's bytes and times, and the ceiling they are set against."""
+    if summary is None:
+        return None
+    s, c = summary, summary.ceiling
+    return {
+        "decode_steps": s.steps,
+        "weight_bytes": s.weight_bytes,
+        "mean_bytes_read": round(s.mean_bytes_read),
+        "mean_kv_bytes_read": round(s.mean_bytes_read - s.weight_bytes),
+        "mean_step_ms": round(s.step_ms / s.steps, 4),
+        "mean_roofline_ms": None if s.roofline_ms is None else round(s.roofline_ms / s.steps, 4),
+        "roofline_fraction": None if s.fraction is None else round(s.fraction, 4),
+        "roofline_tokens_per_s": _rounded(s.tokens_per_s_at()),
+        "roofline_tokens_per_s_half_weight_bytes": _rounded(s.tokens_per_s_at(FEWER_BYTES)),
+        "ceiling_bytes_per_s": None if c is None else round(c.bytes_per_s),
+        "ceiling": None if c is None else {"probe": c.probe, "machine": c.machine, "measured_at": c.measured_at,
+                                           "source": c.source},  # fmt: skip
+        "ceiling_note": note,
+    }
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def plain_lines(summary: RooflineSummary | None, note: str) -> list[str]:
+    """--plain's roofline: the mean step against the ceiling, then what it read and what fewer bytes allow."""
+    if summary is None:
+        return []
+    s = summary
+    weights, kv = s.weight_bytes / MIB, (s.mean_bytes_read - s.weight_bytes) / MIB
+    read = (f"{s.mean_bytes_read / MIB:.1f} MiB read per step = weights {weights:.1f} ({s.weight_share:.1%}) "
+            f"+ KV {kv:.2f}")  # fmt: skip
+    if s.ceiling is None or s.roofline_ms is None or s.fraction is None:
+        return [f"roofline  {read}; {note}"]
+    allowed, measured = s.roofline_ms / s.steps, s.step_ms / s.steps
+    return [
+        f"roofline  {allowed:.2f} ms/step allowed at {s.ceiling.bytes_per_s / 1e9:.1f} GB/s vs {measured:.2f} ms "
+        f"measured: {s.fraction:.0%} of the ceiling (read ceiling: {note})",
+        f"          {read}; memory-bound: the ceiling allows {s.tokens_per_s_at():.1f} tok/s, "
+        f"{s.tokens_per_s_at(FEWER_BYTES):.1f} with half the weight bytes",
+    ]
