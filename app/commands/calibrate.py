@@ -45,7 +45,7 @@ def _lengths(text: str) -> tuple[int, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Model, device and what to measure."""
-    add_engine_arguments(parser, "model", "device", "dtype", dtype_help="weights and compute")
+    add_engine_arguments(parser, "model", "device", "dtype", "weights", dtype_help="weights and compute")
     parser.add_argument(
         "--prompt-lengths", type=_lengths, default=DEFAULT_PROMPT_LENGTHS, metavar="N,N,...",
         help=f"prefill prompt lengths (default {','.join(map(str, DEFAULT_PROMPT_LENGTHS))})",
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from reqscope.run_options import ModelFolder, stderr_progress
 
     plan = CalibrationPlan(args.prompt_lengths, args.context_lengths, args.repeats, args.decode_steps)
-    engine = Engine(ModelFolder.of(args).ensure(stderr_progress), device=args.device, dtype=args.dtype)
+    engine = Engine(ModelFolder.of(args).ensure(stderr_progress), device=args.device, dtype=args.dtype, weights=args.weights)
     line = ProgressLine(prefix="reqscope: ")  # redrawn in place on a terminal, start and end lines otherwise
     try:
         model = calibrate(engine, plan, progress=line)

@@ -53,6 +53,8 @@ class TraceHeader:
     dtype: str
     device: str
     load_ms: float
+    weights: str = "float32"  # the projections' format (traces from before it was a choice were float32)
+    weights_why: str = ""  # "asked for", "auto: ..."
 
 
 def trace_header(engine: Engine) -> TraceHeader:
@@ -68,6 +70,8 @@ def trace_header(engine: Engine) -> TraceHeader:
         dtype=str(engine.dtype).removeprefix("torch."),
         device=engine.device.type,
         load_ms=engine.load_ms,
+        weights=engine.weights.format,
+        weights_why=engine.weights.why,
     )
 
 
