@@ -92,8 +92,8 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> Weig
                 f" (the {_dtype(dtype)} compute's own) or run on the CPU",
             )
         raise WeightFormatError(
-            f"on {device.type} the weights are stored in the compute dtype ({_dtype(dtype)}); for {name} use ",
-            Mention(Setting.DTYPE, _dtype(FORMAT_DTYPE[name])), " or leave it auto",
+            f"on {device.type} the weights are stored in the compute dtype ({_dtype(dtype)}); for {name} weights use ",
+            Mention(Setting.DTYPE, _dtype(FORMAT_DTYPE[name])), " or ", Mention(Setting.DTYPE, "auto"),
         )
     probe = available(name)
     if not probe.ok:
