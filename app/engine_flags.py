@@ -1,4 +1,5 @@
-"""The flags that choose how the engine is opened (--model, --device, --dtype, --weights, --kv-budget-mib), declared once.
+"""The flags that choose how the engine is opened (--model, --device, --dtype, --weights, --kv-budget-mib),
+declared once.
 
 run, serve, calibrate and the benchmark each open an engine; each names the flags it takes, in the
 order its --help lists them, and may word a help line for its own context.
@@ -25,7 +26,7 @@ def add_engine_arguments(
     model_help: str = MODEL_HELP,
     dtype_help: str = DTYPE_HELP,
 ) -> None:
-    """Add the named engine flags ("model", "device", "dtype", "weights", "kv_budget_mib") to `parser`, in the order given."""
+    """Add the named engine flags ("model", "device", "dtype", "weights", "kv_budget_mib") to `parser`, in order."""
     for flag in flags:
         match flag:
             case "model":

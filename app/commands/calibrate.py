@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     from reqscope.run_options import ModelFolder, stderr_progress
 
     plan = CalibrationPlan(args.prompt_lengths, args.context_lengths, args.repeats, args.decode_steps)
-    engine = Engine(ModelFolder.of(args).ensure(stderr_progress), device=args.device, dtype=args.dtype, weights=args.weights)
+    folder = ModelFolder.of(args).ensure(stderr_progress)
+    engine = Engine(folder, device=args.device, dtype=args.dtype, weights=args.weights)
     line = ProgressLine(prefix="reqscope: ")  # redrawn in place on a terminal, start and end lines otherwise
     try:
         model = calibrate(engine, plan, progress=line)

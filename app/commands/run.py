@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         from reqscope.console.jsonl import print_jsonl
 
-        result = print_jsonl(events, request=request)
+        result = print_jsonl(events, request=request, weights=engine.weights)
     else:
         from reqscope.console.plain import print_plain
 

@@ -5,19 +5,26 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 from dataclasses import asdict
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from minengine.engine.events import DoneEvent, Event, PrefixCacheEvent, RequestResult, StageEvent, TokenEvent
 from minengine.engine.request import GenerationRequest, setting_value
 from reqscope.console.json_out import emit, metrics_json
 
+if TYPE_CHECKING:
+    from minengine.model.weight_format import WeightChoice
+
 
 def print_jsonl(
-    events: Iterable[Event], out: TextIO | None = None, request: GenerationRequest | None = None
+    events: Iterable[Event],
+    out: TextIO | None = None,
+    request: GenerationRequest | None = None,
+    weights: WeightChoice | None = None,
 ) -> RequestResult:
     """Write stage, token and done (or error) records; return the result.
 
-    Given the request, a first `request` record says each sampling value and where it came from.
+    Given the request, a first `request` record says each sampling value and where it came from;
+    given the engine's weight format, the done record says which ran and why (`weights`).
     """
     out = out or sys.stdout
     result: RequestResult | None = None
@@ -59,7 +66,10 @@ def print_jsonl(
     if result.error:
         emit(out, {"event": "error", "message": result.error})
     else:
-        emit(out, done_record(result))
+        record = done_record(result)
+        if weights is not None:
+            record["weights"] = {"format": weights.format, "why": weights.why}
+        emit(out, record)
     return result
 
 

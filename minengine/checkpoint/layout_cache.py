@@ -9,11 +9,12 @@ Decode streams mapped pages as fast as owned ones (measured), and the private ma
 copy-on-write, so nothing done in memory can reach the file.
 
 The key covers everything the layout depends on: the checkpoint files (name, size, mtime),
-config.json, the dtype, the weight format (`--weights`; only dense formats are cached, but a
-file names its format and one made for another is rebuilt, never read), the CPU thread count
-(it sets the column chunks) and this file format's version. A folder keeps one layout; a missing, stale or unreadable one is rebuilt, and a
-folder that cannot be written to simply gets no cache. Only the folders of pulled models (under
-reqscope's models home) get one unless `REQSCOPE_LAYOUT_CACHE=1`; `=0` turns it off.
+config.json, the dtype, the weight format (only dense formats are cached, but a file names its
+format, and one made for another is rebuilt, never read), the CPU thread count (it sets the
+column chunks) and this file format's version. A folder keeps one layout; a missing, stale or
+unreadable one is rebuilt, and a folder that cannot be written to simply gets no cache. Only
+the folders of pulled models (under reqscope's models home) get one unless
+`REQSCOPE_LAYOUT_CACHE=1`; `=0` turns it off.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class WeightChoice:
 
     @property
     def label(self) -> str:
-        """"fp16 (auto: ...)", as headers print it."""
+        """ "fp16 (auto: ...)", as headers print it."""
         return f"{self.format} ({self.why})"
 
 
@@ -53,7 +53,7 @@ _chosen = WeightChoice
 
 
 def compute_dtype_for(name: str, device: torch.device) -> str:
-    """The dtype name `auto` compute means once `--weights name` is known: a CUDA format's own dtype."""
+    """The dtype name `auto` compute means once the weight format `name` is known: a CUDA format's own dtype."""
     if device.type != "cpu" and name in ("fp16", "bf16", "float32"):
         return str(FORMAT_DTYPE[name]).removeprefix("torch.")
     return "auto"
@@ -63,8 +63,11 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> Weig
     """The format for `name` ("auto" or one of `WEIGHT_FORMATS`) on `device` with compute `dtype`."""
     own = DTYPE_FORMAT.get(dtype, "float32")
     if name != "auto" and name not in WEIGHT_FORMATS:
-        raise WeightFormatError(f"unknown weight format {name!r}; choose ", Mention(Setting.WEIGHTS, "auto"),
-                                f" or one of {', '.join(WEIGHT_FORMATS)}")
+        raise WeightFormatError(
+            f"unknown weight format {name!r}; choose ",
+            Mention(Setting.WEIGHTS, "auto"),
+            f" or one of {', '.join(WEIGHT_FORMATS)}",
+        )
     packs = device.type == "cpu" and dtype == torch.float32
     if name == "auto":
         if not packs:
@@ -76,7 +79,7 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> Weig
                 return _chosen("float32", f"auto: no faster format passes here{note}", False)
             probe = available(fmt)
             if probe.ok:
-                return _chosen(fmt, f"auto: {fmt} decodes fastest here with float32's greedy tokens", True)
+                return _chosen(fmt, "auto: the fastest measured that keeps float32's greedy tokens", True)
             skipped.append(f"{fmt}: {probe.why_not}")
     if name == own:
         return _chosen(name, "asked for", False)
@@ -84,21 +87,29 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> Weig
         if device.type == "cpu":
             raise WeightFormatError(
                 f"{name} weights need float32 compute on the CPU; this run computes in {_dtype(dtype)}: use ",
-                Mention(Setting.DTYPE, "float32"), " or ", Mention(Setting.WEIGHTS, own),
+                Mention(Setting.DTYPE, "float32"),
+                " or ",
+                Mention(Setting.WEIGHTS, own),
             )
         if name == "int8":
             raise WeightFormatError(
-                f"int8 weights have no {device.type} kernel here; use ", Mention(Setting.WEIGHTS, own),
+                f"int8 weights have no {device.type} kernel here; use ",
+                Mention(Setting.WEIGHTS, own),
                 f" (the {_dtype(dtype)} compute's own) or run on the CPU",
             )
         raise WeightFormatError(
             f"on {device.type} the weights are stored in the compute dtype ({_dtype(dtype)}); for {name} weights use ",
-            Mention(Setting.DTYPE, _dtype(FORMAT_DTYPE[name])), " or ", Mention(Setting.DTYPE, "auto"),
+            Mention(Setting.DTYPE, _dtype(FORMAT_DTYPE[name])),
+            " or ",
+            Mention(Setting.DTYPE, "auto"),
         )
     probe = available(name)
     if not probe.ok:
-        raise WeightFormatError(f"{name} weights cannot run: {probe.why_not}; use ",
-                                Mention(Setting.WEIGHTS, "fp16" if name != "fp16" else "float32"), " or leave it auto")
+        raise WeightFormatError(
+            f"{name} weights cannot run: {probe.why_not}; use ",
+            Mention(Setting.WEIGHTS, "fp16" if name != "fp16" else "float32"),
+            " or leave it auto",
+        )
     return _chosen(name, "asked for", True)
 
 
@@ -113,5 +124,9 @@ def refuse_shapes(choice: WeightChoice, cfg: ModelConfig) -> None:
     for name, shape in expected_shapes(cfg).items():
         why = int8_refusal(name, shape) if len(shape) == 2 else None
         if why is not None:
-            raise WeightFormatError(f"int8 weights cannot hold this model: {why}; use ",
-                                    Mention(Setting.WEIGHTS, "fp16"), " or ", Mention(Setting.WEIGHTS, "float32"))
+            raise WeightFormatError(
+                f"int8 weights cannot hold this model: {why}; use ",
+                Mention(Setting.WEIGHTS, "fp16"),
+                " or ",
+                Mention(Setting.WEIGHTS, "float32"),
+            )
