@@ -30,9 +30,10 @@ from safetensors import SafetensorError, safe_open
 
 from minengine.checkpoint.paths import models_home
 from minengine.checkpoint.weight_layout import CheckpointReader
+from minengine.model.weight_format import DTYPE_FORMAT
 from minengine.progress import BYTES, ProgressCallback, Stage
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 2
 CACHE_DIR = ".minengine"
 DISABLE_ENV = "REQSCOPE_LAYOUT_CACHE"
 _DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -65,9 +66,14 @@ def wanted(folder: Path) -> bool:
 
 
 def layout_key(folder: Path, files: list[Path], dtype: torch.dtype, weights: str) -> str:
-    """A digest of everything the operands built from `files` for weight format `weights` depend on."""
+    """A digest of everything the operands built from `files` for weight format `weights` depend on.
+
+    A dense format is its dtype's own, which the key holds already, so its key is the one layouts
+    had before the format was a choice (they stay valid); any other format is hashed in."""
     h = hashlib.sha256()
-    h.update(f"{FORMAT_VERSION}|{dtype}|{weights}|{torch.get_num_threads()}|".encode())
+    h.update(f"{FORMAT_VERSION}|{dtype}|{torch.get_num_threads()}|".encode())
+    if weights != DTYPE_FORMAT.get(dtype):
+        h.update(f"weights {weights}|".encode())
     config = folder / "config.json"
     h.update(config.read_bytes() if config.is_file() else b"")
     for path in files:
@@ -166,7 +172,8 @@ def open_layout(path: Path, weights: str) -> CachedLayout | None:
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             metadata = handle.metadata() or {}
-            if metadata.get(_WEIGHTS) != weights:
+            # A layout from before formats were named is its dtype's own, as its key says.
+            if metadata.get(_WEIGHTS, weights) != weights:
                 return None
             transposed = set(json.loads(metadata.get(_TRANSPOSED, "[]")))
             tensors = {}

@@ -108,7 +108,8 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> Weig
         raise WeightFormatError(
             f"{name} weights cannot run: {probe.why_not}; use ",
             Mention(Setting.WEIGHTS, "fp16" if name != "fp16" else "float32"),
-            " or leave it auto",
+            " or ",
+            Mention(Setting.WEIGHTS, "auto"),
         )
     return _chosen(name, "asked for", True)
 
