@@ -122,7 +122,8 @@ def test_the_bytes_counted_are_the_bytes_stored(fmt, shape):
     kept.append(PackedLinear(fmt, weight, 1))
     grown = _allocated() - before
     packed = kept[0]
-    assert abs(grown - packed.stored_bytes) <= 2048 + packed.stored_bytes // 100, (grown, packed.stored_bytes)
+    # malloc's slack: a few small bookkeeping allocations (up to ~3 KiB measured), 1% on large ones
+    assert abs(grown - packed.stored_bytes) <= 4096 + packed.stored_bytes // 100, (grown, packed.stored_bytes)
     out, k = shape
     elem = {"fp16": 2, "int8": 1}[fmt]
     assert k * out * elem <= packed.read_bytes <= packed.stored_bytes
