@@ -1,4 +1,5 @@
-"""The flags that choose how the engine is opened (--model, --device, --dtype, --kv-budget-mib), declared once.
+"""The flags that choose how the engine is opened (--model, --device, --dtype, --weights, --kv-budget-mib),
+declared once.
 
 run, serve, calibrate and the benchmark each open an engine; each names the flags it takes, in the
 order its --help lists them, and may word a help line for its own context.
@@ -8,10 +9,15 @@ from __future__ import annotations
 
 import argparse
 
-from minengine.dtype_names import DTYPE_CHOICES
+from minengine.dtype_names import DTYPE_CHOICES, WEIGHT_CHOICES
 
 MODEL_HELP = "model folder (default: the pulled SmolLM2-135M-Instruct)"
 DTYPE_HELP = "weights and compute (half = float16)"
+WEIGHTS_HELP = (
+    "the projections' storage, in llama.cpp's and vLLM's short names: float32, fp16, bf16, int8 (per-channel); "
+    "on the CPU fp16/bf16/int8 are packed kernels around float32 compute, elsewhere the compute dtype's own "
+    "(default auto: the fastest format measured to keep float32's greedy tokens, fp16 on the CPU)"
+)
 
 
 def add_engine_arguments(
@@ -20,7 +26,7 @@ def add_engine_arguments(
     model_help: str = MODEL_HELP,
     dtype_help: str = DTYPE_HELP,
 ) -> None:
-    """Add the named engine flags ("model", "device", "dtype", "kv_budget_mib") to `parser`, in the order given."""
+    """Add the named engine flags ("model", "device", "dtype", "weights", "kv_budget_mib") to `parser`, in order."""
     for flag in flags:
         match flag:
             case "model":
@@ -29,6 +35,8 @@ def add_engine_arguments(
                 parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
             case "dtype":
                 parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=dtype_help)
+            case "weights":
+                parser.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
             case "kv_budget_mib":
                 parser.add_argument(
                     "--kv-budget-mib", type=float, help="KV memory budget for admission (default: half of free memory)"

@@ -34,7 +34,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: unset sampling flags take the model's generation_config.json values, as in vLLM; "
         "reqscope: ignore that file and use reqscope's defaults (default: auto)",
     )
-    add_engine_arguments(m, "dtype")
+    add_engine_arguments(m, "dtype", "weights")
     m.add_argument(
         "--cuda-graph",
         action=argparse.BooleanOptionalAction,
@@ -186,7 +186,7 @@ def request_from_args(args: argparse.Namespace, prompt: str, model: ModelFolder 
 
 def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCallback | None = None) -> Engine:
     """Load `model` (pulled first when it is the default one, missing) with the flags' device,
-    dtype, KV budget and CUDA-graph choice.
+    dtype, weight format, KV budget and CUDA-graph choice.
 
     `progress` hears status messages and the stages of a pull and of a first load (download,
     verify, convert, layout, cache) as `PullProgress` events.
@@ -210,6 +210,7 @@ def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCa
             model_dir,
             device=args.device,
             dtype=args.dtype,
+            weights=getattr(args, "weights", "auto"),  # verbs without the flag keep auto
             kv_budget_bytes=budget,
             progress=progress,
             prefix_cache=getattr(args, "prefix_cache", True),  # verbs without the flag keep it on

@@ -31,6 +31,8 @@ class Words:
 WORDS: dict[Setting, Words] = {
     Setting.MODEL_DIR: Words("--model", placeholder="PATH"),
     Setting.DEVICE: Words("--device"),
+    Setting.DTYPE: Words("--dtype"),
+    Setting.WEIGHTS: Words("--weights"),
     Setting.MAX_TOKENS: Words("--max-tokens"),
     Setting.KV_BUDGET: Words("--kv-budget-mib"),
     Setting.PREFIX_CACHE_OFF: Words("--no-prefix-cache"),

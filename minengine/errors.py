@@ -17,6 +17,8 @@ class Setting(Enum):
 
     MODEL_DIR = "model_dir"
     DEVICE = "device"
+    DTYPE = "dtype"
+    WEIGHTS = "weights"
     MAX_TOKENS = "max_tokens"
     KV_BUDGET = "kv_budget_bytes"
     PREFIX_CACHE_OFF = "prefix_cache=False"

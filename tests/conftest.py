@@ -36,7 +36,7 @@ def default_engine(default_model_dir):
     """The real default model loaded in float32 on the CPU."""
     from minengine.engine.engine import Engine
 
-    return Engine(default_model_dir, device="cpu", dtype="float32", kv_budget_bytes=1 << 30)
+    return Engine(default_model_dir, device="cpu", dtype="float32", weights="float32", kv_budget_bytes=1 << 30)
 
 
 @pytest.fixture(scope="session")
@@ -61,7 +61,7 @@ def chatty_engine(chatty_tiny_dir):
     """Engine over the chatty tiny model (CPU, float32, 64 MiB KV budget)."""
     from minengine.engine.engine import Engine
 
-    return Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20)
+    return Engine(chatty_tiny_dir, device="cpu", dtype="float32", weights="float32", kv_budget_bytes=64 << 20)
 
 
 @pytest.fixture(autouse=True)

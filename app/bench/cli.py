@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags."""
-    add_engine_arguments(parser, "model", "device", "dtype")
+    add_engine_arguments(parser, "model", "device", "dtype", "weights")
     parser.add_argument("--threads", type=count, help="torch threads for both engines (default: torch's own)")
     parser.add_argument("--rounds", type=count, default=5, help="measured rounds (default 5)")
     parser.add_argument("--new-tokens", type=count, default=128, help="greedy tokens per decode run (default 128)")
@@ -93,6 +93,7 @@ def config_from_args(args: argparse.Namespace, progress=None) -> BenchConfig:
         model_dir=model_dir,
         device=args.device,
         dtype=args.dtype,
+        weights=args.weights,
         threads=args.threads,
         rounds=args.rounds,
         new_tokens=args.new_tokens,

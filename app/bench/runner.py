@@ -88,6 +88,7 @@ class BenchConfig:
     model_dir: Path
     device: str = "auto"
     dtype: str = "auto"
+    weights: str = "auto"  # the projections' format (`--weights`), for reqscope's side only
     threads: int | None = None  # torch intra-op threads for both engines (None: torch's default)
     rounds: int = 5
     new_tokens: int = 128
@@ -324,7 +325,9 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
 
 
 def _engine(config: BenchConfig) -> Engine:
-    return Engine(config.model_dir, device=config.device, dtype=config.dtype, cuda_graph=config.cuda_graph)
+    return Engine(
+        config.model_dir, device=config.device, dtype=config.dtype, weights=config.weights, cuda_graph=config.cuda_graph
+    )
 
 
 def _fair(
@@ -364,7 +367,7 @@ def fair_contenders(config: BenchConfig, engine: Engine, selection: PeerSelectio
     reqscope_env = probe_environment(env)
     command = [sys.executable, "-m", "reqscope", "--json", "--temperature", "0"]
     command += ["--max-tokens", str(config.new_tokens), "--model", str(config.model_dir)]
-    command += ["--device", device, "--dtype", dtype]
+    command += ["--device", device, "--dtype", dtype, "--weights", engine.weights.format]
     if device == "cuda" and not config.cuda_graph:
         command.append("--no-cuda-graph")
     hf = [sys.executable, "-m", "reqscope.bench.fair.hf_child", "--model", str(config.model_dir)]

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         from reqscope.console.jsonl import print_jsonl
 
-        result = print_jsonl(events, request=request, ceiling=ceiling)
+        result = print_jsonl(events, request=request, ceiling=ceiling, weights=engine.weights)
     else:
         from reqscope.console.plain import print_plain
 

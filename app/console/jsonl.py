@@ -15,19 +15,24 @@ from reqscope.console.roofline_lines import done_keys, summary_of, token_keys
 if TYPE_CHECKING:
     from reqscope.bench.ceiling import CeilingLookup
 
+if TYPE_CHECKING:
+    from minengine.model.weight_format import WeightChoice
+
 
 def print_jsonl(
     events: Iterable[Event],
     out: TextIO | None = None,
     request: GenerationRequest | None = None,
     ceiling: CeilingLookup | None = None,
+    weights: WeightChoice | None = None,
 ) -> RequestResult:
     """Write stage, token and done (or error) records; return the result.
 
     Given the request, a first `request` record says each sampling value and where it came from.
     Each token record says what its decode step read and, given this machine's read `ceiling`,
     the time the ceiling allows it (`roofline_ms`) and the fraction of it reached; the done
-    record sums them up under `roofline`.
+    record sums them up under `roofline`; given the engine's weight format, it says which ran
+    and why (`weights`).
     """
     out = out or sys.stdout
     result: RequestResult | None = None
@@ -74,7 +79,10 @@ def print_jsonl(
         emit(out, {"event": "error", "message": result.error})
     else:
         note = "" if ceiling is None else ceiling.note
-        emit(out, done_record(result, roofline=done_keys(summary_of(tokens, read_ceiling), note)))
+        record = done_record(result, roofline=done_keys(summary_of(tokens, read_ceiling), note))
+        if weights is not None:
+            record["weights"] = {"format": weights.format, "why": weights.why}
+        emit(out, record)
     return result
 
 

@@ -9,10 +9,12 @@ Decode streams mapped pages as fast as owned ones (measured), and the private ma
 copy-on-write, so nothing done in memory can reach the file.
 
 The key covers everything the layout depends on: the checkpoint files (name, size, mtime),
-config.json, the dtype, the CPU thread count (it sets the column chunks) and this format's
-version. A folder keeps one layout; a missing, stale or unreadable one is rebuilt, and a
-folder that cannot be written to simply gets no cache. Only the folders of pulled models (under
-reqscope's models home) get one unless `REQSCOPE_LAYOUT_CACHE=1`; `=0` turns it off.
+config.json, the dtype, the weight format (only dense formats are cached, but a file names its
+format, and one made for another is rebuilt, never read), the CPU thread count (it sets the
+column chunks) and this file format's version. A folder keeps one layout; a missing, stale or
+unreadable one is rebuilt, and a folder that cannot be written to simply gets no cache. Only
+the folders of pulled models (under reqscope's models home) get one unless
+`REQSCOPE_LAYOUT_CACHE=1`; `=0` turns it off.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from safetensors import SafetensorError, safe_open
 
 from minengine.checkpoint.paths import models_home
 from minengine.checkpoint.weight_layout import CheckpointReader
+from minengine.model.weight_format import DTYPE_FORMAT
 from minengine.progress import BYTES, ProgressCallback, Stage
 
 FORMAT_VERSION = 2
@@ -35,6 +38,7 @@ CACHE_DIR = ".minengine"
 DISABLE_ENV = "REQSCOPE_LAYOUT_CACHE"
 _DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _TRANSPOSED = "transposed"  # metadata: names stored as their last two dims swapped
+_WEIGHTS = "weights"  # metadata: the weight format the operands were built for
 _PAD = "__pad"
 # Every tensor starts on a cache line, as torch's own allocations do: MKL's kernels pick their
 # code path, and with it the rounding of a sum, by the operands' alignment, so a mapped layout
@@ -61,10 +65,15 @@ def wanted(folder: Path) -> bool:
     return models_home().resolve() in folder.resolve().parents
 
 
-def layout_key(folder: Path, files: list[Path], dtype: torch.dtype) -> str:
-    """A digest of everything the operands built from `files` depend on."""
+def layout_key(folder: Path, files: list[Path], dtype: torch.dtype, weights: str) -> str:
+    """A digest of everything the operands built from `files` for weight format `weights` depend on.
+
+    A dense format is its dtype's own, which the key holds already, so its key is the one layouts
+    had before the format was a choice (they stay valid); any other format is hashed in."""
     h = hashlib.sha256()
     h.update(f"{FORMAT_VERSION}|{dtype}|{torch.get_num_threads()}|".encode())
+    if weights != DTYPE_FORMAT.get(dtype):
+        h.update(f"weights {weights}|".encode())
     config = folder / "config.json"
     h.update(config.read_bytes() if config.is_file() else b"")
     for path in files:
@@ -100,6 +109,10 @@ class CachedLayout:
     def projection(self, *names: str, chunks: int | None = None) -> torch.Tensor:
         """The stored operand for these weights."""
         return self.tensors[_projection_name(names)]
+
+    def embedding(self, name: str, *, tied: bool) -> torch.Tensor | None:
+        """The stored table, or None when the head serves lookups (layouts are float32's own operands)."""
+        return None if tied else self.tensors[name]
 
     def optional(self, name: str) -> torch.Tensor | None:
         """The stored tensor, or None when the checkpoint had none."""
@@ -138,6 +151,10 @@ class RecordingReader:
         self._laid_out(names)
         return t
 
+    def embedding(self, name: str, *, tied: bool) -> torch.Tensor | None:
+        """`CheckpointReader.embedding` of a dense layout, recorded when it is a table of its own."""
+        return None if tied else self.copy(name)
+
     def optional(self, name: str) -> torch.Tensor | None:
         """`CheckpointReader.optional`, recorded when present."""
         return self.copy(name) if name in self.reader else None
@@ -147,13 +164,18 @@ def _projection_name(names: tuple[str, ...]) -> str:
     return "+".join(names)
 
 
-def open_layout(path: Path) -> CachedLayout | None:
-    """The layout at `path`, memory-mapped, or None when it is missing or unreadable."""
+def open_layout(path: Path, weights: str) -> CachedLayout | None:
+    """The layout at `path`, memory-mapped, or None when it is missing, unreadable or made for
+    another weight format than `weights`."""
     if not path.is_file():
         return None
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
-            transposed = set(json.loads((handle.metadata() or {}).get(_TRANSPOSED, "[]")))
+            metadata = handle.metadata() or {}
+            # A layout from before formats were named is its dtype's own, as its key says.
+            if metadata.get(_WEIGHTS, weights) != weights:
+                return None
+            transposed = set(json.loads(metadata.get(_TRANSPOSED, "[]")))
             tensors = {}
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if name.startswith(_PAD):
@@ -167,8 +189,11 @@ def open_layout(path: Path) -> CachedLayout | None:
     return CachedLayout(tensors)
 
 
-def write_layout(path: Path, tensors: dict[str, torch.Tensor], progress: ProgressCallback | None = None) -> bool:
-    """Write `tensors` as a safetensors file at `path` (atomically, replacing other layouts); False on failure.
+def write_layout(
+    path: Path, tensors: dict[str, torch.Tensor], weights: str, progress: ProgressCallback | None = None
+) -> bool:
+    """Write `tensors`, built for weight format `weights`, as a safetensors file at `path`
+    (atomically, replacing other layouts); False on failure.
 
     Written directly from the tensors' memory: `safetensors.torch.save_file` would first copy
     every tensor into a bytes object, briefly holding the weights twice. `progress` hears a
@@ -194,7 +219,7 @@ def write_layout(path: Path, tensors: dict[str, torch.Tensor], progress: Progres
         header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         stored.append(t)
         offset += size
-    header["__metadata__"] = {_TRANSPOSED: json.dumps(transposed), "format": str(FORMAT_VERSION)}
+    header["__metadata__"] = {_TRANSPOSED: json.dumps(transposed), "format": str(FORMAT_VERSION), _WEIGHTS: weights}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % ALIGN)  # the data, and so every tensor, starts aligned
     try:

@@ -5,6 +5,10 @@ the checkpoint's [out, in] matrices, and is applied with one `bmm`. The layout i
 the one-token products of decode, which read the whole matrix for little arithmetic, so the
 only question is how fast it streams (see `projection_operand`). Loading consumes the state
 dict tensor by tensor and hands the memory-mapped pages back as it goes (`CheckpointReader`).
+
+A reader told a packed weight format (`linear_kernels`) packs each projection instead, into a
+`PackedLinear` that `project` and `project_chunks` dispatch on; the float32 source of each is
+dropped as it is packed, so the model holds one copy of its weights, in the chosen format.
 """
 
 from __future__ import annotations
@@ -14,6 +18,13 @@ from typing import Protocol
 import torch
 
 from minengine.checkpoint.mapped_pages import MappedFiles
+from minengine.model.linear_kernels import EmbeddingRows, PackedLinear
+
+# A projection's operand: a dense [chunks, in, out/chunks] tensor, or a packed kernel's weight.
+Operand = torch.Tensor | PackedLinear
+# The token embedding: a dense [vocab, hidden] table, rows in a packed format's storage, or None
+# when a tied head's dense operand serves the lookups.
+Embedding = torch.Tensor | EmbeddingRows | None
 
 
 def chunk_count(out_features: int, device: torch.device) -> int:
@@ -63,7 +74,8 @@ class WeightSource(Protocol):
 
     def __contains__(self, name: str) -> bool: ...
     def copy(self, name: str) -> torch.Tensor: ...
-    def projection(self, *names: str, chunks: int | None = None) -> torch.Tensor: ...
+    def projection(self, *names: str, chunks: int | None = None) -> Operand: ...
+    def embedding(self, name: str, *, tied: bool) -> Embedding: ...
     def optional(self, name: str) -> torch.Tensor | None: ...
 
 
@@ -71,12 +83,14 @@ class CheckpointReader:
     """A loaded state dict, consumed name by name into owned (aligned, unmapped) copies.
 
     The pages of the memory-mapped file that each copy was read from are given back at once,
-    so loading never holds the weights twice.
+    so loading never holds the weights twice. With a packed format (`packs`, "fp16", "int8",
+    "bf16"), projections are packed and the embedding kept at the format's width.
     """
 
-    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
+    def __init__(self, sd: dict[str, torch.Tensor], packs: str | None = None) -> None:
         self.sd = sd
         self.pages = MappedFiles()
+        self.packs = packs
 
     def __contains__(self, name: str) -> bool:
         return name in self.sd
@@ -90,22 +104,38 @@ class CheckpointReader:
         """An owned copy of one tensor."""
         return self._consumed((name,), self.sd[name].clone())
 
-    def projection(self, *names: str, chunks: int | None = None) -> torch.Tensor:
-        """The [chunks, in, out/chunks] operand built from these [out, in] weights (see `projection_operand`).
+    def projection(self, *names: str, chunks: int | None = None) -> Operand:
+        """The [chunks, in, out/chunks] operand built from these [out, in] weights (see `projection_operand`),
+        or their packed weight (`chunks` kept as its output layout).
 
-        `chunks` defaults to one per CPU thread (one on CUDA)."""
+        `chunks` defaults to one per CPU thread (one on CUDA; one for a packed kernel, which
+        runs its own threads)."""
         weights = [self.sd[n] for n in names]
+        if self.packs is not None:
+            stacked = torch.cat(weights) if len(weights) > 1 else weights[0]
+            return self._consumed(names, PackedLinear(self.packs, stacked, chunks or 1))
         if chunks is None:
             chunks = chunk_count(sum(w.shape[0] for w in weights), weights[0].device)
         return self._consumed(names, projection_operand(*weights, chunks=chunks))
+
+    def embedding(self, name: str, *, tied: bool) -> Embedding:
+        """The token embedding: None when `tied` and the head's dense operand serves lookups, else
+        a table (dense, or at the packed format's width). A tied weight is left for the head."""
+        if self.packs is None:
+            return None if tied else self.copy(name)
+        rows = EmbeddingRows(self.packs, self.sd[name])
+        return rows if tied else self._consumed((name,), rows)
 
     def optional(self, name: str) -> torch.Tensor | None:
         """`copy(name)`, or None when the checkpoint has no such tensor."""
         return self.copy(name) if name in self.sd else None
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def project(x: torch.Tensor, weight: Operand, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] times a [chunks, in, out/chunks] operand (+ bias [out]): a linear layer, [T, out]."""
+    if isinstance(weight, PackedLinear):
+        y = weight.linear(x)
+        return y if bias is None else y.add_(bias)
     y = project_chunks(x, weight, bias)
     T = x.shape[0]
     # One row: the chunks already lie end to end. More rows: interleave them (one copy).
@@ -113,13 +143,18 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 
 def project_chunks(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: Operand, bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [T, in] times each chunk of the operand: [chunks, T, out/chunks] (bias added per chunk).
 
     `out` receives the result when given (a decode step's scratch buffer, of that shape).
     """
     chunks = weight.shape[0]
+    if isinstance(weight, PackedLinear):  # the kernel writes [T, out]: its columns, cut into the chunks
+        y = project(x, weight, bias)
+        T = x.shape[0]
+        y = y.view(chunks, 1, -1) if T == 1 else y.view(T, chunks, -1).transpose(0, 1)
+        return y if out is None else out.copy_(y)
     rows = x.expand(chunks, -1, -1)
     if bias is None:
         return torch.bmm(rows, weight, out=out)

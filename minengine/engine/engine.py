@@ -21,6 +21,7 @@ from minengine.errors import Mention, ModelNotFoundError, Setting
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
+from minengine.model.weight_format import compute_dtype_for, refuse_shapes, resolve_weights
 from minengine.progress import ProgressCallback
 from minengine.text.tokenizer import ModelTokenizer
 
@@ -68,6 +69,7 @@ class Engine:
         *,
         device: str = "auto",
         dtype: str = "auto",
+        weights: str = "auto",
         kv_budget_bytes: int | None = None,
         progress: ProgressCallback | None = None,
         prefix_cache: bool = True,
@@ -78,7 +80,9 @@ class Engine:
         KV blocks for later requests with the same prompt prefix (`minengine.kv.prefix_cache`).
         `cuda_graph`: on a CUDA device, decode steps replay captured CUDA graphs (the static step,
         `minengine.model.cuda_graph`), else they run eagerly; other devices have no graphs, and
-        it changes nothing there."""
+        it changes nothing there. `weights` is the projections' storage ("auto", "float32",
+        "fp16", "bf16", "int8"; `minengine.model.weight_format` says what each means where, and
+        what auto picks); it is checked before anything is loaded."""
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
@@ -87,9 +91,14 @@ class Engine:
             )
         self.cfg = ModelConfig.from_file(self.model_dir)
         self.device = resolve_device(device)
+        if dtype == "auto":
+            dtype = compute_dtype_for(weights, self.device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.weights = resolve_weights(weights, self.device, self.dtype)
+        refuse_shapes(self.weights, self.cfg)
         self.tokenizer = ModelTokenizer(self.model_dir)
-        self.model = Transformer.load(self.model_dir, self.cfg, self.dtype, self.device, progress)
+        packs = self.weights.format if self.weights.packed else None
+        self.model = Transformer.load(self.model_dir, self.cfg, self.dtype, self.device, progress, packs=packs)
         self.model.rope.ensure(min(self.cfg.max_position_embeddings, 4096))
         # Requests make caches and run steps through it.
         self.runner = ModelRunner(self.model, static_decode=cuda_graph and self.device.type == "cuda")
@@ -113,6 +122,7 @@ class Engine:
         return KVIdentity(
             model=self.fingerprint,
             dtype=str(self.dtype).removeprefix("torch."),
+            weights=self.weights.format,
             device=str(self.device),
             layout=layout,
             storage_dtype=str(storage_dtype).removeprefix("torch."),
@@ -128,10 +138,10 @@ class Engine:
         return iter(self.start(request))
 
     def describe(self) -> str:
-        """One line naming the model, its attention layout, device and dtype."""
+        """One line naming the model, its attention layout, device, dtype and weight format (and why)."""
         c = self.cfg
         return (
             f"{self.model_dir.name}: {c.model_type}, {c.num_hidden_layers} layers, "
             f"{c.num_attention_heads} q heads / {c.num_key_value_heads} kv heads ({c.attention_kind}), "
-            f"{self.device.type} {str(self.dtype).removeprefix('torch.')}"
+            f"{self.device.type} {str(self.dtype).removeprefix('torch.')}, weights {self.weights.label}"
         )

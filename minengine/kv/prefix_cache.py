@@ -45,6 +45,7 @@ class KVIdentity:
     layout: str  # gqa or mha
     storage_dtype: str  # KV storage, FP8 included
     block_size: int
+    weights: str = "float32"  # the projections' storage format: it moves every K/V value
 
     def root(self) -> bytes:
         """The hash every block chain of this identity starts from."""

@@ -18,6 +18,7 @@ from minengine.checkpoint import layout_cache
 from minengine.checkpoint.weight_layout import CheckpointReader, WeightSource
 from minengine.checkpoint.weights import checkpoint_files, load_state_dict
 from minengine.config import ModelConfig
+from minengine.model.weight_format import DTYPE_FORMAT
 from minengine.progress import TENSORS, ProgressCallback, Stage
 
 M = TypeVar("M")
@@ -30,17 +31,21 @@ def build(
     device: torch.device,
     make: Callable[[WeightSource], M],
     progress: ProgressCallback | None = None,
+    packs: str | None = None,
 ) -> M:
     """`make(weights)` over the checkpoint in `folder`: its cached layout when one fits, else the
     validated checkpoint (recording the layout it builds, where the cache is wanted).
 
     Building and writing a layout (a first load, about a second here) is reported to `progress`
     as a "layout" stage (checkpoint tensors laid out) and a "cache" stage (bytes written).
+    With a packed weight format (`packs`) the projections are packed from the checkpoint every
+    time: a packed kernel's weights are opaque objects, not tensors a file could map.
     """
-    if device.type != "cpu" or not layout_cache.wanted(folder):
-        return make(CheckpointReader(load_state_dict(folder, cfg, dtype, device)))
-    path = layout_cache.layout_path(folder, layout_cache.layout_key(folder, checkpoint_files(folder), dtype))
-    cached = layout_cache.open_layout(path)
+    if device.type != "cpu" or packs is not None or not layout_cache.wanted(folder):
+        return make(CheckpointReader(load_state_dict(folder, cfg, dtype, device), packs))
+    weights = DTYPE_FORMAT.get(dtype, str(dtype))  # a dense layout's format is its dtype's
+    path = layout_cache.layout_path(folder, layout_cache.layout_key(folder, checkpoint_files(folder), dtype, weights))
+    cached = layout_cache.open_layout(path, weights)
     if cached is not None:
         try:
             return make(cached)
@@ -51,5 +56,5 @@ def build(
     recorder = layout_cache.RecordingReader(reader, building)
     model = make(recorder)
     building.finish(f"{len(recorder.made)} operands")
-    layout_cache.write_layout(path, recorder.made, progress)
+    layout_cache.write_layout(path, recorder.made, weights, progress)
     return model

@@ -33,10 +33,18 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from minengine.checkpoint.weight_layout import CheckpointReader, WeightSource, project, project_chunks
+from minengine.checkpoint.weight_layout import (
+    CheckpointReader,
+    Embedding,
+    Operand,
+    WeightSource,
+    project,
+    project_chunks,
+)
 from minengine.config import ModelConfig
 from minengine.kv.cache import KVCache
 from minengine.model import loader
+from minengine.model.linear_kernels import EmbeddingRows, PackedLinear
 from minengine.model.ops import RMSNorm, attend, decode_attention, heads_first
 from minengine.model.rope import RotaryTable, rotate
 from minengine.progress import ProgressCallback
@@ -67,8 +75,8 @@ class Layer:
             hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
             self.qk_norm = RMSNorm(torch.cat([self.q_norm.expand(hq, -1), self.k_norm.expand(hkv, -1)]), eps)
 
-    def tensors(self) -> list[torch.Tensor]:
-        """Every parameter tensor of the block (for byte counts)."""
+    def tensors(self) -> list[torch.Tensor | PackedLinear]:
+        """Every parameter of the block, tensors and packed weights (for byte counts)."""
         optional = (self.qkv_bias, self.q_norm, self.k_norm)
         norms = [self.input_norm.weight, self.post_norm.weight]
         return [*norms, self.qkv, self.o, self.gate_up, self.down] + [t for t in optional if t is not None]
@@ -175,17 +183,16 @@ class Transformer:
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor] | WeightSource, device: torch.device) -> None:
-        """Build from a validated state dict, or from a reader (a cached layout, a recording reader)."""
+        """Build from a validated state dict, or from a reader (a cached layout, a recording reader,
+        a reader that packs)."""
         self.cfg = cfg
         self.device = device
         ckpt = CheckpointReader(weights) if isinstance(weights, dict) else weights
         self.norm = RMSNorm(ckpt.copy("model.norm.weight"), cfg.rms_norm_eps)
         self.dtype = self.norm.weight.dtype
-        if cfg.tie_word_embeddings:
-            self.embed, self.lm_head = None, ckpt.projection("model.embed_tokens.weight")
-        else:
-            self.embed = ckpt.copy("model.embed_tokens.weight")
-            self.lm_head = ckpt.projection("lm_head.weight")
+        tied = cfg.tie_word_embeddings
+        self.embed: Embedding = ckpt.embedding("model.embed_tokens.weight", tied=tied)
+        self.lm_head: Operand = ckpt.projection("model.embed_tokens.weight" if tied else "lm_head.weight")
         self.layers = [Layer(ckpt, f"model.layers.{i}.", cfg) for i in range(cfg.num_hidden_layers)]
         self.rope = RotaryTable(cfg, device, self.dtype)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
@@ -201,15 +208,20 @@ class Transformer:
         dtype: torch.dtype,
         device: torch.device,
         progress: ProgressCallback | None = None,
+        *,
+        packs: str | None = None,
     ) -> Transformer:
         """Load and validate the safetensors checkpoint in `folder` (through `loader`'s layout cache,
-        whose first build reports to `progress`)."""
-        return loader.build(folder, cfg, dtype, device, lambda weights: cls(cfg, weights, device), progress)
+        whose first build reports to `progress`); `packs` names a packed weight format
+        (`linear_kernels`), None keeps dense operands in `dtype`."""
+        return loader.build(folder, cfg, dtype, device, lambda weights: cls(cfg, weights, device), progress, packs)
 
     # -- the layers ----------------------------------------------------------------------------
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows for token ids [T], shaped [T, hidden] (a fresh tensor)."""
+        if isinstance(self.embed, EmbeddingRows):
+            return self.embed.lookup(ids)
         if self.embed is not None:
             return F.embedding(ids, self.embed)
         per_chunk = self.lm_head.shape[2]
@@ -309,18 +321,34 @@ class Transformer:
             x = self.block(i, x, cos, sin, attention, last_only=not all_logits and i == last)
         return self.logits(x, per_position=all_logits)
 
+    def _read_every_step(self) -> list[torch.Tensor | PackedLinear]:
+        return [self.norm.weight, self.lm_head] + [t for layer in self.layers for t in layer.tensors()]
+
     @property
     def weight_bytes(self) -> int:
-        """Bytes of all parameter tensors (the tied head counted once)."""
-        tensors = [self.norm.weight, self.lm_head] + ([] if self.embed is None else [self.embed])
-        for layer in self.layers:
-            tensors += layer.tensors()
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes the weights are stored in (the tied head counted once; a packed kernel's padding included)."""
+        embed = 0
+        if isinstance(self.embed, EmbeddingRows):
+            embed = self.embed.stored_bytes
+        elif self.embed is not None:
+            embed = self.embed.numel() * self.embed.element_size()
+        return embed + sum(_stored_bytes(t) for t in self._read_every_step())
 
     @property
     def decode_weight_bytes(self) -> int:
-        """Weight bytes one decode step reads: everything but an untied embedding table, of
-        which a step reads one row."""
-        row = self.cfg.hidden_size * self.lm_head.element_size()
-        untied = 0 if self.embed is None else self.embed.numel() * self.embed.element_size()
-        return self.weight_bytes - untied + (row if untied else 0)
+        """Weight bytes one decode step reads: every projection and norm (a packed kernel's real
+        rows, not its padding), and one row of an embedding table of its own."""
+        row = 0
+        if isinstance(self.embed, EmbeddingRows):
+            row = self.embed.row_bytes
+        elif self.embed is not None:
+            row = self.cfg.hidden_size * self.embed.element_size()
+        return row + sum(_read_bytes(t) for t in self._read_every_step())
+
+
+def _stored_bytes(t: torch.Tensor | PackedLinear) -> int:
+    return t.stored_bytes if isinstance(t, PackedLinear) else t.numel() * t.element_size()
+
+
+def _read_bytes(t: torch.Tensor | PackedLinear) -> int:
+    return t.read_bytes if isinstance(t, PackedLinear) else t.numel() * t.element_size()

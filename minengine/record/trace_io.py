@@ -54,6 +54,8 @@ class TraceHeader:
     dtype: str
     device: str
     load_ms: float
+    weights: str = "float32"  # the projections' format (traces from before it was a choice were float32)
+    weights_why: str = ""  # "asked for", "auto: ..."
     # The read ceiling the run's roofline was drawn against (None without one, and in traces
     # recorded before it was kept: readers that predate it skip the key).
     read_ceiling: ReadCeiling | None = None
@@ -72,6 +74,8 @@ def trace_header(engine: Engine, read_ceiling: ReadCeiling | None = None) -> Tra
         dtype=str(engine.dtype).removeprefix("torch."),
         device=engine.device.type,
         load_ms=engine.load_ms,
+        weights=engine.weights.format,
+        weights_why=engine.weights.why,
         read_ceiling=read_ceiling,
     )
 

@@ -133,7 +133,7 @@ def test_a_first_load_reports_layout_and_cache_stages(chatty_tiny_dir, tmp_path,
     folder = tmp_path / "model"
     shutil.copytree(chatty_tiny_dir, folder, ignore=shutil.ignore_patterns(layout_cache.CACHE_DIR))
     events: list[PullProgress] = []
-    Engine(folder, device="cpu", dtype="float32", kv_budget_bytes=1 << 26, progress=events.append)
+    Engine(folder, device="cpu", dtype="float32", weights="float32", kv_budget_bytes=1 << 26, progress=events.append)
     assert list(_per_stage(events)) == ["layout", "cache"]
     layout = [e for e in events if e.stage == "layout"]
     assert layout[0].done == 0 and layout[-1].finished and layout[-1].done == layout[-1].total
@@ -144,5 +144,5 @@ def test_a_first_load_reports_layout_and_cache_stages(chatty_tiny_dir, tmp_path,
     assert cache[-1].unit == "B"
 
     again: list[PullProgress] = []
-    Engine(folder, device="cpu", dtype="float32", kv_budget_bytes=1 << 26, progress=again.append)
+    Engine(folder, device="cpu", dtype="float32", weights="float32", kv_budget_bytes=1 << 26, progress=again.append)
     assert again == []  # mapped from the cache: nothing to build

@@ -40,6 +40,8 @@ def status_text(frame: Frame, source_name: str = "", playing: bool = False) -> T
         text.append(f"({frame.settings_note}) ", style="dim")
     model = h.model.rstrip("/").split("/")[-1]
     text.append(f"· {model}: {h.layers}L {h.q_heads}q/{h.kv_heads}kv {h.device} {h.dtype}", style="dim")
+    if h.weights_why:  # traces from before the format was a choice say nothing of it (they were float32)
+        text.append(f" · weights {h.weights} ({h.weights_why})", style="dim")
     if source_name:
         text.append(f" · from {source_name}", style="dim")
     return text
