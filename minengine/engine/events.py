@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minengine.engine.batch_facts import BatchStep, BatchSummary, PreemptEvent, PrefillChunk
 from minengine.engine.metrics import RequestMetrics
 from minengine.engine.roofline import StepBytes
 from minengine.engine.timeline import StageTiming, TimelineEvent
@@ -92,6 +93,9 @@ class PrefillEvent:
     # Prompt tokens whose K/V came from the prefix cache: prefill computed the positions from
     # here on. 0 without a hit (and in traces recorded before the prefix cache).
     reused_tokens: int = 0
+    # The steps the computed part ran in, one chunk per step (one chunk unless the step budget
+    # split the prompt); empty in traces recorded before the engine batched.
+    chunks: tuple[PrefillChunk, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,10 @@ class TokenEvent:
     # What the decode step behind this token read (`minengine.engine.roofline`): None for the
     # first token, which prefill produced, and in traces recorded before it was kept.
     bytes_read: StepBytes | None = None
+    # The engine step behind this token as this request saw it: who shared it, what it
+    # scheduled, the queue and the KV pool. None for the first token (prefill's; see
+    # PrefillEvent.chunks) and in traces recorded before the engine batched.
+    batch: BatchStep | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +171,9 @@ class RequestResult:
     # The request's prefix cache stage (None when it never got that far, and in traces
     # recorded before the prefix cache); `usage.cached_tokens` is its reused_tokens.
     prefix_cache: PrefixCacheEvent | None = None
+    # The steps it shared with other requests, its prefill chunks and preemptions (None when it
+    # never reached prefill, and in traces recorded before the engine batched).
+    batch: BatchSummary | None = None
 
 
 @dataclass(frozen=True)
@@ -172,4 +183,14 @@ class DoneEvent:
     result: RequestResult
 
 
-Event = StageEvent | PromptEvent | AdmitEvent | PrefixCacheEvent | PrefillEvent | TokenEvent | StepReady | DoneEvent
+Event = (
+    StageEvent
+    | PromptEvent
+    | AdmitEvent
+    | PrefixCacheEvent
+    | PrefillEvent
+    | TokenEvent
+    | StepReady
+    | PreemptEvent
+    | DoneEvent
+)

@@ -33,6 +33,7 @@ EVENT_TYPES: dict[str, type] = {
         ev.PrefillEvent,
         ev.TokenEvent,
         ev.StepReady,
+        ev.PreemptEvent,
         ev.DoneEvent,
     )
 }
