@@ -7,7 +7,8 @@ step allocates:
   at a time, captured in CUDA graphs (on by default on CUDA, where a step is several hundred
   kernel launches otherwise);
 - the eager step (`eager_step.EagerDecoder`): one token into scratch buffers, for a cache that
-  stores K/V as computed, a third fewer operations per layer than the general path;
+  stores K/V as computed (a paged table too, while its blocks are consecutive), a third fewer
+  operations per layer than the general path;
 - the general path (`Transformer.forward`): any number of tokens, any cache (prefill, and
   decode over quantized, widened or outgrown caches).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from minengine.kv.cache import KVCache
+from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.cuda_graph import StaticDecoder
 from minengine.model.decode_threads import StepThreads
 from minengine.model.eager_step import EagerDecoder
@@ -81,11 +83,15 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, start: int, cache: KVCache | PagedKVCache, *, all_logits: bool = False
+    ) -> torch.Tensor:
         """`Transformer.forward`'s logits for positions [start, start+len(ids)), by the fastest
         path that serves `cache`: a single token (not `all_logits`) through the static or eager
         step when one can, everything else through the general path."""
         single = ids.shape[0] == 1 and not all_logits
+        if isinstance(cache, PagedKVCache):
+            cache.make_room(start + ids.shape[0])  # the blocks first: the lean step writes in place
         with self.step_threads.step(single):
             if single:
                 if self.static_decoder is not None and self.static_decoder.serves(cache):
