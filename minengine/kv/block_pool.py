@@ -119,6 +119,12 @@ class Segment:
 
     def __init__(self, fmt: BlockFormat, first: int, blocks: int, device: torch.device) -> None:
         self.first, self.blocks = first, blocks
+        # Outside inference mode even when a forward pass grows the pool: an inference tensor
+        # could never be written again outside one (the prefix cache, a copy on write).
+        with torch.inference_mode(False):
+            self._allocate(fmt, blocks, device)
+
+    def _allocate(self, fmt: BlockFormat, blocks: int, device: torch.device) -> None:
         shape = (fmt.layers, fmt.heads, blocks * fmt.block_size, fmt.head_dim)
         self.k = torch.empty(shape, dtype=fmt.dtype, device=device)
         self.v = torch.empty(shape, dtype=fmt.dtype, device=device)

@@ -51,6 +51,9 @@ class BlockSharing:
     with_prefix: int  # also held by the prefix cache, and by no other request
 
 
+_NO_VIEWS: tuple[tuple[list[torch.Tensor], ...], tuple[list[torch.Tensor], ...]] = (([], [], [], []), ([], []))
+
+
 @dataclass(frozen=True)
 class _Run:
     """Consecutive blocks of the table within one segment."""
@@ -102,8 +105,9 @@ class PagedKVCache:
         self.attached = 0  # leading blocks shared in from the prefix cache
         self.contiguous = True  # the table is one run of consecutive blocks
         self._runs: list[_Run] = []
-        self._views: tuple[list[torch.Tensor], ...] = ([], [], [], [])  # per-layer [1, heads, capacity, d] over one run
-        self._head_views: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        # Over the one run of a contiguous table: per layer K, V (and FP8 scales) [1, heads, capacity, d],
+        # and K, V [heads, capacity, d] for the lean step.
+        self._views, self._head_views = _NO_VIEWS
 
     # -- the block table --------------------------------------------------------------------------
 
@@ -142,15 +146,18 @@ class PagedKVCache:
         self.contiguous = self.contiguous and all(b + 1 == c for b, c in zip(chain, chain[1:], strict=False))
         self.blocks.extend(new)
         self._runs = self._make_runs()
+        self._views, self._head_views = self._view_run(self._runs[0]) if self.contiguous else _NO_VIEWS
+
+    @torch.inference_mode(False)
+    def _view_run(self, run: _Run) -> tuple[tuple[list[torch.Tensor], ...], tuple[list[torch.Tensor], ...]]:
+        """Per-layer views of one run, [1, heads, tokens, d] and [heads, tokens, d]: normal views
+        of the segment's normal tensors, even when made in a forward pass (see `Segment`)."""
         views: tuple[list[torch.Tensor], ...] = ([], [], [], [])
-        if self.contiguous:
-            run = self._runs[0]
-            for i in range(self.cfg.num_hidden_layers):
-                for out, t in zip(views, self._tensors(run.segment), strict=True):
-                    if t is not None:
-                        out.append(t[i : i + 1].narrow(2, run.local, run.tokens))
-        self._views = views
-        self._head_views = ([k[0] for k in views[0]], [v[0] for v in views[1]])
+        for i in range(self.cfg.num_hidden_layers):
+            for out, t in zip(views, self._tensors(run.segment), strict=True):
+                if t is not None:
+                    out.append(t[i : i + 1].narrow(2, run.local, run.tokens))
+        return views, ([k[0] for k in views[0]], [v[0] for v in views[1]])
 
     def _make_runs(self) -> list[_Run]:
         runs: list[_Run] = []
@@ -317,6 +324,6 @@ class PagedKVCache:
         returned = self.pool.free(self.format, self.blocks, self.owner) if self.blocks else 0
         self.pool.unclaim(self.format, self.owner)
         self.blocks, self.attached, self.contiguous = [], 0, True
-        self._runs, self._views, self._head_views = [], ([], [], [], []), ([], [])
+        self._runs, (self._views, self._head_views) = [], _NO_VIEWS
         self.lengths = [0] * self.cfg.num_hidden_layers
         return Freed(returned, returned * self.format.nbytes)
