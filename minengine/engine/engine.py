@@ -1,5 +1,5 @@
-"""The engine: a loaded model, its tokenizer, a device, an admission scheduler and the prefix
-cache its requests share."""
+"""The engine: a loaded model, its tokenizer, a device, an admission scheduler, the KV block pool
+and the prefix cache its requests share."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from minengine.engine.scheduler import Scheduler
 from minengine.engine.session import RequestSession
 from minengine.engine.timeline import Timeline
 from minengine.errors import Mention, ModelNotFoundError, Setting
+from minengine.kv.block_pool import BlockPool
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
@@ -104,8 +105,10 @@ class Engine:
         self.runner = ModelRunner(self.model, static_decode=cuda_graph and self.device.type == "cuda")
         synchronize(self.device)
         self.scheduler = Scheduler(kv_budget_bytes or default_kv_budget(self.device))
+        # Every request's KV blocks and the prefix cache's, within the same budget.
+        self.pool = BlockPool(self.scheduler.kv_budget_bytes, self.device)
         self.fingerprint = model_fingerprint(self.model_dir)
-        self.prefix_cache: PrefixCache | None = PrefixCache() if prefix_cache else None
+        self.prefix_cache: PrefixCache | None = PrefixCache(self.pool) if prefix_cache else None
         self.load_ms = (time.perf_counter() - start) * 1000
 
     def use_prefix_cache(self, enabled: bool) -> None:
@@ -115,7 +118,7 @@ class Engine:
                 self.prefix_cache.clear()
             self.prefix_cache = None
         elif self.prefix_cache is None:
-            self.prefix_cache = PrefixCache()
+            self.prefix_cache = PrefixCache(self.pool)
 
     def kv_identity(self, layout: str, storage_dtype: torch.dtype, block_size: int) -> KVIdentity:
         """What, besides the tokens, decides the K/V of a request's cache on this engine."""

@@ -69,7 +69,9 @@ from minengine.engine.scheduler import Admission, Scheduler
 from minengine.engine.timeline import STAGE_SPANS, Timeline
 from minengine.errors import Message, QueueCancelledError, ReqscopeError, RequestError, Setting
 from minengine.kv.arithmetic import kv_bytes_in_blocks, stored_kv_heads
-from minengine.kv.cache import KVCache, KVSpan
+from minengine.kv.block_pool import BlockPool
+from minengine.kv.cache import KVCache
+from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache, PrefixHit
 from minengine.kv.usage import KVUsage
 from minengine.sampling.chain import filter_logits
@@ -148,6 +150,7 @@ class EngineHandle(Protocol):
     device: torch.device
     runner: ModelRunner  # makes the request's cache and runs its steps
     scheduler: Scheduler
+    pool: BlockPool  # the KV blocks of every request and of the prefix cache
     prefix_cache: PrefixCache | None  # read at each admission: the engine may turn it off between requests
 
     def kv_identity(self, layout: str, storage_dtype: torch.dtype, block_size: int) -> KVIdentity:
@@ -184,7 +187,7 @@ class Admitted:
 class Cached:
     """The prefix cache stage's output: the request's KV cache, the hit copied in, and the stage's event."""
 
-    cache: KVCache
+    cache: KVCache | PagedKVCache
     event: PrefixCacheEvent
 
 
@@ -361,7 +364,8 @@ class RequestSession:
         prefix, hit = None, None
         if eng.prefix_cache is not None:
             prefix = PrefixPlan(eng.prefix_cache, eng.kv_identity(req.kv_layout, kv.storage, req.block_size))
-            hit = prefix.pool.lookup(ids, prefix.identity)
+            hit = prefix.pool.lookup(ids, prefix.identity, holder=f"{req.request_id} (prefix hit)")
+            releases.callback(hit.release)
         admission = eng.scheduler.admit(
             req.request_id,
             prompt_tokens=prompt_tokens,
@@ -388,7 +392,8 @@ class RequestSession:
     ) -> Generator[Event, None, Cached]:
         """Prefix cache: make the cache and copy the prompt's cached prefix into it.
 
-        Copying is far cheaper than computing. The issue's 352-token prompt on SmolLM2-135M
+        A paged cache shares the hit's blocks (no copy); the static decoder's arena copies them
+        in. Copying is far cheaper than computing. The issue's 352-token prompt on SmolLM2-135M
         (float32, the shared 2-core CPU, medians of 4): its 21 cached blocks (336 tokens, 15.5 MiB
         of K/V) copy in 3.4 ms, the 16 tokens left prefill in 83 ms, against 1,093 ms to prefill
         all 352; keeping a finished request's 22 blocks costs 7.5 ms after its last token. (The
@@ -402,7 +407,11 @@ class RequestSession:
         copy_ms = 0.0
         if hit is not None and hit.blocks:
             start = time.perf_counter()
-            cache.write_prefix(KVSpan.joined(list(hit.spans)))
+            if isinstance(cache, PagedKVCache):
+                cache.attach_prefix(list(hit.block_ids))
+            else:
+                cache.write_prefix(hit.span())
+            hit.release()  # the cache holds the blocks (or their copy) now
             synchronize(self.engine.device)
             copy_ms = (time.perf_counter() - start) * 1000
         reused = 0 if hit is None else hit.tokens
@@ -449,7 +458,9 @@ class RequestSession:
         yield PrefillEvent(len(ids), stage.duration_ms, state.peak, reused_tokens=reused)
         return logits
 
-    def _decode(self, logits: torch.Tensor, cache: KVCache, state: DecodeState) -> Generator[Event, None, str]:
+    def _decode(
+        self, logits: torch.Tensor, cache: KVCache | PagedKVCache, state: DecodeState
+    ) -> Generator[Event, None, str]:
         """Decode: pause at each step, sample, stream, feed the token back; return the finish reason."""
         # The sampler starts from the parameters in force now: the consumer may have changed
         # them while paused after prefill.
@@ -491,7 +502,7 @@ class RequestSession:
         return token, trace, forced is not None
 
     def _stream(
-        self, token: int, trace: StepTrace | None, forced: bool, cache: KVCache, state: DecodeState
+        self, token: int, trace: StepTrace | None, forced: bool, cache: KVCache | PagedKVCache, state: DecodeState
     ) -> tuple[TokenEvent, str | None]:
         """Streaming: commit `token` and release the text it makes visible.
 
@@ -590,18 +601,26 @@ class RequestSession:
         state.held_totals.append(total)
         return since
 
-    def _new_cache(self, kv: KVSizing) -> KVCache:
-        """The model's KV cache for this request, sized by `kv`."""
-        req = self.request
-        return self.engine.runner.new_cache(
-            kv.tokens, layout=req.kv_layout, storage_dtype=kv.storage, block_size=req.block_size
+    def _new_cache(self, kv: KVSizing) -> KVCache | PagedKVCache:
+        """The model's KV cache for this request, sized by `kv`: blocks of the engine's pool (or
+        the static decoder's arena, where it serves)."""
+        req, eng = self.request, self.engine
+        return eng.runner.new_cache(
+            kv.tokens,
+            layout=req.kv_layout,
+            storage_dtype=kv.storage,
+            block_size=req.block_size,
+            pool=eng.pool,
+            owner=req.request_id,
         )
 
-    def _forward(self, ids: tuple[int, ...], start: int, cache: KVCache) -> torch.Tensor:
+    def _forward(self, ids: tuple[int, ...], start: int, cache: KVCache | PagedKVCache) -> torch.Tensor:
         """Run `ids` at positions from `start` through the model, caching their K/V in `cache`; next-token logits."""
         return self.engine.runner.forward(torch.tensor(ids, device=self.engine.device), start, cache)
 
-    def _keep_blocks(self, cache: KVCache, ids: tuple[int, ...], state: DecodeState, admitted: Admitted) -> None:
+    def _keep_blocks(
+        self, cache: KVCache | PagedKVCache, ids: tuple[int, ...], state: DecodeState, admitted: Admitted
+    ) -> None:
         """Give the cache's full blocks to the prefix cache, within the KV budget.
 
         Whatever the ending: every position all layers hold is the model's K/V for the tokens
@@ -612,7 +631,7 @@ class RequestSession:
         assert admitted.prefix is not None
         pool, identity = admitted.prefix.pool, admitted.prefix.identity
         try:
-            fresh = pool.copy_out(cache, ids + tuple(state.generated), identity)
+            fresh = pool.fresh_blocks(cache, ids + tuple(state.generated), identity)
         except torch.OutOfMemoryError:
             return  # no memory for the copies: nothing is kept, the request is unaffected
         if fresh.new:

@@ -196,9 +196,7 @@ class BlockStore:
         end = after + 1 + n
         if end > len(self.state):
             return False
-        return all(
-            self.state[b] == _FREE or (self.state[b] == _CLAIMED and b in claim) for b in range(after + 1, end)
-        )
+        return all(self.state[b] == _FREE or (self.state[b] == _CLAIMED and b in claim) for b in range(after + 1, end))
 
     def scattered(self, n: int) -> list[int]:
         """`n` free blocks wherever they are, unclaimed ones first (the caller checked there are `n`)."""

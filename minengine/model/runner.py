@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from minengine.kv.block_pool import BlockPool
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.cuda_graph import StaticDecoder
@@ -63,15 +64,30 @@ class ModelRunner:
         layout: str = "gqa",
         storage_dtype: torch.dtype | None = None,
         block_size: int = 16,
-    ) -> KVCache:
+        pool: BlockPool | None = None,
+        owner: str = "",
+    ) -> KVCache | PagedKVCache:
         """A KV cache for `tokens` positions: over the static decoder's arena when that can
-        serve it (unquantized storage in the model's dtype, arena not lent out), else its own."""
+        serve it (unquantized storage in the model's dtype, arena not lent out), else a block
+        table over `pool` for `owner` (expecting `tokens` positions), else a buffer of its own."""
         model = self.model
         storage = storage_dtype or model.dtype
         if self.static_decoder is not None and storage == model.dtype:
             cache = self.static_decoder.new_cache(tokens, layout=layout, block_size=block_size)
             if cache is not None:
                 return cache
+        if pool is not None:
+            return PagedKVCache(
+                pool,
+                model.cfg,
+                owner=owner,
+                device=model.device,
+                compute_dtype=model.dtype,
+                layout=layout,
+                storage_dtype=storage,
+                block_size=block_size,
+                expect_tokens=tokens,
+            )
         return KVCache(
             model.cfg,
             tokens,
