@@ -261,6 +261,11 @@ class BlockPool:
         return self.budget_bytes - self._held_bytes
 
     @property
+    def request_bytes(self) -> int:
+        """Bytes of the blocks at least one request holds (a shared block once)."""
+        return self._request_bytes
+
+    @property
     def prefix_only_bytes(self) -> int:
         """Bytes of the blocks only the prefix cache holds: what evicting it all would free."""
         return self._prefix_only_bytes
