@@ -114,9 +114,9 @@ class Engine:
         # Requests make caches and run steps through it.
         self.runner = ModelRunner(self.model, static_decode=cuda_graph and self.device.type == "cuda")
         synchronize(self.device)
-        self.scheduler = Scheduler(kv_budget_bytes or default_kv_budget(self.device), max_running=limits.max_num_seqs)
-        # Every request's KV blocks and the prefix cache's, within the same budget.
-        self.pool = BlockPool(self.scheduler.kv_budget_bytes, self.device)
+        # Every request's KV blocks and the prefix cache's, within the KV budget; admission waits for room in it.
+        self.pool = BlockPool(kv_budget_bytes or default_kv_budget(self.device), self.device)
+        self.scheduler = Scheduler(self.pool.budget_bytes, max_running=limits.max_num_seqs, pool=self.pool)
         self.fingerprint = model_fingerprint(self.model_dir)
         self.prefix_cache: PrefixCache | None = PrefixCache(self.pool) if prefix_cache else None
         # Every request's forwards run here, in steps shared with the others running.

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from minengine.device import synchronize
-from minengine.engine.batch_facts import BatchSummary, PrefillChunk
+from minengine.engine.batch_facts import BatchSummary, PreemptEvent, PrefillChunk
 from minengine.engine.events import (
     AdmitEvent,
     DoneEvent,
@@ -68,11 +68,11 @@ from minengine.engine.metrics import request_metrics, without_held
 from minengine.engine.request import GenerationRequest, validate
 from minengine.engine.roofline import step_bytes
 from minengine.engine.scheduler import Admission, Scheduler
-from minengine.engine.step_loop import Member, StepCancelled, StepLoop
+from minengine.engine.step_loop import Member, Preempted, StepCancelled, StepLoop
 from minengine.engine.timeline import STAGE_SPANS, Timeline
 from minengine.errors import Message, QueueCancelledError, ReqscopeError, RequestError, Setting
-from minengine.kv.arithmetic import kv_bytes_in_blocks, stored_kv_heads
-from minengine.kv.block_pool import BlockPool
+from minengine.kv.arithmetic import blocks_for, kv_bytes_in_blocks, stored_kv_heads
+from minengine.kv.block_pool import BlockFormat, BlockPool
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache, PrefixHit
@@ -132,6 +132,7 @@ class DecodeState:
     last_visible: tuple[int, float] | None = None  # (index, t_ms) of the latest such token
     peak: KVUsage | None = None  # the latest cache snapshot; the cache only grows
     pos: int = 0  # the position the next token fed to the model takes
+    fed: list[int] = field(default_factory=list)  # ids of positions [0, pos): what a preempted request recomputes
     step_start: float = 0.0  # perf_counter when the model step behind the waiting logits began
     step_held_ns: int = 0  # the session's held time when that step began: a hold within it is not its time
     weight_bytes: int = 0  # weight bytes a decode step reads (the model's, for this request's steps)
@@ -364,7 +365,8 @@ class RequestSession:
         self, ids: tuple[int, ...], releases: ExitStack
     ) -> Generator[Event, None, tuple[Admitted, PrefixHit | None]]:
         """Admission: size the worst-case KV, look the prompt up in the prefix cache, wait for
-        the scheduler to reserve the KV; return what was admitted, and the prefix cache's hit.
+        the scheduler to admit it once its prompt's blocks (beyond the hit) fit in the pool;
+        return what was admitted, and the prefix cache's hit.
 
         The lookup comes first, as in vLLM's scheduler: it makes the hit most recently used, so
         the kept blocks this admission evicts to make room are others. The hit goes on apart
@@ -378,14 +380,17 @@ class RequestSession:
             prefix = PrefixPlan(eng.prefix_cache, eng.kv_identity(req.kv_layout, kv.storage, req.block_size))
             hit = prefix.pool.lookup(ids, prefix.identity, holder=f"{req.request_id} (prefix hit)")
             releases.callback(hit.release)
+        cfg, heads = eng.cfg, stored_kv_heads(req.kv_layout, eng.cfg.num_attention_heads, eng.cfg.num_key_value_heads)
+        blocks = BlockFormat(cfg.num_hidden_layers, heads, cfg.head_dim, req.block_size, kv.storage)
+        first_blocks = blocks_for(prompt_tokens, req.block_size) - (hit.blocks if hit is not None else 0)
         admission = eng.scheduler.admit(
             req.request_id,
             prompt_tokens=prompt_tokens,
             max_tokens=req.max_tokens,
             context_limit=eng.cfg.max_position_embeddings,
-            kv_bytes=kv.reserved_bytes,
+            kv_bytes=kv.reserved_bytes,  # what it could grow to: refused if even the whole budget is less
             cancelled=self.cancelled,
-            kept=None if prefix is None else prefix.pool,
+            fits=lambda: eng.pool.can_allocate(blocks, first_blocks),  # it waits for its prompt's blocks
         )
         releases.callback(eng.scheduler.release, admission)
         yield self._stage("scheduler_admit", f"queue {admission.queue_ms:.1f} ms")
@@ -465,7 +470,8 @@ class RequestSession:
         self.timeline.mark("prefill_start", detail)
         self._start_step(state)
         # The loop synchronizes after each step: prefill ends when the device has finished.
-        logits, chunks = self._forward(ids[reused:], reused)
+        state.fed = list(ids[:reused])
+        logits, chunks = yield from self._forward(ids[reused:], reused, state)
         state.pos = len(ids)
         stage = self._stage("prefill_end")
         yield stage
@@ -495,7 +501,7 @@ class RequestSession:
             if finish is not None:
                 break
             self._start_step(state)
-            logits, _ = self._forward((token,), state.pos)
+            logits, _ = yield from self._forward((token,), state.pos, state)
             state.pos += 1
         if finish != "stop_sequence":
             # Nothing after a stop string is shown; any other ending releases the text still
@@ -630,11 +636,30 @@ class RequestSession:
             owner=req.request_id,
         )
 
-    def _forward(self, ids: tuple[int, ...], start: int) -> tuple[torch.Tensor, list[PrefillChunk]]:
+    def _forward(
+        self, ids: tuple[int, ...], start: int, state: DecodeState
+    ) -> Generator[Event, None, tuple[torch.Tensor, list[PrefillChunk]]]:
         """Run `ids` at positions from `start` in the engine's shared steps, caching their K/V in the
-        request's cache; the next-token logits, and the prompt chunks the steps ran."""
+        request's cache; the next-token logits, and the prompt chunks the steps ran.
+
+        Preempted (its blocks taken back for others), it says so with a `PreemptEvent` and runs
+        every token it had fed again from position 0, then `ids` (recompute)."""
         assert self._member is not None
-        return self._member.forward(ids, start)
+        while True:
+            try:
+                logits, chunks = self._member.forward(ids, start)
+                state.fed.extend(ids)
+                return logits, chunks
+            except Preempted as preempted:
+                ids, start = tuple(state.fed[:start]) + ids, 0
+                del state.fed[:]
+                yield PreemptEvent(
+                    preempted.reason,
+                    preempted.blocks_freed,
+                    preempted.bytes_freed,
+                    tokens_to_recompute=len(ids),
+                    t_ms=self.timeline.now_ms(),
+                )
 
     def _keep_blocks(
         self, cache: KVCache | PagedKVCache, ids: tuple[int, ...], state: DecodeState, admitted: Admitted

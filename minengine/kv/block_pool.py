@@ -11,7 +11,8 @@ counts; one store per format, because a block's bytes are only meaningful in its
 and splitting the budget between formats up front would waste whichever goes unused.
 
 Storage grows in segments, the first `FIRST_SEGMENT_BYTES` (or what the first need takes),
-each next one twice the last, never past the budget: the default budget is half of RAM, and
+each next one twice the last, none over a quarter of the budget (so that one format's segments
+leave room for another's), never past the budget: the default budget is half of RAM, and
 committing it at the first request would take memory a small run never uses (on CUDA it is
 really allocated; on the CPU untouched pages cost nothing, but a segment once written stays
 resident). Doubling keeps segments few, so most requests find their blocks side by side in one.
@@ -152,6 +153,7 @@ class BlockStore:
         self.claims: dict[str, range] = {}
         self.free_blocks = 0  # free blocks, claimed or not
         self.held_blocks = 0
+        self.prefix_only_blocks = 0  # held by the prefix cache alone: evicting them frees them
 
     @property
     def capacity_blocks(self) -> int:
@@ -309,13 +311,18 @@ class BlockPool:
             return store.free_blocks + (self.budget_bytes - self._committed_bytes) // fmt.nbytes
 
     def can_allocate(self, fmt: BlockFormat, blocks: int) -> bool:
-        """Whether `blocks` blocks of `fmt` fit now, counting the prefix cache's evictable blocks
-        and the storage of other formats' empty stores (what `allocate` would free for them)."""
+        """Whether `blocks` blocks of `fmt` fit now, evicting what `allocate` would evict: the
+        prefix cache's blocks, and with them the storage of another format's store that holds
+        nothing else."""
         with self._lock:
-            spare = self._prefix_only_bytes + sum(
-                s.capacity_blocks * s.fmt.nbytes for f, s in self._stores.items() if f != fmt and not s.held_blocks
+            store = self.store(fmt)
+            room = self.budget_bytes - self._committed_bytes + sum(
+                s.capacity_blocks * s.fmt.nbytes
+                for f, s in self._stores.items()
+                if f != fmt and s.held_blocks == s.prefix_only_blocks
             )
-            return self.free_blocks(fmt) + spare // fmt.nbytes >= blocks
+            within = self.budget_bytes - self._held_bytes + self._prefix_only_bytes >= blocks * fmt.nbytes
+            return within and store.free_blocks + store.prefix_only_blocks + room // fmt.nbytes >= blocks
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -332,14 +339,18 @@ class BlockPool:
         store = self.store(fmt)
         while True:
             with self._lock:
-                blocks = self._place(store, owner, count, after, expect)
+                within = self._held_bytes + count * fmt.nbytes <= self.budget_bytes  # the budget may have shrunk
+                blocks = self._place(store, owner, count, after, expect) if within else None
                 if blocks is not None:
                     for b in blocks:
                         store.state[b] = _USED
                         store.free_blocks -= 1
                         self._ref(store, b, owner)
                     return blocks
-                short = (count - store.free_blocks) * fmt.nbytes - (self.budget_bytes - self._committed_bytes)
+                short = max(
+                    (count - store.free_blocks) * fmt.nbytes - (self.budget_bytes - self._committed_bytes),
+                    self._held_bytes + count * fmt.nbytes - self.budget_bytes,
+                )
                 if self._drop_empty_stores(fmt):
                     continue
             freed = self.evictor(max(short, fmt.nbytes)) if self.evictor is not None else 0
@@ -408,7 +419,9 @@ class BlockPool:
         """A new segment with room for `need` blocks, when the budget has it."""
         fmt = store.fmt
         room = (self.budget_bytes - self._committed_bytes) // fmt.nbytes
-        size = max(need, (self.first_segment_bytes << len(store.segments)) // fmt.nbytes)
+        # A quarter of the budget at most, unless one need takes more.
+        size = min(max(need, (self.first_segment_bytes << len(store.segments)) // fmt.nbytes),
+                   max(need, self.budget_bytes // 4 // fmt.nbytes))  # fmt: skip
         if room < need:
             return None
         return self._add_segment(store, min(size, room))
@@ -435,10 +448,12 @@ class BlockPool:
             store.prefix[b] = 1
             if not requests:
                 self._prefix_only_bytes += nb
+                store.prefix_only_blocks += 1
         elif not requests:
             self._request_bytes += nb
             if in_prefix:
                 self._prefix_only_bytes -= nb
+                store.prefix_only_blocks -= 1
         store.refs[b] = refs + 1
         if refs == 0:
             self._held_bytes += nb
@@ -459,10 +474,12 @@ class BlockPool:
             store.prefix[b] = 0
             if not requests:
                 self._prefix_only_bytes -= nb
+                store.prefix_only_blocks -= 1
         elif requests == 1:
             self._request_bytes -= nb
             if in_prefix:
                 self._prefix_only_bytes += nb
+                store.prefix_only_blocks += 1
         store.refs[b] = refs - 1
         if refs == 1:
             self._held_bytes -= nb

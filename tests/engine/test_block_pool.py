@@ -36,9 +36,14 @@ def test_nothing_is_allocated_before_a_block_is_wanted_and_segments_double():
     pool.allocate(SMALL, "b", 4)  # no run of 4 left in it: a second segment, twice the first
     assert pool.committed_bytes == 12 * KIB
     pool.free(SMALL, first, "a")
-    small = BlockPool(3 * KIB, CPU, first_segment_bytes=64 * KIB)
+    small = BlockPool(8 * KIB, CPU, first_segment_bytes=64 * KIB)
     small.allocate(SMALL, "a", 1)
-    assert small.committed_bytes == 3 * KIB  # never past the budget
+    assert small.committed_bytes == 2 * KIB  # a quarter of the budget at most
+    small.allocate(SMALL, "a", 6)  # more than a quarter at once: the segment takes what the need takes
+    small.allocate(SMALL, "a", 1)
+    assert small.committed_bytes == 8 * KIB and small.held_bytes == 8 * KIB  # never past the budget
+    with pytest.raises(PoolExhausted):
+        small.allocate(SMALL, "a", 1)
 
 
 def test_allocate_and_free_count_every_block_and_give_them_all_back():
@@ -91,7 +96,7 @@ def test_holdings_split_the_budget_into_own_others_prefix_and_free():
 
 
 def test_a_requests_blocks_stay_consecutive_while_others_allocate():
-    pool = pool_of(32)
+    pool = pool_of(64)  # a first segment of 16 blocks
     a = pool.allocate(SMALL, "a", 2, expect=8)  # room for 8 claimed next to its first 2
     b = pool.allocate(SMALL, "b", 2, expect=8)
     for _ in range(6):
@@ -144,10 +149,13 @@ def test_exhaustion_evicts_the_prefix_cache_first_then_raises():
 def test_formats_share_one_budget_and_an_empty_store_gives_its_room_back():
     fp8 = BlockFormat(1, 1, 8, 16, torch.float8_e4m3fn)
     pool = BlockPool(4 * KIB, CPU, first_segment_bytes=1 << 20)
-    blocks = pool.allocate(SMALL, "a", 1)
-    assert pool.committed_bytes == 4 * KIB  # the first segment took the whole budget
+    blocks = pool.allocate(SMALL, "a", 4)
+    assert pool.committed_bytes == 4 * KIB  # float32 blocks took the whole budget
+    assert not pool.can_allocate(fp8, 1)
     with pytest.raises(PoolExhausted):
-        pool.allocate(fp8, "b", 1)  # the float32 store still holds a block
-    pool.free(SMALL, blocks, "a")
-    assert pool.allocate(fp8, "b", 1) and pool.committed_bytes <= 4 * KIB
+        pool.allocate(fp8, "b", 1)  # the float32 store still holds its blocks
+    pool.free(SMALL, blocks[1:], "a")
+    assert not pool.can_allocate(fp8, 1)  # free float32 blocks are no room for another format
+    pool.free(SMALL, blocks[:1], "a")
+    assert pool.can_allocate(fp8, 1) and pool.allocate(fp8, "b", 1) and pool.committed_bytes <= 4 * KIB
     assert pool.store(SMALL).segments == []
