@@ -87,6 +87,9 @@ class LoadOptions:
         return cls(background, port)
 
 
+NO_LOAD = LoadOptions()
+
+
 def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     """`--background N` and `--serve-port PORT` (the run verb: the explorer, --plain and --json)."""
     from reqscope.argtypes import whole_number

@@ -41,7 +41,7 @@ class BatchPanel(Panel):
         if fig.step is None:
             lines.append(_line("the batch appears with the request's first engine step", "dim"))
             return Group(*lines[:height])
-        lines += [step_line(fig.step, fig.label), time_line(fig), pool_bar(fig.step.pool, width),
+        lines += [step_line(fig.step, fig.label, width), time_line(fig), pool_bar(fig.step.pool, width),
                   pool_legend(fig.step.pool, width), chunks_line(fig.chunks)]  # fmt: skip
         lines += preemption_lines(fig)
         lines.append(summary_line(fig, frame.view.done))
@@ -65,16 +65,28 @@ def load_line(load: LoadNote) -> Text:
     return text
 
 
-def step_line(step: BatchStep, label: str) -> Text:
+def step_line(step: BatchStep, label: str, width: int) -> Text:
     """The step on screen: how many sequences shared it, what it scheduled, the queue behind it."""
-    text = _line()
-    text.append(f"{label}: step {step.step} ", style="dim")
     others = step.sequences - 1
-    text.append(f"{step.sequences} sequence{'s' if step.sequences != 1 else ''}", style="bold")
-    text.append(f" ({others} other{'s' if others != 1 else ''})" if others else " (alone)", style="dim")
-    text.append(f" · {step.decode_tokens} decode + {step.prefill_tokens} prefill tokens")
-    text.append(" · queue ", style="dim")
-    text.append(f"{step.waiting}", style="bold yellow" if step.waiting else "bold")
+    company = f" ({others} other{'s' if others != 1 else ''})" if others else " (alone)"
+    wordings = (
+        (f"step {step.step} ({label}): ", f"{step.sequences} sequences", company,
+         f" · {step.decode_tokens} decode + {step.prefill_tokens} prefill tokens", " · queue "),
+        (f"step {step.step}: ", f"{step.sequences} sequences", "",
+         f" · {step.decode_tokens} decode + {step.prefill_tokens} prefill tok", " · queue "),
+        (f"step {step.step}: ", f"{step.sequences} seq", "", f" · {step.decode_tokens}+{step.prefill_tokens} tok",
+         " · queue "),
+    )  # fmt: skip
+    for where, sequences, company_text, scheduled, queue in wordings:
+        text = _line()
+        text.append(where, style="dim")
+        text.append(sequences, style="bold")
+        text.append(company_text, style="dim")
+        text.append(scheduled)
+        text.append(queue, style="dim")
+        text.append(f"{step.waiting}", style="bold yellow" if step.waiting else "bold")
+        if text.cell_len <= width:
+            break
     return text
 
 
@@ -162,9 +174,9 @@ def preemption_lines(fig: BatchFigures) -> list[Text]:
     for after, event in fig.preemptions[-_SHOWN_PREEMPTIONS:]:
         text = _line()
         text.append("preempted ", style="bold red")
-        text.append(f"after token {after} at {event.t_ms / 1000:.2f} s: {event.reason} · "
-                    f"{event.blocks_freed} blocks ({event.bytes_freed / MIB:.2f} MiB) freed · "
-                    f"{event.tokens_to_recompute} tokens recomputed")  # fmt: skip
+        text.append(f"after token {after} ({event.t_ms / 1000:.2f} s): {event.blocks_freed} blocks, "
+                    f"{event.bytes_freed / MIB:.2f} MiB freed, {event.tokens_to_recompute} tokens to recompute")
+        text.append(f" · {event.reason}", style="dim")  # fmt: skip
         lines.append(text)
     if len(fig.preemptions) > _SHOWN_PREEMPTIONS:
         lines[0].append(f" ({len(fig.preemptions)} in all)", style="dim")
@@ -181,16 +193,32 @@ def summary_line(fig: BatchFigures, done: bool) -> Text:
 
 
 def recent_chart(recent: tuple[BatchStep, ...], width: int, rows: int) -> list[Text]:
-    """Sequences per step over the recent decode steps (columns, or a sparkline when cramped), with a caption."""
+    """The recent decode steps: sequences per step and, with room, each step's time against one sequence alone.
+
+    Columns with a caption each; a sparkline and its caption when cramped.
+    """
     if rows < 2 or not recent:
         return []
     tail = recent[-width:]
     sizes = [s.sequences for s in tail]
     times = [s.step_ms for s in tail]
-    caption = _line(f"last {len(tail)} decode steps: {min(sizes)}–{max(sizes)} sequences, "
-                    f"{min(times):.1f}–{max(times):.1f} ms a step", "dim")  # fmt: skip
+    solo = next((s.solo_step_ms for s in reversed(tail) if s.solo_step_ms), None)
+    size_caption = f"sequences per step, last {len(tail)} decode steps: {min(sizes)}–{max(sizes)}"
+    alone = f", alone {solo:.1f} ms" if solo else ""
+    time_caption = f"step time, last {len(tail)}: {min(times):.1f}–{max(times):.1f} ms{alone}"
     if rows < _CHART_MIN_ROWS:
-        return [Text(sparkline(sizes, width), style="magenta", no_wrap=True), caption]
-    top = max(sizes)
-    chart = columns([n / top for n in sizes], min(rows - 1, _CHART_MAX_ROWS), 1)
-    return [Text(line, style="magenta", no_wrap=True) for line in chart] + [caption]
+        short = f"last {len(tail)} steps: {min(sizes)}–{max(sizes)} sequences, {min(times):.1f}–{max(times):.1f} ms"
+        return [Text(sparkline(sizes, width), style="magenta", no_wrap=True),
+                _line(short + (f" (alone {solo:.1f})" if solo else ""), "dim")]  # fmt: skip
+    each = max(1, min(3, width // len(tail)))
+    if rows < 2 * _CHART_MIN_ROWS:
+        return _columns(sizes, max(sizes), rows, each, "magenta", size_caption)
+    half = rows // 2
+    top = max(max(times), solo or 0.0)
+    return (_columns(sizes, max(sizes), half, each, "magenta", size_caption)
+            + _columns(times, top, rows - half, each, "cyan", time_caption))  # fmt: skip
+
+
+def _columns(values: list[float] | list[int], top: float, rows: int, each: int, style: str, caption: str) -> list[Text]:
+    chart = columns([v / top for v in values], min(rows - 1, _CHART_MAX_ROWS), each)
+    return [Text(line, style=style, no_wrap=True) for line in chart] + [_line(caption, "dim")]
