@@ -127,7 +127,8 @@ class BackgroundLoad:
         self.engine = engine
         self.count = count
         self.like = like
-        self.finished = 0  # background requests run to their end
+        self.sent = 0  # background requests started
+        self.finished = 0  # of them, run to their end (not cancelled, not failed)
         self.failed = 0
         self.last_error: str | None = None
         self._lock = threading.Lock()
@@ -178,6 +179,7 @@ class BackgroundLoad:
         while not stop.is_set():
             session = self.engine.start(self.request(slot, n))
             with self._lock:
+                self.sent += 1
                 self._sessions[slot] = session
                 if stop.is_set():
                     session.cancel()
