@@ -26,7 +26,8 @@ def add_engine_arguments(
     model_help: str = MODEL_HELP,
     dtype_help: str = DTYPE_HELP,
 ) -> None:
-    """Add the named engine flags ("model", "device", "dtype", "weights", "kv_budget_mib") to `parser`, in order."""
+    """Add the named engine flags ("model", "device", "dtype", "weights", "kv_budget_mib", "max_num_seqs",
+    "max_num_batched_tokens") to `parser`, in order."""
     for flag in flags:
         match flag:
             case "model":
@@ -40,6 +41,17 @@ def add_engine_arguments(
             case "kv_budget_mib":
                 parser.add_argument(
                     "--kv-budget-mib", type=float, help="KV memory budget for admission (default: half of free memory)"
+                )
+            case "max_num_seqs":
+                parser.add_argument(
+                    "--max-num-seqs", type=int, default=8, help="most sequences one engine step runs together (vLLM's)"
+                )
+            case "max_num_batched_tokens":
+                parser.add_argument(
+                    "--max-num-batched-tokens",
+                    type=int,
+                    help="tokens one engine step may schedule, decode and prefill chunks together; a longer prompt "
+                    "is prefilled in chunks (vLLM's; default 64 on the CPU, 2048 on CUDA)",
                 )
             case _:
                 raise ValueError(f"no engine flag {flag!r}")

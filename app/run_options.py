@@ -67,7 +67,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV storage (fp8 = float8_e4m3fn)",
     )
     k.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    add_engine_arguments(k, "kv_budget_mib")
+    add_engine_arguments(k, "kv_budget_mib", "max_num_seqs", "max_num_batched_tokens")
     add_prefix_cache_argument(k)
     parser.add_argument_group("explorer").add_argument(
         "--service-model",
@@ -215,6 +215,8 @@ def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCa
             progress=progress,
             prefix_cache=getattr(args, "prefix_cache", True),  # verbs without the flag keep it on
             cuda_graph=cuda_graph is not False,  # unset: the engine's default (on, where there is CUDA)
+            max_num_seqs=getattr(args, "max_num_seqs", 8),
+            max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
         )
     finally:
         if isinstance(progress, ProgressLine):

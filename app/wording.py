@@ -47,6 +47,8 @@ WORDS: dict[Setting, Words] = {
     Setting.CALIBRATION_SAVED: Words("reqscope calibrate --output"),
     Setting.GGUF_IMPORT: Words("reqscope import"),
     Setting.PLANNER: Words("reqscope plan"),
+    Setting.MAX_NUM_SEQS: Words("--max-num-seqs"),
+    Setting.MAX_NUM_BATCHED_TOKENS: Words("--max-num-batched-tokens"),
 }
 
 

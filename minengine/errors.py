@@ -33,6 +33,8 @@ class Setting(Enum):
     CALIBRATION_SAVED = "calibrate()'s ServiceModel.as_json(), saved to"
     GGUF_IMPORT = "convert_gguf"
     PLANNER = "the planner"
+    MAX_NUM_SEQS = "max_num_seqs"
+    MAX_NUM_BATCHED_TOKENS = "max_num_batched_tokens"
 
 
 @dataclass(frozen=True)
