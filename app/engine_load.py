@@ -2,7 +2,9 @@
 
 `reqscope "PROMPT" --background N` keeps N other requests running while the user's own runs (the
 explorer, `--plain`, `--json`): each background slot sends a request, and a new one when it
-finishes, with prompts and output lengths of a few sizes, until the user's request ends. With
+finishes, with prompts and output lengths of a few sizes, until the user's request ends. They
+join once the user's request has decoded SOLO_STEPS steps alone, so the engine has timed its
+step alone (`BatchStep.solo_step_ms`) and the user sees the steps slow down as the others come. With
 `--serve-port PORT` the explorer's engine also answers the OpenAI API on loopback
 (`reqscope.serve.app`), so `reqscope bench serve` or any client can join the batch. The user
 sees their request slow down as others share its steps (the explorer's batch panel).
@@ -20,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from minengine.engine.events import DoneEvent
+from minengine.engine.events import DoneEvent, Event, TokenEvent
 from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from minengine.sampling.params import SamplingParams
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 
 SERVE_HOST = "127.0.0.1"  # the explorer's API answers this machine only (it has no key)
 MAX_BACKGROUND = 16  # the engine's queue holds 16 waiting requests
+SOLO_STEPS = 2  # decode steps the user's request runs alone before the background requests join
 _RETRY_S = 0.5  # a background request that failed is sent again after this (never a busy loop)
 _PARAGRAPH = (
     "A request to a language model server passes a gateway, a chat template and a tokenizer, waits "
@@ -218,8 +221,16 @@ class EngineLoad:
         """What the screen says of it."""
         return LoadNote(self.options.background, self.server.url if self.server is not None else None)
 
+    def follow(self, event: Event) -> None:
+        """Follow the user's request: start the background requests once it has decoded SOLO_STEPS
+        steps alone, stop them when it ends."""
+        if isinstance(event, TokenEvent) and event.index >= SOLO_STEPS:
+            self.begin()
+        elif isinstance(event, DoneEvent):
+            self.end()
+
     def begin(self) -> None:
-        """The user's request starts: background requests run (again)."""
+        """Background requests run (again; nothing changes while they run)."""
         self.background.start()
 
     def end(self, wait: bool = False) -> None:

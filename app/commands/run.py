@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from minengine.engine.events import Event
 from reqscope.endpoint.options import add_endpoint_arguments
@@ -69,9 +69,8 @@ def run(args: argparse.Namespace) -> int:
     ceiling = stored_ceiling(engine.device)  # this machine's read ceiling, for the roofline
     recorded: list = []
     with EngineLoad(engine, load, request) as beside:
-        beside.begin()
         note = beside.note if load.any else None
-        events = _recording(in_app_words(engine.start(request)), recorded)
+        events = _recording(in_app_words(engine.start(request)), recorded, beside.follow)
         if args.json:
             from reqscope.console.jsonl import print_jsonl
 
@@ -92,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recording(events: Iterable[Event], into: list) -> Iterator[Event]:
+def _recording(events: Iterable[Event], into: list, follow: Callable[[Event], None]) -> Iterator[Event]:
     for event in events:
         into.append(event)
+        follow(event)
         yield event

@@ -30,7 +30,7 @@ from minengine.engine.events import DoneEvent, PreemptEvent, PrefillEvent, Token
 from minengine.kv.arithmetic import MIB
 from minengine.record.export import TRACE_JSONL, export_run
 from minengine.record.trace_io import read_trace
-from reqscope.engine_load import LoadOptions
+from reqscope.engine_load import SOLO_STEPS, LoadOptions
 from reqscope.ui.help_screen import HelpScreen
 from reqscope.ui.run.panels.batch import pool_cells
 from reqscope.ui.run.replay_app import ReplayExplorer
@@ -161,12 +161,19 @@ def test_export_and_replay_keep_the_batch_facts(tmp_path):
 
 
 async def test_background_requests_run_beside_the_explorers_and_stop_with_it(own_engine):
-    app = live_app(own_engine, kyoto_request(max_tokens=48), load=LoadOptions(background=2))
+    app = live_app(own_engine, kyoto_request(max_tokens=96), load=LoadOptions(background=2))
     async with app.run_test(size=SMALL) as pilot:
         await finished(pilot, app)
         assert app.compact_view == "batch"  # what the load is for: the panel it shows
-        assert "engine shared with 2 background requests" in panel_text(app, "#batch")
+        text = panel_text(app, "#batch")
+        assert "engine shared with 2 background requests" in text
         assert "+2 background" in panel_text(app, "#status")
+        steps = [t.batch for t in app.view.tokens if t.batch is not None]
+        # Its first decode steps ran alone (SOLO_STEPS), then the others joined its steps.
+        assert [s.sequences for s in steps[:SOLO_STEPS]] == [1] * SOLO_STEPS
+        assert max(s.sequences for s in steps) > 1 and app.view.shared_steps > 0
+        assert all(s.solo_step_ms for s in steps[SOLO_STEPS:])
+        assert f"whole run {app.view.result.batch.steps} steps, {app.view.result.batch.shared_steps} shared" in text
         load = app.load
         assert load is not None and load.background.count == 2
         await wait_for(pilot, lambda: not background_threads())  # they stop with the user's request
@@ -211,10 +218,12 @@ async def test_the_explorer_serves_the_openai_api_from_its_engine(own_engine):
         model = own_engine.model_dir.name
         client = threading.Thread(target=lambda: answers.append(_chat(url, model, "Hello", 4)))
         client.start()
-        await pilot.press("space")
-        await finished(pilot, app)
+        # Answered while the explorer's own request is held: it holds no step the client needs.
         await wait_for(pilot, lambda: not client.is_alive(), timeout=120)
         assert answers and answers[0]["usage"]["completion_tokens"] == 4
+        assert app.held_step == 0
+        await pilot.press("space")
+        await finished(pilot, app)
         assert answers[0]["model"] == own_engine.model_dir.name
     with pytest.raises(OSError):  # the server went with the explorer
         _chat(url, model, "Hello", 1)

@@ -118,7 +118,7 @@ class LiveExplorer(RunExplorer):
         run = LiveRun(self.engine, request, paused=paused, wake=self._wake)
         self.shown = RunOnScreen(run, applied=request.sampling)
         if self.load is not None:
-            self.load.begin()  # the others first: the user's request joins a busy engine
+            self.load.end()  # a run cut short left them running: they join this one after its steps alone
         self._model_thread.submit(run.drive, previous)
         self._invalidate()
 
@@ -139,16 +139,18 @@ class LiveExplorer(RunExplorer):
         for event in events:
             self.view.apply(event)
             self.history.record(event)
+            if self.load is not None:
+                self.load.follow(event)  # the background requests join after its first steps, end with it
             if isinstance(event, DoneEvent) and event.result.error:
                 self.notify(event.result.error, title="request failed", severity="error", timeout=30)
         if events:
             self._invalidate()
-            if self.view.result is not None and self.load is not None:
-                self.load.end()  # the user's request is over: so is the background load (r starts it again)
             self._follow_batch()
         if shown.follow(self.view):
             self.refresh_bindings()
             self._invalidate()
+            if shown.held is not None and self.load is not None:
+                self.load.begin()  # held by the user: the others run meanwhile
         if shown.held is not None and self.sampling.params != shown.applied:
             self._apply_params(shown)
         if shown.run.failure and not shown.failure_shown:
