@@ -10,6 +10,8 @@ the preemptions, the run so far, then the batch size and the step time over the 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from rich.console import Group, RenderableType
 from rich.text import Text
 
@@ -28,6 +30,8 @@ POOL_PARTS = (("this request", "█", "bold green"), ("others", "▓", "yellow")
 _CHART_MIN_ROWS = 4  # a caption and three rows of columns; fewer rows get a sparkline
 _CHART_MAX_ROWS = 8
 _SHOWN_PREEMPTIONS = 2
+_ZOOM_BELOW = 0.2  # a pool held less than this shows its held part again, as a bar of its own (with room)
+_ZOOM_FROM_ROWS = 14
 
 
 class BatchPanel(Panel):
@@ -41,8 +45,11 @@ class BatchPanel(Panel):
         if fig.step is None:
             lines.append(_line("the batch appears with the request's first engine step", "dim"))
             return Group(*lines[:height])
-        lines += [step_line(fig.step, fig.label, width), time_line(fig), pool_bar(fig.step.pool, width),
-                  pool_legend(fig.step.pool, width), chunks_line(fig.chunks)]  # fmt: skip
+        pool = fig.step.pool
+        lines += [step_line(fig.step, fig.label, width), time_line(fig), pool_bar(pool, width)]
+        if height >= _ZOOM_FROM_ROWS and 0 < pool.budget - pool.free < _ZOOM_BELOW * pool.budget:
+            lines.append(held_bar(pool, width))
+        lines += [pool_legend(pool, width), chunks_line(fig.chunks)]
         lines += preemption_lines(fig)
         lines.append(summary_line(fig, frame.view.done))
         lines += recent_chart(fig.recent, width, height - len(lines))
@@ -126,11 +133,21 @@ def pool_cells(pool: PoolUsage, width: int) -> list[int]:
 
 def pool_bar(pool: PoolUsage, width: int) -> Text:
     """The KV pool as one bar: this request's blocks, the other requests', the prefix cache's, free."""
-    text = _line()
-    text.append("pool ", style="dim")
     used = pool.own + pool.others + pool.prefix
-    figure = f" {used / MIB:.1f}/{pool.budget / MIB:.0f} MiB"
-    for (_, glyph, style), cells in zip(POOL_PARTS, pool_cells(pool, max(width - 5 - len(figure), 1)), strict=True):
+    return _bar("pool ", pool, f" {used / MIB:.1f}/{pool.budget / MIB:.0f} MiB", width)
+
+
+def held_bar(pool: PoolUsage, width: int) -> Text:
+    """The pool's held part alone, as a bar of its own: who holds it, when the whole pool's bar is mostly free."""
+    held = replace(pool, budget=pool.own + pool.others + pool.prefix)
+    return _bar("held ", held, f" {held.budget / pool.budget:.1%} of it", width)
+
+
+def _bar(label: str, pool: PoolUsage, figure: str, width: int) -> Text:
+    text = _line()
+    text.append(label, style="dim")
+    for (_, glyph, style), cells in zip(POOL_PARTS, pool_cells(pool, max(width - len(label) - len(figure), 1)),
+                                        strict=True):  # fmt: skip
         text.append(glyph * cells, style=style)
     text.append(figure)
     return text
