@@ -52,11 +52,11 @@ def test_the_queue_is_first_come_first_served():
         order.append(name)
         del admission
 
-    large = threading.Thread(target=wait_for, args=("large", 80))
+    large = threading.Thread(target=wait_for, args=("large", 80), daemon=True)
     large.start()
     while scheduler.waiting < 1:
         time.sleep(0.005)
-    small = threading.Thread(target=wait_for, args=("small", 10))  # 60 + 10 fits, but "large" came first
+    small = threading.Thread(target=wait_for, args=("small", 10), daemon=True)  # 60 + 10 fits, but "large" came first
     small.start()
     while scheduler.waiting < 2:
         time.sleep(0.005)
