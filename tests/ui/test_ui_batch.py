@@ -163,6 +163,10 @@ def test_export_and_replay_keep_the_batch_facts(tmp_path):
 async def test_background_requests_run_beside_the_explorers_and_stop_with_it(own_engine):
     app = live_app(own_engine, kyoto_request(max_tokens=96), load=LoadOptions(background=2))
     async with app.run_test(size=SMALL) as pilot:
+        await wait_for(pilot, lambda: len(background_threads()) == 2 or app.view.result is not None)
+        await pilot.press("2")  # the explorer answers its keys while the others run
+        assert app.compact_view == "kv" and app.screen.query_one("#kv").display
+        await pilot.press("6")
         await finished(pilot, app)
         assert app.compact_view == "batch"  # what the load is for: the panel it shows
         text = panel_text(app, "#batch")
@@ -225,5 +229,7 @@ async def test_the_explorer_serves_the_openai_api_from_its_engine(own_engine):
         await pilot.press("space")
         await finished(pilot, app)
         assert answers[0]["model"] == own_engine.model_dir.name
-    with pytest.raises(OSError):  # the server went with the explorer
+    with pytest.raises(OSError):  # the server went with the explorer, and its threads with it
         _chat(url, model, "Hello", 1)
+    assert not [t for t in threading.enumerate() if t.name.startswith("reqscope-") and t.is_alive()
+                and t.name != "reqscope-model_0"]  # fmt: skip
