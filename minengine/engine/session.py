@@ -471,7 +471,7 @@ class RequestSession:
         self._start_step(state)
         # The loop synchronizes after each step: prefill ends when the device has finished.
         state.fed = list(ids[:reused])
-        logits, chunks = yield from self._forward(ids[reused:], reused, state)
+        logits, chunks = yield from self._forward_or_recompute(ids[reused:], reused, state)
         state.pos = len(ids)
         stage = self._stage("prefill_end")
         yield stage
@@ -501,7 +501,7 @@ class RequestSession:
             if finish is not None:
                 break
             self._start_step(state)
-            logits, _ = yield from self._forward((token,), state.pos, state)
+            logits, _ = yield from self._forward_or_recompute((token,), state.pos, state)
             state.pos += 1
         if finish != "stop_sequence":
             # Nothing after a stop string is shown; any other ending releases the text still
@@ -646,20 +646,23 @@ class RequestSession:
             owner=req.request_id,
         )
 
-    def _forward(
+    def _forward(self, ids: tuple[int, ...], start: int) -> tuple[torch.Tensor, list[PrefillChunk]]:
+        """Run `ids` at positions from `start` in the engine's shared steps, caching their K/V in the
+        request's cache; the next-token logits, and the prompt chunks the steps ran."""
+        assert self._member is not None
+        return self._member.forward(ids, start)
+
+    def _forward_or_recompute(
         self, ids: tuple[int, ...], start: int, state: DecodeState
     ) -> Generator[Event, None, tuple[torch.Tensor, list[PrefillChunk]]]:
-        """Run `ids` at positions from `start` in the engine's shared steps, caching their K/V in the
-        request's cache; the next-token logits, and the prompt chunks the steps ran.
-
-        Preempted (its blocks taken back for others), it says so with a `PreemptEvent` and runs
-        every token it had fed again from position 0, then `ids` (recompute)."""
-        assert self._member is not None
+        """`_forward`, noting what was fed; preempted (its blocks taken back for others), the
+        request says so with a `PreemptEvent` and runs every token it had fed again from
+        position 0, then `ids` (recompute)."""
         while True:
             try:
-                logits, chunks = self._member.forward(ids, start)
+                out = self._forward(ids, start)
                 state.fed.extend(ids)
-                return logits, chunks
+                return out
             except Preempted as preempted:
                 ids, start = tuple(state.fed[:start]) + ids, 0
                 del state.fed[:]
