@@ -23,7 +23,8 @@ view (`PagedKVCache`), exactly as its own buffer would be read. To keep them con
 request's first allocation looks for a free run with room for what it expects to hold (its
 prompt and max_tokens) and claims the rest of that run: claimed blocks stay free, and others
 take them only when nothing unclaimed is left. Later allocations take the block after its last
-one when they can.
+one when they can, even one the prefix cache alone keeps (it lets go of it: a request that hit a
+kept prefix then grows right after it, as it would in a buffer of its own).
 
 Every block has a reference count; its holders are named (a request id, or `PREFIX` for the
 prefix cache). A block goes back to the free list when its last holder frees it. The counters
@@ -235,6 +236,8 @@ class BlockPool:
         self.device = device
         self.first_segment_bytes = first_segment_bytes
         self.evictor: Callable[[int], int] | None = None  # frees kept blocks on demand (the prefix cache)
+        # Lets go of one kept block, if the prefix cache alone holds it (see `allocate`).
+        self.reclaimer: Callable[[BlockFormat, int], bool] | None = None
         self._stores: dict[BlockFormat, BlockStore] = {}
         self._lock = threading.RLock()
         self._owned: Counter[str] = Counter()  # blocks per holder
@@ -337,6 +340,11 @@ class BlockPool:
         `PoolExhausted` when even that leaves too little.
         """
         store = self.store(fmt)
+        if after is not None and self.reclaimer is not None:
+            # The blocks after the owner's last one, kept by the prefix cache alone, are worth more
+            # to it than to the cache: without them its table splits, and every step gathers it.
+            for b in self._kept_after(store, after, count):
+                self.reclaimer(fmt, b)
         while True:
             with self._lock:
                 within = self._held_bytes + count * fmt.nbytes <= self.budget_bytes  # the budget may have shrunk
@@ -358,6 +366,15 @@ class BlockPool:
                 with self._lock:
                     if not self._drop_empty_stores(fmt):
                         raise PoolExhausted(owner, count, store.free_blocks, fmt)
+
+    def _kept_after(self, store: BlockStore, after: int, count: int) -> list[int]:
+        """The blocks of the `count` after `after` that only the prefix cache holds, when every
+        other one of them is free (else taking them would not keep the table in one run)."""
+        with self._lock:
+            wanted = range(after + 1, min(after + 1 + count, len(store.state)))
+            kept = [b for b in wanted if store.refs[b] == 1 and store.prefix[b]]
+            free = sum(1 for b in wanted if store.state[b] != _USED)
+            return kept if kept and len(wanted) == count and len(kept) + free == count else []
 
     def share(self, fmt: BlockFormat, blocks: Sequence[int], owner: str) -> None:
         """Give `owner` a reference to each of `blocks` (held by someone already)."""

@@ -20,7 +20,8 @@ every storage and layout is served.
 
 Kept blocks count against the KV budget: an admission that needs room evicts them least
 recently used first (`evict`), the pool evicts them when an allocation finds no free block
-(`BlockPool.evictor`), and a finished request's new blocks are kept only within the room its
+(`BlockPool.evictor`) or when a request grows into the block right after its own last one
+(`let_go`), and a finished request's new blocks are kept only within the room its
 budget leaves (`store`). Blocks of one chain are ordered so that its last block is evicted
 before its first: a block whose parent is gone can never be reached again. Evicting a block a
 running request also holds frees nothing until that request lets go.
@@ -151,10 +152,12 @@ class PrefixCache:
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
         self._blocks: OrderedDict[bytes, tuple[BlockFormat, int]] = OrderedDict()  # least recently used first
+        self._hash_of: dict[tuple[BlockFormat, int], bytes] = {}
         self._bytes = 0
         self._lock = threading.Lock()
         self.evicted_blocks = 0  # blocks dropped to make room, since the start
         pool.evictor = self.evict
+        pool.reclaimer = self.let_go
 
     @property
     def kept_bytes(self) -> int:
@@ -239,6 +242,7 @@ class PrefixCache:
                 if not fresh.held:
                     self.pool.share(fresh.format, [block], PREFIX)
                 self._blocks[h] = (fresh.format, block)
+                self._hash_of[fresh.format, block] = h
                 self._bytes += nbytes
                 stored += 1
             self._touch([h for h in fresh.chain if h in self._blocks])
@@ -255,9 +259,21 @@ class PrefixCache:
             for fmt, block in self._blocks.values():
                 self.pool.free(fmt, [block], PREFIX)
             self._blocks.clear()
+            self._hash_of.clear()
             self._bytes = 0
         if self.pool.evictor == self.evict:
             self.pool.evictor = None
+        if self.pool.reclaimer == self.let_go:
+            self.pool.reclaimer = None
+
+    def let_go(self, fmt: BlockFormat, block: int) -> bool:
+        """Drop the kept `block` if it is one (the pool wants it for the request growing into it)."""
+        with self._lock:
+            h = self._hash_of.get((fmt, block))
+            if h is None or self.pool.refs(fmt, block) != 1:
+                return False
+            self._drop(h)
+            return True
 
     def _evict(self, nbytes: int, spare: set[bytes] | None = None) -> int:
         freed = 0
@@ -266,12 +282,16 @@ class PrefixCache:
         for h in [h for h in self._blocks if not spare or h not in spare]:
             if freed >= nbytes:
                 break
-            fmt, block = self._blocks.pop(h)
-            self.pool.free(fmt, [block], PREFIX)
-            self._bytes -= fmt.nbytes
-            freed += fmt.nbytes
-            self.evicted_blocks += 1
+            freed += self._drop(h)
         return freed
+
+    def _drop(self, h: bytes) -> int:
+        fmt, block = self._blocks.pop(h)
+        del self._hash_of[fmt, block]
+        self.pool.free(fmt, [block], PREFIX)
+        self._bytes -= fmt.nbytes
+        self.evicted_blocks += 1
+        return fmt.nbytes
 
     def _touch(self, chain: Sequence[bytes]) -> None:
         # Most recently used last; a chain's first block goes last, so its tail is evicted first.

@@ -13,6 +13,7 @@ from minengine.kv.arithmetic import blocks_for, kv_bytes, stored_kv_heads
 from minengine.kv.block_pool import BlockPool, PoolExhausted
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
+from minengine.kv.prefix_cache import KVIdentity, PrefixCache
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 
@@ -202,3 +203,39 @@ def test_an_exhausted_pool_raises_and_still_takes_every_block_back(tiny_models):
             logits = runner.forward(logits.argmax().view(1), PROMPT + step, cache)
     assert cache.valid_tokens == 24 and len(cache.blocks) == 6
     assert cache.release().blocks == 6 and pool.held_bytes == 0 and pool.free_bytes == pool.budget_bytes
+
+
+def test_a_request_that_hits_a_kept_prefix_grows_right_after_it_in_one_run(tiny_models):
+    runner = _runner(tiny_models["llama-gqa"][0])
+    cfg = runner.model.cfg
+    pool = BlockPool(4 << 20, CPU)
+    prefix = PrefixCache(pool)
+    identity = KVIdentity("tiny", "float32", "cpu", "gqa", "float32", BLOCK)
+    first = _paged(pool, cfg, "first")
+    expected = _decode(runner.forward, first, cfg)
+    ids = torch.randint(3, cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(5)).tolist()
+    fed = ids + [int(out.argmax()) for out in expected[:-1]]
+    assert prefix.store(prefix.fresh_blocks(first, fed, identity), room=1 << 30) == len(fed) // BLOCK
+    first.release()
+    # The same prompt again: its first five blocks hit; the sixth, kept too (it holds the prompt's
+    # last token and the first answer's start), is where this request's own K/V goes next.
+    hit = prefix.lookup(ids, identity, holder="hit")
+    second = _paged(pool, cfg, "second")
+    second.attach_prefix(list(hit.block_ids))
+    hit.release()
+    got = _decode_from(runner, second, ids, hit.tokens)
+    assert second.contiguous and second.blocks[: hit.blocks] == list(hit.block_ids)
+    assert all(pool.refs(second.format, b) == 2 for b in hit.block_ids)  # shared, never copied
+    assert prefix.evicted_blocks >= 1  # the kept block it grew into
+    assert [int(a.argmax()) for a in got] == [int(a.argmax()) for a in expected]
+    assert torch.allclose(got[0], expected[0], atol=1e-5, rtol=0)
+    second.release()
+    prefix.clear()
+    assert pool.held_bytes == 0
+
+
+def _decode_from(runner: ModelRunner, cache: PagedKVCache, ids: list[int], reused: int) -> list[torch.Tensor]:
+    out = [runner.forward(torch.tensor(ids[reused:]), reused, cache)]
+    for step in range(STEPS):
+        out.append(runner.forward(out[-1].argmax().view(1), len(ids) + step, cache))
+    return out
