@@ -11,8 +11,9 @@ read once for everyone; a prompt longer than what is left of the budget is split
 
 A request's session still runs on its consumer's thread: it samples its own rows with its own
 parameters, streams its own text, and blocks in `Member.forward` only while its work waits for
-and runs in a step. The loop has no thread of its own: a thread whose work is pending and finds
-no step running plans and runs the next step itself, for everyone (a leader/follower hand-off).
+and runs in a step. The loop has no thread of its own: when no step is running, the thread of the
+oldest request with work pending plans and runs the next step, for everyone (a leader/follower
+hand-off; the others wait for it).
 So a request alone runs every forward on its own thread, exactly as before batching, and the
 host that loaded the model on that thread keeps one OpenMP team (`threads.ModelThread` says
 why that matters). A session whose consumer holds it (a person stepping the explorer) has no
@@ -225,7 +226,7 @@ class StepLoop:
             self._pending.append(work)
             self._cond.notify_all()
             while not work.finished:
-                if self._stepping:
+                if self._stepping or not self._leads(work):
                     self._cond.wait()
                     continue
                 self._stepping = True
@@ -246,6 +247,12 @@ class StepLoop:
                     self._cond.notify_all()
                 if not plan and not work.finished:
                     self._cond.wait(0.05)  # all of it waits for blocks: until someone leaves or hands in work
+
+    def _leads(self, work: _Work) -> bool:
+        """Under the lock: whether `work`'s thread runs the next step: the oldest member's with work
+        pending does, so the steps stay on one thread while that request runs (one OpenMP team;
+        a request alone, or the explorer's under background load, runs them all on its own)."""
+        return work.member.order == min(w.member.order for w in self._pending)
 
     def _gather(self) -> None:
         """Under the lock: give the sequences the last step served a moment to hand in their next token."""
