@@ -67,7 +67,10 @@ def serving_scheduler(engine: Engine, max_queue: int) -> Scheduler:
     """The engine's KV budget with a bounded queue; as many running requests as one step holds
     (they decode together, in the engine's shared steps)."""
     return Scheduler(
-        engine.scheduler.kv_budget_bytes, max_queue=max_queue, max_running=engine.steps.limits.max_num_seqs
+        engine.scheduler.kv_budget_bytes,
+        max_queue=max_queue,
+        max_running=engine.steps.limits.max_num_seqs,
+        pool=engine.pool,
     )
 
 

@@ -137,6 +137,11 @@ class ServeMetrics:
             "Prefix cache hits: prompt tokens whose KV was reused from the prefix cache, not prefilled "
             "(whole blocks; never a prompt's last token)",
         )
+        self.num_preemptions = counter(
+            "num_preemptions",
+            "Preemptions: a running request's KV blocks taken back for others when the pool ran out, the "
+            "request recomputed (counted when the request finishes)",
+        )
         visible = "; requests with visible output only"
         self.ttft = histogram(
             "time_to_first_token_seconds",
@@ -179,7 +184,10 @@ class ServeMetrics:
         )
         # Series exist, at zero, from the first scrape: a rate over a series that appears only
         # with the first event would miss that event.
-        for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits):
+        for metric in (
+            self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
+            self.num_preemptions,
+        ):  # fmt: skip
             metric.labels(model_name)
         for reason in SUCCESS_REASONS:
             self.request_success.labels(model_name, reason)
@@ -205,6 +213,8 @@ class ServeMetrics:
             self.prefix_cache_queries.labels(model).inc(prefix.prompt_tokens)
             self.prefix_cache_hits.labels(model).inc(prefix.reused_tokens)
         self.generation_tokens.labels(model).inc(result.usage.completion_tokens)
+        if result.batch is not None:
+            self.num_preemptions.labels(model).inc(result.batch.preemptions)
         reason = api_finish_reason(result.finish_reason)
         if reason in SUCCESS_REASONS and result.error is None:
             self.request_success.labels(model, reason).inc()

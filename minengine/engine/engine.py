@@ -1,5 +1,5 @@
-"""The engine: a loaded model, its tokenizer, a device, an admission scheduler and the prefix
-cache its requests share."""
+"""The engine: a loaded model, its tokenizer, a device, an admission scheduler, the KV block pool
+and the prefix cache its requests share."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from minengine.engine.session import RequestSession
 from minengine.engine.step_loop import BatchLimits, Member, StepLoop, default_token_budget
 from minengine.engine.timeline import Timeline
 from minengine.errors import Mention, ModelNotFoundError, Setting
+from minengine.kv.block_pool import BlockPool
+from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
@@ -112,9 +114,11 @@ class Engine:
         # Requests make caches and run steps through it.
         self.runner = ModelRunner(self.model, static_decode=cuda_graph and self.device.type == "cuda")
         synchronize(self.device)
-        self.scheduler = Scheduler(kv_budget_bytes or default_kv_budget(self.device), max_running=limits.max_num_seqs)
+        # Every request's KV blocks and the prefix cache's, within the KV budget; admission waits for room in it.
+        self.pool = BlockPool(kv_budget_bytes or default_kv_budget(self.device), self.device)
+        self.scheduler = Scheduler(self.pool.budget_bytes, max_running=limits.max_num_seqs, pool=self.pool)
         self.fingerprint = model_fingerprint(self.model_dir)
-        self.prefix_cache: PrefixCache | None = PrefixCache() if prefix_cache else None
+        self.prefix_cache: PrefixCache | None = PrefixCache(self.pool) if prefix_cache else None
         # Every request's forwards run here, in steps shared with the others running.
         self.steps = StepLoop(
             self.runner,
@@ -126,11 +130,15 @@ class Engine:
         self.load_ms = (time.perf_counter() - start) * 1000
 
     def _pool_usage(self, member: Member, members: list[Member]) -> PoolUsage:
-        """The KV budget as `member` sees it: its reservation, the other running requests', the
-        prefix cache's kept blocks, the rest free."""
-        others = sum(m.reserved_bytes for m in members if m is not member)
-        kept = self.prefix_cache.kept_bytes if self.prefix_cache is not None else 0
-        return PoolUsage(self.scheduler.kv_budget_bytes, member.reserved_bytes, others, kept)
+        """The KV budget as `member` sees it: the blocks its cache holds, the other running
+        requests' blocks, the blocks only the prefix cache keeps, the rest free. A cache outside
+        the pool (the static decoder's arena) counts its physical bytes."""
+        pool = self.pool
+        own = pool.held_bytes_by(member.cache.owner) if isinstance(member.cache, PagedKVCache) else 0
+        arena = {m: m.cache.usage().physical_bytes for m in members if not isinstance(m.cache, PagedKVCache)}
+        own += arena.get(member, 0)
+        others = pool.request_bytes + sum(arena.values()) - own
+        return PoolUsage(self.scheduler.kv_budget_bytes, own, others, pool.prefix_only_bytes)
 
     def use_prefix_cache(self, enabled: bool) -> None:
         """Turn the prefix cache on or off for requests started from now on (off drops its blocks)."""
@@ -139,7 +147,7 @@ class Engine:
                 self.prefix_cache.clear()
             self.prefix_cache = None
         elif self.prefix_cache is None:
-            self.prefix_cache = PrefixCache()
+            self.prefix_cache = PrefixCache(self.pool)
 
     def kv_identity(self, layout: str, storage_dtype: torch.dtype, block_size: int) -> KVIdentity:
         """What, besides the tokens, decides the K/V of a request's cache on this engine."""

@@ -8,6 +8,12 @@ queue is already full, it is refused with QueueFullError. The queue is first com
 served: a request is admitted only from the head of the queue, so a later small request never
 overtakes an earlier one that waits for room (vLLM's FCFS policy).
 
+With the engine's block pool (`pool`), a request reserves nothing: it waits until its prompt's
+blocks fit (`admit`'s `fits`), takes blocks as it grows, and the step loop preempts the newest
+request when the pool runs out (vLLM's policy); the budget is the pool's, and what the running
+requests hold is what their blocks take. Reserving the worst case stays for callers that pass
+no `fits`.
+
 Memory kept between requests (the prefix cache's blocks) counts against the same budget. It is
 never a reason to wait: an admission that fits beside the running requests but not beside the
 kept blocks evicts them first (`KeptMemory.evict`, least recently used first), and what may be
@@ -26,6 +32,7 @@ from typing import Protocol, TypeVar
 
 from minengine.errors import AdmissionError, QueueCancelledError, QueueFullError, Setting
 from minengine.kv.arithmetic import MIB
+from minengine.kv.block_pool import BlockPool
 
 R = TypeVar("R")
 
@@ -55,7 +62,10 @@ class Admission:
 class Scheduler:
     """Grants KV reservations against a byte budget; thread-safe."""
 
-    def __init__(self, kv_budget_bytes: int, max_queue: int = 16, max_running: int | None = None) -> None:
+    def __init__(
+        self, kv_budget_bytes: int, max_queue: int = 16, max_running: int | None = None, pool: BlockPool | None = None
+    ) -> None:
+        self.pool = pool  # the engine's block pool: its budget is this one, its requests' blocks are held bytes
         self.kv_budget_bytes = kv_budget_bytes
         self.max_queue = max_queue
         self.max_running = max_running  # None: only the KV budget limits running requests
@@ -65,9 +75,20 @@ class Scheduler:
         self._cond = threading.Condition()
 
     @property
+    def kv_budget_bytes(self) -> int:
+        """The KV budget (the block pool's too, when there is one)."""
+        return self._budget
+
+    @kv_budget_bytes.setter
+    def kv_budget_bytes(self, budget: int) -> None:
+        self._budget = budget
+        if self.pool is not None:
+            self.pool.budget_bytes = budget
+
+    @property
     def held_bytes(self) -> int:
-        """KV bytes reserved by running requests."""
-        return self._held
+        """KV bytes reserved by running requests, or held by their blocks in the pool."""
+        return self._held + (self.pool.request_bytes if self.pool is not None else 0)
 
     @property
     def running(self) -> int:
@@ -79,8 +100,12 @@ class Scheduler:
         """Requests waiting in the queue for admission."""
         return len(self._queue)
 
-    def _must_wait(self, kv_bytes: int, kept: KeptMemory | None = None) -> bool:
+    def _must_wait(
+        self, kv_bytes: int, kept: KeptMemory | None = None, fits: Callable[[], bool] | None = None
+    ) -> bool:
         slots_full = self.max_running is not None and self._running >= self.max_running
+        if fits is not None:
+            return slots_full or not fits()
         over = self._held + kv_bytes - self.kv_budget_bytes
         if slots_full or over > 0:
             return True  # only running requests can make room: keep the kept blocks meanwhile
@@ -101,11 +126,13 @@ class Scheduler:
         timeout_s: float | None = None,
         cancelled: threading.Event | None = None,
         kept: KeptMemory | None = None,
+        fits: Callable[[], bool] | None = None,
     ) -> Admission:
         """Reserve `kv_bytes` for a request, waiting while others hold the budget.
 
         Memory `kept` between requests (the prefix cache) is evicted as far as the reservation
-        needs the room.
+        needs the room. With `fits` nothing is reserved: the request waits until `fits()` says
+        its first blocks fit (a request whose `kv_bytes` exceed the whole budget is still refused).
         """
         if prompt_tokens >= context_limit:  # no max_tokens can help: the prompt must shrink
             raise AdmissionError(
@@ -127,12 +154,13 @@ class Scheduler:
             )
         start = time.perf_counter()
         with self._cond:
-            if (self._queue or self._must_wait(kv_bytes, kept)) and len(self._queue) >= self.max_queue:
+            reserve = 0 if fits is not None else kv_bytes
+            if (self._queue or self._must_wait(reserve, kept, fits)) and len(self._queue) >= self.max_queue:
                 raise QueueFullError(f"the queue is full ({self.max_queue} waiting); try again later")
             ticket = object()
             self._queue.append(ticket)
             try:
-                while self._queue[0] is not ticket or self._must_wait(kv_bytes, kept):
+                while self._queue[0] is not ticket or self._must_wait(reserve, kept, fits):
                     if cancelled is not None and cancelled.is_set():
                         waited_ms = (time.perf_counter() - start) * 1000
                         raise QueueCancelledError("cancelled while waiting in the queue", waited_ms)
@@ -142,12 +170,12 @@ class Scheduler:
                             f"waited {timeout_s:.1f} s in the queue for {kv_bytes / MIB:.1f} MiB of KV; try again later"
                         )
                     self._cond.wait(timeout=0.05 if left is None else min(left, 0.05))
-                self._held += kv_bytes
+                self._held += reserve
                 self._running += 1
             finally:
                 self._queue.remove(ticket)
                 self._cond.notify_all()  # the next in line may fit too
-        return Admission(request_id, kv_bytes, (time.perf_counter() - start) * 1000)
+        return Admission(request_id, reserve, (time.perf_counter() - start) * 1000)
 
     def within_budget(self, keep: Callable[[int], R], *, releasing: Admission | None = None) -> R:
         """`keep(room)` under the admission lock, where room is what memory kept between

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from minengine.device import synchronize
-from minengine.engine.batch_facts import BatchSummary, PrefillChunk
+from minengine.engine.batch_facts import BatchSummary, PreemptEvent, PrefillChunk
 from minengine.engine.events import (
     AdmitEvent,
     DoneEvent,
@@ -68,11 +68,13 @@ from minengine.engine.metrics import request_metrics, without_held
 from minengine.engine.request import GenerationRequest, validate
 from minengine.engine.roofline import StepBytes, step_bytes
 from minengine.engine.scheduler import Admission, Scheduler
-from minengine.engine.step_loop import Member, StepCancelled, StepLoop
+from minengine.engine.step_loop import Member, Preempted, StepCancelled, StepLoop
 from minengine.engine.timeline import STAGE_SPANS, Timeline
 from minengine.errors import Message, QueueCancelledError, ReqscopeError, RequestError, Setting
-from minengine.kv.arithmetic import kv_bytes_in_blocks, stored_kv_heads
-from minengine.kv.cache import KVCache, KVSpan
+from minengine.kv.arithmetic import blocks_for, kv_bytes_in_blocks, stored_kv_heads
+from minengine.kv.block_pool import BlockFormat, BlockPool
+from minengine.kv.cache import KVCache
+from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache, PrefixHit
 from minengine.kv.usage import KVUsage
 from minengine.sampling.chain import filter_logits
@@ -130,6 +132,7 @@ class DecodeState:
     last_visible: tuple[int, float] | None = None  # (index, t_ms) of the latest such token
     peak: KVUsage | None = None  # the latest cache snapshot; the cache only grows
     pos: int = 0  # the position the next token fed to the model takes
+    fed: list[int] = field(default_factory=list)  # ids of positions [0, pos): what a preempted request recomputes
     step_start: float = 0.0  # perf_counter when the model step behind the waiting logits began
     step_held_ns: int = 0  # the session's held time when that step began: a hold within it is not its time
     weight_bytes: int = 0  # weight bytes a decode step reads (the model's, for this request's steps)
@@ -151,6 +154,7 @@ class EngineHandle(Protocol):
     device: torch.device
     runner: ModelRunner  # makes the request's cache
     scheduler: Scheduler
+    pool: BlockPool  # the KV blocks of every request and of the prefix cache
     steps: StepLoop  # runs the request's forwards, in steps shared with the other running requests
     prefix_cache: PrefixCache | None  # read at each admission: the engine may turn it off between requests
 
@@ -189,7 +193,7 @@ class Cached:
     """The prefix cache stage's output: the request's KV cache, the hit copied in, the stage's event,
     and the request's place in the step loop."""
 
-    cache: KVCache
+    cache: KVCache | PagedKVCache
     event: PrefixCacheEvent
     member: Member
 
@@ -361,7 +365,8 @@ class RequestSession:
         self, ids: tuple[int, ...], releases: ExitStack
     ) -> Generator[Event, None, tuple[Admitted, PrefixHit | None]]:
         """Admission: size the worst-case KV, look the prompt up in the prefix cache, wait for
-        the scheduler to reserve the KV; return what was admitted, and the prefix cache's hit.
+        the scheduler to admit it once its prompt's blocks (beyond the hit) fit in the pool;
+        return what was admitted, and the prefix cache's hit.
 
         The lookup comes first, as in vLLM's scheduler: it makes the hit most recently used, so
         the kept blocks this admission evicts to make room are others. The hit goes on apart
@@ -373,15 +378,19 @@ class RequestSession:
         prefix, hit = None, None
         if eng.prefix_cache is not None:
             prefix = PrefixPlan(eng.prefix_cache, eng.kv_identity(req.kv_layout, kv.storage, req.block_size))
-            hit = prefix.pool.lookup(ids, prefix.identity)
+            hit = prefix.pool.lookup(ids, prefix.identity, holder=f"{req.request_id} (prefix hit)")
+            releases.callback(hit.release)
+        cfg, heads = eng.cfg, stored_kv_heads(req.kv_layout, eng.cfg.num_attention_heads, eng.cfg.num_key_value_heads)
+        blocks = BlockFormat(cfg.num_hidden_layers, heads, cfg.head_dim, req.block_size, kv.storage)
+        first_blocks = blocks_for(prompt_tokens, req.block_size) - (hit.blocks if hit is not None else 0)
         admission = eng.scheduler.admit(
             req.request_id,
             prompt_tokens=prompt_tokens,
             max_tokens=req.max_tokens,
             context_limit=eng.cfg.max_position_embeddings,
-            kv_bytes=kv.reserved_bytes,
+            kv_bytes=kv.reserved_bytes,  # what it could grow to: refused if even the whole budget is less
             cancelled=self.cancelled,
-            kept=None if prefix is None else prefix.pool,
+            fits=lambda: eng.pool.can_allocate(blocks, first_blocks),  # it waits for its prompt's blocks
         )
         releases.callback(eng.scheduler.release, admission)
         yield self._stage("scheduler_admit", f"queue {admission.queue_ms:.1f} ms")
@@ -400,7 +409,8 @@ class RequestSession:
     ) -> Generator[Event, None, Cached]:
         """Prefix cache: make the cache and copy the prompt's cached prefix into it.
 
-        Copying is far cheaper than computing. The issue's 352-token prompt on SmolLM2-135M
+        A paged cache shares the hit's blocks (no copy); the static decoder's arena copies them
+        in. Copying is far cheaper than computing. The issue's 352-token prompt on SmolLM2-135M
         (float32, the shared 2-core CPU, medians of 4): its 21 cached blocks (336 tokens, 15.5 MiB
         of K/V) copy in 3.4 ms, the 16 tokens left prefill in 83 ms, against 1,093 ms to prefill
         all 352; keeping a finished request's 22 blocks costs 7.5 ms after its last token. (The
@@ -417,7 +427,11 @@ class RequestSession:
         copy_ms = 0.0
         if hit is not None and hit.blocks:
             start = time.perf_counter()
-            cache.write_prefix(KVSpan.joined(list(hit.spans)))
+            if isinstance(cache, PagedKVCache):
+                cache.attach_prefix(list(hit.block_ids))
+            else:
+                cache.write_prefix(hit.span())
+            hit.release()  # the cache holds the blocks (or their copy) now
             synchronize(self.engine.device)
             copy_ms = (time.perf_counter() - start) * 1000
         reused = 0 if hit is None else hit.tokens
@@ -456,7 +470,8 @@ class RequestSession:
         self.timeline.mark("prefill_start", detail)
         self._start_step(state)
         # The loop synchronizes after each step: prefill ends when the device has finished.
-        logits, chunks = self._forward(ids[reused:], reused)
+        state.fed = list(ids[:reused])
+        logits, chunks = yield from self._forward_or_recompute(ids[reused:], reused, state)
         state.pos = len(ids)
         stage = self._stage("prefill_end")
         yield stage
@@ -464,7 +479,9 @@ class RequestSession:
         yield PrefillEvent(len(ids), stage.duration_ms, state.peak, reused_tokens=reused, chunks=tuple(chunks))
         return logits
 
-    def _decode(self, logits: torch.Tensor, cache: KVCache, state: DecodeState) -> Generator[Event, None, str]:
+    def _decode(
+        self, logits: torch.Tensor, cache: KVCache | PagedKVCache, state: DecodeState
+    ) -> Generator[Event, None, str]:
         """Decode: pause at each step, sample, stream, feed the token back; return the finish reason."""
         # The sampler starts from the parameters in force now: the consumer may have changed
         # them while paused after prefill.
@@ -484,7 +501,7 @@ class RequestSession:
             if finish is not None:
                 break
             self._start_step(state)
-            logits, _ = self._forward((token,), state.pos)
+            logits, _ = yield from self._forward_or_recompute((token,), state.pos, state)
             state.pos += 1
         if finish != "stop_sequence":
             # Nothing after a stop string is shown; any other ending releases the text still
@@ -506,7 +523,7 @@ class RequestSession:
         return token, trace, forced is not None
 
     def _stream(
-        self, token: int, trace: StepTrace | None, forced: bool, cache: KVCache, state: DecodeState
+        self, token: int, trace: StepTrace | None, forced: bool, cache: KVCache | PagedKVCache, state: DecodeState
     ) -> tuple[TokenEvent, str | None]:
         """Streaming: commit `token` and release the text it makes visible.
 
@@ -616,11 +633,17 @@ class RequestSession:
         state.held_totals.append(total)
         return since
 
-    def _new_cache(self, kv: KVSizing) -> KVCache:
-        """The model's KV cache for this request, sized by `kv`."""
-        req = self.request
-        return self.engine.runner.new_cache(
-            kv.tokens, layout=req.kv_layout, storage_dtype=kv.storage, block_size=req.block_size
+    def _new_cache(self, kv: KVSizing) -> KVCache | PagedKVCache:
+        """The model's KV cache for this request, sized by `kv`: blocks of the engine's pool (or
+        the static decoder's arena, where it serves)."""
+        req, eng = self.request, self.engine
+        return eng.runner.new_cache(
+            kv.tokens,
+            layout=req.kv_layout,
+            storage_dtype=kv.storage,
+            block_size=req.block_size,
+            pool=eng.pool,
+            owner=req.request_id,
         )
 
     def _forward(self, ids: tuple[int, ...], start: int) -> tuple[torch.Tensor, list[PrefillChunk]]:
@@ -629,7 +652,31 @@ class RequestSession:
         assert self._member is not None
         return self._member.forward(ids, start)
 
-    def _keep_blocks(self, cache: KVCache, ids: tuple[int, ...], state: DecodeState, admitted: Admitted) -> None:
+    def _forward_or_recompute(
+        self, ids: tuple[int, ...], start: int, state: DecodeState
+    ) -> Generator[Event, None, tuple[torch.Tensor, list[PrefillChunk]]]:
+        """`_forward`, noting what was fed; preempted (its blocks taken back for others), the
+        request says so with a `PreemptEvent` and runs every token it had fed again from
+        position 0, then `ids` (recompute)."""
+        while True:
+            try:
+                out = self._forward(ids, start)
+                state.fed.extend(ids)
+                return out
+            except Preempted as preempted:
+                ids, start = tuple(state.fed[:start]) + ids, 0
+                del state.fed[:]
+                yield PreemptEvent(
+                    preempted.reason,
+                    preempted.blocks_freed,
+                    preempted.bytes_freed,
+                    tokens_to_recompute=len(ids),
+                    t_ms=self.timeline.now_ms(),
+                )
+
+    def _keep_blocks(
+        self, cache: KVCache | PagedKVCache, ids: tuple[int, ...], state: DecodeState, admitted: Admitted
+    ) -> None:
         """Give the cache's full blocks to the prefix cache, within the KV budget.
 
         Whatever the ending: every position all layers hold is the model's K/V for the tokens
@@ -640,7 +687,7 @@ class RequestSession:
         assert admitted.prefix is not None
         pool, identity = admitted.prefix.pool, admitted.prefix.identity
         try:
-            fresh = pool.copy_out(cache, ids + tuple(state.generated), identity)
+            fresh = pool.fresh_blocks(cache, ids + tuple(state.generated), identity)
         except torch.OutOfMemoryError:
             return  # no memory for the copies: nothing is kept, the request is unaffected
         if fresh.new:

@@ -23,6 +23,12 @@ decoding together stay in the same steps instead of drifting into alternate ones
 marked `away` (held) is not waited for.
 
 Each step is described to every member it served as a `BatchStep` (minengine.engine.batch_facts).
+
+Before a step runs, every paged cache in it gets the blocks its tokens need (`_room_for`). When
+the pool has none left, the newest member holding blocks is preempted by recompute, as vLLM and
+nano-vllm do: its blocks go back to the pool and its forward ends with `Preempted`, and its
+session hands in everything it had fed again, from position 0, as a prompt. A prompt chunk never
+preempts an older member: it waits for room.
 """
 
 from __future__ import annotations
@@ -41,7 +47,9 @@ from minengine.device import synchronize
 from minengine.engine.batch_facts import BatchStep, PoolUsage, PrefillChunk
 from minengine.engine.roofline import StepBytes, step_bytes
 from minengine.errors import RequestError, Setting
+from minengine.kv.block_pool import PoolExhausted
 from minengine.kv.cache import KVCache
+from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.batch_forward import Row
 from minengine.model.runner import ModelRunner
 
@@ -50,6 +58,14 @@ _SOLO_HISTORY = 16  # solo decode steps the loop remembers for `BatchStep.solo_s
 
 class StepCancelled(Exception):
     """The request was cancelled while its prompt was still being prefilled in chunks."""
+
+
+class Preempted(Exception):
+    """The loop took the request's KV blocks back for others; its session recomputes what it had fed."""
+
+    def __init__(self, reason: str, blocks_freed: int, bytes_freed: int) -> None:
+        super().__init__(reason)
+        self.reason, self.blocks_freed, self.bytes_freed = reason, blocks_freed, bytes_freed
 
 
 @dataclass(frozen=True)
@@ -118,12 +134,17 @@ class Member:
         self.steps: list[BatchStep] = []  # every step it had tokens in
         self.prefill_chunks = 0
         self.preemptions = 0
+        self.preempted: Preempted | None = None  # taken back while it had no work in the loop
         self.last_step: BatchStep | None = None
 
     def forward(self, ids: tuple[int, ...], start: int) -> tuple[torch.Tensor, list[PrefillChunk]]:
         """Run `ids` at positions from `start` in the loop's steps; the next-token logits and, for a
-        prompt, the chunks it ran in. Blocks until the last of its steps has run."""
+        prompt, the chunks it ran in. Blocks until the last of its steps has run. Raises
+        `Preempted` when its blocks were taken back: the caller runs everything again from 0."""
         self.away = False
+        if self.preempted is not None:
+            preempted, self.preempted = self.preempted, None
+            raise preempted
         work = _Work(self, ids, start)
         self.loop._run_until_done(work)
         if work.error is not None:
@@ -161,6 +182,7 @@ class StepLoop:
         self.gather_s = gather_s
         self.weight_bytes = weight_bytes
         self.steps_run = 0
+        self.preemptions = 0  # since the start, every member's
         self._order = itertools.count()
         self._members: list[Member] = []
         self._pending: list[_Work] = []
@@ -208,9 +230,10 @@ class StepLoop:
                     self._cond.wait()
                     continue
                 self._stepping = True
+                plan: list[tuple[_Work, int]] = []
                 try:
                     self._gather()
-                    plan = self._plan()
+                    plan = self._room_for(self._plan())
                     if plan:
                         waiting, members = self.waiting(), list(self._members)
                         self._cond.release()
@@ -222,6 +245,8 @@ class StepLoop:
                 finally:
                     self._stepping = False
                     self._cond.notify_all()
+                if not plan and not work.finished:
+                    self._cond.wait(0.05)  # all of it waits for blocks: until someone leaves or hands in work
 
     def _leads(self, work: _Work) -> bool:
         """Under the lock: whether `work`'s thread runs the next step: the oldest member's with work
@@ -255,6 +280,45 @@ class StepLoop:
             plan.append((work, n))
             budget -= n
         return plan
+
+    def _room_for(self, plan: list[tuple[_Work, int]]) -> list[tuple[_Work, int]]:
+        """Under the lock: the blocks every paged row of `plan` needs, preempting the newest
+        member holding blocks while the pool has too few; the plan without the rows that lost
+        theirs (or, for a prompt chunk, could not get them yet)."""
+        ready: list[tuple[_Work, int]] = []
+        for work, n in plan:
+            cache = work.member.cache
+            while not work.finished:
+                try:
+                    if isinstance(cache, PagedKVCache):
+                        cache.make_room(work.start + work.done + n)
+                    ready.append((work, n))
+                    break
+                except PoolExhausted as exc:
+                    holders = [m for m in self._members if isinstance(m.cache, PagedKVCache) and m.cache.blocks]
+                    victim = max(holders, key=lambda m: m.order, default=None)
+                    if victim is None or victim.order < work.member.order:
+                        if victim is None:  # no one holds a block to give back: it can never fit
+                            work.error = exc
+                            self._finish(work)
+                        break  # it waits for room, as a request waits for admission
+                    self._preempt(victim, f"the KV pool had no free block for {cache.owner}")
+        return [(w, n) for w, n in ready if not w.finished]
+
+    def _preempt(self, member: Member, reason: str) -> None:
+        """Under the lock: take `member`'s blocks back; its work in the loop ends with `Preempted`."""
+        freed = member.cache.release()
+        preempted = Preempted(reason, freed.blocks, freed.nbytes)
+        member.decoding = False
+        member.preemptions += 1
+        self.preemptions += 1
+        self._last_served.discard(member)
+        pending = [w for w in self._pending if w.member is member]
+        for work in pending:
+            work.error = preempted
+            self._finish(work)
+        if not pending:
+            member.preempted = preempted
 
     def _step_bytes(self, plan: list[tuple[_Work, int]]) -> StepBytes:
         """A shared step's read: the weights once, and the K/V every decode row attended over."""

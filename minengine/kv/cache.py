@@ -36,6 +36,17 @@ from minengine.kv.usage import KV_LAYOUTS, KVUsage
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
 
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] as float8_e4m3fn, and the float32 scale of each vector [..., 1] (its absmax / 448)."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / _FP8_MAX
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_fp8(payload: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 `payload` times its `scales`, in `dtype`."""
+    return (payload.float() * scales).to(dtype)
+
+
 @dataclass(frozen=True)
 class KVSpan:
     """K/V of a run of positions in every layer, as a cache stores them.
@@ -85,6 +96,8 @@ class KVSpan:
 
 class KVCache:
     """K/V storage for one request across all layers of one model."""
+
+    contiguous = True  # each layer's K and V for [0, capacity) is one buffer (as `PagedKVCache` asks of its table)
 
     def __init__(
         self,
@@ -216,12 +229,10 @@ class KVCache:
 
     @staticmethod
     def _store_fp8(buf: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, start: int, end: int):
-        scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / _FP8_MAX
-        buf[:, :, start:end] = (x.float() / scale).to(torch.float8_e4m3fn)
-        scales[:, :, start:end] = scale
+        buf[:, :, start:end], scales[:, :, start:end] = quantize_fp8(x)
 
     def _load_fp8(self, buf: torch.Tensor, scales: torch.Tensor, end: int) -> torch.Tensor:
-        return (buf[:, :, :end].float() * scales[:, :, :end]).to(self.compute_dtype)
+        return dequantize_fp8(buf[:, :, :end], scales[:, :, :end], self.compute_dtype)
 
     # -- taking K/V out and putting it back ---------------------------------------------------
 

@@ -1,6 +1,5 @@
 """Automatic prefix caching: full KV blocks kept after their request ends, reused by the next
-request whose prompt starts with the same tokens (vLLM's automatic prefix caching, in an engine
-that runs one request at a time).
+request whose prompt starts with the same tokens (vLLM's automatic prefix caching).
 
 A block is named by a hash chained over its parent block's name and its own token ids, so two
 equal names mean two equal prefixes, not merely two equal blocks. The chain starts from a hash
@@ -10,16 +9,22 @@ block made under any other of these never matches: it is skipped, never used for
 
 A request looks up its prompt's full blocks, the first miss ending the hit; the last prompt
 token is never covered, so prefill always computes at least one position and its logits exist
-(vLLM's rule too). Kept blocks are copies (`KVSpan`, one per block) outside any request's cache:
-a request's cache is one buffer per layer reserved for its whole budget, or the static decoder's
-arena, so blocks cannot be shared in place; the hit is copied into the new cache instead, which
-costs far less than recomputing it (see `RequestSession._prefix_cache` for measured numbers).
-FP8 storage is kept with its scales, byte for byte, so every storage and layout is served.
+(vLLM's rule too). Kept blocks are blocks of the engine's `BlockPool`, held under the name
+`PREFIX`: a finished request's paged cache hands its full blocks over by reference, with no copy,
+and a hit shares them with the next request by reference (`PagedKVCache.attach_prefix`); since
+only full blocks are kept and the prompt's last token is always computed, no request ever writes
+into a block it shares. A request-owned cache (the static decoder's arena) cannot hold pool
+blocks, so its blocks are copied into pool blocks when it ends (`fresh_blocks`) and a hit is
+copied into it (`PrefixHit.span`). FP8 storage is kept with its scales, byte for byte, so
+every storage and layout is served.
 
-Kept blocks count against the scheduler's KV budget: an admission that needs room evicts them
-least recently used first (`evict`), and a finished request's new blocks are stored only within
-the room its budget leaves (`store`). Blocks of one chain are ordered so that its last block is
-evicted before its first: a block whose parent is gone can never be reached again.
+Kept blocks count against the KV budget: an admission that needs room evicts them least
+recently used first (`evict`), the pool evicts them when an allocation finds no free block
+(`BlockPool.evictor`) or when a request grows into the block right after its own last one
+(`let_go`), and a finished request's new blocks are kept only within the room its
+budget leaves (`store`). Blocks of one chain are ordered so that its last block is evicted
+before its first: a block whose parent is gone can never be reached again. Evicting a block a
+running request also holds frees nothing until that request lets go.
 """
 
 from __future__ import annotations
@@ -32,7 +37,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass
 
+import torch
+
+from minengine.kv.block_pool import PREFIX, BlockFormat, BlockPool, PoolExhausted
 from minengine.kv.cache import KVCache, KVSpan
+from minengine.kv.paged_cache import PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -64,49 +73,91 @@ def block_hashes(ids: Sequence[int], identity: KVIdentity, blocks: int) -> list[
     return out
 
 
-@dataclass(frozen=True)
 class PrefixHit:
-    """What a lookup found: the cached prefix of a prompt, in blocks, ready to copy in.
+    """What a lookup found: the cached prefix of a prompt, in pool blocks.
 
-    `spans` are the kept blocks themselves, held by the hit, so a block evicted after the lookup
-    is still copied whole.
+    A hit made for a holder keeps a reference to each of its blocks under that name until
+    `release` (its cache shares them first), so a block evicted after the lookup is still whole.
     """
 
-    identity: KVIdentity
-    looked_up: int  # the prompt's full blocks a hit may cover (all but the last prompt token)
-    spans: tuple[KVSpan, ...]  # the hit blocks, in order
-    lookup_ms: float
+    def __init__(
+        self,
+        identity: KVIdentity,
+        looked_up: int,
+        kept: Sequence[tuple[BlockFormat, int]],
+        lookup_ms: float,
+        pool: BlockPool | None = None,
+        holder: str | None = None,
+    ) -> None:
+        self.identity = identity
+        self.looked_up = looked_up  # the prompt's full blocks a hit may cover (all but the last prompt token)
+        self.format = kept[0][0] if kept else None
+        self.block_ids = tuple(b for _, b in kept)  # the hit blocks, in order
+        self.lookup_ms = lookup_ms
+        self._pool, self._holder = pool, holder
 
     @property
     def blocks(self) -> int:
         """Blocks found."""
-        return len(self.spans)
+        return len(self.block_ids)
 
     @property
     def tokens(self) -> int:
         """Prompt tokens the hit covers (whole blocks)."""
         return self.blocks * self.identity.block_size
 
+    def span(self) -> KVSpan:
+        """The hit's K/V copied out of the pool, for a cache that cannot share blocks."""
+        if self.format is None or self._pool is None:
+            raise ValueError("an empty hit, or one that holds no blocks, has nothing to copy")
+        store, size = self._pool.store(self.format), self.format.block_size
+        parts: list[list[torch.Tensor]] = [[], [], [], []]
+        for b in self.block_ids:
+            seg = store.segment_of(b)
+            local = (b - seg.first) * size
+            for out, t in zip(parts, (seg.k, seg.v, seg.k_scale, seg.v_scale), strict=True):
+                if t is not None:
+                    out.append(t.narrow(2, local, size))
+        keys, values, key_scales, value_scales = (torch.cat(p, dim=2) if p else None for p in parts)
+        return KVSpan(keys, values, key_scales, value_scales)
+
+    def release(self) -> None:
+        """Let go of the hit's references (again is a no-op)."""
+        if self._pool is not None and self._holder is not None and self.block_ids:
+            self._pool.free(self.format, self.block_ids, self._holder)
+        self._holder = None
+
 
 @dataclass(frozen=True)
 class FreshBlocks:
-    """A finished request's full blocks: the chain's hashes, and copies of those not kept yet."""
+    """A finished request's full blocks: the chain's hashes, and its blocks not kept yet.
+
+    `new` blocks are the request's own (shared on `store`) or, for a request-owned cache, copies
+    the prefix cache already holds (`held`).
+    """
 
     chain: tuple[bytes, ...]
-    new: tuple[tuple[bytes, KVSpan], ...]
+    format: BlockFormat | None
+    new: tuple[tuple[bytes, int], ...]
+    held: bool = False
 
 
 class PrefixCache:
     """Kept KV blocks by chained hash, least recently used first; thread-safe.
 
-    Lock order: the scheduler's lock, then this one (`evict` and `store` run under the former).
+    Lock order: the scheduler's lock, then this one (`evict` and `store` run under the former),
+    then the pool's.
     """
 
-    def __init__(self) -> None:
-        self._blocks: OrderedDict[bytes, KVSpan] = OrderedDict()  # least recently used first
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self._blocks: OrderedDict[bytes, tuple[BlockFormat, int]] = OrderedDict()  # least recently used first
+        self._hash_of: dict[tuple[BlockFormat, int], bytes] = {}
         self._bytes = 0
         self._lock = threading.Lock()
         self.evicted_blocks = 0  # blocks dropped to make room, since the start
+        pool.evictor = self.evict
+        pool.reclaimer = self.let_go
 
     @property
     def kept_bytes(self) -> int:
@@ -118,35 +169,58 @@ class PrefixCache:
         """Blocks kept now, of every identity."""
         return len(self._blocks)
 
-    def lookup(self, ids: Sequence[int], identity: KVIdentity) -> PrefixHit:
-        """The longest kept prefix of the prompt `ids`, in whole blocks; the hit becomes most recently used."""
+    def lookup(self, ids: Sequence[int], identity: KVIdentity, holder: str | None = None) -> PrefixHit:
+        """The longest kept prefix of the prompt `ids`, in whole blocks; the hit becomes most
+        recently used. With a `holder` the hit holds its blocks under that name until released."""
         start = time.perf_counter()
         usable = (len(ids) - 1) // identity.block_size  # the last prompt token is always computed
         hashes = block_hashes(ids, identity, usable)
-        spans: list[KVSpan] = []
+        kept: list[tuple[BlockFormat, int]] = []
         with self._lock:
             for h in hashes:
-                span = self._blocks.get(h)
-                if span is None:
+                block = self._blocks.get(h)
+                if block is None:
                     break
-                spans.append(span)
-            self._touch(hashes[: len(spans)])
-        return PrefixHit(identity, usable, tuple(spans), (time.perf_counter() - start) * 1000)
+                kept.append(block)
+            self._touch(hashes[: len(kept)])
+            if holder is not None and kept:
+                self.pool.share(kept[0][0], [b for _, b in kept], holder)
+        return PrefixHit(identity, usable, kept, (time.perf_counter() - start) * 1000, self.pool, holder)
 
-    def copy_out(self, cache: KVCache, tokens: Sequence[int], identity: KVIdentity) -> FreshBlocks:
-        """The full blocks `cache` holds for `tokens` (its positions' ids, in order), copying out
-        those not kept yet. Call it before the cache is released; `store` keeps them."""
+    def fresh_blocks(self, cache: KVCache | PagedKVCache, tokens: Sequence[int], identity: KVIdentity) -> FreshBlocks:
+        """The full blocks `cache` holds for `tokens` (its positions' ids, in order) not kept yet.
+
+        A paged cache's blocks are handed over as they are; a request-owned cache's are copied
+        into pool blocks (none when the pool has no room). Call it before the cache is
+        released; `store` keeps them.
+        """
         held = min(cache.valid_tokens, len(tokens))
         chain = block_hashes(tokens, identity, held // identity.block_size)
         with self._lock:
             missing = [i for i, h in enumerate(chain) if h not in self._blocks]
+        if isinstance(cache, PagedKVCache):
+            return FreshBlocks(tuple(chain), cache.format, tuple((chain[i], cache.blocks[i]) for i in missing))
+        fmt = BlockFormat(cache.cfg.num_hidden_layers, cache.heads, cache.cfg.head_dim, cache.block_size,
+                          cache.storage_dtype)  # fmt: skip
         if not missing:
-            return FreshBlocks(tuple(chain), ())
+            return FreshBlocks(tuple(chain), fmt, ())
+        try:
+            copies = self.pool.allocate(fmt, PREFIX, len(missing))
+        except PoolExhausted:
+            return FreshBlocks(tuple(chain), fmt, ())
         size, first = identity.block_size, missing[0]
         # One stacked copy of everything from the first missing block on, then a block each.
         span = cache.read_span(first * size, len(chain) * size)
-        new = tuple((chain[i], span.piece((i - first) * size, size)) for i in missing)
-        return FreshBlocks(tuple(chain), new)
+        store = self.pool.store(fmt)
+        for i, b in zip(missing, copies, strict=True):
+            seg = store.segment_of(b)
+            piece = span.piece((i - first) * size, size)
+            local = (b - seg.first) * size
+            for dst, src in zip((seg.k, seg.v, seg.k_scale, seg.v_scale), (piece.keys, piece.values,
+                                piece.key_scales, piece.value_scales), strict=True):  # fmt: skip
+                if dst is not None:
+                    dst.narrow(2, local, size).copy_(src)
+        return FreshBlocks(tuple(chain), fmt, tuple((chain[i], b) for i, b in zip(missing, copies, strict=True)), True)
 
     def store(self, fresh: FreshBlocks, room: int) -> int:
         """Keep `fresh`'s new blocks, first to last, while the kept bytes stay within `room`;
@@ -154,14 +228,22 @@ class PrefixCache:
         chain = set(fresh.chain)
         stored = 0
         with self._lock:
-            for h, span in fresh.new:
+            for n, (h, block) in enumerate(fresh.new):
+                nbytes = fresh.format.nbytes
                 if h in self._blocks:  # kept meanwhile by another request
+                    if fresh.held:
+                        self.pool.free(fresh.format, [block], PREFIX)
                     continue
-                self._evict(self._bytes + span.nbytes - room, spare=chain)
-                if self._bytes + span.nbytes > room:
-                    break  # without this block, the ones after it could never be reached
-                self._blocks[h] = span
-                self._bytes += span.nbytes
+                self._evict(self._bytes + nbytes - room, spare=chain)
+                if self._bytes + nbytes > room:
+                    if fresh.held:  # without this block, the ones after it could never be reached
+                        self.pool.free(fresh.format, [b for _, b in fresh.new[n:]], PREFIX)
+                    break
+                if not fresh.held:
+                    self.pool.share(fresh.format, [block], PREFIX)
+                self._blocks[h] = (fresh.format, block)
+                self._hash_of[fresh.format, block] = h
+                self._bytes += nbytes
                 stored += 1
             self._touch([h for h in fresh.chain if h in self._blocks])
         return stored
@@ -172,10 +254,26 @@ class PrefixCache:
             return self._evict(nbytes)
 
     def clear(self) -> None:
-        """Drop every kept block."""
+        """Drop every kept block, and stop serving the pool as its evictor."""
         with self._lock:
+            for fmt, block in self._blocks.values():
+                self.pool.free(fmt, [block], PREFIX)
             self._blocks.clear()
+            self._hash_of.clear()
             self._bytes = 0
+        if self.pool.evictor == self.evict:
+            self.pool.evictor = None
+        if self.pool.reclaimer == self.let_go:
+            self.pool.reclaimer = None
+
+    def let_go(self, fmt: BlockFormat, block: int) -> bool:
+        """Drop the kept `block` if it is one (the pool wants it for the request growing into it)."""
+        with self._lock:
+            h = self._hash_of.get((fmt, block))
+            if h is None or self.pool.refs(fmt, block) != 1:
+                return False
+            self._drop(h)
+            return True
 
     def _evict(self, nbytes: int, spare: set[bytes] | None = None) -> int:
         freed = 0
@@ -184,11 +282,16 @@ class PrefixCache:
         for h in [h for h in self._blocks if not spare or h not in spare]:
             if freed >= nbytes:
                 break
-            span = self._blocks.pop(h)
-            self._bytes -= span.nbytes
-            freed += span.nbytes
-            self.evicted_blocks += 1
+            freed += self._drop(h)
         return freed
+
+    def _drop(self, h: bytes) -> int:
+        fmt, block = self._blocks.pop(h)
+        del self._hash_of[fmt, block]
+        self.pool.free(fmt, [block], PREFIX)
+        self._bytes -= fmt.nbytes
+        self.evicted_blocks += 1
+        return fmt.nbytes
 
     def _touch(self, chain: Sequence[bytes]) -> None:
         # Most recently used last; a chain's first block goes last, so its tail is evicted first.

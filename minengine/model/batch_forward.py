@@ -53,7 +53,7 @@ class RowsAttention:
         self.offsets = [sum(self.lengths[:i]) for i in range(len(rows))]
         self.lean = [
             n == 1 and not r.cache.quantized and r.cache.storage_dtype == model_dtype and r.cache.heads == kv_heads
-            and r.start < r.cache.capacity and not r.cache.borrowed
+            and r.start < r.cache.capacity and not r.cache.borrowed and r.cache.contiguous
             for r, n in zip(rows, self.lengths, strict=True)
         ]  # fmt: skip
         self.scale = scale

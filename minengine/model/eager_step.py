@@ -12,7 +12,8 @@ attention to one thread inline: about 35 operations per layer instead of 55.
 Every arithmetic operation is the one `Transformer.forward` runs, on the same operands in the
 same order, so the logits are bit for bit the same; only allocation and view-making are gone.
 It serves caches that store K/V as computed (the model's dtype, grouped heads, room for the
-position); `runner.ModelRunner` sends anything else down the general path.
+position, one buffer per layer: a request's own, or a paged table whose blocks are consecutive);
+`runner.ModelRunner` sends anything else down the general path.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import threading
 import torch
 
 from minengine.kv.cache import KVCache
+from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.ops import decode_attention
 from minengine.model.transformer import Scratch, Transformer
 
@@ -33,7 +35,7 @@ class EagerDecoder:
         self.model = model
         self._local = threading.local()  # a server decodes several requests on their own threads
 
-    def serves(self, cache: KVCache, pos: int) -> bool:
+    def serves(self, cache: KVCache | PagedKVCache, pos: int) -> bool:
         """Whether the lean step can write position `pos` into `cache`."""
         return (
             not cache.quantized
@@ -41,9 +43,10 @@ class EagerDecoder:
             and cache.heads == self.model.cfg.num_key_value_heads
             and pos < cache.capacity
             and not cache.borrowed
+            and cache.contiguous
         )
 
-    def step(self, ids: torch.Tensor, pos: int, cache: KVCache) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, pos: int, cache: KVCache | PagedKVCache) -> torch.Tensor:
         """Logits [vocab] (float32) for the token `ids` [1] at `pos`; writes its K/V into `cache`."""
         model, s = self.model, self._buffers()
         cos, sin = model.rope.lookup_signed(pos, 1)
@@ -71,7 +74,7 @@ class SlotAttention:
 
     __slots__ = ("keys", "values", "pos", "end", "out", "row", "scale", "threads")
 
-    def __init__(self, cache: KVCache, pos: int, s: Scratch, scale: float) -> None:
+    def __init__(self, cache: KVCache | PagedKVCache, pos: int, s: Scratch, scale: float) -> None:
         self.keys, self.values = cache.head_views()
         self.pos, self.end = pos, pos + 1
         self.out, self.row = s.attended, s.attended_row

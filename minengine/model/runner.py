@@ -7,7 +7,8 @@ step allocates:
   at a time, captured in CUDA graphs (on by default on CUDA, where a step is several hundred
   kernel launches otherwise);
 - the eager step (`eager_step.EagerDecoder`): one token into scratch buffers, for a cache that
-  stores K/V as computed, a third fewer operations per layer than the general path;
+  stores K/V as computed (a paged table too, while its blocks are consecutive), a third fewer
+  operations per layer than the general path;
 - the general path (`Transformer.forward`): any number of tokens, any cache (prefill, and
   decode over quantized, widened or outgrown caches).
 
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from minengine.kv.block_pool import BlockPool
 from minengine.kv.cache import KVCache
+from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.batch_forward import Row, forward_rows
 from minengine.model.cuda_graph import StaticDecoder
 from minengine.model.decode_threads import StepThreads
@@ -62,15 +65,30 @@ class ModelRunner:
         layout: str = "gqa",
         storage_dtype: torch.dtype | None = None,
         block_size: int = 16,
-    ) -> KVCache:
+        pool: BlockPool | None = None,
+        owner: str = "",
+    ) -> KVCache | PagedKVCache:
         """A KV cache for `tokens` positions: over the static decoder's arena when that can
-        serve it (unquantized storage in the model's dtype, arena not lent out), else its own."""
+        serve it (unquantized storage in the model's dtype, arena not lent out), else a block
+        table over `pool` for `owner` (expecting `tokens` positions), else a buffer of its own."""
         model = self.model
         storage = storage_dtype or model.dtype
         if self.static_decoder is not None and storage == model.dtype:
             cache = self.static_decoder.new_cache(tokens, layout=layout, block_size=block_size)
             if cache is not None:
                 return cache
+        if pool is not None:
+            return PagedKVCache(
+                pool,
+                model.cfg,
+                owner=owner,
+                device=model.device,
+                compute_dtype=model.dtype,
+                layout=layout,
+                storage_dtype=storage,
+                block_size=block_size,
+                expect_tokens=tokens,
+            )
         return KVCache(
             model.cfg,
             tokens,
@@ -82,11 +100,15 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, start: int, cache: KVCache, *, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, start: int, cache: KVCache | PagedKVCache, *, all_logits: bool = False
+    ) -> torch.Tensor:
         """`Transformer.forward`'s logits for positions [start, start+len(ids)), by the fastest
         path that serves `cache`: a single token (not `all_logits`) through the static or eager
         step when one can, everything else through the general path."""
         single = ids.shape[0] == 1 and not all_logits
+        if isinstance(cache, PagedKVCache):
+            cache.make_room(start + ids.shape[0])  # the blocks first: the lean step writes in place
         with self.step_threads.step(single):
             if single:
                 if self.static_decoder is not None and self.static_decoder.serves(cache):
@@ -100,6 +122,9 @@ class ModelRunner:
 
         A step of one row that wants its logits is an ordinary `forward`, so a request alone
         decodes through the lean single-token steps as before."""
+        for row in rows:  # blocks first: lean rows write in place, and a full pool fails before any compute
+            if isinstance(row.cache, PagedKVCache):
+                row.cache.make_room(row.start + len(row.ids))
         if len(rows) == 1 and rows[0].logits:
             row = rows[0]
             return [self.forward(torch.tensor(row.ids, device=self.device), row.start, row.cache)]

@@ -161,12 +161,10 @@ def test_request_over_context_is_rejected(chatty_engine):
 
 
 def test_second_request_waits_in_queue_until_first_releases(chatty_tiny_dir):
-    # Budget fits one request's worst case, not two: the second waits for the first.
+    # One running slot: the second waits for the first. (Admission no longer reserves the worst
+    # case, so a budget of one worst case would let the second in beside the first's blocks.)
     req = GenerationRequest.from_prompt("hello", sampling=GREEDY, max_tokens=32)
-    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=1 << 30)
-    probe = list(engine.start(req))
-    needed = next(e for e in probe if isinstance(e, AdmitEvent)).kv_needed_bytes
-    engine.scheduler.kv_budget_bytes = needed + needed // 2
+    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=1 << 30, max_num_seqs=1)
 
     first = engine.start(req)
     it = iter(first)
@@ -296,9 +294,8 @@ def test_out_of_memory_in_decode_reports_what_was_produced(chatty_engine, monkey
 
 def test_a_request_cancelled_while_queued_ends_cancelled_with_its_wait(chatty_tiny_dir):
     req = GenerationRequest.from_prompt("hello", sampling=GREEDY, max_tokens=32)
-    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=1 << 30)
-    needed = next(e for e in engine.start(req) if isinstance(e, AdmitEvent)).kv_needed_bytes
-    engine.scheduler.kv_budget_bytes = needed + needed // 2  # room for one request at a time
+    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=1 << 30, max_num_seqs=1)
+    # One running slot: room for one request at a time.
     first = iter(engine.start(req))
     for event in first:  # admitted, and holding its KV at the first step
         if isinstance(event, StepReady):

@@ -15,8 +15,9 @@ from minengine.engine.events import AdmitEvent, DoneEvent, PrefillEvent, PrefixC
 from minengine.engine.request import GenerationRequest
 from minengine.engine.scheduler import Scheduler
 from minengine.errors import AdmissionError
+from minengine.kv.block_pool import PREFIX, BlockFormat, BlockPool
 from minengine.kv.cache import KVCache, KVSpan
-from minengine.kv.prefix_cache import KVIdentity, PrefixCache, block_hashes
+from minengine.kv.prefix_cache import FreshBlocks, KVIdentity, PrefixCache, block_hashes
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.sampling.params import SamplingParams
@@ -99,17 +100,22 @@ def _runner(folder) -> ModelRunner:
 def _hit_against_full(runner: ModelRunner, ids: list[int], layout: str, storage: torch.dtype, block: int = 16):
     """(logits of a full prefill, logits of a prefill after a prefix cache hit, tokens reused)."""
     identity = KVIdentity("tiny", "float32", "cpu", layout, str(storage), block)
-    pool = PrefixCache()
-    full = runner.new_cache(len(ids) + 1, layout=layout, storage_dtype=storage, block_size=block)
+    blocks = BlockPool(64 << 20, CPU)
+    pool = PrefixCache(blocks)
+    options = dict(layout=layout, storage_dtype=storage, block_size=block, pool=blocks)
+    full = runner.new_cache(len(ids) + 1, owner="full", **options)
     expected = runner.forward(torch.tensor(ids), 0, full)
-    assert pool.store(pool.copy_out(full, ids, identity), room=1 << 30) == len(ids) // block
+    assert pool.store(pool.fresh_blocks(full, ids, identity), room=1 << 30) == len(ids) // block
     full.release()
-    hit = pool.lookup(ids, identity)
-    cache = runner.new_cache(len(ids) + 1, layout=layout, storage_dtype=storage, block_size=block)
-    cache.write_prefix(KVSpan.joined(list(hit.spans)))
+    hit = pool.lookup(ids, identity, holder="hit")
+    cache = runner.new_cache(len(ids) + 1, owner="cache", **options)
+    cache.attach_prefix(list(hit.block_ids))  # shared, not copied
+    hit.release()
     got = runner.forward(torch.tensor(ids[hit.tokens :]), hit.tokens, cache)
     assert cache.usage().tokens == len(ids)
     cache.release()
+    pool.clear()
+    assert blocks.held_bytes == 0  # every block back in the pool
     return expected, got, hit.tokens
 
 
@@ -255,20 +261,23 @@ def test_a_span_that_does_not_fit_the_cache_is_refused(tiny_models):
 # -- memory: within the KV budget, least recently used first ----------------------------------
 
 
-def _span(nbytes_per_block: int) -> KVSpan:
-    half = nbytes_per_block // 8  # float32 keys and values
-    return KVSpan(torch.zeros(1, 1, 1, half), torch.zeros(1, 1, 1, half))
+KIB_BLOCK = BlockFormat(layers=1, heads=1, head_dim=8, block_size=16, dtype=torch.float32)  # 1 KiB a block
 
 
-def _fresh(pool: PrefixCache, ids: list[int], block_bytes: int = 1024):
-    from minengine.kv.prefix_cache import FreshBlocks
+def _prefix_cache() -> PrefixCache:
+    return PrefixCache(BlockPool(1 << 20, CPU))
 
+
+def _fresh(pool: PrefixCache, ids: list[int]) -> FreshBlocks:
+    """Full blocks for `ids`, 1 KiB each, as a request-owned cache hands them over: already
+    copied into pool blocks the prefix cache holds (those `store` does not keep go back)."""
     chain = block_hashes(ids, IDENTITY, len(ids) // 16)
-    return FreshBlocks(tuple(chain), tuple((h, _span(block_bytes)) for h in chain))
+    blocks = pool.pool.allocate(KIB_BLOCK, PREFIX, len(chain))
+    return FreshBlocks(tuple(chain), KIB_BLOCK, tuple(zip(chain, blocks, strict=True)), held=True)
 
 
 def test_eviction_is_least_recently_used_and_a_chain_loses_its_tail_first():
-    pool = PrefixCache()
+    pool = _prefix_cache()
     a, b = list(range(48)), list(range(1000, 1048))
     assert pool.store(_fresh(pool, a), room=6 * 1024) == 3
     assert pool.store(_fresh(pool, b), room=6 * 1024) == 3
@@ -279,10 +288,11 @@ def test_eviction_is_least_recently_used_and_a_chain_loses_its_tail_first():
     assert pool.evict(2048) == 2048  # then the rest of b, tail first, still before a
     assert pool.lookup(b + [1], IDENTITY).blocks == 0 and pool.lookup(a + [1], IDENTITY).blocks == 3
     assert pool.kept_bytes == 3 * 1024 and pool.evicted_blocks == 3
+    assert pool.pool.held_bytes == pool.kept_bytes  # the evicted blocks are back in the block pool
 
 
 def test_store_keeps_a_chain_from_its_first_block_within_the_room():
-    pool = PrefixCache()
+    pool = _prefix_cache()
     assert pool.store(_fresh(pool, list(range(64))), room=2 * 1024 + 100) == 2
     assert pool.lookup(list(range(64)) + [0], IDENTITY).blocks == 2 and pool.kept_bytes == 2048
     # A new chain evicts older blocks to fit, never its own parents.
@@ -292,7 +302,7 @@ def test_store_keeps_a_chain_from_its_first_block_within_the_room():
 
 
 def test_admission_evicts_kept_blocks_and_never_waits_for_them():
-    pool = PrefixCache()
+    pool = _prefix_cache()
     pool.store(_fresh(pool, list(range(160))), room=1 << 20)  # ten blocks, 10 KiB
     scheduler = Scheduler(kv_budget_bytes=16 * 1024)
     admission = scheduler.admit("r", prompt_tokens=1, max_tokens=1, context_limit=10, kv_bytes=12 * 1024, kept=pool)

@@ -53,6 +53,7 @@ def test_metrics_after_one_request_carry_vllms_names_and_the_engines_numbers(eng
     assert one(after, "reqscope:request_success_total", finished_reason=resp.json()["choices"][0]["finish_reason"]) == 1
     assert one(after, "reqscope:prompt_tokens_total") == usage["prompt_tokens"] > 0
     assert one(after, "reqscope:generation_tokens_total") == usage["completion_tokens"] > 0
+    assert one(after, "reqscope:num_preemptions_total") == 0  # vLLM's name; a request alone is never preempted
     assert one(after, "reqscope:time_to_first_token_seconds_count") == 1
     assert one(after, "reqscope:time_to_first_token_seconds_sum") == pytest.approx(m.ttft_ms / 1000)
     assert one(after, "reqscope:e2e_request_latency_seconds_sum") == pytest.approx(m.e2e_ms / 1000)

@@ -1,0 +1,508 @@
+"""The engine's KV memory: fixed-size blocks under one byte budget, handed out and shared by count.
+
+A block holds `block_size` positions of every layer's K and V in one stored form (a
+`BlockFormat`: the stored heads, which the layout decides, and the storage dtype, FP8 with its
+per-token scales). Requests choose their layout and storage dtype one by one, and a block of one
+form cannot hold another's K/V, so the pool keeps one `BlockStore` per format, all drawing on
+one byte budget: a store grows by segments while the budget has room, and a store that holds
+nothing gives its segments back when another format needs the room. One budget, because that
+is what the user set (the KV budget, half of the free memory by default) and what admission
+counts; one store per format, because a block's bytes are only meaningful in its own format,
+and splitting the budget between formats up front would waste whichever goes unused.
+
+Storage grows in segments, the first `FIRST_SEGMENT_BYTES` (or what the first need takes),
+each next one twice the last, none over a quarter of the budget (so that one format's segments
+leave room for another's), never past the budget: the default budget is half of RAM, and
+committing it at the first request would take memory a small run never uses (on CUDA it is
+really allocated; on the CPU untouched pages cost nothing, but a segment once written stays
+resident). Doubling keeps segments few, so most requests find their blocks side by side in one.
+
+Within a segment each layer's K (and V) is one [heads, tokens, head_dim] tensor, blocks end to
+end along the tokens, so a request whose blocks are consecutive reads its K/V as one strided
+view (`PagedKVCache`), exactly as its own buffer would be read. To keep them consecutive, a
+request's first allocation looks for a free run with room for what it expects to hold (its
+prompt and max_tokens) and claims the rest of that run: claimed blocks stay free, and others
+take them only when nothing unclaimed is left. Later allocations take the block after its last
+one when they can, even one the prefix cache alone keeps (it lets go of it: a request that hit a
+kept prefix then grows right after it, as it would in a buffer of its own).
+
+Every block has a reference count; its holders are named (a request id, or `PREFIX` for the
+prefix cache). A block goes back to the free list when its last holder frees it. The counters
+say what is held by whom: `holdings(owner)` splits the budget into this owner's blocks, other
+requests', the prefix cache's alone, and free (`PoolUsage` in the engine's batch facts).
+Thread-safe; allocation calls the prefix cache's evictor (`evictor`) outside the pool's lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from array import array
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from minengine.errors import ReqscopeError, Setting
+from minengine.kv.arithmetic import MIB, kv_bytes_per_token
+
+PREFIX = "prefix cache"  # the holder name of the prefix cache's references
+FIRST_SEGMENT_BYTES = 256 * MIB
+_USED, _FREE, _CLAIMED = 0, 1, 2  # a block's state; 0 also marks the gap between two segments
+_ANY_FREE = bytes.maketrans(b"\x02", b"\x01")
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """What one block stores: `block_size` positions of every layer's K and V, in one stored form."""
+
+    layers: int
+    heads: int  # stored heads: the model's KV heads (gqa) or one per query head (mha)
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype  # storage
+
+    @property
+    def quantized(self) -> bool:
+        """FP8 storage, with one float32 scale per position and head."""
+        return self.dtype == torch.float8_e4m3fn
+
+    @property
+    def payload_bytes(self) -> int:
+        """K and V bytes of one block, all layers (the seeds' formula times the block's tokens)."""
+        return kv_bytes_per_token(self.layers, self.heads, self.head_dim, self.dtype.itemsize) * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one block really takes: the payload and any FP8 scales."""
+        scales = 2 * self.layers * self.heads * self.block_size * 4 if self.quantized else 0
+        return self.payload_bytes + scales
+
+    @property
+    def label(self) -> str:
+        """How a message names the format."""
+        return f"{self.heads} heads x {self.head_dim}, {str(self.dtype).removeprefix('torch.')}"
+
+
+class PoolExhausted(ReqscopeError):
+    """No free block is left for an allocation, even after evicting the prefix cache's blocks."""
+
+    def __init__(self, owner: str, wanted: int, free: int, fmt: BlockFormat) -> None:
+        super().__init__(
+            f"the KV pool has no room for {wanted} more blocks of {fmt.label} for {owner} "
+            f"({free} free); lower the load or raise ",
+            Setting.KV_BUDGET,
+        )
+        self.owner, self.wanted, self.free = owner, wanted, free
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """The budget from one holder's point of view, in bytes: its own blocks, other requests'
+    blocks, blocks only the prefix cache keeps, and free. A block two requests share counts
+    as each one's own, and once in `others` for everyone else."""
+
+    budget: int
+    own: int
+    others: int
+    prefix: int
+
+    @property
+    def free(self) -> int:
+        """Budget no block takes."""
+        return max(0, self.budget - self.own - self.others - self.prefix)
+
+
+class Segment:
+    """One piece of a store's storage: `blocks` blocks numbered from `first`."""
+
+    __slots__ = ("first", "blocks", "k", "v", "k_scale", "v_scale")
+
+    def __init__(self, fmt: BlockFormat, first: int, blocks: int, device: torch.device) -> None:
+        self.first, self.blocks = first, blocks
+        # Outside inference mode even when a forward pass grows the pool: an inference tensor
+        # could never be written again outside one (the prefix cache, a copy on write).
+        with torch.inference_mode(False):
+            self._allocate(fmt, blocks, device)
+
+    def _allocate(self, fmt: BlockFormat, blocks: int, device: torch.device) -> None:
+        shape = (fmt.layers, fmt.heads, blocks * fmt.block_size, fmt.head_dim)
+        self.k = torch.empty(shape, dtype=fmt.dtype, device=device)
+        self.v = torch.empty(shape, dtype=fmt.dtype, device=device)
+        self.k_scale = self.v_scale = None
+        if fmt.quantized:
+            scales = (fmt.layers, fmt.heads, blocks * fmt.block_size, 1)
+            self.k_scale = torch.empty(scales, device=device)
+            self.v_scale = torch.empty(scales, device=device)
+
+
+class BlockStore:
+    """The blocks of one format: their segments, which are free or claimed, and their reference counts.
+
+    Blocks are numbered across segments, with one unused number between two segments so that
+    no run of free blocks ever spans two. Only `BlockPool` changes a store, under its lock.
+    """
+
+    def __init__(self, fmt: BlockFormat, device: torch.device) -> None:
+        self.fmt, self.device = fmt, device
+        self.segments: list[Segment] = []
+        self._firsts: list[int] = []
+        self.state = bytearray()  # per block number: _USED, _FREE or _CLAIMED
+        self.refs = array("i")  # holders per block, the prefix cache included
+        self.prefix = bytearray()  # 1 where the prefix cache is one of them
+        self.claims: dict[str, range] = {}
+        self.free_blocks = 0  # free blocks, claimed or not
+        self.held_blocks = 0
+        self.prefix_only_blocks = 0  # held by the prefix cache alone: evicting them frees them
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Blocks of every segment."""
+        return sum(s.blocks for s in self.segments)
+
+    def segment_of(self, block: int) -> Segment:
+        """The segment that holds `block`."""
+        return self.segments[bisect.bisect_right(self._firsts, block) - 1]
+
+    def add_segment(self, blocks: int) -> Segment:
+        """Grow by `blocks` free blocks, after a gap."""
+        self.state.append(_USED)
+        self.refs.append(0)
+        self.prefix.append(0)
+        seg = Segment(self.fmt, len(self.state), blocks, self.device)
+        self.state.extend(b"\x01" * blocks)
+        self.refs.extend([0] * blocks)
+        self.prefix.extend(bytes(blocks))
+        self.segments.append(seg)
+        self._firsts.append(seg.first)
+        self.free_blocks += blocks
+        return seg
+
+    def drop_segments(self) -> int:
+        """Give back every segment of a store that holds nothing; the bytes given back."""
+        assert self.held_blocks == 0
+        freed = self.capacity_blocks * self.fmt.nbytes
+        self.state[:] = bytes(len(self.state))  # numbers are never reused: no stale view can alias
+        self.segments, self._firsts, self.claims, self.free_blocks = [], [], {}, 0
+        return freed
+
+    def find_run(self, n: int, *, claimed_too: bool = False, start: int = 0) -> int | None:
+        """The first block of `n` consecutive free blocks (unclaimed ones unless `claimed_too`)."""
+        hay = self.state.translate(_ANY_FREE) if claimed_too else self.state
+        i = hay.find(b"\x01" * n, start)
+        return None if i < 0 else i
+
+    def extends(self, after: int, n: int, owner: str) -> bool:
+        """Whether the `n` blocks after block `after` are free for `owner` (unclaimed or its own claim)."""
+        claim = self.claims.get(owner, range(0))
+        end = after + 1 + n
+        if end > len(self.state):
+            return False
+        return all(self.state[b] == _FREE or (self.state[b] == _CLAIMED and b in claim) for b in range(after + 1, end))
+
+    def scattered(self, n: int) -> list[int]:
+        """`n` free blocks wherever they are, unclaimed ones first (the caller checked there are `n`)."""
+        out: list[int] = []
+        for wanted in (_FREE, _CLAIMED):
+            i = self.state.find(wanted)
+            while i >= 0 and len(out) < n:
+                out.append(i)
+                i = self.state.find(wanted, i + 1)
+        return out[:n]
+
+    def claim(self, owner: str, blocks: range) -> None:
+        """Mark the free blocks of `blocks` as expected by `owner`."""
+        self.unclaim(owner)
+        for b in blocks:
+            if self.state[b] == _FREE:
+                self.state[b] = _CLAIMED
+        self.claims[owner] = blocks
+
+    def unclaim(self, owner: str) -> None:
+        """Forget `owner`'s claim: its blocks still free are anyone's again."""
+        for b in self.claims.pop(owner, range(0)):
+            if self.state[b] == _CLAIMED:
+                self.state[b] = _FREE
+
+
+class BlockPool:
+    """Every request's KV blocks and the prefix cache's, within one byte budget; thread-safe."""
+
+    def __init__(
+        self, budget_bytes: int, device: torch.device, *, first_segment_bytes: int = FIRST_SEGMENT_BYTES
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self.device = device
+        self.first_segment_bytes = first_segment_bytes
+        self.evictor: Callable[[int], int] | None = None  # frees kept blocks on demand (the prefix cache)
+        # Lets go of one kept block, if the prefix cache alone holds it (see `allocate`).
+        self.reclaimer: Callable[[BlockFormat, int], bool] | None = None
+        self._stores: dict[BlockFormat, BlockStore] = {}
+        self._lock = threading.RLock()
+        self._owned: Counter[str] = Counter()  # blocks per holder
+        self._owned_bytes: Counter[str] = Counter()
+        self._held_bytes = 0  # blocks with any holder, each once
+        self._request_bytes = 0  # blocks at least one request holds, each once
+        self._prefix_only_bytes = 0  # blocks only the prefix cache holds
+        self._shared_blocks = 0  # blocks with two holders or more
+        self._committed_bytes = 0  # every segment's bytes
+
+    # -- counters -------------------------------------------------------------------------------
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of storage allocated so far (segments), held or free."""
+        return self._committed_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the blocks someone holds (a shared block once)."""
+        return self._held_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        """Budget no block takes (free blocks and storage not yet allocated)."""
+        return self.budget_bytes - self._held_bytes
+
+    @property
+    def request_bytes(self) -> int:
+        """Bytes of the blocks at least one request holds (a shared block once)."""
+        return self._request_bytes
+
+    @property
+    def prefix_only_bytes(self) -> int:
+        """Bytes of the blocks only the prefix cache holds: what evicting it all would free."""
+        return self._prefix_only_bytes
+
+    @property
+    def shared_blocks(self) -> int:
+        """Blocks held by two holders or more."""
+        return self._shared_blocks
+
+    def held_by(self, owner: str) -> int:
+        """Blocks `owner` holds."""
+        return self._owned[owner]
+
+    def held_bytes_by(self, owner: str) -> int:
+        """Bytes of the blocks `owner` holds."""
+        return self._owned_bytes[owner]
+
+    def holders(self) -> dict[str, int]:
+        """Blocks held per holder (the prefix cache as `PREFIX`), holders with none left out."""
+        with self._lock:
+            return {owner: n for owner, n in self._owned.items() if n}
+
+    def holdings(self, owner: str) -> Holdings:
+        """The budget as `owner` sees it: its blocks, other requests', the prefix cache's alone, free."""
+        with self._lock:
+            own = self._owned_bytes[owner]
+            return Holdings(self.budget_bytes, own, self._request_bytes - own, self._prefix_only_bytes)
+
+    def store(self, fmt: BlockFormat) -> BlockStore:
+        """The store of `fmt`'s blocks (made empty on first use: no storage until a block is wanted)."""
+        with self._lock:
+            store = self._stores.get(fmt)
+            if store is None:
+                store = self._stores[fmt] = BlockStore(fmt, self.device)
+            return store
+
+    def free_blocks(self, fmt: BlockFormat) -> int:
+        """Blocks of `fmt` that could be allocated now without evicting: free ones, and the room left to grow."""
+        with self._lock:
+            store = self.store(fmt)
+            return store.free_blocks + (self.budget_bytes - self._committed_bytes) // fmt.nbytes
+
+    def can_allocate(self, fmt: BlockFormat, blocks: int) -> bool:
+        """Whether `blocks` blocks of `fmt` fit now, evicting what `allocate` would evict: the
+        prefix cache's blocks, and with them the storage of another format's store that holds
+        nothing else."""
+        with self._lock:
+            store = self.store(fmt)
+            room = self.budget_bytes - self._committed_bytes + sum(
+                s.capacity_blocks * s.fmt.nbytes
+                for f, s in self._stores.items()
+                if f != fmt and s.held_blocks == s.prefix_only_blocks
+            )
+            within = self.budget_bytes - self._held_bytes + self._prefix_only_bytes >= blocks * fmt.nbytes
+            return within and store.free_blocks + store.prefix_only_blocks + room // fmt.nbytes >= blocks
+
+    # -- allocation -----------------------------------------------------------------------------
+
+    def allocate(
+        self, fmt: BlockFormat, owner: str, count: int, *, after: int | None = None, expect: int = 0
+    ) -> list[int]:
+        """`count` new blocks of `fmt` for `owner`, each with one reference (its).
+
+        `after` is the owner's last block: the new ones follow it when they are free. Otherwise
+        they start a run with room for `expect` blocks (what the owner expects to need from here
+        on), whose rest is claimed for it. Evicts the prefix cache's blocks when nothing is free; raises
+        `PoolExhausted` when even that leaves too little.
+        """
+        store = self.store(fmt)
+        if after is not None and self.reclaimer is not None:
+            # The blocks after the owner's last one, kept by the prefix cache alone, are worth more
+            # to it than to the cache: without them its table splits, and every step gathers it.
+            for b in self._kept_after(store, after, count):
+                self.reclaimer(fmt, b)
+        while True:
+            with self._lock:
+                within = self._held_bytes + count * fmt.nbytes <= self.budget_bytes  # the budget may have shrunk
+                blocks = self._place(store, owner, count, after, expect) if within else None
+                if blocks is not None:
+                    for b in blocks:
+                        store.state[b] = _USED
+                        store.free_blocks -= 1
+                        self._ref(store, b, owner)
+                    return blocks
+                short = max(
+                    (count - store.free_blocks) * fmt.nbytes - (self.budget_bytes - self._committed_bytes),
+                    self._held_bytes + count * fmt.nbytes - self.budget_bytes,
+                )
+                if self._drop_empty_stores(fmt):
+                    continue
+            freed = self.evictor(max(short, fmt.nbytes)) if self.evictor is not None else 0
+            if not freed:
+                with self._lock:
+                    if not self._drop_empty_stores(fmt):
+                        raise PoolExhausted(owner, count, store.free_blocks, fmt)
+
+    def _kept_after(self, store: BlockStore, after: int, count: int) -> list[int]:
+        """The blocks of the `count` after `after` that only the prefix cache holds, when every
+        other one of them is free (else taking them would not keep the table in one run)."""
+        with self._lock:
+            wanted = range(after + 1, min(after + 1 + count, len(store.state)))
+            kept = [b for b in wanted if store.refs[b] == 1 and store.prefix[b]]
+            free = sum(1 for b in wanted if store.state[b] != _USED)
+            return kept if kept and len(wanted) == count and len(kept) + free == count else []
+
+    def share(self, fmt: BlockFormat, blocks: Sequence[int], owner: str) -> None:
+        """Give `owner` a reference to each of `blocks` (held by someone already)."""
+        store = self.store(fmt)
+        with self._lock:
+            for b in blocks:
+                if store.refs[b] <= 0:
+                    raise ValueError(f"block {b} is free: only a held block can be shared")
+                self._ref(store, b, owner)
+
+    def free(self, fmt: BlockFormat, blocks: Sequence[int], owner: str) -> int:
+        """Drop `owner`'s reference to each of `blocks`; the blocks that went back to the free list."""
+        store = self.store(fmt)
+        returned = 0
+        with self._lock:
+            for b in blocks:
+                if self._unref(store, b, owner):
+                    store.state[b] = _FREE
+                    store.free_blocks += 1
+                    returned += 1
+        return returned
+
+    def unclaim(self, fmt: BlockFormat, owner: str) -> None:
+        """Forget the run `owner` expected to grow into (its cache is released)."""
+        with self._lock:
+            self.store(fmt).unclaim(owner)
+
+    def refs(self, fmt: BlockFormat, block: int) -> int:
+        """Holders of `block` now."""
+        return self.store(fmt).refs[block]
+
+    def _place(self, store: BlockStore, owner: str, count: int, after: int | None, expect: int) -> list[int] | None:
+        if after is not None and store.extends(after, count, owner):
+            return list(range(after + 1, after + 1 + count))
+        wanted = [max(count, expect), count]  # a run with room to grow, else one for now
+        for n in wanted:
+            start = store.find_run(n)
+            if start is not None:
+                return self._claimed(store, owner, start, count, n)
+        grown = self._grow(store, max(wanted))
+        if grown is not None:
+            return self._claimed(store, owner, grown.first, count, min(max(wanted), grown.blocks))
+        start = store.find_run(count, claimed_too=True)
+        if start is not None:
+            return list(range(start, start + count))
+        if store.free_blocks < count:
+            room = (self.budget_bytes - self._committed_bytes) // store.fmt.nbytes
+            if room <= 0 or store.free_blocks + room < count:
+                return None
+            self._add_segment(store, room)
+        return store.scattered(count)
+
+    def _claimed(self, store: BlockStore, owner: str, start: int, count: int, run: int) -> list[int]:
+        if run > count:
+            store.claim(owner, range(start + count, start + run))
+        return list(range(start, start + count))
+
+    def _grow(self, store: BlockStore, need: int) -> Segment | None:
+        """A new segment with room for `need` blocks, when the budget has it."""
+        fmt = store.fmt
+        room = (self.budget_bytes - self._committed_bytes) // fmt.nbytes
+        # A quarter of the budget at most, unless one need takes more.
+        size = min(max(need, (self.first_segment_bytes << len(store.segments)) // fmt.nbytes),
+                   max(need, self.budget_bytes // 4 // fmt.nbytes))  # fmt: skip
+        if room < need:
+            return None
+        return self._add_segment(store, min(size, room))
+
+    def _add_segment(self, store: BlockStore, blocks: int) -> Segment:
+        self._committed_bytes += blocks * store.fmt.nbytes
+        return store.add_segment(blocks)
+
+    def _drop_empty_stores(self, keep: BlockFormat) -> bool:
+        dropped = 0
+        for fmt, store in self._stores.items():
+            if fmt != keep and store.segments and not store.held_blocks:
+                dropped += store.drop_segments()
+        self._committed_bytes -= dropped
+        return dropped > 0
+
+    def _ref(self, store: BlockStore, b: int, owner: str) -> None:
+        nb = store.fmt.nbytes
+        refs, in_prefix = store.refs[b], store.prefix[b]
+        requests = refs - in_prefix
+        if owner == PREFIX:
+            if in_prefix:
+                raise ValueError(f"the prefix cache holds block {b} already")
+            store.prefix[b] = 1
+            if not requests:
+                self._prefix_only_bytes += nb
+                store.prefix_only_blocks += 1
+        elif not requests:
+            self._request_bytes += nb
+            if in_prefix:
+                self._prefix_only_bytes -= nb
+                store.prefix_only_blocks -= 1
+        store.refs[b] = refs + 1
+        if refs == 0:
+            self._held_bytes += nb
+            store.held_blocks += 1
+        elif refs == 1:
+            self._shared_blocks += 1
+        self._owned[owner] += 1
+        self._owned_bytes[owner] += nb
+
+    def _unref(self, store: BlockStore, b: int, owner: str) -> bool:
+        """Drop one reference of `owner`'s; whether the block is free now."""
+        nb = store.fmt.nbytes
+        refs, in_prefix = store.refs[b], store.prefix[b]
+        if refs <= 0 or (owner == PREFIX and not in_prefix) or (owner != PREFIX and refs - in_prefix <= 0):
+            raise ValueError(f"{owner} holds no reference to block {b}")
+        requests = refs - in_prefix
+        if owner == PREFIX:
+            store.prefix[b] = 0
+            if not requests:
+                self._prefix_only_bytes -= nb
+                store.prefix_only_blocks -= 1
+        elif requests == 1:
+            self._request_bytes -= nb
+            if in_prefix:
+                self._prefix_only_bytes += nb
+                store.prefix_only_blocks += 1
+        store.refs[b] = refs - 1
+        if refs == 1:
+            self._held_bytes -= nb
+            store.held_blocks -= 1
+        elif refs == 2:
+            self._shared_blocks -= 1
+        self._owned[owner] -= 1
+        self._owned_bytes[owner] -= nb
+        return refs == 1
