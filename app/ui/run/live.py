@@ -36,8 +36,12 @@ class LiveRun:
         *,
         paused: bool = False,
         wake: Callable[[bool], object] = lambda urgent: None,
+        observe: Callable[[Event], object] = lambda event: None,
     ) -> None:
         self.engine = engine
+        # observe(event), on the worker thread as each event leaves the engine (load that follows
+        # the request's steps must not wait for the screen to take them)
+        self.observe = observe
         self.request = request
         self.wake = wake  # wake(urgent), called from the worker thread: must be thread-safe and quick
         self.inbox: deque[Event] = deque()
@@ -66,6 +70,7 @@ class LiveRun:
             for event in in_app_words(session):
                 self.recorded.append(event)
                 self.inbox.append(event)
+                self.observe(event)
                 self._signal()
                 if isinstance(event, StepReady):
                     self._gate(event.index, session)

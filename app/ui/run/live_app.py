@@ -115,7 +115,10 @@ class LiveExplorer(RunExplorer):
         self.sampling = SamplingChoice(request.sampling, request.max_tokens)
         self.view = RunView()
         self.cursor = 0
-        run = LiveRun(self.engine, request, paused=paused, wake=self._wake)
+        # The background requests join after its first steps and end with it, followed from the
+        # worker thread: the screen takes events at its own pace, many steps late under load.
+        observe = self.load.follow if self.load is not None else (lambda event: None)
+        run = LiveRun(self.engine, request, paused=paused, wake=self._wake, observe=observe)
         self.shown = RunOnScreen(run, applied=request.sampling)
         if self.load is not None:
             self.load.end()  # a run cut short left them running: they join this one after its steps alone
@@ -139,8 +142,6 @@ class LiveExplorer(RunExplorer):
         for event in events:
             self.view.apply(event)
             self.history.record(event)
-            if self.load is not None:
-                self.load.follow(event)  # the background requests join after its first steps, end with it
             if isinstance(event, DoneEvent) and event.result.error:
                 self.notify(event.result.error, title="request failed", severity="error", timeout=30)
         if events:
