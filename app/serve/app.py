@@ -144,7 +144,13 @@ async def _complete(request: web.Request, arrival: Arrival, kind: Kind) -> web.S
             access.engine_ended(None)
 
     run = EngineRun(
-        state.engine, api.generation, arrival.timeline, top_logprobs=api.top_logprobs, on_end=record, on_exit=exited
+        state.engine,
+        api.generation,
+        arrival.timeline,
+        top_logprobs=api.top_logprobs,
+        on_end=record,
+        on_exit=exited,
+        on_preempt=state.metrics.preempted,
     )
     if access is not None:
         access.engine_started()

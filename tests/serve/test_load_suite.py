@@ -31,7 +31,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 import pytest
-from serve_harness import authorized, chat_body, serving
+from serve_harness import authorized, chat_body, one, scrape, serving
 
 import minengine
 from minengine.engine.engine import Engine
@@ -243,16 +243,6 @@ def _wait_until_idle(served, baseline: Resources, timeout_s: float = 15.0) -> Re
         time.sleep(0.05)
 
 
-def _metric(served, name: str) -> float:
-    import urllib.request
-
-    request = urllib.request.Request(served.url + "/metrics", headers=authorized())
-    with urllib.request.urlopen(request, timeout=10) as resp:
-        text = resp.read().decode()
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
-    return sum(values)
-
-
 @dataclass(frozen=True)
 class LoadCounts:
     """What one run of the load saw."""
@@ -316,7 +306,7 @@ def run_load(served, specs: list[Spec]) -> LoadCounts:
         tally["cancelled_in_queue"],
         tally["gave_up_later"],
         tally["queue_full"],
-        int(_metric(served, "reqscope:num_preemptions_total")),
+        int(one(scrape(served), "reqscope:num_preemptions_total")),
     )
     print(counts.line())
     assert sum(tally.values()) == REQUESTS, counts.line()

@@ -1,0 +1,80 @@
+"""serve's batch facts: each response's `reqscope` report and telemetry record carry the request's
+`BatchSummary`, and /metrics counts preemptions as they happen (vLLM's num_preemptions_total)."""
+
+from __future__ import annotations
+
+import json
+
+from serve_harness import authorized, chat_body, one, raw_request, scrape, serving, sse_payloads
+
+from minengine.engine.batch_facts import BatchStep, BatchSummary, PoolUsage, PreemptEvent
+from minengine.engine.events import TokenEvent
+from reqscope.serve.telemetry import batch_json
+
+CHAT = "/v1/chat/completions"
+
+
+def _step(step: int, sequences: int) -> BatchStep:
+    return BatchStep(step, sequences, sequences, 0, 0, 1.0, 0.5, PoolUsage(100, 10, 20, 30))
+
+
+def test_batch_json_is_the_summary_with_the_mean_rounded():
+    summary = BatchSummary.of([_step(1, 1), _step(2, 3), _step(3, 3)], prefill_chunks=2, preemptions=1)
+    assert batch_json(summary) == {
+        "steps": 3,
+        "shared_steps": 2,
+        "mean_batch": 2.333,
+        "max_batch": 3,
+        "prefill_chunks": 2,
+        "preemptions": 1,
+    }
+    assert batch_json(None) is None
+
+
+def test_the_report_and_the_telemetry_record_carry_the_requests_batch_summary(engine):
+    with serving(engine) as served:
+        body = chat_body(max_tokens=5, temperature=0, stream=True)
+        resp = raw_request(served.url, "POST", CHAT, body, authorized())
+        assert resp.status == 200, resp.body
+        finish = json.loads(sse_payloads(resp.body)[-2])
+        whole = raw_request(served.url, "POST", CHAT, chat_body(max_tokens=5, temperature=0), authorized())
+        assert whole.status == 200, whole.body
+    for report, request_id in ((finish["reqscope"], resp.headers["x-request-id"]),
+                               (whole.json()["reqscope"], whole.headers["x-request-id"])):  # fmt: skip
+        served_request = served.telemetry.wait_for(request_id)
+        expected = batch_json(served_request.result.batch)
+        assert report["batch"] == expected
+        assert served_request.record()["batch"] == expected
+
+
+class _Preempted:
+    """A real session whose events gain `count` preemptions before its second token (as the step
+    loop emits them: in the request's stream, between its tokens)."""
+
+    def __init__(self, session, count: int) -> None:
+        self._session = session
+        self._count = count
+
+    def __getattr__(self, name: str):
+        return getattr(self._session, name)
+
+    def __iter__(self):
+        tokens = 0
+        for event in self._session:
+            if isinstance(event, TokenEvent):
+                tokens += 1
+                if tokens == 2:
+                    for _ in range(self._count):
+                        yield PreemptEvent("the pool ran out of blocks", 2, 4096, 7, event.t_ms)
+            yield event
+
+
+def test_preemptions_are_counted_in_metrics_as_they_happen(engine, monkeypatch):
+    start = engine.start
+    monkeypatch.setattr(engine, "start", lambda request, timeline=None: _Preempted(start(request, timeline), 2))
+    with serving(engine) as served:
+        assert one(scrape(served), "reqscope:num_preemptions_total") == 0  # the series exists from the start
+        resp = raw_request(served.url, "POST", CHAT, chat_body(max_tokens=4, temperature=0, stream=True), authorized())
+        assert resp.status == 200 and sse_payloads(resp.body)[-1] == "[DONE]"
+        assert served.telemetry.wait_for(resp.headers["x-request-id"]) is not None
+        assert one(scrape(served), "reqscope:num_preemptions_total") == 2
