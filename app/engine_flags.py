@@ -1,5 +1,5 @@
-"""The flags that choose how the engine is opened (--model, --device, --dtype, --weights, --kv-budget-mib),
-declared once.
+"""The flags that choose how the engine is opened (--model, --device, --dtype, --weights, --kv-budget-mib,
+and the step limits --max-num-seqs and --max-num-batched-tokens), declared once.
 
 run, serve, calibrate and the benchmark each open an engine; each names the flags it takes, in the
 order its --help lists them, and may word a help line for its own context.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from minengine.dtype_names import DTYPE_CHOICES, WEIGHT_CHOICES
+from reqscope.argtypes import whole_number
 
 MODEL_HELP = "model folder (default: the pulled SmolLM2-135M-Instruct)"
 DTYPE_HELP = "weights and compute (half = float16)"
@@ -26,7 +27,8 @@ def add_engine_arguments(
     model_help: str = MODEL_HELP,
     dtype_help: str = DTYPE_HELP,
 ) -> None:
-    """Add the named engine flags ("model", "device", "dtype", "weights", "kv_budget_mib") to `parser`, in order."""
+    """Add the named engine flags ("model", "device", "dtype", "weights", "kv_budget_mib", "max_num_seqs",
+    "max_num_batched_tokens") to `parser`, in order."""
     for flag in flags:
         match flag:
             case "model":
@@ -40,6 +42,22 @@ def add_engine_arguments(
             case "kv_budget_mib":
                 parser.add_argument(
                     "--kv-budget-mib", type=float, help="KV memory budget for admission (default: half of free memory)"
+                )
+            case "max_num_seqs":
+                # whole_number, not a positive one: 0 reaches the engine, whose one-line error says why not.
+                parser.add_argument(
+                    "--max-num-seqs",
+                    type=whole_number,
+                    metavar="N",
+                    help="most sequences one engine step runs together, vLLM's name (default: the engine's)",
+                )
+            case "max_num_batched_tokens":
+                parser.add_argument(
+                    "--max-num-batched-tokens",
+                    type=whole_number,
+                    metavar="N",
+                    help="most tokens one engine step schedules, decode tokens and prompt chunks together; "
+                    "a longer prompt prefills in chunks, vLLM's name (default: the engine's)",
                 )
             case _:
                 raise ValueError(f"no engine flag {flag!r}")

@@ -23,6 +23,8 @@ class Setting(Enum):
     KV_BUDGET = "kv_budget_bytes"
     PREFIX_CACHE_OFF = "prefix_cache=False"
     BLOCK_SIZE = "block_size"
+    MAX_NUM_SEQS = "max_num_seqs"
+    MAX_NUM_BATCHED_TOKENS = "max_num_batched_tokens"
     MODEL_SAMPLING_DEFAULTS_OFF = "ModelSamplingDefaults()"  # generation_config.json left unread
     EXPORT_DIR = "export_dir"
     EXPORT_REPLACES = "force=True"  # prepare_export_folder's: replace the export files of the run before
@@ -116,6 +118,12 @@ class RequestError(ReqscopeError):
 
 class AdmissionError(ReqscopeError):
     """A request cannot be admitted: token or KV-memory budget exceeded."""
+
+
+class BatchLimitError(ReqscopeError):
+    """A step limit no request could run under (no sequence per step, a token budget under one block)."""
+
+    exit_code = 2  # the value given is wrong, as for a usage error
 
 
 class QueueCancelledError(AdmissionError):
