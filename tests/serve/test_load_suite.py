@@ -282,9 +282,11 @@ def run_load(served, specs: list[Spec]) -> LoadCounts:
             tally["queue_full"] += 1
         elif plan.client == "give_up":
             record = records.get(plan.request_id)
-            queued = record is not None and record.result.finish_reason == "cancelled" and "prefill" not in {
-                s.name for s in record.result.stages
-            }
+            queued = (
+                record is not None
+                and record.result.finish_reason == "cancelled"
+                and "prefill" not in {s.name for s in record.result.stages}
+            )
             tally["cancelled_in_queue" if queued else "gave_up_later"] += 1
         elif plan.client in ("whole", "burst"):
             assert out.status == 200, out

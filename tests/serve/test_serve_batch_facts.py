@@ -3,15 +3,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
-from serve_harness import authorized, chat_body, one, raw_request, scrape, serving, sse_payloads
+import aiohttp
+from serve_harness import (
+    authorized,
+    chat_body,
+    first_texts,
+    one,
+    raw_request,
+    scrape,
+    serving,
+    sse_payloads,
+    wait_for_waiting,
+)
 
 from minengine.engine.batch_facts import BatchStep, BatchSummary, PoolUsage, PreemptEvent
 from minengine.engine.events import TokenEvent
 from reqscope.serve.telemetry import batch_json
 
 CHAT = "/v1/chat/completions"
+LONG = 1500  # tokens: far more than the tests wait for, so every stream is still decoding
 
 
 def _step(step: int, sequences: int) -> BatchStep:
@@ -78,3 +91,33 @@ def test_preemptions_are_counted_in_metrics_as_they_happen(engine, monkeypatch):
         assert resp.status == 200 and sse_payloads(resp.body)[-1] == "[DONE]"
         assert served.telemetry.wait_for(resp.headers["x-request-id"]) is not None
         assert one(scrape(served), "reqscope:num_preemptions_total") == 2
+
+
+def test_num_requests_running_is_every_request_in_the_batch(engine):
+    streams = 3
+
+    async def scenario(served) -> dict:
+        async with aiohttp.ClientSession() as session:
+            url = served.v1 + "/chat/completions"
+            body = chat_body(max_tokens=LONG, temperature=0, ignore_eos=True, stream=True)
+            posts = [asyncio.create_task(session.post(url, json=body, headers=authorized())) for _ in range(streams)]
+            admitted = []
+            for post in asyncio.as_completed(posts):  # a stream's status comes once it is admitted
+                admitted.append(resp := await post)
+                await first_texts(resp, 1)
+                if len(admitted) == min(streams, engine.scheduler.max_running):
+                    break
+            await wait_for_waiting(session, served.url, streams - len(admitted))
+            samples = await asyncio.to_thread(scrape, served)
+            for post in posts:
+                post.cancel()
+            for resp in admitted:
+                resp.close()
+            return samples
+
+    with serving(engine) as served:
+        samples = asyncio.run(scenario(served))
+    batch = min(streams, engine.scheduler.max_running)
+    assert one(samples, "reqscope:num_requests_running") == batch
+    assert one(samples, "reqscope:num_requests_waiting") == streams - batch
+    assert one(samples, "reqscope:kv_cache_usage_perc") > 0
