@@ -295,6 +295,9 @@ def run_load(served, specs: list[Spec]) -> LoadCounts:
             tally["ok"] += 1
         elif plan.client == "leave" and len(out.texts) >= plan.leave_after and out.payloads[-1] != "[DONE]":
             assert reference.startswith("".join(out.texts)), plan  # what it saw was its own stream
+            record = records[plan.request_id]
+            if record.result.finish_reason == "cancelled":  # else it ended before the server noticed
+                assert record.tokens_after_disconnect <= 1, plan  # only the step already running
             tally["left_mid_stream"] += 1
         else:  # read to the end (a leaving client whose stream ended first included)
             assert out.status == 200, (plan, out)
