@@ -1,5 +1,5 @@
-"""The flags that choose how the engine is opened (--model, --device, --dtype, --weights, --kv-budget-mib,
-and the step limits --max-num-seqs and --max-num-batched-tokens), declared once.
+"""The flags that choose how the engine is opened (--model, --device, --dtype, --weights, --kv-budget-mib),
+declared once.
 
 run, serve, calibrate and the benchmark each open an engine; each names the flags it takes, in the
 order its --help lists them, and may word a help line for its own context.
@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 
 from minengine.dtype_names import DTYPE_CHOICES, WEIGHT_CHOICES
-from reqscope.argtypes import whole_number
 
 MODEL_HELP = "model folder (default: the pulled SmolLM2-135M-Instruct)"
 DTYPE_HELP = "weights and compute (half = float16)"
@@ -44,20 +43,15 @@ def add_engine_arguments(
                     "--kv-budget-mib", type=float, help="KV memory budget for admission (default: half of free memory)"
                 )
             case "max_num_seqs":
-                # whole_number, not a positive one: 0 reaches the engine, whose one-line error says why not.
                 parser.add_argument(
-                    "--max-num-seqs",
-                    type=whole_number,
-                    metavar="N",
-                    help="most sequences one engine step runs together, vLLM's name (default: the engine's)",
+                    "--max-num-seqs", type=int, default=8, help="most sequences one engine step runs together (vLLM's)"
                 )
             case "max_num_batched_tokens":
                 parser.add_argument(
                     "--max-num-batched-tokens",
-                    type=whole_number,
-                    metavar="N",
-                    help="most tokens one engine step schedules, decode tokens and prompt chunks together; "
-                    "a longer prompt prefills in chunks, vLLM's name (default: the engine's)",
+                    type=int,
+                    help="tokens one engine step may schedule, decode and prefill chunks together; a longer prompt "
+                    "is prefilled in chunks (vLLM's; default 64 on the CPU, 2048 on CUDA)",
                 )
             case _:
                 raise ValueError(f"no engine flag {flag!r}")

@@ -67,9 +67,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV storage (fp8 = float8_e4m3fn)",
     )
     k.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    add_engine_arguments(k, "kv_budget_mib")
+    add_engine_arguments(k, "kv_budget_mib", "max_num_seqs", "max_num_batched_tokens")
     add_prefix_cache_argument(k)
-    add_engine_arguments(parser.add_argument_group("batching"), "max_num_seqs", "max_num_batched_tokens")
     parser.add_argument_group("explorer").add_argument(
         "--service-model",
         metavar="FILE",
@@ -198,15 +197,19 @@ def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCa
     """
     # torch loads here, not with the flags: `--endpoint` parses them too and never makes a tensor.
     from minengine.device import resolve_device
-    from minengine.engine.batch_limits import BatchLimits, check_pool, smallest_request_bytes
     from minengine.engine.engine import Engine
+    from minengine.engine.step_loop import BatchLimits, default_token_budget
+    from minengine.kv.budget_floor import check_budget_holds_a_request, smallest_request_bytes
 
     if args.kv_budget_mib is not None and args.kv_budget_mib <= 0:
         raise RequestError("--kv-budget-mib must be greater than 0")
-    # serve's requests take the engine's default KV storage; run's flags choose theirs.
+    # serve's requests take the engine's default KV storage and blocks; run's flags choose theirs.
     block_size = getattr(args, "block_size", GenerationRequest.block_size)
-    limits = BatchLimits(getattr(args, "max_num_seqs", None), getattr(args, "max_num_batched_tokens", None))
-    limits.check(block_size)
+    tokens = getattr(args, "max_num_batched_tokens", None)
+    if tokens is None:
+        tokens = default_token_budget(resolve_device(args.device))
+    limits = BatchLimits(getattr(args, "max_num_seqs", BatchLimits.max_num_seqs), tokens)
+    limits.check(block_size)  # the engine checks them too, in its own 16-token blocks
     cuda_graph = getattr(args, "cuda_graph", None)  # verbs without the flag keep the engine's default
     if cuda_graph and resolve_device(args.device).type != "cuda":
         # Asked for by name, a graph that cannot exist is an error, not a silent no-op.
@@ -225,7 +228,8 @@ def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCa
             progress=progress,
             prefix_cache=getattr(args, "prefix_cache", True),  # verbs without the flag keep it on
             cuda_graph=cuda_graph is not False,  # unset: the engine's default (on, where there is CUDA)
-            **limits.engine_arguments(),
+            max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
         )
     finally:
         if isinstance(progress, ProgressLine):
@@ -233,7 +237,7 @@ def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCa
     kv_dtype = KV_DTYPE_ALIASES.get(getattr(args, "kv_dtype", "auto"), getattr(args, "kv_dtype", "auto"))
     element = engine.dtype.itemsize if kv_dtype == "auto" else DTYPE_BYTES[kv_dtype]
     one_block = smallest_request_bytes(engine.cfg, getattr(args, "kv_layout", "gqa"), element, block_size)
-    check_pool(engine.scheduler.kv_budget_bytes, one_block, block_size)
+    check_budget_holds_a_request(engine.scheduler.kv_budget_bytes, one_block, block_size)
     return engine
 
 

@@ -37,8 +37,6 @@ WORDS: dict[Setting, Words] = {
     Setting.KV_BUDGET: Words("--kv-budget-mib"),
     Setting.PREFIX_CACHE_OFF: Words("--no-prefix-cache"),
     Setting.BLOCK_SIZE: Words("--block-size"),
-    Setting.MAX_NUM_SEQS: Words("--max-num-seqs"),
-    Setting.MAX_NUM_BATCHED_TOKENS: Words("--max-num-batched-tokens"),
     Setting.MODEL_SAMPLING_DEFAULTS_OFF: Words("--generation-config reqscope"),
     Setting.EXPORT_DIR: Words("--export", placeholder="DIR", key="x"),
     Setting.EXPORT_REPLACES: Words("--force"),
@@ -49,6 +47,8 @@ WORDS: dict[Setting, Words] = {
     Setting.CALIBRATION_SAVED: Words("reqscope calibrate --output"),
     Setting.GGUF_IMPORT: Words("reqscope import"),
     Setting.PLANNER: Words("reqscope plan"),
+    Setting.MAX_NUM_SEQS: Words("--max-num-seqs"),
+    Setting.MAX_NUM_BATCHED_TOKENS: Words("--max-num-batched-tokens"),
 }
 
 

@@ -23,8 +23,6 @@ class Setting(Enum):
     KV_BUDGET = "kv_budget_bytes"
     PREFIX_CACHE_OFF = "prefix_cache=False"
     BLOCK_SIZE = "block_size"
-    MAX_NUM_SEQS = "max_num_seqs"
-    MAX_NUM_BATCHED_TOKENS = "max_num_batched_tokens"
     MODEL_SAMPLING_DEFAULTS_OFF = "ModelSamplingDefaults()"  # generation_config.json left unread
     EXPORT_DIR = "export_dir"
     EXPORT_REPLACES = "force=True"  # prepare_export_folder's: replace the export files of the run before
@@ -35,6 +33,8 @@ class Setting(Enum):
     CALIBRATION_SAVED = "calibrate()'s ServiceModel.as_json(), saved to"
     GGUF_IMPORT = "convert_gguf"
     PLANNER = "the planner"
+    MAX_NUM_SEQS = "max_num_seqs"
+    MAX_NUM_BATCHED_TOKENS = "max_num_batched_tokens"
 
 
 @dataclass(frozen=True)
@@ -118,12 +118,6 @@ class RequestError(ReqscopeError):
 
 class AdmissionError(ReqscopeError):
     """A request cannot be admitted: token or KV-memory budget exceeded."""
-
-
-class BatchLimitError(ReqscopeError):
-    """A step limit no request could run under (no sequence per step, a token budget under one block)."""
-
-    exit_code = 2  # the value given is wrong, as for a usage error
 
 
 class QueueCancelledError(AdmissionError):

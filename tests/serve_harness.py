@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, RequestResult
 from minengine.engine.request import GenerationRequest
+from minengine.engine.step_loop import BatchLimits
 from reqscope.serve.app import ServeConfig, build_app
 from reqscope.serve.connections import CONNECTION_GUARD, ConnectionGuard
 from reqscope.serve.gateway import GatewayConfig
@@ -42,6 +43,18 @@ class Served:
     def v1(self) -> str:
         """The OpenAI base URL."""
         return self.url + "/v1"
+
+
+@contextmanager
+def one_running(engine: Engine) -> Iterator[None]:
+    """Within the block, `engine` runs one request at a time (a server built inside admits one):
+    for the cases about queueing, which need a request to wait behind a running one."""
+    limits = engine.steps.limits
+    engine.steps.set_limits(BatchLimits(max_num_seqs=1, max_num_batched_tokens=limits.max_num_batched_tokens))
+    try:
+        yield
+    finally:
+        engine.steps.set_limits(limits)
 
 
 @contextmanager

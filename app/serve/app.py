@@ -64,8 +64,11 @@ _STATE = web.AppKey("reqscope_serve_state", _State)
 
 
 def serving_scheduler(engine: Engine, max_queue: int) -> Scheduler:
-    """The engine's KV budget with one running request at a time and a bounded queue."""
-    return Scheduler(engine.scheduler.kv_budget_bytes, max_queue=max_queue, max_running=1)
+    """The engine's KV budget with a bounded queue; as many running requests as one step holds
+    (they decode together, in the engine's shared steps)."""
+    return Scheduler(
+        engine.scheduler.kv_budget_bytes, max_queue=max_queue, max_running=engine.steps.limits.max_num_seqs
+    )
 
 
 def build_app(engine: Engine, config: ServeConfig, telemetry: TelemetryLog | None = None) -> web.Application:

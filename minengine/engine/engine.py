@@ -12,10 +12,12 @@ import torch
 
 from minengine.config import ModelConfig
 from minengine.device import resolve_device, resolve_dtype, synchronize
+from minengine.engine.batch_facts import PoolUsage
 from minengine.engine.events import Event
 from minengine.engine.request import GenerationRequest
 from minengine.engine.scheduler import Scheduler
 from minengine.engine.session import RequestSession
+from minengine.engine.step_loop import BatchLimits, Member, StepLoop, default_token_budget
 from minengine.engine.timeline import Timeline
 from minengine.errors import Mention, ModelNotFoundError, Setting
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache
@@ -61,7 +63,7 @@ def model_fingerprint(folder: Path) -> str:
 
 
 class Engine:
-    """Load once, then run requests one session at a time (or several, within the KV budget)."""
+    """Load once, then run requests: each in its own session, their forwards in shared steps."""
 
     def __init__(
         self,
@@ -74,23 +76,31 @@ class Engine:
         progress: ProgressCallback | None = None,
         prefix_cache: bool = True,
         cuda_graph: bool = True,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         """Load the model in `model_dir`; a first load that lays out the CPU weights reports its
         stages to `progress` (see `minengine.progress`). `prefix_cache` keeps finished requests'
         KV blocks for later requests with the same prompt prefix (`minengine.kv.prefix_cache`).
         `cuda_graph`: on a CUDA device, decode steps replay captured CUDA graphs (the static step,
         `minengine.model.cuda_graph`), else they run eagerly; other devices have no graphs, and
-        it changes nothing there. `weights` is the projections' storage ("auto", "float32",
-        "fp16", "bf16", "int8"; `minengine.model.weight_format` says what each means where, and
-        what auto picks); it is checked before anything is loaded."""
+        it changes nothing there. `max_num_seqs` and `max_num_batched_tokens` bound what one
+        step of the step loop runs together (`minengine.engine.step_loop`; the token budget's
+        default depends on the device); up to `max_num_seqs` requests run at once. `weights` is
+        the projections' storage ("auto", "float32", "fp16", "bf16", "int8";
+        `minengine.model.weight_format` says what each means where, and what auto picks); it is
+        checked before anything is loaded."""
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
+        self.device = resolve_device(device)
+        tokens = default_token_budget(self.device) if max_num_batched_tokens is None else max_num_batched_tokens
+        limits = BatchLimits(max_num_seqs, tokens)
+        limits.check()
         if not self.model_dir.is_dir():
             raise ModelNotFoundError(
                 f"model folder {self.model_dir} does not exist; pass ", Mention(Setting.MODEL_DIR, every_way=True)
             )
         self.cfg = ModelConfig.from_file(self.model_dir)
-        self.device = resolve_device(device)
         if dtype == "auto":
             dtype = compute_dtype_for(weights, self.device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -103,10 +113,19 @@ class Engine:
         # Requests make caches and run steps through it.
         self.runner = ModelRunner(self.model, static_decode=cuda_graph and self.device.type == "cuda")
         synchronize(self.device)
-        self.scheduler = Scheduler(kv_budget_bytes or default_kv_budget(self.device))
+        self.scheduler = Scheduler(kv_budget_bytes or default_kv_budget(self.device), max_running=limits.max_num_seqs)
         self.fingerprint = model_fingerprint(self.model_dir)
         self.prefix_cache: PrefixCache | None = PrefixCache() if prefix_cache else None
+        # Every request's forwards run here, in steps shared with the others running.
+        self.steps = StepLoop(self.runner, limits, waiting=lambda: self.scheduler.waiting, pool=self._pool_usage)
         self.load_ms = (time.perf_counter() - start) * 1000
+
+    def _pool_usage(self, member: Member, members: list[Member]) -> PoolUsage:
+        """The KV budget as `member` sees it: its reservation, the other running requests', the
+        prefix cache's kept blocks, the rest free."""
+        others = sum(m.reserved_bytes for m in members if m is not member)
+        kept = self.prefix_cache.kept_bytes if self.prefix_cache is not None else 0
+        return PoolUsage(self.scheduler.kv_budget_bytes, member.reserved_bytes, others, kept)
 
     def use_prefix_cache(self, enabled: bool) -> None:
         """Turn the prefix cache on or off for requests started from now on (off drops its blocks)."""

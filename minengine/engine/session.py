@@ -9,7 +9,7 @@ returns the record the next stage starts from:
     _admit      size the KV cache, look the prompt up in the prefix cache, wait for the scheduler
                                                          -> admit stage, AdmitEvent; `Admitted`, and the hit
     _prefix_cache  make the cache, copy the hit in       -> prefix_cache stage, PrefixCacheEvent; `Cached`
-    _prefill    one forward pass over the rest of the prompt -> prefill stage, PrefillEvent; the logits
+    _prefill    the rest of the prompt, in chunks within the step budget -> prefill stage, PrefillEvent; the logits
     _decode     sample, stream, feed back, until a stop  -> StepReady/TokenEvent pairs; finish reason
     _complete   close the timeline, build the result     -> decode and complete stages, DoneEvent
 
@@ -19,8 +19,9 @@ failure in any stage ends the request as `error`. A stage that takes something t
 admission, the cache) registers its return on the run's exit stack the moment it holds it, so it
 is given back whatever happens, in reverse, before completion is reported: with the prefix
 cache on, the cache's full blocks are kept for later requests, then the cache and the admission
-are released. The session reaches its engine through `EngineHandle` and the model only through
-`_new_cache` and `_forward`.
+are released. The session reaches its engine through `EngineHandle`, and the model only through
+`_new_cache` and `_forward`, which hands its work to its place in the engine's step loop
+(`step_loop.Member`), where it runs in steps shared with the other running requests.
 
 A RequestSession is an iterator of events. The consumer drives it: every pull runs the engine
 up to the next event, so a consumer that stops pulling at a `StepReady` has paused decode
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from minengine.device import synchronize
+from minengine.engine.batch_facts import BatchSummary, PrefillChunk
 from minengine.engine.events import (
     AdmitEvent,
     DoneEvent,
@@ -66,6 +68,7 @@ from minengine.engine.metrics import request_metrics, without_held
 from minengine.engine.request import GenerationRequest, validate
 from minengine.engine.roofline import step_bytes
 from minengine.engine.scheduler import Admission, Scheduler
+from minengine.engine.step_loop import Member, StepCancelled, StepLoop
 from minengine.engine.timeline import STAGE_SPANS, Timeline
 from minengine.errors import Message, QueueCancelledError, ReqscopeError, RequestError, Setting
 from minengine.kv.arithmetic import kv_bytes_in_blocks, stored_kv_heads
@@ -146,8 +149,9 @@ class EngineHandle(Protocol):
     cfg: ModelConfig
     dtype: torch.dtype  # the model's
     device: torch.device
-    runner: ModelRunner  # makes the request's cache and runs its steps
+    runner: ModelRunner  # makes the request's cache
     scheduler: Scheduler
+    steps: StepLoop  # runs the request's forwards, in steps shared with the other running requests
     prefix_cache: PrefixCache | None  # read at each admission: the engine may turn it off between requests
 
     def kv_identity(self, layout: str, storage_dtype: torch.dtype, block_size: int) -> KVIdentity:
@@ -182,10 +186,12 @@ class Admitted:
 
 @dataclass(frozen=True)
 class Cached:
-    """The prefix cache stage's output: the request's KV cache, the hit copied in, and the stage's event."""
+    """The prefix cache stage's output: the request's KV cache, the hit copied in, the stage's event,
+    and the request's place in the step loop."""
 
     cache: KVCache
     event: PrefixCacheEvent
+    member: Member
 
 
 @dataclass(frozen=True)
@@ -195,6 +201,7 @@ class Reached:
     prompt_tokens: int = 0
     queue_ms: float = 0.0  # the admission's wait (or, cancelled while queued, the wait until then)
     prefix: PrefixCacheEvent | None = None
+    member: Member | None = None  # its place in the step loop, once it had a cache
 
 
 class RequestSession:
@@ -215,6 +222,7 @@ class RequestSession:
         self._sampler: Sampler | None = None  # decode's, made when decode starts; `update_sampling` reaches it
         self._held_ns = 0  # time the consumer held the session suspended (see `hold`)
         self._holding = False  # the consumer holds the suspension in progress
+        self._member: Member | None = None  # its place in the step loop, from the prefix cache stage on
 
     # -- control, from the consumer (or, for cancel, any thread) -----------------------------
 
@@ -231,6 +239,8 @@ class RequestSession:
         that never calls it (headless, a server) leaves the engine's figures equal to the wall clock's.
         """
         self._holding = True
+        if self._member is not None:
+            self._member.away = True  # the step loop goes on without it until it hands in work again
 
     def force_next(self, token_id: int) -> None:
         """Make the next step commit `token_id` instead of sampling."""
@@ -296,9 +306,11 @@ class RequestSession:
             reached = replace(reached, queue_ms=admitted.admission.queue_ms)
             cached = yield from self._prefix_cache(ids, admitted, hit, state, releases)
             hit = None  # copied in: the kept blocks it holds must not outlive their eviction
-            reached = replace(reached, prefix=cached.event)
+            reached = replace(reached, prefix=cached.event, member=cached.member)
             logits = yield from self._prefill(ids, cached, state)
             finish = yield from self._decode(logits, cached.cache, state)
+        except StepCancelled:  # cancelled between two chunks of its prompt
+            finish = "cancelled"
         except QueueCancelledError as exc:  # cancelled before it ran: not a failure
             finish, self.failure = "cancelled", exc
             reached = replace(reached, queue_ms=exc.waited_ms)
@@ -399,6 +411,9 @@ class RequestSession:
         releases.callback(cache.release)
         if admitted.prefix is not None:  # registered after the release: runs before it
             releases.callback(self._keep_blocks, cache, ids, state, admitted)
+        member = self.engine.steps.join(cache, self.cancelled, admitted.admission.kv_bytes)
+        releases.callback(member.leave)  # first of all: no step may touch the cache once it is given back
+        self._member = member
         copy_ms = 0.0
         if hit is not None and hit.blocks:
             start = time.perf_counter()
@@ -430,7 +445,7 @@ class RequestSession:
             else "",
         )
         yield event
-        return Cached(cache, event)
+        return Cached(cache, event, member)
 
     def _prefill(
         self, ids: tuple[int, ...], cached: Cached, state: DecodeState
@@ -440,13 +455,13 @@ class RequestSession:
         detail = f"{len(ids) - reused} tokens" + (f" after {reused} reused" if reused else "")
         self.timeline.mark("prefill_start", detail)
         self._start_step(state)
-        logits = self._forward(ids[reused:], reused, cached.cache)
+        # The loop synchronizes after each step: prefill ends when the device has finished.
+        logits, chunks = self._forward(ids[reused:], reused)
         state.pos = len(ids)
-        synchronize(self.engine.device)  # prefill ends when the device has finished, not when it was queued
         stage = self._stage("prefill_end")
         yield stage
         state.peak = cached.cache.usage()
-        yield PrefillEvent(len(ids), stage.duration_ms, state.peak, reused_tokens=reused)
+        yield PrefillEvent(len(ids), stage.duration_ms, state.peak, reused_tokens=reused, chunks=tuple(chunks))
         return logits
 
     def _decode(self, logits: torch.Tensor, cache: KVCache, state: DecodeState) -> Generator[Event, None, str]:
@@ -469,7 +484,7 @@ class RequestSession:
             if finish is not None:
                 break
             self._start_step(state)
-            logits = self._forward((token,), state.pos, cache)
+            logits, _ = self._forward((token,), state.pos)
             state.pos += 1
         if finish != "stop_sequence":
             # Nothing after a stop string is shown; any other ending releases the text still
@@ -533,6 +548,7 @@ class RequestSession:
             forced=forced,
             held_ms=self._held_since_previous(state),
             bytes_read=step_bytes(state.weight_bytes, state.peak) if index else None,  # token 0 came from prefill
+            batch=self._member.last_step if index and self._member is not None else None,
         )
         state.previous_t = t
         return event, "stop" if stops else "stop_sequence" if stop_hit else None
@@ -597,9 +613,11 @@ class RequestSession:
             kv.tokens, layout=req.kv_layout, storage_dtype=kv.storage, block_size=req.block_size
         )
 
-    def _forward(self, ids: tuple[int, ...], start: int, cache: KVCache) -> torch.Tensor:
-        """Run `ids` at positions from `start` through the model, caching their K/V in `cache`; next-token logits."""
-        return self.engine.runner.forward(torch.tensor(ids, device=self.engine.device), start, cache)
+    def _forward(self, ids: tuple[int, ...], start: int) -> tuple[torch.Tensor, list[PrefillChunk]]:
+        """Run `ids` at positions from `start` in the engine's shared steps, caching their K/V in the
+        request's cache; the next-token logits, and the prompt chunks the steps ran."""
+        assert self._member is not None
+        return self._member.forward(ids, start)
 
     def _keep_blocks(self, cache: KVCache, ids: tuple[int, ...], state: DecodeState, admitted: Admitted) -> None:
         """Give the cache's full blocks to the prefix cache, within the KV budget.
@@ -657,4 +675,9 @@ class RequestSession:
             engine_metrics=engine_metrics,
             held_ms=self._held_ns / 1e6,
             prefix_cache=reached.prefix,
+            batch=None if reached.member is None else _batch_summary(reached.member),
         )
+
+
+def _batch_summary(member: Member) -> BatchSummary:
+    return BatchSummary.of(member.steps, member.prefill_chunks, member.preemptions)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from minengine.kv.cache import KVCache
+from minengine.model.batch_forward import Row, forward_rows
 from minengine.model.cuda_graph import StaticDecoder
 from minengine.model.decode_threads import StepThreads
 from minengine.model.eager_step import EagerDecoder
@@ -93,3 +94,14 @@ class ModelRunner:
                 if self.eager_decoder.serves(cache, start):
                     return self.eager_decoder.step(ids, start, cache)
             return self.model.forward(ids, start, cache, all_logits=all_logits)
+
+    def forward_rows(self, rows: list[Row]) -> list[torch.Tensor | None]:
+        """One step over several sequences' rows (`batch_forward`); each row's logits or None.
+
+        A step of one row that wants its logits is an ordinary `forward`, so a request alone
+        decodes through the lean single-token steps as before."""
+        if len(rows) == 1 and rows[0].logits:
+            row = rows[0]
+            return [self.forward(torch.tensor(row.ids, device=self.device), row.start, row.cache)]
+        with self.step_threads.step(False):
+            return forward_rows(self.model, rows)

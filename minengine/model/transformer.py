@@ -1,8 +1,8 @@
 """A compact decoder-only transformer (llama / mistral / qwen2 / qwen3 families).
 
 Numerics follow Hugging Face's modeling files: RMSNorm in float32 cast back before the weight
-multiply, RoPE angles in float32, SiLU-gated MLP. Batch size is one: this engine follows one
-request.
+multiply, RoPE angles in float32, SiLU-gated MLP. `forward` runs one sequence; a step shared
+by several runs the same blocks over their stacked tokens (`batch_forward`).
 
 Top to bottom: one block's weights (`Layer`); what a block is handed besides its input, the
 buffers a one-token step writes into (`Scratch`) and where K/V go and how attention reads them
@@ -237,17 +237,21 @@ class Transformer:
         s: Scratch | None = None,
         *,
         last_only: bool = False,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Block `index` on the residual stream x [T, hidden], which it adds to in place; returns x.
 
         cos/sin are the positions' rows from `RotaryTable.lookup_signed`. With `last_only` only
-        the last position goes on past the K/V write (x becomes its [1, hidden] view). With a
-        `Scratch` (one token) every product lands in its buffers.
+        the last position goes on past the K/V write (x becomes its [1, hidden] view); `keep`
+        (row indices) does the same for several positions (a batched step's sequence ends). With
+        a `Scratch` (one token) every product lands in its buffers.
         """
         layer = self.layers[index]
         q, k, v = self.qkv_heads(layer, layer.input_norm(x), cos, sin, s)
         if last_only:
             q, x = q[-1:], x[-1:]
+        elif keep is not None:
+            q, x = q[keep], x[keep]
         x.add_(self.attention_output(layer, attention(index, q, k, v), s))
         x.add_(self.mlp(layer, layer.post_norm(x), s))
         return x

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from minengine.config import ModelConfig
-from minengine.engine.batch_limits import BatchLimits, check_pool, smallest_request_bytes
-from minengine.errors import AdmissionError, BatchLimitError
+from minengine.engine.step_loop import BatchLimits
+from minengine.errors import AdmissionError, RequestError
 from minengine.kv.arithmetic import KIB
+from minengine.kv.budget_floor import check_budget_holds_a_request, smallest_request_bytes
 from reqscope.cli import main
 from reqscope.wording import error_text
 
@@ -32,13 +33,19 @@ def _error(argv, capsys) -> tuple[int, str]:
         (
             ["--max-num-seqs", "0"],
             "--max-num-seqs 0 lets no sequence into a step, so no request could ever run; give it 1 or more",
-            2,
+            1,
         ),
         (
             ["--max-num-batched-tokens", "8"],
             "--max-num-batched-tokens 8 is smaller than one KV block (16 tokens), so a step could never fill one; "
             "raise --max-num-batched-tokens to at least 16",
-            2,
+            1,
+        ),
+        (
+            ["--max-num-seqs", "24", "--max-num-batched-tokens", "20"],
+            "--max-num-batched-tokens 20 is smaller than --max-num-seqs 24, so a step could not give every running "
+            "sequence its token; raise --max-num-batched-tokens to at least 24 or lower --max-num-seqs",
+            1,
         ),
         (
             ["--kv-budget-mib", "0.001"],
@@ -47,7 +54,7 @@ def _error(argv, capsys) -> tuple[int, str]:
             1,
         ),
     ],
-    ids=["no-sequences", "budget-under-a-block", "pool-under-a-request"],
+    ids=["no-sequences", "budget-under-a-block", "budget-under-the-sequences", "pool-under-a-request"],
 )
 def test_a_limit_no_request_could_run_under_is_one_line(chatty_tiny_dir, capsys, verb, flags, line, code):
     argv = [*verb, "--model", str(chatty_tiny_dir), "--dtype", "float32", *flags]
@@ -58,7 +65,7 @@ def test_a_limit_no_request_could_run_under_is_one_line(chatty_tiny_dir, capsys,
 def test_the_token_budget_is_measured_in_the_runs_own_blocks(chatty_tiny_dir, capsys):
     argv = ["--plain", "--model", str(chatty_tiny_dir), "--block-size", "32", "--max-num-batched-tokens", "16", "x"]
     code, last = _error(argv, capsys)
-    assert code == 2 and "(32 tokens)" in last and last.endswith("at least 32")
+    assert code == 1 and "(32 tokens)" in last and last.endswith("at least 32")
 
 
 def test_the_pool_is_measured_in_the_runs_own_kv_storage(chatty_tiny_dir):
@@ -66,9 +73,9 @@ def test_the_pool_is_measured_in_the_runs_own_kv_storage(chatty_tiny_dir):
     assert smallest_request_bytes(cfg, "gqa", 4, 16) == CHATTY_BLOCK
     assert smallest_request_bytes(cfg, "gqa", 1, 16) == CHATTY_BLOCK // 4  # fp8
     assert smallest_request_bytes(cfg, "mha", 4, 16) == CHATTY_BLOCK * 2  # 4 query heads stored, not 2
-    check_pool(CHATTY_BLOCK, CHATTY_BLOCK, 16)  # exactly one block is one request
+    check_budget_holds_a_request(CHATTY_BLOCK, CHATTY_BLOCK, 16)  # exactly one block is one request
     with pytest.raises(AdmissionError) as info:
-        check_pool(CHATTY_BLOCK - 1, CHATTY_BLOCK, 16)
+        check_budget_holds_a_request(CHATTY_BLOCK - 1, CHATTY_BLOCK, 16)
     assert error_text(info.value).endswith("raise --kv-budget-mib to at least 0.01")
 
 
@@ -82,10 +89,16 @@ def test_an_fp8_run_fits_a_budget_its_float32_blocks_would_not(chatty_tiny_dir, 
     assert "cannot hold one request" not in fp8 and "MiB of KV" in fp8
 
 
-def test_limits_that_are_set_become_the_engines_arguments():
-    assert BatchLimits().engine_arguments() == {}
-    assert BatchLimits(8, None).engine_arguments() == {"max_num_seqs": 8}
-    assert BatchLimits(8, 256).engine_arguments() == {"max_num_seqs": 8, "max_num_batched_tokens": 256}
-    BatchLimits(1, 16).check(16)  # the smallest that can run
-    with pytest.raises(BatchLimitError):
-        BatchLimits(None, 15).check(16)
+def test_the_smallest_limits_that_can_run_pass():
+    BatchLimits(1, 16).check(16)
+    with pytest.raises(RequestError):
+        BatchLimits(1, 15).check(16)
+    with pytest.raises(RequestError):
+        BatchLimits(17, 16).check(16)
+
+
+def test_a_token_budget_of_zero_is_refused_not_taken_for_the_default(chatty_tiny_dir):
+    from minengine.engine.engine import Engine
+
+    with pytest.raises(RequestError, match="max_num_batched_tokens 0 is smaller than one KV block"):
+        Engine(chatty_tiny_dir, device="cpu", max_num_batched_tokens=0)

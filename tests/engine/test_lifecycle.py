@@ -276,11 +276,11 @@ def test_out_of_memory_in_decode_reports_what_was_produced(chatty_engine, monkey
     session = chatty_engine.start(GenerationRequest.from_prompt("Tell me", sampling=GREEDY, max_tokens=20))
     real_forward, calls = session._forward, []
 
-    def forward(ids, start, cache):
+    def forward(ids, start):
         calls.append(start)
         if len(calls) > 3:  # the prompt, then two decode steps
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\ndetails")
-        return real_forward(ids, start, cache)
+        return real_forward(ids, start)
 
     monkeypatch.setattr(session, "_forward", forward)
     events = list(session)

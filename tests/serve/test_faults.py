@@ -31,6 +31,7 @@ from serve_harness import (
     authorized,
     chat_body,
     first_texts,
+    one_running,
     raw_request,
     serving,
     sse_payloads,
@@ -74,7 +75,8 @@ def _settled(served, timeout_s: float = 10.0) -> Resources:
 @pytest.fixture(scope="module")
 def served(engine):
     """The server most cases share: a key, a queue of 2 and fast timeouts; its baseline resources."""
-    with serving(engine, GatewayConfig(api_keys=frozenset({KEY})), max_queue=2, limits=LIMITS) as s:
+    gateway = GatewayConfig(api_keys=frozenset({KEY}))
+    with one_running(engine), serving(engine, gateway, max_queue=2, limits=LIMITS) as s:
         warm = raw_request(s.url, "POST", "/v1/chat/completions", chat_body(max_tokens=2), authorized())
         assert warm.status == 200
         OBSERVED["baseline"] = _settled(s)
@@ -122,7 +124,7 @@ async def _stream(session: aiohttp.ClientSession, url: str) -> tuple[int, dict[s
 
 def test_concurrent_streams_beyond_the_queue_are_200_429_or_503(engine):
     gateway = GatewayConfig(api_keys=frozenset({KEY}), rate_per_minute=6, rate_burst=8)
-    with serving(engine, gateway, max_queue=2, limits=LIMITS) as served:
+    with one_running(engine), serving(engine, gateway, max_queue=2, limits=LIMITS) as served:
 
         async def scenario():
             async with aiohttp.ClientSession() as session:

@@ -7,8 +7,10 @@ more clients than the queue holds (503 queue_full, this server's overflow). Afte
 
 - every 200 stream ends with its finish chunk (with the `reqscope` report), usage and [DONE];
 - every stream equals the same request run alone before the load (greedy, or seeded sampling
-  with the same seed), and a stream cut short is a prefix of it: no token of one request ever
-  shows in another's stream;
+  with the same seed; alone and without the prefix cache), and a stream cut short is a prefix
+  of it: no token of one request ever shows in another's stream;
+- the requests really shared steps (the batch reached MAX_NUM_SEQS) and long prompts really
+  prefilled in chunks, by their own batch facts, which every report carries;
 - the KV is all back (nothing reserved, nothing running or waiting, the prefix cache within the
   budget), and the process's threads, file descriptors and RSS are back within a stated slack.
 
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import inspect
 import json
 import random
 import time
@@ -35,14 +36,17 @@ from serve_harness import authorized, chat_body, one, scrape, serving
 
 import minengine
 from minengine.engine.engine import Engine
+from minengine.engine.events import RequestResult
 from minengine.kv.arithmetic import MIB
+from reqscope.serve.telemetry import batch_json
 
 REQUESTS = 200
 CONCURRENCY = 12
 MAX_QUEUE = CONCURRENCY  # the steady load always fits; the bursts overflow it
 BURST = 12  # requests a client sends at once, twice in the load: more than the queue has room for
 BURSTS_AT = (60, 130)
-MAX_NUM_SEQS = 4  # once the engine batches; today's serve runs one request at a time
+REFUSED_PAUSE_S = 0.2  # a refused client's pause before its next request (the server says 1 s)
+MAX_NUM_SEQS = 4  # serve admits this many at once; they decode together
 MAX_NUM_BATCHED_TOKENS = 64  # the long prompts (about 300 tokens) prefill in several chunks
 KV_BUDGET = 64 * MIB
 
@@ -141,13 +145,6 @@ class Resources:
         return cls(process.num_threads(), process.num_fds(), process.memory_info().rss)
 
 
-def batching_arguments(**wanted) -> dict:
-    """The batching settings this Engine takes (the step loop's `max_num_seqs`, `max_num_batched_tokens`;
-    none before it), so the suite runs on today's one-at-a-time serve and on the batching one."""
-    accepted = inspect.signature(Engine.__init__).parameters
-    return {name: value for name, value in wanted.items() if name in accepted}
-
-
 async def _read_stream(resp: aiohttp.ClientResponse, out: Outcome, leave_after: int | None) -> None:
     async for raw in resp.content:
         line = raw.decode().strip()
@@ -203,6 +200,8 @@ async def _drive(url: str, specs: list[Spec], plans: list[Planned], concurrency:
             while batch[0].client == "burst" and todo and todo[0].client == "burst":
                 batch.append(todo.popleft())
             await asyncio.gather(*(send(plan) for plan in batch))
+            if any(outcomes[plan.request_id].status == 503 for plan in batch):
+                await asyncio.sleep(REFUSED_PAUSE_S)  # as a client honouring Retry-After would, only shorter
 
     connector = aiohttp.TCPConnector(limit=0)  # the clients, not the connector, bound the concurrency
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -223,11 +222,14 @@ def _solo_texts(url: str, specs: list[Spec]) -> list[str]:
     return texts
 
 
-def _check_closing(payloads: list[str], spec: Spec) -> None:
-    """A finished stream: ..., the finish chunk with the report, the usage chunk, [DONE]."""
+def _check_closing(payloads: list[str], spec: Spec, result: RequestResult) -> None:
+    """A finished stream: ..., the finish chunk with the report (its batch facts the request's
+    own), the usage chunk, [DONE]."""
     assert payloads[-1] == "[DONE]"
     finish, usage = json.loads(payloads[-3]), json.loads(payloads[-2])
-    assert finish["choices"][0]["finish_reason"] == "length" and "reqscope" in finish
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert finish["reqscope"]["batch"] == batch_json(result.batch)
+    assert result.batch.steps >= result.batch.prefill_chunks + spec.max_tokens - 1  # prefill, then each decode
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == spec.max_tokens
 
 
@@ -252,7 +254,10 @@ class LoadCounts:
     cancelled_in_queue: int  # clients that gave up while their request waited for admission
     gave_up_later: int  # clients that gave up, but whose request had been admitted (or had not reached the queue)
     queue_full: int  # 503s: the queue already held MAX_QUEUE
-    preemptions: int
+    preemptions: int  # /metrics' num_preemptions_total
+    mean_batch: float  # sequences per step, over the ok requests' steps (their batch facts)
+    max_batch: int
+    chunked: int  # ok requests whose prompt prefilled in more than one chunk
 
     def line(self) -> str:
         """The counts as the suite reports them."""
@@ -260,14 +265,20 @@ class LoadCounts:
             f"load: {REQUESTS} requests at concurrency {CONCURRENCY}: {self.ok} ok, "
             f"{self.left_mid_stream} left mid-stream, {self.cancelled_in_queue} cancelled in the queue "
             f"({self.gave_up_later} gave up outside it), {self.queue_full} refused with 503 queue_full, "
-            f"{self.preemptions} preemptions"
+            f"{self.preemptions} preemptions; batch mean {self.mean_batch:.2f}, max {self.max_batch}; "
+            f"{self.chunked} prompts prefilled in chunks"
         )
 
 
 def run_load(served, specs: list[Spec]) -> LoadCounts:
     """Drive the load at `served` and check every response against its solo run; the counts."""
     url = served.v1 + "/chat/completions"
+    # Alone and without the prefix cache: every reference prefills its whole prompt itself. The
+    # load starts with an empty cache, so each prompt's first run in it prefills in chunks too.
+    cache_on = served.engine.prefix_cache is not None
+    served.engine.use_prefix_cache(False)
     solo = _solo_texts(url, specs)
+    served.engine.use_prefix_cache(cache_on)
     baseline = Resources.now()
     plans = _plan(specs)
     outcomes = asyncio.run(_drive(url, specs, plans, CONCURRENCY))
@@ -275,6 +286,7 @@ def run_load(served, specs: list[Spec]) -> LoadCounts:
     records = {s.result.request_id: s for s in served.telemetry.recent()}
 
     tally: Counter[str] = Counter()
+    ok_ids: set[str] = set()
     for plan in plans:
         out, spec, reference = outcomes[plan.request_id], specs[plan.spec], solo[plan.spec]
         if out.status == 503:
@@ -291,7 +303,9 @@ def run_load(served, specs: list[Spec]) -> LoadCounts:
         elif plan.client in ("whole", "burst"):
             assert out.status == 200, out
             assert out.body["choices"][0]["message"]["content"] == reference, plan
-            assert out.body["usage"]["completion_tokens"] == spec.max_tokens and "reqscope" in out.body
+            assert out.body["usage"]["completion_tokens"] == spec.max_tokens
+            assert out.body["reqscope"]["batch"] == batch_json(records[plan.request_id].result.batch)
+            ok_ids.add(plan.request_id)
             tally["ok"] += 1
         elif plan.client == "leave" and len(out.texts) >= plan.leave_after and out.payloads[-1] != "[DONE]":
             assert reference.startswith("".join(out.texts)), plan  # what it saw was its own stream
@@ -302,9 +316,12 @@ def run_load(served, specs: list[Spec]) -> LoadCounts:
         else:  # read to the end (a leaving client whose stream ended first included)
             assert out.status == 200, (plan, out)
             assert "".join(out.texts) == reference, plan
-            _check_closing(out.payloads, spec)
+            _check_closing(out.payloads, spec, records[plan.request_id].result)
+            ok_ids.add(plan.request_id)
             tally["ok"] += 1
 
+    batches = [records[p.request_id].result.batch for p in plans if p.request_id in ok_ids]
+    steps = sum(b.steps for b in batches)
     counts = LoadCounts(
         tally["ok"],
         tally["left_mid_stream"],
@@ -312,6 +329,9 @@ def run_load(served, specs: list[Spec]) -> LoadCounts:
         tally["gave_up_later"],
         tally["queue_full"],
         int(one(scrape(served), "reqscope:num_preemptions_total")),
+        sum(b.mean_batch * b.steps for b in batches) / steps,
+        max(b.max_batch for b in batches),
+        sum(1 for b in batches if b.prefill_chunks > 1),
     )
     print(counts.line())
     assert sum(tally.values()) == REQUESTS, counts.line()
@@ -333,7 +353,8 @@ def test_two_hundred_requests_at_concurrency_twelve(chatty_tiny_dir, capsys):
         device="cpu",
         dtype="float32",
         kv_budget_bytes=KV_BUDGET,
-        **batching_arguments(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS),
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
     )
     with serving(engine, max_queue=MAX_QUEUE) as served:
         counts = run_load(served, _specs())
@@ -341,12 +362,12 @@ def test_two_hundred_requests_at_concurrency_twelve(chatty_tiny_dir, capsys):
         print("\n" + counts.line())
     assert counts.ok >= REQUESTS // 2, counts.line()
     assert counts.left_mid_stream > 0 and counts.cancelled_in_queue > 0 and counts.queue_full > 0, counts.line()
+    assert counts.max_batch == MAX_NUM_SEQS and counts.mean_batch > 1.5, counts.line()  # they decoded together
+    assert counts.chunked > 0, counts.line()
 
 
 def _preempting_engine() -> str | None:
     """What the engine still lacks for preemption (None when it has it)."""
-    if "max_num_seqs" not in inspect.signature(Engine.__init__).parameters:
-        return "Engine takes no max_num_seqs: the step loop (issue 20, item 1) has not landed"
     sources = Path(minengine.__file__).parent.rglob("*.py")
     if not any("PreemptEvent(" in path.read_text(encoding="utf-8") for path in sources):
         return "no engine module emits PreemptEvent: preemption by recompute (issue 20, item 5) has not landed"

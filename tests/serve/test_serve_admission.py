@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-from serve_harness import authorized, chat_body, first_texts, serving, wait_for_waiting
+from serve_harness import authorized, chat_body, first_texts, one_running, serving, wait_for_waiting
 
 LONG = 1500  # tokens: far more than the tests wait for, so the request is still decoding
 
@@ -34,7 +34,7 @@ def test_disconnect_mid_stream_cancels_decoding_within_one_step(engine):
 
 
 def test_full_queue_is_503_and_the_queued_wait_is_inside_ttft(engine):
-    with serving(engine, max_queue=1) as served:
+    with one_running(engine), serving(engine, max_queue=1) as served:
 
         async def scenario() -> tuple[aiohttp.ClientResponse, dict, str]:
             async with aiohttp.ClientSession() as session:

@@ -1,0 +1,310 @@
+"""The engine's step loop: every running request's next forward, in shared steps.
+
+Continuous batching as vLLM's V1 scheduler does it. One thread owns the model. Each admitted
+request joins the loop as a `Member` and hands it work: its prompt (after any reused prefix),
+then one token per decode step. Each step the loop plans within two limits (`BatchLimits`):
+every running sequence's next token first, in the order they joined, then prompt chunks of
+requests still prefilling, first come first served, until the step's token budget or its
+sequence cap is used up. One forward pass runs them all (`batch_forward`), so each weight is
+read once for everyone; a prompt longer than what is left of the budget is split over steps
+(chunked prefill), so a long prompt never stalls the requests that are decoding.
+
+A request's session still runs on its consumer's thread: it samples its own rows with its own
+parameters, streams its own text, and blocks in `Member.forward` only while its work waits for
+and runs in a step. A session whose consumer holds it (a person stepping the explorer) has no
+work in the loop, so the others go on without it. After a step the loop gives the sequences it
+just served a moment (`gather_s`) to hand in their next token, so that sequences decoding
+together stay in the same steps instead of drifting into alternate ones; a sequence marked
+`away` (held) is not waited for.
+
+Each step is described to every member it served as a `BatchStep` (minengine.engine.batch_facts).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from minengine.device import synchronize
+from minengine.engine.batch_facts import BatchStep, PoolUsage, PrefillChunk
+from minengine.errors import Mention, RequestError, Setting
+from minengine.kv.cache import KVCache
+from minengine.model.batch_forward import Row
+from minengine.model.runner import ModelRunner
+
+_SOLO_HISTORY = 16  # solo decode steps the loop remembers for `BatchStep.solo_step_ms`
+
+
+class StepCancelled(Exception):
+    """The request was cancelled while its prompt was still being prefilled in chunks."""
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """What one step may hold: vLLM's `max_num_seqs` and `max_num_batched_tokens`."""
+
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 64
+
+    def check(self, block_size: int = 16) -> None:
+        """Refuse limits no step can work under, for KV blocks of `block_size` tokens (a one-line
+        error naming the setting, its value and what would do)."""
+        seqs, tokens = self.max_num_seqs, self.max_num_batched_tokens
+        if seqs < 1:
+            raise RequestError(
+                Mention(Setting.MAX_NUM_SEQS, str(seqs)),
+                " lets no sequence into a step, so no request could ever run; give it 1 or more",
+            )
+        if tokens < block_size:
+            raise RequestError(
+                Mention(Setting.MAX_NUM_BATCHED_TOKENS, str(tokens)),
+                f" is smaller than one KV block ({block_size} tokens), so a step could never fill one; raise ",
+                Setting.MAX_NUM_BATCHED_TOKENS,
+                f" to at least {block_size}",
+            )
+        if tokens < seqs:
+            raise RequestError(
+                Mention(Setting.MAX_NUM_BATCHED_TOKENS, str(tokens)),
+                " is smaller than ",
+                Mention(Setting.MAX_NUM_SEQS, str(seqs)),
+                ", so a step could not give every running sequence its token; raise ",
+                Setting.MAX_NUM_BATCHED_TOKENS,
+                f" to at least {seqs} or lower ",
+                Setting.MAX_NUM_SEQS,
+            )
+
+
+def default_token_budget(device: torch.device) -> int:
+    """The step's token budget when none is given: small on a CPU, where prefill is compute-bound
+    (a 64-token chunk costs a few decode steps there), vLLM's chunked-prefill default on a GPU."""
+    return 64 if device.type == "cpu" else 2048
+
+
+@dataclass(eq=False)
+class _Work:
+    """One member's forward, waiting for (or part way through) the steps that run it."""
+
+    member: Member
+    ids: tuple[int, ...]
+    start: int
+    done: int = 0  # tokens of `ids` already run
+    logits: torch.Tensor | None = None
+    error: BaseException | None = None
+    chunks: list[PrefillChunk] = field(default_factory=list)
+    finished: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def left(self) -> int:
+        return len(self.ids) - self.done
+
+
+class Member:
+    """One running request's place in the loop: its cache, and the steps it ran in."""
+
+    def __init__(self, loop: StepLoop, cache: KVCache, order: int, cancelled: threading.Event, reserved: int) -> None:
+        self.loop = loop
+        self.cache = cache
+        self.order = order  # join order: earlier members are served first
+        self.cancelled = cancelled
+        self.reserved_bytes = reserved  # what admission set aside for it
+        self.decoding = False  # its prompt is in: its work is one decode token a step
+        self.away = False  # its consumer holds it: the loop does not wait for its next token
+        self.steps: list[BatchStep] = []  # every step it had tokens in
+        self.prefill_chunks = 0
+        self.preemptions = 0
+        self.last_step: BatchStep | None = None
+
+    def forward(self, ids: tuple[int, ...], start: int) -> tuple[torch.Tensor, list[PrefillChunk]]:
+        """Run `ids` at positions from `start` in the loop's steps; the next-token logits and, for a
+        prompt, the chunks it ran in. Blocks until the last of its steps has run."""
+        self.away = False
+        work = _Work(self, ids, start)
+        self.loop._submit(work)
+        work.finished.wait()
+        if work.error is not None:
+            raise work.error
+        assert work.logits is not None
+        return work.logits, work.chunks
+
+    def leave(self) -> None:
+        """The request is done with the loop (whatever the ending)."""
+        self.loop._leave(self)
+
+
+class StepLoop:
+    """The thread that runs every member's work in shared steps; see the module docstring."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        limits: BatchLimits,
+        *,
+        waiting: Callable[[], int] = lambda: 0,
+        pool: Callable[[Member, list[Member]], PoolUsage] | None = None,
+        gather_s: float = 0.004,
+    ) -> None:
+        """`waiting` counts requests in the admission queue; `pool` reports the KV budget as one
+        member sees it beside the others. `gather_s`: how long a step waits for the sequences
+        the last one served. The thread starts with the first work and lives as long as the loop."""
+        limits.check()
+        self.runner = runner
+        self.limits = limits
+        self.waiting = waiting
+        self.pool = pool or (lambda m, _: PoolUsage(m.reserved_bytes, m.reserved_bytes, 0, 0))
+        self.gather_s = gather_s
+        self.steps_run = 0
+        self._order = itertools.count()
+        self._members: list[Member] = []
+        self._pending: list[_Work] = []
+        self._last_served: set[Member] = set()
+        self._solo_ms: deque[float] = deque(maxlen=_SOLO_HISTORY)
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    # -- members -------------------------------------------------------------------------------
+
+    def join(self, cache: KVCache, cancelled: threading.Event, reserved_bytes: int = 0) -> Member:
+        """A new running request over `cache`; `cancelled` stops its chunked prefill between steps."""
+        with self._cond:
+            member = Member(self, cache, next(self._order), cancelled, reserved_bytes)
+            self._members.append(member)
+            return member
+
+    def _leave(self, member: Member) -> None:
+        with self._cond:
+            if member in self._members:
+                self._members.remove(member)
+            self._last_served.discard(member)
+            self._cond.notify_all()
+
+    @property
+    def running(self) -> int:
+        """Requests joined and not yet left."""
+        return len(self._members)
+
+    def set_limits(self, limits: BatchLimits) -> None:
+        """Plan the steps from now on within `limits` (checked first)."""
+        limits.check()
+        with self._cond:
+            self.limits = limits
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _submit(self, work: _Work) -> None:
+        with self._cond:
+            self._pending.append(work)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=_run_steps, args=(weakref.ref(self),), name="minengine-steps", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _run_once(self, idle_s: float) -> None:
+        """Plan and run one step, waiting up to `idle_s` for work."""
+        with self._cond:
+            if not self._pending:
+                self._cond.wait(idle_s)
+                if not self._pending:
+                    return
+            self._gather()
+            plan = self._plan()
+            waiting = self.waiting()
+            members = list(self._members)
+        if plan:
+            with torch.inference_mode():
+                self._step(plan, waiting, members)
+
+    def _gather(self) -> None:
+        """Under the lock: give the sequences the last step served a moment to hand in their next token."""
+        deadline = time.monotonic() + self.gather_s
+        while True:
+            pending = {w.member for w in self._pending}
+            missing = [m for m in self._last_served if m not in pending and not m.away and m in self._members]
+            left = deadline - time.monotonic()
+            if not missing or left <= 0:
+                return
+            self._cond.wait(left)
+
+    def _plan(self) -> list[tuple[_Work, int]]:
+        """Under the lock: the step's work and how many tokens of each, within the limits."""
+        budget, seqs = self.limits.max_num_batched_tokens, self.limits.max_num_seqs
+        plan: list[tuple[_Work, int]] = []
+        for work in sorted(self._pending, key=lambda w: (not w.member.decoding, w.member.order)):
+            if work.member.cancelled.is_set() and not work.member.decoding:
+                work.error = StepCancelled()
+                self._finish(work)
+                continue
+            if len(plan) >= seqs or budget <= 0:
+                continue
+            n = min(work.left, budget)
+            plan.append((work, n))
+            budget -= n
+        return plan
+
+    def _finish(self, work: _Work) -> None:
+        self._pending.remove(work)
+        work.finished.set()
+
+    def _step(self, plan: list[tuple[_Work, int]], waiting: int, members: list[Member]) -> None:
+        """Run one step outside the lock, then hand each work its part of the result."""
+        rows = [Row(w.ids[w.done : w.done + n], w.start + w.done, w.member.cache, w.done + n == len(w.ids))
+                for w, n in plan]
+        start = time.perf_counter()
+        error: BaseException | None = None
+        logits: list[torch.Tensor | None] = []
+        try:
+            logits = self.runner.forward_rows(rows)
+            synchronize(self.runner.device)
+        except Exception as exc:  # the step failed: every request in it fails with the same error
+            error = exc
+        step_ms = (time.perf_counter() - start) * 1000
+        decode = sum(n for w, n in plan if w.member.decoding)
+        solo = statistics.median(self._solo_ms) if self._solo_ms else None
+        if len(plan) == 1 and decode == 1 and error is None:
+            self._solo_ms.append(step_ms)
+        self.steps_run += 1
+        with self._cond:
+            self._last_served = {w.member for w, _ in plan}
+            for i, (work, n) in enumerate(plan):
+                member = work.member
+                facts = BatchStep(
+                    step=self.steps_run,
+                    sequences=len(plan),
+                    decode_tokens=decode,
+                    prefill_tokens=sum(k for _, k in plan) - decode,
+                    waiting=waiting,
+                    step_ms=step_ms,
+                    solo_step_ms=solo,
+                    pool=self.pool(member, members),
+                )
+                member.steps.append(facts)
+                member.last_step = facts
+                if not member.decoding:
+                    work.chunks.append(PrefillChunk(work.start + work.done, n, facts))
+                    member.prefill_chunks += 1
+                work.done += n
+                if error is not None:
+                    work.error = error
+                    self._finish(work)
+                elif work.done == len(work.ids):
+                    work.logits = logits[i]
+                    member.decoding = True
+                    self._finish(work)
+            self._cond.notify_all()
+
+
+def _run_steps(loop_ref: weakref.ref[StepLoop]) -> None:
+    """The loop's thread: steps while the loop lives. It holds the loop only for one step or one
+    idle second at a time, so a dropped engine's thread ends and frees the model."""
+    while (loop := loop_ref()) is not None:
+        loop._run_once(idle_s=1.0)
+        del loop

@@ -1,0 +1,109 @@
+"""One forward pass over several sequences of different lengths: the shared step of a batch.
+
+Decode is memory-bound: a step streams every weight once whether it multiplies one row or
+eight. So the step stacks every scheduled token of every sequence (one per decoding
+sequence, a chunk of prompt for each prefilling one) into one [tokens, hidden] residual
+stream, and the projections and the MLP run over all of it: each weight is read once per
+step. Only attention is per sequence: each row writes its K/V into its own cache and its
+queries attend over that cache alone (`RowsAttention`), one query through the small
+single-query kernel, a chunk through SDPA with the causal offset mask.
+
+The arithmetic per token is `Transformer.forward`'s; only the matrix shapes differ (a GEMM
+over the step's rows instead of a GEMV), and a BLAS may sum a row in another order then. So a
+sequence's logits in a batch can differ from its logits alone in the last bits, which can
+flip a near-tie under greedy decoding (tests/engine/test_batching.py measures how often).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minengine.kv.cache import KVCache
+from minengine.model.ops import attend, decode_attention, heads_first
+from minengine.model.transformer import Transformer
+from minengine.threads import OneThread
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence's part of a step: its tokens at positions [start, start+len(ids)) into `cache`."""
+
+    ids: tuple[int, ...]
+    start: int
+    cache: KVCache
+    logits: bool  # whether the step returns next-token logits for its last position
+
+
+class RowsAttention:
+    """`Attention` over a step's rows: the stacked q/k/v cut back into sequences, each over its own cache."""
+
+    def __init__(self, rows: list[Row], scale: float) -> None:
+        self.rows = rows
+        self.lengths = [len(r.ids) for r in rows]
+        self.queries = list(self.lengths)  # query positions per row that go on past the K/V write
+        self.scale = scale
+
+    def last_queries_only(self) -> None:
+        """From now on each row keeps only its last query, and only when it wants logits (the last layer)."""
+        self.queries = [1 if r.logits else 0 for r in self.rows]
+
+    def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        outs, kv_at, q_at = [], 0, 0
+        for row, length, nq in zip(self.rows, self.lengths, self.queries, strict=True):
+            ks, vs = k[kv_at : kv_at + length], v[kv_at : kv_at + length]
+            keys, values = row.cache.update(index, heads_first(ks), heads_first(vs), row.start)
+            kv_at += length
+            if nq == 0:
+                continue
+            rq = q[q_at : q_at + nq]
+            q_at += nq
+            if nq == 1:  # the row's last position: it sees every key, no mask needed
+                with OneThread(q.device):
+                    outs.append(decode_attention(rq[0], keys[0], values[0], self.scale).view(1, -1))
+            else:
+                out = attend(heads_first(rq), keys, values, row.start, self.scale)
+                outs.append(out[0].transpose(0, 1).reshape(nq, -1))
+        if not outs:  # no row goes on (the last layer of a step of prompt chunks only)
+            return q[:0].flatten(1)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+@torch.inference_mode()
+def forward_rows(model: Transformer, rows: list[Row]) -> list[torch.Tensor | None]:
+    """Run every row's tokens through `model` in one pass; each row's next-token logits [vocab]
+    (float32), or None for a row that asked for none (a prompt chunk before the last)."""
+    if not rows:
+        return []
+    ids = torch.tensor([t for r in rows for t in r.ids], device=model.device)
+    x = model.embed_tokens(ids)
+    tables = [model.rope.lookup_signed(r.start, len(r.ids)) for r in rows]
+    cos = torch.cat([c for c, _ in tables]) if len(rows) > 1 else tables[0][0]
+    sin = torch.cat([s for _, s in tables]) if len(rows) > 1 else tables[0][1]
+    attention = RowsAttention(rows, model.scale)
+    # The rows whose last position's logits are wanted: only they go on past the last K/V write.
+    ends, at = [], 0
+    for r in rows:
+        at += len(r.ids)
+        if r.logits:
+            ends.append(at - 1)
+    last = len(model.layers) - 1
+    for i in range(last):
+        x = model.block(i, x, cos, sin, attention)
+    attention.last_queries_only()
+    if not ends:  # prompt chunks only: the last layer just stores its K/V
+        layer = model.layers[last]
+        attention(last, *model.qkv_heads(layer, layer.input_norm(x), cos, sin))
+        return [None] * len(rows)
+    keep = torch.tensor(ends, device=model.device, dtype=torch.long)
+    logits = model.logits(model.block(last, x, cos, sin, attention, keep=keep), per_position=True)
+    out: list[torch.Tensor | None] = []
+    n = 0
+    for r in rows:
+        if r.logits:
+            out.append(logits[n])
+            n += 1
+        else:
+            out.append(None)
+    return out

@@ -1,0 +1,233 @@
+"""Continuous batching: requests share steps, and a greedy request's tokens are the ones it gets alone.
+
+The step loop and the batched forward are checked on every tiny family (batch invariance, chunked
+prefill), and the sessions on the chatty tiny model (events, pool accounting, a held request out
+of the batch, cancellation between prompt chunks, bad limits).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from tiny_models import SPECS
+
+from minengine.config import ModelConfig
+from minengine.engine.engine import Engine
+from minengine.engine.events import DoneEvent, PrefillEvent, PrefixCacheEvent, StepReady, TokenEvent
+from minengine.engine.request import GenerationRequest
+from minengine.engine.step_loop import BatchLimits, StepCancelled, StepLoop
+from minengine.errors import Mention, RequestError, Setting
+from minengine.kv.cache import KVCache
+from minengine.model.runner import ModelRunner
+from minengine.model.transformer import Transformer
+from minengine.sampling.params import SamplingParams
+from reqscope.wording import error_text
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT_LENGTHS = (5, 9, 23, 2)
+NEW_TOKENS = 10
+
+
+def _runner(folder) -> tuple[ModelConfig, ModelRunner]:
+    cfg = ModelConfig.from_file(folder)
+    model = Transformer.load(folder, cfg, torch.float32, torch.device("cpu"))
+    return cfg, ModelRunner(model, static_decode=False)
+
+
+def _prompts(vocab: int) -> list[tuple[int, ...]]:
+    g = torch.Generator().manual_seed(7)
+    return [tuple(torch.randint(0, vocab, (n,), generator=g).tolist()) for n in PROMPT_LENGTHS]
+
+
+def _cache(cfg: ModelConfig) -> KVCache:
+    return KVCache(cfg, 64, device=torch.device("cpu"), compute_dtype=torch.float32)
+
+
+def _solo(runner: ModelRunner, cfg: ModelConfig, prompt: tuple[int, ...]) -> list[int]:
+    cache, out = _cache(cfg), []
+    logits = runner.forward(torch.tensor(prompt), 0, cache)
+    for i in range(NEW_TOKENS):
+        out.append(int(logits.argmax()))
+        logits = runner.forward(torch.tensor(out[-1:]), len(prompt) + i, cache)
+    return out
+
+
+def _batched(loop: StepLoop, cfg: ModelConfig, prompts: list[tuple[int, ...]]):
+    """Every prompt greedily decoded on its own thread, all in one loop; tokens and members."""
+    members = [loop.join(_cache(cfg), threading.Event()) for _ in prompts]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    chunks: list[list] = [[] for _ in prompts]
+    start = threading.Barrier(len(prompts))
+
+    def run(i: int) -> None:
+        start.wait()
+        logits, chunks[i] = members[i].forward(prompts[i], 0)
+        for k in range(NEW_TOKENS):
+            tokens[i].append(int(logits.argmax()))
+            logits, _ = members[i].forward(tuple(tokens[i][-1:]), len(prompts[i]) + k)
+        members[i].leave()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return tokens, chunks, members
+
+
+@pytest.mark.parametrize("name", [s.name for s in SPECS])
+def test_greedy_tokens_in_a_batch_equal_the_tokens_alone_on_every_family(tiny_models, name):
+    folder, _ = tiny_models[name]
+    cfg, runner = _runner(folder)
+    prompts = _prompts(cfg.vocab_size)
+    loop = StepLoop(runner, BatchLimits(max_num_seqs=4, max_num_batched_tokens=16), gather_s=0.05)
+    tokens, chunks, members = _batched(loop, cfg, prompts)
+    assert tokens == [_solo(runner, cfg, p) for p in prompts]
+    # The steps really were shared, and the 23-token prompt did not fit one 16-token step.
+    assert max(s.sequences for m in members for s in m.steps) > 1
+    long = chunks[PROMPT_LENGTHS.index(23)]
+    assert len(long) >= 2 and sum(c.tokens for c in long) == 23
+    assert [c.start for c in long] == [sum(c.tokens for c in long[:i]) for i in range(len(long))]
+    assert all(c.step.scheduled_tokens <= 16 and c.step.sequences <= 4 for cs in chunks for c in cs)
+    assert loop.running == 0
+
+
+def test_a_step_never_holds_more_than_its_limits(tiny_models):
+    folder, _ = tiny_models["llama-gqa"]
+    cfg, runner = _runner(folder)
+    prompts = _prompts(cfg.vocab_size) * 2  # 8 requests, 3 sequences a step
+    loop = StepLoop(runner, BatchLimits(max_num_seqs=3, max_num_batched_tokens=16), gather_s=0.05)
+    tokens, _, members = _batched(loop, cfg, prompts)
+    steps = [s for m in members for s in m.steps]
+    assert max(s.sequences for s in steps) == 3 and all(s.scheduled_tokens <= 16 for s in steps)
+    assert tokens[:4] == tokens[4:]  # the same prompts, decoded in other company, the same tokens
+
+
+def test_a_cancelled_prompt_stops_between_its_chunks(tiny_models):
+    folder, _ = tiny_models["llama-gqa"]
+    cfg, runner = _runner(folder)
+    loop = StepLoop(runner, BatchLimits(max_num_seqs=2, max_num_batched_tokens=16))
+    cancelled = threading.Event()
+    member = loop.join(_cache(cfg), cancelled)
+    cancelled.set()
+    with pytest.raises(StepCancelled):
+        member.forward(tuple(range(40)), 0)
+    assert member.steps == [] and member.cache.tokens == 0  # no step ran it
+
+
+# -- sessions -------------------------------------------------------------------------------------
+
+
+def _request(prompt: str, max_tokens: int = 12) -> GenerationRequest:
+    return GenerationRequest.from_prompt(prompt, sampling=GREEDY, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _run_all(engine: Engine, requests: list[GenerationRequest]) -> list[list]:
+    events: list[list] = [[] for _ in requests]
+    start = threading.Barrier(len(requests))
+
+    def run(i: int) -> None:
+        start.wait()
+        events[i] = list(engine.start(requests[i]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return events
+
+
+PROMPTS = ("Tell me about Kyoto", "What is a KV cache?", "Hi", "Name three hotels with step-free access in Osaka")
+
+
+def test_concurrent_sessions_share_steps_and_keep_their_tokens(chatty_tiny_dir):
+    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False)
+    alone = [next(e for e in engine.start(_request(p)) if isinstance(e, DoneEvent)).result for p in PROMPTS]
+    together = _run_all(engine, [_request(p) for p in PROMPTS])
+    results = [evs[-1].result for evs in together]
+    assert [r.token_ids for r in results] == [r.token_ids for r in alone]
+    assert all(r.batch.steps == 12 and r.batch.max_batch == 1 and r.batch.shared_steps == 0 for r in alone)
+    for evs, result in zip(together, results, strict=True):
+        steps = [e.batch for e in evs if isinstance(e, TokenEvent) and e.batch is not None]
+        assert len(steps) == 11  # every token after prefill's first came from a step
+        assert result.batch.max_batch == max(s.sequences for s in steps) > 1
+        assert result.batch.shared_steps >= 1 and result.batch.prefill_chunks >= 1
+        shared = [s for s in steps if s.sequences > 1]
+        # The pool as this request saw it: its own reservation, and the others' while they ran.
+        assert all(s.pool.own > 0 and s.pool.others > 0 for s in shared)
+        assert all(s.pool.own + s.pool.others + s.pool.prefix + s.pool.free == s.pool.budget for s in steps)
+    assert engine.scheduler.running == 0 and engine.steps.running == 0 and engine.scheduler.held_bytes == 0
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_within_the_step_budget(chatty_tiny_dir):
+    prompt = "Describe step-free routes between the stations of Kyoto, " * 6
+    wide = Engine(
+        chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False,
+        max_num_batched_tokens=4096,
+    )  # fmt: skip
+    narrow = Engine(
+        chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False,
+        max_num_seqs=2, max_num_batched_tokens=16,
+    )  # fmt: skip
+    events = list(narrow.start(_request(prompt)))
+    prefill = next(e for e in events if isinstance(e, PrefillEvent))
+    assert prefill.prompt_tokens > 48 and len(prefill.chunks) == -(-prefill.prompt_tokens // 16)
+    assert [c.tokens for c in prefill.chunks[:-1]] == [16] * (len(prefill.chunks) - 1)
+    assert sum(c.tokens for c in prefill.chunks) == prefill.prompt_tokens
+    assert events[-1].result.batch.prefill_chunks == len(prefill.chunks)
+    whole = next(e for e in wide.start(_request(prompt)) if isinstance(e, PrefillEvent))
+    assert len(whole.chunks) == 1
+    assert events[-1].result.token_ids == next(
+        e for e in wide.start(_request(prompt)) if isinstance(e, DoneEvent)
+    ).result.token_ids
+
+
+def test_a_held_request_is_out_of_the_batch_while_the_others_go_on(chatty_tiny_dir):
+    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False)
+    held = engine.start(_request(PROMPTS[0]))
+    it = iter(held)
+    while not isinstance(next(it), StepReady):
+        pass
+    held.hold()  # a person looks at the step: it hands in no work
+    other: list = []
+    runner = threading.Thread(target=lambda: other.extend(engine.start(_request(PROMPTS[1]))))
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive() and other[-1].result.finish_reason == "length"
+    assert all(e.batch.sequences == 1 for e in other if isinstance(e, TokenEvent) and e.batch is not None)
+    rest = list(it)
+    alone = next(e for e in engine.start(_request(PROMPTS[0])) if isinstance(e, DoneEvent)).result
+    assert rest[-1].result.token_ids == alone.token_ids
+
+
+def test_a_request_cancelled_before_its_prompt_runs_ends_cancelled(chatty_tiny_dir):
+    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, max_num_batched_tokens=16)
+    session = engine.start(_request("Describe the Philosopher's Path, " * 8))
+    events = []
+    for event in session:
+        events.append(event)
+        if isinstance(event, PrefixCacheEvent):
+            session.cancel()
+    result = events[-1].result
+    assert result.finish_reason == "cancelled" and result.token_ids == ()
+    assert not any(isinstance(e, PrefillEvent) for e in events)
+    assert engine.scheduler.running == 0 and engine.steps.running == 0
+
+
+@pytest.mark.parametrize(
+    ("limits", "named"),
+    [
+        (dict(max_num_seqs=0), "--max-num-seqs"),
+        (dict(max_num_batched_tokens=8), "--max-num-batched-tokens"),
+        (dict(max_num_seqs=32, max_num_batched_tokens=16), "--max-num-batched-tokens"),
+    ],
+)
+def test_limits_no_step_can_work_under_are_refused_by_name(chatty_tiny_dir, limits, named):
+    with pytest.raises(RequestError) as caught:
+        Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, **limits)
+    assert named in error_text(caught.value) and "\n" not in error_text(caught.value)
+    settings = {p.setting for p in caught.value.message.parts if isinstance(p, Mention)}
+    assert settings & {Setting.MAX_NUM_SEQS, Setting.MAX_NUM_BATCHED_TOKENS}
