@@ -55,9 +55,10 @@ def test_the_report_and_the_telemetry_record_carry_the_requests_batch_summary(en
     for report, request_id in ((finish["reqscope"], resp.headers["x-request-id"]),
                                (whole.json()["reqscope"], whole.headers["x-request-id"])):  # fmt: skip
         served_request = served.telemetry.wait_for(request_id)
-        expected = batch_json(served_request.result.batch)
-        assert report["batch"] == expected
-        assert served_request.record()["batch"] == expected
+        batch = served_request.result.batch
+        # Alone: a prefill step (its prompt fits one chunk of the budget), then 4 decode steps.
+        assert (batch.steps, batch.shared_steps, batch.max_batch, batch.prefill_chunks) == (5, 0, 1, 1)
+        assert report["batch"] == batch_json(batch) == served_request.record()["batch"]
 
 
 class _Preempted:
