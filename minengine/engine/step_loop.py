@@ -11,11 +11,15 @@ read once for everyone; a prompt longer than what is left of the budget is split
 
 A request's session still runs on its consumer's thread: it samples its own rows with its own
 parameters, streams its own text, and blocks in `Member.forward` only while its work waits for
-and runs in a step. A session whose consumer holds it (a person stepping the explorer) has no
-work in the loop, so the others go on without it. After a step the loop gives the sequences it
-just served a moment (`gather_s`) to hand in their next token, so that sequences decoding
-together stay in the same steps instead of drifting into alternate ones; a sequence marked
-`away` (held) is not waited for.
+and runs in a step. The loop has no thread of its own: a thread whose work is pending and finds
+no step running plans and runs the next step itself, for everyone (a leader/follower hand-off).
+So a request alone runs every forward on its own thread, exactly as before batching, and the
+host that loaded the model on that thread keeps one OpenMP team (`threads.ModelThread` says
+why that matters). A session whose consumer holds it (a person stepping the explorer) has no
+work in the loop, so the others go on without it. Before a step the loop gives the sequences
+the last one served a moment (`gather_s`) to hand in their next token, so that sequences
+decoding together stay in the same steps instead of drifting into alternate ones; a sequence
+marked `away` (held) is not waited for.
 
 Each step is described to every member it served as a `BatchStep` (minengine.engine.batch_facts).
 """
@@ -26,7 +30,6 @@ import itertools
 import statistics
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,7 +102,7 @@ class _Work:
     logits: torch.Tensor | None = None
     error: BaseException | None = None
     chunks: list[PrefillChunk] = field(default_factory=list)
-    finished: threading.Event = field(default_factory=threading.Event)
+    finished: bool = False
 
     @property
     def left(self) -> int:
@@ -127,8 +130,7 @@ class Member:
         prompt, the chunks it ran in. Blocks until the last of its steps has run."""
         self.away = False
         work = _Work(self, ids, start)
-        self.loop._submit(work)
-        work.finished.wait()
+        self.loop._run_until_done(work)
         if work.error is not None:
             raise work.error
         assert work.logits is not None
@@ -153,7 +155,7 @@ class StepLoop:
     ) -> None:
         """`waiting` counts requests in the admission queue; `pool` reports the KV budget as one
         member sees it beside the others. `gather_s`: how long a step waits for the sequences
-        the last one served. The thread starts with the first work and lives as long as the loop."""
+        the last one served."""
         limits.check()
         self.runner = runner
         self.limits = limits
@@ -167,7 +169,7 @@ class StepLoop:
         self._last_served: set[Member] = set()
         self._solo_ms: deque[float] = deque(maxlen=_SOLO_HISTORY)
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._stepping = False  # a thread is planning or running a step
 
     # -- members -------------------------------------------------------------------------------
 
@@ -198,30 +200,30 @@ class StepLoop:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def _submit(self, work: _Work) -> None:
+    def _run_until_done(self, work: _Work) -> None:
+        """Hand in `work`; run steps (for everyone) whenever none is running, until `work` is done."""
         with self._cond:
             self._pending.append(work)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=_run_steps, args=(weakref.ref(self),), name="minengine-steps", daemon=True
-                )
-                self._thread.start()
             self._cond.notify_all()
-
-    def _run_once(self, idle_s: float) -> None:
-        """Plan and run one step, waiting up to `idle_s` for work."""
-        with self._cond:
-            if not self._pending:
-                self._cond.wait(idle_s)
-                if not self._pending:
-                    return
-            self._gather()
-            plan = self._plan()
-            waiting = self.waiting()
-            members = list(self._members)
-        if plan:
-            with torch.inference_mode():
-                self._step(plan, waiting, members)
+            while not work.finished:
+                if self._stepping:
+                    self._cond.wait()
+                    continue
+                self._stepping = True
+                try:
+                    self._gather()
+                    plan = self._plan()
+                    if plan:
+                        waiting, members = self.waiting(), list(self._members)
+                        self._cond.release()
+                        try:
+                            with torch.inference_mode():
+                                self._step(plan, waiting, members)
+                        finally:
+                            self._cond.acquire()
+                finally:
+                    self._stepping = False
+                    self._cond.notify_all()
 
     def _gather(self) -> None:
         """Under the lock: give the sequences the last step served a moment to hand in their next token."""
@@ -252,7 +254,7 @@ class StepLoop:
 
     def _finish(self, work: _Work) -> None:
         self._pending.remove(work)
-        work.finished.set()
+        work.finished = True
 
     def _step(self, plan: list[tuple[_Work, int]], waiting: int, members: list[Member]) -> None:
         """Run one step outside the lock, then hand each work its part of the result."""
@@ -301,10 +303,3 @@ class StepLoop:
                     self._finish(work)
             self._cond.notify_all()
 
-
-def _run_steps(loop_ref: weakref.ref[StepLoop]) -> None:
-    """The loop's thread: steps while the loop lives. It holds the loop only for one step or one
-    idle second at a time, so a dropped engine's thread ends and frees the model."""
-    while (loop := loop_ref()) is not None:
-        loop._run_once(idle_s=1.0)
-        del loop

@@ -37,12 +37,25 @@ class Row:
 
 
 class RowsAttention:
-    """`Attention` over a step's rows: the stacked q/k/v cut back into sequences, each over its own cache."""
+    """`Attention` over a step's rows: the stacked q/k/v cut back into sequences, each over its own cache.
 
-    def __init__(self, rows: list[Row], scale: float) -> None:
+    A decode row is one token; it takes the eager step's path where its cache allows (`lean`):
+    its K/V copied straight into the slot for its position through the cache's per-layer views,
+    then single-query attention. The decode rows run together on one intra-op thread (the
+    attention of one query is too small to share, see `threads.OneThread`), prompt chunks on
+    all of them.
+    """
+
+    def __init__(self, rows: list[Row], model_dtype: torch.dtype, kv_heads: int, scale: float) -> None:
         self.rows = rows
         self.lengths = [len(r.ids) for r in rows]
         self.queries = list(self.lengths)  # query positions per row that go on past the K/V write
+        self.offsets = [sum(self.lengths[:i]) for i in range(len(rows))]
+        self.lean = [
+            n == 1 and not r.cache.quantized and r.cache.storage_dtype == model_dtype and r.cache.heads == kv_heads
+            and r.start < r.cache.capacity and not r.cache.borrowed
+            for r, n in zip(rows, self.lengths, strict=True)
+        ]  # fmt: skip
         self.scale = scale
 
     def last_queries_only(self) -> None:
@@ -50,24 +63,47 @@ class RowsAttention:
         self.queries = [1 if r.logits else 0 for r in self.rows]
 
     def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        outs, kv_at, q_at = [], 0, 0
-        for row, length, nq in zip(self.rows, self.lengths, self.queries, strict=True):
-            ks, vs = k[kv_at : kv_at + length], v[kv_at : kv_at + length]
-            keys, values = row.cache.update(index, heads_first(ks), heads_first(vs), row.start)
-            kv_at += length
-            if nq == 0:
-                continue
-            rq = q[q_at : q_at + nq]
-            q_at += nq
-            if nq == 1:  # the row's last position: it sees every key, no mask needed
-                with OneThread(q.device):
-                    outs.append(decode_attention(rq[0], keys[0], values[0], self.scale).view(1, -1))
-            else:
-                out = attend(heads_first(rq), keys, values, row.start, self.scale)
-                outs.append(out[0].transpose(0, 1).reshape(nq, -1))
-        if not outs:  # no row goes on (the last layer of a step of prompt chunks only)
+        q_at = [sum(self.queries[:i]) for i in range(len(self.rows))]
+        outs: list[torch.Tensor | None] = [None] * len(self.rows)
+        with OneThread(q.device):
+            for i in range(len(self.rows)):
+                if self.lengths[i] == 1:
+                    outs[i] = self._decode_row(i, index, q, k, v, q_at[i])
+        for i in range(len(self.rows)):
+            if self.lengths[i] > 1:
+                outs[i] = self._chunk_row(i, index, q, k, v, q_at[i])
+        kept = [o for o in outs if o is not None]
+        if not kept:  # no row goes on (the last layer of a step of prompt chunks only)
             return q[:0].flatten(1)
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return kept[0] if len(kept) == 1 else torch.cat(kept)
+
+    def _decode_row(self, i: int, index: int, q, k, v, q_at: int) -> torch.Tensor | None:
+        row, at = self.rows[i], self.offsets[i]
+        if self.lean[i]:
+            keys, values = (views[index] for views in row.cache.head_views())
+            keys.select(1, row.start).copy_(k[at])
+            values.select(1, row.start).copy_(v[at])
+            row.cache.lengths[index] = end = row.start + 1
+            keys, values = keys.narrow(1, 0, end), values.narrow(1, 0, end)
+        else:
+            keys, values = row.cache.update(index, heads_first(k[at : at + 1]), heads_first(v[at : at + 1]), row.start)
+            keys, values = keys[0], values[0]
+        if self.queries[i] == 0:
+            return None
+        return decode_attention(q[q_at], keys, values, self.scale).view(1, -1)
+
+    def _chunk_row(self, i: int, index: int, q, k, v, q_at: int) -> torch.Tensor | None:
+        row, at, length, nq = self.rows[i], self.offsets[i], self.lengths[i], self.queries[i]
+        ks, vs = k[at : at + length], v[at : at + length]
+        keys, values = row.cache.update(index, heads_first(ks), heads_first(vs), row.start)
+        if nq == 0:
+            return None
+        rq = q[q_at : q_at + nq]
+        if nq == 1:  # the chunk's last position (the last layer): it sees every key, no mask needed
+            with OneThread(q.device):
+                return decode_attention(rq[0], keys[0], values[0], self.scale).view(1, -1)
+        out = attend(heads_first(rq), keys, values, row.start, self.scale)
+        return out[0].transpose(0, 1).reshape(nq, -1)
 
 
 @torch.inference_mode()
@@ -81,7 +117,7 @@ def forward_rows(model: Transformer, rows: list[Row]) -> list[torch.Tensor | Non
     tables = [model.rope.lookup_signed(r.start, len(r.ids)) for r in rows]
     cos = torch.cat([c for c, _ in tables]) if len(rows) > 1 else tables[0][0]
     sin = torch.cat([s for _, s in tables]) if len(rows) > 1 else tables[0][1]
-    attention = RowsAttention(rows, model.scale)
+    attention = RowsAttention(rows, model.dtype, model.cfg.num_key_value_heads, model.scale)
     # The rows whose last position's logits are wanted: only they go on past the last K/V write.
     ends, at = [], 0
     for r in rows:
