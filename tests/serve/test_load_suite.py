@@ -50,7 +50,10 @@ MAX_NUM_SEQS = 4  # serve admits this many at once; they decode together
 MAX_NUM_BATCHED_TOKENS = 64  # the long prompts (about 300 tokens) prefill in several chunks
 KV_BUDGET = 64 * MIB
 
-# What "flat" allows, after a warm-up that already ran every prompt shape once.
+# What "flat" allows, after a warm-up that ran every prompt alone and then WARM_UP requests at the
+# load's concurrency. Without that warm-up the first load grows RSS by about 150 MiB here, once
+# (the C heap of each thread that ran a step); a second, third and fourth load by 29, 11 and 6.
+WARM_UP = 48
 THREAD_SLACK = 2
 FD_SLACK = 8
 RSS_SLACK = 96 * MIB
@@ -140,6 +143,7 @@ class Resources:
 
     @classmethod
     def now(cls) -> Resources:
+        """The footprint now, after a garbage collection."""
         gc.collect()
         process = psutil.Process()
         return cls(process.num_threads(), process.num_fds(), process.memory_info().rss)
@@ -222,6 +226,16 @@ def _solo_texts(url: str, specs: list[Spec]) -> list[str]:
     return texts
 
 
+def _warm_up(url: str, specs: list[Spec], solo: list[str]) -> None:
+    """Every spec a few times at the load's concurrency, so that what the process keeps once it
+    has run many requests at once (the worker threads' malloc arenas) is in the baseline."""
+    plans = [Planned(f"warm-{i:02d}", i % len(specs), "stream") for i in range(WARM_UP)]
+    outcomes = asyncio.run(_drive(url, specs, plans, CONCURRENCY))
+    for plan in plans:
+        out = outcomes[plan.request_id]
+        assert out.status == 200 and "".join(out.texts) == solo[plan.spec], plan
+
+
 def _check_closing(payloads: list[str], spec: Spec, result: RequestResult) -> None:
     """A finished stream: ..., the finish chunk with the report (its batch facts the request's
     own), the usage chunk, [DONE]."""
@@ -258,6 +272,7 @@ class LoadCounts:
     mean_batch: float  # sequences per step, over the ok requests' steps (their batch facts)
     max_batch: int
     chunked: int  # ok requests whose prompt prefilled in more than one chunk
+    growth: Resources  # after the load less before it
 
     def line(self) -> str:
         """The counts as the suite reports them."""
@@ -266,7 +281,8 @@ class LoadCounts:
             f"{self.left_mid_stream} left mid-stream, {self.cancelled_in_queue} cancelled in the queue "
             f"({self.gave_up_later} gave up outside it), {self.queue_full} refused with 503 queue_full, "
             f"{self.preemptions} preemptions; batch mean {self.mean_batch:.2f}, max {self.max_batch}; "
-            f"{self.chunked} prompts prefilled in chunks"
+            f"{self.chunked} prompts prefilled in chunks; afterwards threads {self.growth.threads:+d}, "
+            f"fds {self.growth.fds:+d}, RSS {self.growth.rss / MIB:+.0f} MiB"
         )
 
 
@@ -278,6 +294,7 @@ def run_load(served, specs: list[Spec]) -> LoadCounts:
     cache_on = served.engine.prefix_cache is not None
     served.engine.use_prefix_cache(False)
     solo = _solo_texts(url, specs)
+    _warm_up(url, specs, solo)
     served.engine.use_prefix_cache(cache_on)
     baseline = Resources.now()
     plans = _plan(specs)
@@ -332,6 +349,7 @@ def run_load(served, specs: list[Spec]) -> LoadCounts:
         sum(b.mean_batch * b.steps for b in batches) / steps,
         max(b.max_batch for b in batches),
         sum(1 for b in batches if b.prefill_chunks > 1),
+        Resources(after.threads - baseline.threads, after.fds - baseline.fds, after.rss - baseline.rss),
     )
     print(counts.line())
     assert sum(tally.values()) == REQUESTS, counts.line()
