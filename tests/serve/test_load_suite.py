@@ -49,6 +49,9 @@ REFUSED_PAUSE_S = 0.2  # a refused client's pause before its next request (the s
 MAX_NUM_SEQS = 4  # serve admits this many at once; they decode together
 MAX_NUM_BATCHED_TOKENS = 64  # the long prompts (about 300 tokens) prefill in several chunks
 KV_BUDGET = 64 * MIB
+# The chatty model's 16-token block is 8 KiB in float32; the longest request (about 330 tokens with
+# its output) holds 21 blocks. 48 blocks hold any one request, never four long ones decoding at once.
+PREEMPTING_KV_BUDGET = 48 * 8 * 1024
 
 # What "flat" allows, after a warm-up that ran every prompt alone and then WARM_UP requests at the
 # load's concurrency. Without that warm-up the first load grows RSS by about 150 MiB here, once
@@ -397,12 +400,11 @@ def test_a_pool_too_small_for_the_batch_preempts_and_every_stream_still_matches(
     if missing is not None:
         pytest.skip(missing)
     specs = _specs()
-    # Enough KV for every prompt, never for all of a batch's decodes at once.
     engine = Engine(
         chatty_tiny_dir,
         device="cpu",
         dtype="float32",
-        kv_budget_bytes=KV_BUDGET,
+        kv_budget_bytes=PREEMPTING_KV_BUDGET,
         max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
     )
