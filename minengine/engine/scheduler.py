@@ -4,7 +4,9 @@ A request is admitted when its prompt plus max_tokens fits the context, its wors
 (block-rounded) fits beside the KV already held by running requests and, when a limit on
 running requests is set, a running slot is free. If it could fit once others finish, it waits
 (the wait is part of its TTFT); if it could never fit, it is rejected with the numbers; if the
-queue is already full, it is refused with QueueFullError.
+queue is already full, it is refused with QueueFullError. The queue is first come, first
+served: a request is admitted only from the head of the queue, so a later small request never
+overtakes an earlier one that waits for room (vLLM's FCFS policy).
 
 Memory kept between requests (the prefix cache's blocks) counts against the same budget. It is
 never a reason to wait: an admission that fits beside the running requests but not beside the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -58,7 +61,7 @@ class Scheduler:
         self.max_running = max_running  # None: only the KV budget limits running requests
         self._held = 0
         self._running = 0
-        self._waiting = 0
+        self._queue: deque[object] = deque()  # one ticket per waiting request, in arrival order
         self._cond = threading.Condition()
 
     @property
@@ -74,7 +77,7 @@ class Scheduler:
     @property
     def waiting(self) -> int:
         """Requests waiting in the queue for admission."""
-        return self._waiting
+        return len(self._queue)
 
     def _must_wait(self, kv_bytes: int, kept: KeptMemory | None = None) -> bool:
         slots_full = self.max_running is not None and self._running >= self.max_running
@@ -124,11 +127,12 @@ class Scheduler:
             )
         start = time.perf_counter()
         with self._cond:
-            if self._must_wait(kv_bytes, kept) and self._waiting >= self.max_queue:
+            if (self._queue or self._must_wait(kv_bytes, kept)) and len(self._queue) >= self.max_queue:
                 raise QueueFullError(f"the queue is full ({self.max_queue} waiting); try again later")
-            self._waiting += 1
+            ticket = object()
+            self._queue.append(ticket)
             try:
-                while self._must_wait(kv_bytes, kept):
+                while self._queue[0] is not ticket or self._must_wait(kv_bytes, kept):
                     if cancelled is not None and cancelled.is_set():
                         waited_ms = (time.perf_counter() - start) * 1000
                         raise QueueCancelledError("cancelled while waiting in the queue", waited_ms)
@@ -141,7 +145,8 @@ class Scheduler:
                 self._held += kv_bytes
                 self._running += 1
             finally:
-                self._waiting -= 1
+                self._queue.remove(ticket)
+                self._cond.notify_all()  # the next in line may fit too
         return Admission(request_id, kv_bytes, (time.perf_counter() - start) * 1000)
 
     def within_budget(self, keep: Callable[[int], R], *, releasing: Admission | None = None) -> R:

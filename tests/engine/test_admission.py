@@ -35,3 +35,34 @@ def test_a_prompt_that_leaves_room_for_one_token_is_admitted():
     assert scheduler.held_bytes == 1
     scheduler.release(admission)
     assert scheduler.held_bytes == 0
+
+
+def test_the_queue_is_first_come_first_served():
+    """A small request that would fit waits behind an earlier large one (vLLM's FCFS), and both
+    are admitted in arrival order once room is made."""
+    import threading
+    import time
+
+    scheduler = Scheduler(kv_budget_bytes=100)
+    first = scheduler.admit("running", prompt_tokens=1, max_tokens=1, context_limit=2048, kv_bytes=60)
+    order: list[str] = []
+
+    def wait_for(name: str, kv_bytes: int) -> None:
+        admission = scheduler.admit(name, prompt_tokens=1, max_tokens=1, context_limit=2048, kv_bytes=kv_bytes)
+        order.append(name)
+        del admission
+
+    large = threading.Thread(target=wait_for, args=("large", 80), daemon=True)
+    large.start()
+    while scheduler.waiting < 1:
+        time.sleep(0.005)
+    small = threading.Thread(target=wait_for, args=("small", 10), daemon=True)  # 60 + 10 fits, but "large" came first
+    small.start()
+    while scheduler.waiting < 2:
+        time.sleep(0.005)
+    time.sleep(0.2)
+    assert order == [] and scheduler.waiting == 2
+    scheduler.release(first)  # room for "large" (80), then "small" beside it (90)
+    large.join(timeout=5)
+    small.join(timeout=5)
+    assert order == ["large", "small"] and scheduler.waiting == 0 and scheduler.held_bytes == 90

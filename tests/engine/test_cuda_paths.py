@@ -193,3 +193,51 @@ def test_cuda_kv_bytes_match_the_allocator(tiny_models):
     allocated = torch.cuda.memory_allocated() - before
     assert allocated == cache.usage().reserved_bytes
     cache.release()
+
+
+def _batched_greedy(runner: ModelRunner, prompts: list[torch.Tensor], steps: int) -> list[list[int]]:
+    """Greedy decode of every prompt together, in the step loop's shared steps (one thread each)."""
+    import threading
+
+    from minengine.engine.step_loop import BatchLimits, StepLoop
+
+    loop = StepLoop(runner, BatchLimits(max_num_seqs=len(prompts), max_num_batched_tokens=64), gather_s=0.05)
+    caches = [runner.new_cache(p.shape[0] + steps) for p in prompts]  # the first may borrow the static arena
+    members = [loop.join(c, threading.Event()) for c in caches]
+    tokens: list[list[int]] = [[] for _ in prompts]
+
+    def run(i: int) -> None:
+        logits, _ = members[i].forward(tuple(prompts[i].tolist()), 0)
+        for k in range(steps):
+            tokens[i].append(int(logits.argmax()))
+            logits, _ = members[i].forward((tokens[i][-1],), prompts[i].shape[0] + k)
+        members[i].leave()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    for c in caches:
+        c.release()
+    assert max(s.sequences for m in members for s in m.steps) > 1
+    return tokens
+
+
+def _device_cases() -> list:
+    cases = [pytest.param(CPU, torch.float32, False, id="cpu-static-eager")]
+    cases.append(pytest.param(torch.device("cuda"), torch.bfloat16, True, id="cuda-graphs", marks=needs_cuda))
+    return cases
+
+
+@pytest.mark.parametrize(("device", "dtype", "capture"), _device_cases())
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3"])
+def test_batched_steps_keep_each_sequence_s_greedy_tokens(tiny_models, name, device, dtype, capture):
+    """A batch beside a request decoding in the static arena (graphs on CUDA): every sequence's
+    greedy tokens equal its tokens decoded alone."""
+    folder, _ = tiny_models[name]
+    runner = _runner(folder, dtype, device)
+    runner.use_static_decode(True, capture=capture)
+    prompts = [_prompt(runner.model.cfg.vocab_size, n).to(device) for n in (20, 7, 33)]
+    alone = [_decode(runner, p, NEW_TOKENS)[1] for p in prompts]
+    assert _batched_greedy(runner, prompts, NEW_TOKENS) == alone
