@@ -102,8 +102,9 @@ class _LiveCollector(Collector):
             ("num_requests_waiting", "Requests waiting in the admission queue.", state.waiting),
             (
                 "kv_cache_usage_perc",
-                "KV cache usage as a fraction 0..1 of the KV budget (--kv-budget-mib) reserved by running "
-                "requests; a request reserves its worst case, prompt + max_tokens, when admitted.",
+                "KV cache usage as a fraction 0..1 of the KV budget (--kv-budget-mib) reserved by the running "
+                "requests, every one in the batch; a request reserves its worst case, prompt + max_tokens, "
+                "when admitted.",
                 state.kv_usage,
             ),
         ):
