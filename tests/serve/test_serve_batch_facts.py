@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import aiohttp
+import pytest
 from serve_harness import (
     authorized,
     chat_body,
@@ -97,7 +98,7 @@ def test_preemptions_are_counted_in_metrics_as_they_happen(engine, monkeypatch):
 def test_num_requests_running_is_every_request_in_the_batch(engine):
     streams = 3
 
-    async def scenario(served) -> dict:
+    async def scenario(served) -> tuple[dict, int]:
         async with aiohttp.ClientSession() as session:
             url = served.v1 + "/chat/completions"
             body = chat_body(max_tokens=LONG, temperature=0, ignore_eos=True, stream=True)
@@ -110,15 +111,18 @@ def test_num_requests_running_is_every_request_in_the_batch(engine):
                     break
             await wait_for_waiting(session, served.url, streams - len(admitted))
             samples = await asyncio.to_thread(scrape, served)
+            held = engine.scheduler.held_bytes  # constant while the same requests run
             for post in posts:
                 post.cancel()
             for resp in admitted:
                 resp.close()
-            return samples
+            return samples, held
 
     with serving(engine) as served:
-        samples = asyncio.run(scenario(served))
+        samples, held = asyncio.run(scenario(served))
     batch = min(streams, engine.scheduler.max_running)
     assert one(samples, "reqscope:num_requests_running") == batch
     assert one(samples, "reqscope:num_requests_waiting") == streams - batch
-    assert one(samples, "reqscope:kv_cache_usage_perc") > 0
+    # The KV the whole batch holds, read as the scrape read it.
+    assert held > 0
+    assert one(samples, "reqscope:kv_cache_usage_perc") == pytest.approx(held / engine.scheduler.kv_budget_bytes)
