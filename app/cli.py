@@ -40,6 +40,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
         'reqscope --plain --temperature 0 --max-tokens 64 "Explain a KV cache"',
         'reqscope --json --kv-layout mha "Hello" > run.jsonl',
         'reqscope --endpoint http://127.0.0.1:8000/v1 --plain "Hello"',
+        'reqscope --background 3 --serve-port 8001 "Write a long story"',
     ),
     "pull": ("reqscope pull",),
     "import": ("reqscope import model.Q4_K_M.gguf ~/models/my-model",),

@@ -7,11 +7,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from minengine.engine.batch_facts import BatchStep, BatchSummary, PoolUsage, PreemptEvent, PrefillChunk
 from minengine.engine.engine import Engine
-from minengine.engine.events import DoneEvent, StageEvent, TokenEvent
+from minengine.engine.events import DoneEvent, PrefillEvent, StageEvent, TokenEvent
 from minengine.engine.request import GenerationRequest
 from minengine.engine.roofline import ReadCeiling, step_bytes
-from minengine.record.trace_io import read_trace
+from minengine.record.trace_io import TraceHeader, read_trace
 from minengine.sampling.params import SamplingParams
 from reqscope.run_options import DEFAULT_PROMPT
 from reqscope.ui.run.app import RunExplorer
@@ -99,3 +100,55 @@ async def finished(pilot, app: RunExplorer, timeout: float = 120.0) -> None:
     """Wait until the request on screen has finished and is drawn."""
     await wait_for(pilot, lambda: app.view.result is not None, timeout)
     await wait_for(pilot, lambda: not app.needs_repaint)
+
+
+# A batched run, made from the recorded one: its prompt prefilled in two chunks beside other
+# requests, each decode step shared with two or three other sequences (one with another
+# request's prefill chunk in it), a queue behind it, and one preemption after token 8. The step
+# times are the recorded ones; one sequence alone took SOLO_STEP_MS a step on the same engine.
+SOLO_STEP_MS = 31.0
+BATCH_BUDGET = 64 * 1024 * 1024
+OTHERS_BYTES = 3_276_800  # the other sequences' blocks
+PREFIX_BYTES = 2_211_840  # the prefix cache's
+
+
+def batched_events() -> tuple[TraceHeader, list]:
+    """The recorded trace with the batch facts a shared engine would have recorded."""
+    header, events = read_trace(TRACE)
+    out: list = []
+    steps: list[BatchStep] = []
+    for event in events:
+        if isinstance(event, PrefillEvent):
+            n, own, half_ms = event.prompt_tokens, event.kv.physical_bytes, event.duration_ms / 2
+            first = n // 2
+            chunks = (PrefillChunk(0, first, _shared_step(40, 3, 0, first, own // 2, half_ms)),
+                      PrefillChunk(first, n - first, _shared_step(41, 4, 2, n - first, own, half_ms)))  # fmt: skip
+            event = replace(event, chunks=chunks)
+            steps += [c.step for c in chunks]
+        elif isinstance(event, TokenEvent) and event.index:
+            sequences = 3 if event.index < 3 else 4
+            prefill = 96 if event.index == 5 else 0  # another request's prompt chunk shares this step
+            step = _shared_step(41 + event.index, sequences, sequences - (prefill > 0), prefill,
+                                event.kv.physical_bytes, event.step_ms - 1.5)  # fmt: skip
+            event = replace(event, batch=step)
+            steps.append(step)
+        elif isinstance(event, DoneEvent):
+            event = DoneEvent(replace(event.result, batch=BatchSummary.of(steps, prefill_chunks=2, preemptions=1)))
+        out.append(event)
+        if isinstance(event, TokenEvent) and event.index == 8:
+            recompute = event.index + 1 + next(e.prompt_tokens for e in out if isinstance(e, PrefillEvent))
+            out.append(PreemptEvent("no free block for the running requests' next tokens", 3, 3 * 16 * 23040,
+                                    recompute, event.t_ms + 0.4))  # fmt: skip
+    return header, out
+
+
+def _shared_step(step: int, sequences: int, decode: int, prefill: int, own: int, step_ms: float) -> BatchStep:
+    pool = PoolUsage(budget=BATCH_BUDGET, own=own, others=OTHERS_BYTES, prefix=PREFIX_BYTES)
+    return BatchStep(step, sequences, decode, prefill, waiting=1 if step % 3 else 2, step_ms=step_ms,
+                     solo_step_ms=SOLO_STEP_MS, pool=pool)
+
+
+def batched_replay_app(**options) -> ReplayExplorer:
+    """The explorer replaying the batched run (`batched_events`)."""
+    header, events = batched_events()
+    return ReplayExplorer(header, events, source_name=TRACE_NAME, **options)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from minengine.engine.events import Event
 from reqscope.endpoint.options import add_endpoint_arguments
+from reqscope.engine_load import EngineLoad, LoadOptions, add_load_arguments
 from reqscope.run_options import (
     DEFAULT_PROMPT,
     ModelFolder,
@@ -32,12 +33,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--force", action="store_true", help="with --export: replace the export files of an earlier run in DIR"
     )
     add_run_arguments(parser)
+    add_load_arguments(parser)
     add_endpoint_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run one request in the chosen mode; exit code 1 when the request failed."""
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    load = LoadOptions.of(args)  # before the model loads: a taken port wastes no load
+    if args.endpoint and load.any:
+        print("reqscope: error: --background and --serve-port load this process's engine; with --endpoint "
+              "the server is elsewhere (drive it with `reqscope bench serve --base-url`)", file=sys.stderr)
+        return 2
     if args.endpoint:  # --model names the served model, not a folder
         from reqscope.endpoint.run import run_endpoint
 
@@ -51,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         from reqscope.ui.launch import launch_explorer
 
-        return launch_explorer(args, request, model)
+        return launch_explorer(args, request, model, load=load)
     if args.export:
         from minengine.record.export import prepare_export_folder
 
@@ -61,15 +68,17 @@ def run(args: argparse.Namespace) -> int:
 
     ceiling = stored_ceiling(engine.device)  # this machine's read ceiling, for the roofline
     recorded: list = []
-    events = _recording(in_app_words(engine.start(request)), recorded)
-    if args.json:
-        from reqscope.console.jsonl import print_jsonl
+    with EngineLoad(engine, load, request) as beside:
+        note = beside.note if load.any else None
+        events = _recording(in_app_words(engine.start(request)), recorded, beside.follow)
+        if args.json:
+            from reqscope.console.jsonl import print_jsonl
 
-        result = print_jsonl(events, request=request, ceiling=ceiling, weights=engine.weights)
-    else:
-        from reqscope.console.plain import print_plain
+            result = print_jsonl(events, request=request, ceiling=ceiling, weights=engine.weights, load=note)
+        else:
+            from reqscope.console.plain import print_plain
 
-        result = print_plain(engine, events, request=request, ceiling=ceiling)
+            result = print_plain(engine, events, request=request, ceiling=ceiling, load=note)
     if args.export:
         from minengine.record.export import export_run
         from minengine.record.trace_io import trace_header
@@ -82,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recording(events: Iterable[Event], into: list) -> Iterator[Event]:
+def _recording(events: Iterable[Event], into: list, follow: Callable[[Event], None]) -> Iterator[Event]:
     for event in events:
         into.append(event)
+        follow(event)
         yield event

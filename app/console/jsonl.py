@@ -7,13 +7,24 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, TextIO
 
-from minengine.engine.events import DoneEvent, Event, PrefixCacheEvent, RequestResult, StageEvent, TokenEvent
+from minengine.engine.batch_facts import BatchStep
+from minengine.engine.events import (
+    DoneEvent,
+    Event,
+    PreemptEvent,
+    PrefillEvent,
+    PrefixCacheEvent,
+    RequestResult,
+    StageEvent,
+    TokenEvent,
+)
 from minengine.engine.request import GenerationRequest, setting_value
 from reqscope.console.json_out import emit, metrics_json
 from reqscope.console.roofline_lines import done_keys, summary_of, token_keys
 
 if TYPE_CHECKING:
     from reqscope.bench.ceiling import CeilingLookup
+    from reqscope.engine_load import LoadNote
 
 if TYPE_CHECKING:
     from minengine.model.weight_format import WeightChoice
@@ -25,6 +36,7 @@ def print_jsonl(
     request: GenerationRequest | None = None,
     ceiling: CeilingLookup | None = None,
     weights: WeightChoice | None = None,
+    load: LoadNote | None = None,
 ) -> RequestResult:
     """Write stage, token and done (or error) records; return the result.
 
@@ -32,7 +44,11 @@ def print_jsonl(
     Each token record says what its decode step read and, given this machine's read `ceiling`,
     the time the ceiling allows it (`roofline_ms`) and the fraction of it reached; the done
     record sums them up under `roofline`; given the engine's weight format, it says which ran
-    and why (`weights`).
+    and why (`weights`). The batch facts come as the engine records them: each token's step
+    (`batch`: the sequences sharing it, its tokens, its time against one sequence alone, the
+    queue, the KV pool), a `prefill` record with the prompt's chunks, a `preempt` record when the
+    engine takes the request's blocks back, and the done record's `batch` summary; a `load`
+    record first says what shares the engine (`--background`, `--serve-port`).
     """
     out = out or sys.stdout
     result: RequestResult | None = None
@@ -43,6 +59,9 @@ def print_jsonl(
             s.name: {"value": setting_value(request, s.name), "source": s.source} for s in request.setting_sources
         }
         emit(out, {"event": "request", "request_id": request.request_id, "settings": settings})
+    if load is not None:
+        emit(out, {"event": "load", "background": load.background,
+                   "serve_url": None if load.serve_url is None else f"{load.serve_url}/v1"})  # fmt: skip
     for ev in events:
         if isinstance(ev, StageEvent):
             emit(
@@ -56,6 +75,12 @@ def print_jsonl(
             )
         elif isinstance(ev, PrefixCacheEvent):
             emit(out, prefix_cache_record(ev))
+        elif isinstance(ev, PrefillEvent) and ev.chunks:
+            chunks = [asdict(c) | {"step": step_record(c.step)} for c in ev.chunks]
+            emit(out, {"event": "prefill", "prompt_tokens": ev.prompt_tokens, "reused_tokens": ev.reused_tokens,
+                       "duration_ms": round(ev.duration_ms, 3), "chunks": chunks})  # fmt: skip
+        elif isinstance(ev, PreemptEvent):
+            emit(out, {"event": "preempt"} | asdict(ev))
         elif isinstance(ev, TokenEvent):
             emit(
                 out,
@@ -69,7 +94,8 @@ def print_jsonl(
                     "kv_logical_bytes": ev.kv.logical_bytes,
                     "kv_physical_bytes": ev.kv.physical_bytes,
                 }
-                | token_keys(ev, read_ceiling),
+                | token_keys(ev, read_ceiling)
+                | ({} if ev.batch is None else {"batch": step_record(ev.batch)}),
             )
             tokens.append(ev)
         elif isinstance(ev, DoneEvent):
@@ -82,8 +108,15 @@ def print_jsonl(
         record = done_record(result, roofline=done_keys(summary_of(tokens, read_ceiling), note))
         if weights is not None:
             record["weights"] = {"format": weights.format, "why": weights.why}
+        if result.batch is not None:
+            record["batch"] = asdict(result.batch)
         emit(out, record)
     return result
+
+
+def step_record(step: BatchStep) -> dict:
+    """One engine step as the request saw it, its pool's free bytes spelled out."""
+    return asdict(step) | {"pool": asdict(step.pool) | {"free": step.pool.free}}
 
 
 def prefix_cache_record(ev: PrefixCacheEvent) -> dict:

@@ -6,11 +6,13 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, TextIO
 
+from minengine.engine.batch_facts import BatchSummary
 from minengine.engine.engine import Engine
 from minengine.engine.events import (
     AdmitEvent,
     DoneEvent,
     Event,
+    PreemptEvent,
     PrefillEvent,
     PrefixCacheEvent,
     PromptEvent,
@@ -25,6 +27,7 @@ from reqscope.console.roofline_lines import plain_lines, summary_of
 
 if TYPE_CHECKING:
     from reqscope.bench.ceiling import CeilingLookup
+    from reqscope.engine_load import LoadNote
 
 
 def print_plain(
@@ -34,10 +37,12 @@ def print_plain(
     err: TextIO | None = None,
     request: GenerationRequest | None = None,
     ceiling: CeilingLookup | None = None,
+    load: LoadNote | None = None,
 ) -> RequestResult:
     """Stream `events` as text; return the request's result (given the request, its settings' sources too).
 
     Given this machine's read `ceiling`, the summary sets the decode steps' bytes against it.
+    Given the `load` beside it (`--background`, `--serve-port`), a line says what shares the engine.
     """
     out = out or sys.stdout
     err = err or sys.stderr
@@ -47,6 +52,8 @@ def print_plain(
     print(f"· model     {engine.describe()}  (loaded in {engine.load_ms:.0f} ms)", file=err, flush=True)
     if request is not None and request.setting_sources:
         print(f"· settings  {settings_line(request)}", file=err, flush=True)
+    if load is not None:
+        print(f"· load      {load_line(load)}", file=err, flush=True)
     for ev in events:
         if isinstance(ev, StageEvent) and ev.name not in ("decode", "complete", "prefix_cache"):
             print(f"· {ev.name:<9} {ev.duration_ms:9.2f} ms  {ev.detail}", file=err, flush=True)
@@ -63,7 +70,11 @@ def print_plain(
         elif isinstance(ev, PrefixCacheEvent):
             print(f"· prefix    {ev.duration_ms:9.2f} ms  {prefix_cache_line(ev)}", file=err, flush=True)
         elif isinstance(ev, PrefillEvent):
+            if len(ev.chunks) > 1:
+                print(f"· chunks    {chunks_line(ev)}", file=err, flush=True)
             print("", file=err, flush=True)
+        elif isinstance(ev, PreemptEvent):
+            print(f"\n· preempted {preempt_line(ev, len(tokens))}", file=err, flush=True)
         elif isinstance(ev, TokenEvent):
             tokens.append(ev)
             if ev.text:
@@ -81,6 +92,40 @@ def print_plain(
     roofline = plain_lines(summary_of(tokens, read_ceiling), "" if ceiling is None else ceiling.note)
     print(summary(engine, result, roofline), file=err, flush=True)
     return result
+
+
+def load_line(load: LoadNote) -> str:
+    """What shares the engine with the request: background requests, the served API."""
+    parts = [f"{load.background} background request{'s' if load.background != 1 else ''}"] if load.background else []
+    if load.serve_url:
+        parts.append(f"the OpenAI API at {load.serve_url}/v1")
+    return f"{' and '.join(parts)} share this engine"
+
+
+def chunks_line(ev: PrefillEvent) -> str:
+    """The prompt's prefill chunks: positions, and the sequences each chunk's step ran."""
+    return f"{len(ev.chunks)} prefill chunks: " + ", ".join(
+        f"{c.start}+{c.tokens} (step {c.step.step}, {c.step.sequences} seq, {c.step.step_ms:.1f} ms)" for c in ev.chunks
+    )
+
+
+def preempt_line(ev: PreemptEvent, tokens_out: int) -> str:
+    """A preemption as it happened: after which token, why, what it freed, what is recomputed."""
+    return (
+        f"after token {tokens_out} at {ev.t_ms:.1f} ms: {ev.reason}; {ev.blocks_freed} blocks "
+        f"({ev.bytes_freed / MIB:.2f} MiB) freed, {ev.tokens_to_recompute} tokens to recompute"
+    )
+
+
+def batch_line(b: BatchSummary) -> str | None:
+    """The steps a request shared, for the summary; None for a request that ran alone."""
+    if not (b.shared_steps or b.prefill_chunks > 1 or b.preemptions):
+        return None
+    return (
+        f"batch     {b.shared_steps} of {b.steps} steps shared with other sequences, batch mean {b.mean_batch:.2f} "
+        f"max {b.max_batch}; {b.prefill_chunks} prefill chunk{'s' if b.prefill_chunks != 1 else ''}, "
+        f"{b.preemptions} preemption{'s' if b.preemptions != 1 else ''}"
+    )
 
 
 def prefix_cache_line(ev: PrefixCacheEvent) -> str:
@@ -138,5 +183,8 @@ def summary(engine: Engine, r: RequestResult, roofline: list[str] | None = None)
             f"logical {kv.logical_bytes / MIB:.2f} MiB, physical {kv.physical_bytes / MIB:.2f} MiB "
             f"({kv.blocks} blocks of {kv.block_size}, {kv.layout}, {kv.dtype})"
         )
+    batch = batch_line(r.batch) if r.batch is not None else None
+    if batch is not None:
+        lines.append(batch)
     lines.append(f"sampler   logits -> {' -> '.join(r.sampler_order)} -> dist")
     return "\n".join(lines)

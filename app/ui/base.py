@@ -83,13 +83,15 @@ class ExplorerBase(App[int]):
     READOUT: ClassVar[type[Panel] | None] = None  # one line of running figures under it (id "readout"), if any
     BODY: ClassVar[tuple[tuple[str, type[Panel]], ...]] = ()  # (id, panel) in grid order, "tokens" first
     DETAIL_VIEWS: ClassVar[tuple[str, ...]] = ()  # the panel ids that take turns on small terminals
+    # Detail panels that join them only while they apply (`_detail_views` says when)
+    OPTIONAL_VIEWS: ClassVar[tuple[str, ...]] = ()
     VIEW_LABELS: ClassVar[Mapping[str, str]] = {}  # a detail panel's name in the hints, where not its id
     KEYS_SKIP_PACER: ClassVar[bool] = False  # whether a key's repaint is drawn at once while the run streams
 
     def __init__(self, *, mode: str, repaint_hz: float) -> None:
         super().__init__()
         self.mode = mode  # which keys apply: "live", "replay" or "endpoint" (see keys.py)
-        self._mode_actions = frozenset(action_name(k) for k in keys_for(mode))
+        self._mode_actions = frozenset(action_name(k) for k in keys_for(mode, self.OPTIONAL_VIEWS))
         self.request: GenerationRequest | None = None  # the request on screen (a replay has none)
         self.compact_view = self.DETAIL_VIEWS[0]
         self.load_error: str | None = None  # why the run could not start (no engine, no server)
@@ -112,7 +114,7 @@ class ExplorerBase(App[int]):
         yield Footer(compact=True, show_command_palette=False)
 
     def on_mount(self) -> None:
-        mark_detail_panels(self, self.DETAIL_VIEWS)
+        mark_detail_panels(self, self.DETAIL_VIEWS + self.OPTIONAL_VIEWS)
         self._fit_layout()
         self._begin()
 
@@ -123,8 +125,19 @@ class ExplorerBase(App[int]):
         self._stop()
 
     def _fit_layout(self, size: Size | None = None) -> None:
-        fit_panels(self, size or self.size, self.DETAIL_VIEWS, self.compact_view, self.VIEW_LABELS)
+        views = self._detail_views()
+        if self.compact_view not in views:  # an optional panel that no longer applies
+            self.compact_view = views[0]
+        fit_panels(self, size or self.size, views, self.compact_view, self.VIEW_LABELS)
         self._invalidate()
+
+    def _optional_shown(self) -> tuple[str, ...]:
+        """The optional detail panels that apply now."""
+        return tuple(name for name in self._detail_views() if name in self.OPTIONAL_VIEWS)
+
+    def _detail_views(self) -> tuple[str, ...]:
+        """The detail panels that take turns on small terminals now: DETAIL_VIEWS, and the optional ones that apply."""
+        return self.DETAIL_VIEWS
 
     @property
     def wide(self) -> bool:
@@ -203,7 +216,7 @@ class ExplorerBase(App[int]):
 
     def action_next_view(self) -> None:
         """Cycle the detail panel shown on small terminals."""
-        self.action_view(next_view(self.DETAIL_VIEWS, self.compact_view))
+        self.action_view(next_view(self._detail_views(), self.compact_view))
 
     def action_view(self, name: str) -> None:
         """Show one detail panel on small terminals."""
@@ -214,7 +227,7 @@ class ExplorerBase(App[int]):
     def action_help(self) -> None:
         """The help screen."""
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen(self.mode))
+            self.push_screen(HelpScreen(self.mode, self._optional_shown()))
 
     async def action_quit(self) -> None:
         """Stop the request on screen (cancel the run, close the stream), then leave."""
@@ -225,7 +238,7 @@ class ExplorerBase(App[int]):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        for key in keys_for(self.mode):
+        for key in keys_for(self.mode, self._optional_shown()):
             if key.action.startswith(("cursor", "view(")):
                 continue
             yield SystemCommand(key.label, f"{key.help} [{key.display}]", partial(self.run_action, key.action))

@@ -19,15 +19,17 @@ class HelpScreen(ModalScreen[None]):
         Binding("escape,q,question_mark,f1", "close", "Close"),
     ]
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, panels: tuple[str, ...] = ()) -> None:
+        """`panels`: the optional detail panels that apply (their keys are listed too)."""
         super().__init__()
         self.mode = mode
+        self.panels = panels
 
     def compose(self) -> ComposeResult:
         table = Table(box=None, show_header=True, header_style="bold", expand=True, pad_edge=False)
         table.add_column("key", no_wrap=True, style="bold")
         table.add_column("does")
-        for key in keys_for(self.mode):
+        for key in keys_for(self.mode, self.panels):
             table.add_row(key.display, key.help)
         table.add_row("ctrl+p", "Command palette: every action by name")
         with VerticalScroll(id="help-box") as box:

@@ -27,6 +27,9 @@ class Key:
     help: str  # one sentence, for the help screen and the command palette
     modes: frozenset[str] = BOTH
     footer: bool = True
+    # The optional panel (`ExplorerBase.OPTIONAL_VIEWS`) the key shows: it is bound always, and
+    # listed (help, palette) only while that panel applies. "" for every other key.
+    panel: str = ""
 
     @property
     def display(self) -> str:
@@ -67,6 +70,8 @@ KEYS: tuple[Key, ...] = (
     Key("3", "view('layouts')", "GQA/MHA", "Show the GQA vs MHA panel (small terminals)", footer=False),
     Key("4", "view('latency')", "Latency", "Show the latency panel (small terminals)", footer=False),
     Key("5", "view('template')", "Template", "Show the rendered chat template (small terminals)", footer=False),
+    Key("6", "view('batch')", "Batch", "Show the batch panel: the steps other requests share (small terminals)",
+        footer=False, panel="batch"),
     Key("1", "view('logits')", "Logprobs", "Show the top logprobs panel (small terminals)", ENDPOINT_ONLY,
         footer=False),
     Key("2", "view('kv')", "KV", "Show the KV cache panel (small terminals)", ENDPOINT_ONLY, footer=False),
@@ -82,9 +87,9 @@ def bindings(*modes: str) -> list[Binding]:
     return [Binding(k.keys, k.action, k.label, show=k.footer) for k in KEYS if k.modes & set(modes)]
 
 
-def keys_for(mode: str) -> list[Key]:
-    """The keys that do something in `mode` ("live", "replay" or "endpoint")."""
-    return [k for k in KEYS if mode in k.modes]
+def keys_for(mode: str, panels: tuple[str, ...] = ()) -> list[Key]:
+    """The keys that do something in `mode` ("live", "replay" or "endpoint"), with the optional `panels` on screen."""
+    return [k for k in KEYS if mode in k.modes and (not k.panel or k.panel in panels)]
 
 
 def action_name(key: Key) -> str:

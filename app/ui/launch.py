@@ -22,7 +22,8 @@ def launch_explorer(args: argparse.Namespace, request: GenerationRequest, model:
 
     When the screen closes, one line on stderr keeps the outcome of the last run. The exit
     code is 1 when the engine could not start or the last run failed, as in the text modes.
-    `options` go to `LiveExplorer` (`start_paused=True` holds before the first token).
+    `options` go to `LiveExplorer` (`start_paused=True` holds before the first token, `load` puts
+    background requests and the served API on its engine).
     `--service-model FILE` (a `reqscope calibrate` fit) is read first: a bad file is a one-line error.
     """
     if getattr(args, "service_model", None) and "service_model" not in options:

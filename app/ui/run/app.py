@@ -24,12 +24,14 @@ from minengine.errors import ReqscopeError
 from minengine.record.export import export_run
 from minengine.record.trace_io import TraceHeader
 from minengine.sampling.params import SamplingParams
+from reqscope.engine_load import LoadNote
 from reqscope.ui.base import ExplorerBase
 from reqscope.ui.run.export_folder import DEFAULT_ROOT, claim_run_folder
 from reqscope.ui.run.figures.latency import latency_figures
 from reqscope.ui.run.figures.memory_probe import MemoryReading
 from reqscope.ui.run.frame import Frame, StepSubject
 from reqscope.ui.run.history import RunHistory
+from reqscope.ui.run.panels.batch import BatchPanel
 from reqscope.ui.run.panels.kv import KVPanel
 from reqscope.ui.run.panels.latency import LatencyPanel
 from reqscope.ui.run.panels.layout import LayoutPanel
@@ -53,8 +55,9 @@ class RunExplorer(ExplorerBase):
     PIPELINE = PipelinePanel
     READOUT = ReadoutPanel
     BODY = (("tokens", TokensPanel), ("logits", LogitsPanel), ("kv", KVPanel), ("latency", LatencyPanel),
-            ("layouts", LayoutPanel), ("template", TemplatePanel))
+            ("layouts", LayoutPanel), ("template", TemplatePanel), ("batch", BatchPanel))
     DETAIL_VIEWS = ("logits", "kv", "layouts", "latency", "template")
+    OPTIONAL_VIEWS = ("batch",)  # while other requests share the engine (`_batched`)
     RECORDED: ClassVar[bool]  # whether the run on screen is a recording (the panels say so)
 
     def __init__(
@@ -77,6 +80,7 @@ class RunExplorer(ExplorerBase):
         self.cursor = 0  # the highlighted candidate
         self.history = RunHistory()
         self.last_export: Path | None = None
+        self._laid_out_batched = False  # whether the layout last fitted has the batch panel
 
     @property
     def subject(self) -> StepSubject | None:
@@ -110,6 +114,7 @@ class RunExplorer(ExplorerBase):
             ttft_history=tuple(self.history.ttft),
             service_model=self.service_model,
             settings_note=self._settings_note(),
+            load=self._load_note(),
         )
 
     def _status_line(self, frame: Frame) -> RenderableType:
@@ -164,9 +169,32 @@ class RunExplorer(ExplorerBase):
         self.last_export = folder
         self.notify(f"{len(written)} files in {folder}", title="exported", timeout=15)
 
+    # -- the batch panel ---------------------------------------------------------------------------
+
+    def _detail_views(self) -> tuple[str, ...]:
+        return self.DETAIL_VIEWS + (self.OPTIONAL_VIEWS if self._batched() else ())
+
+    def _fit_layout(self, size=None) -> None:
+        self._laid_out_batched = self._batched()
+        self.query_one("#body").set_class(self._laid_out_batched, "-batched")
+        super()._fit_layout(size)
+
+    def action_view(self, name: str) -> None:
+        """Show one detail panel on small terminals (the batch panel once other requests share the engine)."""
+        if name not in self._detail_views():
+            self.notify("the batch panel shows when other requests share the engine: run with --background N "
+                        "or --serve-port PORT, or replay a trace of such a run")  # fmt: skip
+            return
+        super().action_view(name)
+
+    def _follow_batch(self) -> None:
+        """Lay the panels out again once the run on screen turns out to share the engine (or no longer does)."""
+        if self._batched() != self._laid_out_batched:
+            self._fit_layout()
+
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        for i, name in enumerate(self.DETAIL_VIEWS):
+        for i, name in enumerate(self._detail_views()):
             yield SystemCommand(f"Show {name} panel", f"Small terminals: show the {name} panel [{i + 1}]",
                                 partial(self.run_action, f"view({name!r})"))
 
@@ -191,6 +219,14 @@ class RunExplorer(ExplorerBase):
     def _settings_note(self) -> str:
         """Where the settings in force came from, for the status line."""
         return ""
+
+    def _load_note(self) -> LoadNote | None:
+        """The load this explorer puts on its engine (background requests, the served API), if any."""
+        return None
+
+    def _batched(self) -> bool:
+        """Whether the batch panel applies: the request on screen shares its engine."""
+        raise NotImplementedError
 
     def _recorded_events(self) -> list[Event]:
         """Every event of the run on screen, for the export."""

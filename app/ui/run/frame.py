@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from minengine.record.trace_io import TraceHeader
 from minengine.sampling.params import SamplingParams
 from minengine.sampling.step_trace import StepTrace
+from reqscope.engine_load import LoadNote
 from reqscope.ui.run.figures.latency import LatencyFigures, RunTtft
 from reqscope.ui.run.figures.layout_compare import MeasuredLayout
 from reqscope.ui.run.figures.memory_probe import MemoryReading
@@ -46,3 +47,4 @@ class Frame:
     ttft_history: tuple[RunTtft, ...] = ()  # every finished live run's TTFT, with what the prefix cache reused
     service_model: ServiceModel | None = None  # a `reqscope calibrate` fit: predicted beside measured
     settings_note: str = ""  # where the sampling values came from, e.g. "set: k · default: T p"
+    load: LoadNote | None = None  # what else runs in the engine (--background, --serve-port); None: nothing asked

@@ -25,6 +25,7 @@ from minengine.progress import StatusCallback
 from minengine.record.trace_io import trace_header
 from minengine.threads import ModelThread
 from reqscope.bench.ceiling import stored_ceiling
+from reqscope.engine_load import NO_LOAD, EngineLoad, LoadNote, LoadOptions
 from reqscope.ui.base import renewed
 from reqscope.ui.keys import LIVE, bindings
 from reqscope.ui.run.app import RunExplorer
@@ -50,10 +51,15 @@ class LiveExplorer(RunExplorer):
     RECORDED = False
 
     def __init__(self, open_engine: EngineOpener, request: GenerationRequest, *, start_paused: bool = False,
-                 **options: Any) -> None:
-        """`start_paused` holds before the first token; `options` go to `RunExplorer`."""
+                 load: LoadOptions = NO_LOAD, **options: Any) -> None:
+        """`start_paused` holds before the first token; `load` puts other requests on the engine beside
+        each run (background requests, the served API: `reqscope.engine_load`); `options` go to `RunExplorer`."""
         super().__init__(mode=LIVE, header=None, sampling=SamplingChoice(request.sampling, request.max_tokens),
                          **options)
+        self.load_options = load
+        self.load: EngineLoad | None = None  # made with the engine, when `load` asks for any
+        if load.any:
+            self.compact_view = "batch"  # what the load is for: small terminals start on the batch panel
         self.request = request
         self.start_paused = start_paused
         self.engine: Engine | None = None
@@ -76,8 +82,15 @@ class LiveExplorer(RunExplorer):
         # keeps a repaint from stalling decode for its whole length.
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(GIL_SWITCH_S)
-        loading = LoadingScreen(partial(self._model_thread.run, self._open_engine), self._engine_failed)
+        loading = LoadingScreen(partial(self._model_thread.run, self._open_loaded), self._engine_failed)
         self.push_screen(loading, self._engine_ready)
+
+    def _open_loaded(self, progress: StatusCallback) -> Engine:
+        """The engine, and the load asked for on it (the API listening): on the model thread, while loading."""
+        engine = self._open_engine(progress)
+        if self.load_options.any:
+            self.load = EngineLoad(engine, self.load_options, self.request)
+        return engine
 
     def _engine_failed(self, message: str) -> None:
         self.load_error = message
@@ -104,6 +117,8 @@ class LiveExplorer(RunExplorer):
         self.cursor = 0
         run = LiveRun(self.engine, request, paused=paused, wake=self._wake)
         self.shown = RunOnScreen(run, applied=request.sampling)
+        if self.load is not None:
+            self.load.end()  # a run cut short left them running: they join this one after its steps alone
         self._model_thread.submit(run.drive, previous)
         self._invalidate()
 
@@ -124,13 +139,18 @@ class LiveExplorer(RunExplorer):
         for event in events:
             self.view.apply(event)
             self.history.record(event)
+            if self.load is not None:
+                self.load.follow(event)  # the background requests join after its first steps, end with it
             if isinstance(event, DoneEvent) and event.result.error:
                 self.notify(event.result.error, title="request failed", severity="error", timeout=30)
         if events:
             self._invalidate()
+            self._follow_batch()
         if shown.follow(self.view):
             self.refresh_bindings()
             self._invalidate()
+            if shown.held is not None and self.load is not None:
+                self.load.begin()  # held by the user: the others run meanwhile
         if shown.held is not None and self.sampling.params != shown.applied:
             self._apply_params(shown)
         if shown.run.failure and not shown.failure_shown:
@@ -155,6 +175,9 @@ class LiveExplorer(RunExplorer):
     def _stop(self) -> None:
         if self.shown is not None:
             self.shown.run.cancel()
+        if self.load is not None:
+            self.load.close()
+            self.load = None
         self._model_thread.shutdown()
         sys.setswitchinterval(self._switch_interval)  # leaving: the UI no longer draws beside decode
 
@@ -182,6 +205,12 @@ class LiveExplorer(RunExplorer):
 
     def _settings_note(self) -> str:
         return settings_note(self.request, self.sampling.params)
+
+    def _load_note(self) -> LoadNote | None:
+        return self.load.note if self.load is not None else None
+
+    def _batched(self) -> bool:
+        return self.load_options.any or self.view.batched
 
     def _error_line(self) -> str | None:
         return self.view.error or (self.shown.run.failure if self.shown is not None else None)

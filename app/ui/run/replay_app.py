@@ -21,6 +21,7 @@ from reqscope.ui.run.replay import ReplayRun
 from reqscope.ui.run.sampling_form import SamplingChoice
 from reqscope.ui.run.status_line import status_text
 from reqscope.ui.run.step_subject import replay_subject
+from reqscope.ui.run.view import RunView
 
 _PLAYBACK_MS = (20.0, 500.0)  # replay plays at the recorded pace, within these bounds per token
 
@@ -42,6 +43,7 @@ class ReplayExplorer(RunExplorer):
         self.source_name = source_name
         self.view = view
         self._play_timer: Timer | None = None
+        self._shares_engine = RunView.of(events).batched  # the whole trace: the layout stays as the cursor moves
 
     @property
     def playing(self) -> bool:
@@ -101,6 +103,9 @@ class ReplayExplorer(RunExplorer):
 
     def _recorded_events(self) -> list[Event]:
         return list(self.recording.events)
+
+    def _batched(self) -> bool:
+        return self._shares_engine
 
     # -- actions ---------------------------------------------------------------------------------
 

@@ -32,6 +32,10 @@ def status_text(frame: Frame, source_name: str = "", playing: bool = False) -> T
     elif state in ("stop", "length", "stop_sequence"):
         state = f"done ({state})"
     text.append(f" {state} ", style=_STATE_STYLE.get(frame.state, "bold"))
+    if frame.load is not None:  # said early: it is why the figures move
+        shared = [f"+{frame.load.background} background"] if frame.load.background else []
+        shared += [f"API {frame.load.serve_url}/v1"] if frame.load.serve_url else []
+        text.append(f" {' · '.join(shared)} ", style="bold magenta")
     settings = "greedy" if p.greedy else f"T {p.temperature:g} k {p.top_k} p {p.top_p:g} min-p {p.min_p:g}"
     kv = view.kv
     layout = kv.layout if kv is not None else "?"

@@ -12,6 +12,7 @@ from minengine.engine.events import (
     AdmitEvent,
     DoneEvent,
     Event,
+    PreemptEvent,
     PrefillEvent,
     PrefixCacheEvent,
     PromptEvent,
@@ -43,6 +44,8 @@ class RunView:
     tokens: list[TokenEvent] = field(default_factory=list)
     held_totals: list[float] = field(default_factory=list)  # ms held in all as of each token (see `held_ms`)
     waiting_step: int | None = None  # index of the step whose logits are waiting, if any
+    preemptions: list[tuple[int, PreemptEvent]] = field(default_factory=list)  # (tokens out before it, the event)
+    shared_steps: int = 0  # decode steps so far that this request shared with other sequences
     result: RequestResult | None = None
     events_seen: int = 0
 
@@ -63,8 +66,12 @@ class RunView:
             self.waiting_step = event.index
         elif isinstance(event, TokenEvent):
             self.tokens.append(event)
+            if event.batch is not None and event.batch.sequences > 1:
+                self.shared_steps += 1
             self.held_totals.append((self.held_totals[-1] if self.held_totals else 0.0) + event.held_ms)
             self.waiting_step = None
+        elif isinstance(event, PreemptEvent):
+            self.preemptions.append((len(self.tokens), event))
         elif isinstance(event, DoneEvent):
             self.result = event.result
             self.waiting_step = None
@@ -90,6 +97,14 @@ class RunView:
         if self.tokens:
             return self.tokens[-1].kv
         return self.prefill.kv if self.prefill else None
+
+    @property
+    def batched(self) -> bool:
+        """True once the request is seen sharing the engine: a step with other sequences, a prompt
+        prefilled in several chunks, or a preemption (never for a request alone, nor an older trace)."""
+        chunks = self.prefill.chunks if self.prefill is not None else ()
+        return bool(self.shared_steps or self.preemptions or len(chunks) > 1
+                    or any(c.step.sequences > 1 for c in chunks))
 
     @property
     def held_ms(self) -> float:

@@ -1,7 +1,8 @@
 """The readout: one line under the pipeline, on screen at every size, with the figures the tool exists for.
 
 Tokens out, TTFT, the last ITL and the ITL median, the decode rate, KV logical/physical MiB and
-the cache layout, and, once the run has been held at a step, the time held. The figures are
+the cache layout, once the run has been held at a step, the time held, and, while other
+requests share its steps, the sequences in its latest step and the queue. The figures are
 the engine's (held time taken out, see `reqscope.ui.run.figures.latency`), the same the latency panel
 shows. Each item has a few spellings, longest first; the line takes the longest that fit, so
 at 80 columns it says the same in fewer letters.
@@ -18,13 +19,15 @@ from minengine.kv.arithmetic import MIB
 from minengine.kv.usage import KVUsage
 from reqscope.ui.panel import Panel
 from reqscope.ui.run.frame import Frame
+from reqscope.ui.run.view import RunView
 
 _SEPARATORS = (" · ", "  ", " ")
-# How the line shortens, one step at a time until it fits: ("item", i) takes item i's next
-# spelling (items in `readout_items`' order: tokens, TTFT, ITL, p50, decode, KV, held),
-# ("sep", n) the n-th separator. Plain words go before the terse ones (t/s, M).
-_PLAN = (("item", 5), ("item", 0), ("item", 4), ("item", 6), ("item", 2), ("item", 3), ("item", 1),
-         ("sep", 1), ("item", 0), ("item", 6), ("item", 5), ("sep", 2), ("item", 4), ("item", 5))
+# How the line shortens, one step at a time until it fits: ("item", name) takes that item's next
+# spelling (a step naming an item not on the line does nothing), ("sep", n) the n-th separator.
+# Plain words go before the terse ones (t/s, M).
+_PLAN = (("item", "kv"), ("item", "batch"), ("item", "tokens"), ("item", "decode"), ("item", "held"),
+         ("item", "itl"), ("item", "p50"), ("item", "ttft"), ("sep", 1), ("item", "tokens"), ("item", "held"),
+         ("item", "kv"), ("sep", 2), ("item", "decode"), ("item", "kv"), ("item", "batch"))
 _SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8"}
 
 
@@ -32,6 +35,7 @@ _SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float
 class Item:
     """One figure: its spellings, longest first, each a (label, value) pair; and the value's style."""
 
+    name: str  # what the shortening plan calls it
     forms: tuple[tuple[str, str], ...]
     style: str = "bold"
     label_style: str = "dim"
@@ -52,18 +56,22 @@ def readout_items(frame: Frame) -> list[Item]:
     m, itl = fig.engine, fig.itl
     out = len(view.tokens)
     ttft = m.ttft_ms if m else None
+    median = itl.median if itl else None
     items = [
-        Item((("out ", f"{out}/{frame.max_tokens} tok"), ("", f"{out}/{frame.max_tokens} tok"), ("", f"{out} tok"))),
-        Item((("TTFT ", short_ms(ttft, " ")), ("TTFT ", short_ms(ttft)))),
-        Item((("ITL last ", short_ms(fig.last_itl_ms, " ")), ("ITL ", short_ms(fig.last_itl_ms)))),
-        Item((("p50 ", short_ms(itl.median if itl else None, " ")), ("p50 ", short_ms(itl.median if itl else None)))),
+        Item("tokens", (("out ", f"{out}/{frame.max_tokens} tok"), ("", f"{out}/{frame.max_tokens} tok"),
+                        ("", f"{out} tok"))),
+        Item("ttft", (("TTFT ", short_ms(ttft, " ")), ("TTFT ", short_ms(ttft)))),
+        Item("itl", (("ITL last ", short_ms(fig.last_itl_ms, " ")), ("ITL ", short_ms(fig.last_itl_ms)))),
+        Item("p50", (("p50 ", short_ms(median, " ")), ("p50 ", short_ms(median)))),
         _decode_item(m.decode_output_tokens_per_second if m else None),
         _kv_item(view.kv),
     ]
     if fig.held_ms > 0:
         held = _seconds(fig.held_ms)
-        items.append(Item((("held by you ", f"{held} (not in these figures)"), ("held by you ", held),
-                           ("held ", held.replace(" ", ""))), style="bold yellow", label_style="yellow"))
+        items.append(Item("held", (("held by you ", f"{held} (not in these figures)"), ("held by you ", held),
+                                   ("held ", held.replace(" ", ""))), style="bold yellow", label_style="yellow"))
+    if view.batched:
+        items.append(_batch_item(view))
     return items
 
 
@@ -73,16 +81,17 @@ def fit_line(items: list[Item], width: int) -> Text:
     Past the last step the line is cut with an ellipsis (numbers far larger than usual).
     """
     chosen, sep = [0] * len(items), _SEPARATORS[0]
+    index = {item.name: n for n, item in enumerate(items)}
     steps = iter(_PLAN)
     while _length(items, chosen, sep) > width:
         step = next(steps, None)
         if step is None:
             break
-        kind, index = step
+        kind, which = step
         if kind == "sep":
-            sep = _SEPARATORS[index]
-        elif index < len(items):
-            chosen[index] = min(chosen[index] + 1, len(items[index].forms) - 1)
+            sep = _SEPARATORS[which]
+        elif (n := index.get(which)) is not None:
+            chosen[n] = min(chosen[n] + 1, len(items[n].forms) - 1)
     return _render(items, chosen, sep)
 
 
@@ -104,21 +113,33 @@ def _render(items: list[Item], chosen: list[int], sep: str) -> Text:
 
 def _decode_item(rate: float | None) -> Item:
     value = "–" if rate is None else f"{rate:.1f}"
-    return Item((("decode ", f"{value} tok/s"), ("", f"{value} tok/s"), ("", f"{value}t/s")))
+    return Item("decode", (("decode ", f"{value} tok/s"), ("", f"{value} tok/s"), ("", f"{value}t/s")))
 
 
 def _kv_item(kv: KVUsage | None) -> Item:
     if kv is None:
-        return Item((("KV ", "–"),))
+        return Item("kv", (("KV ", "–"),))
     logical, physical = kv.logical_bytes / MIB, kv.physical_bytes / MIB
     short = f"{_mib(logical)}/{_mib(physical)}"
     dtype = _SHORT_DTYPE.get(kv.dtype, kv.dtype)
-    return Item((
+    return Item("kv", (
         ("KV ", f"{logical:.3f}/{physical:.3f} MiB logical/physical, {kv.layout} cache {dtype}"),
         ("KV ", f"{short} MiB {kv.layout} {dtype}"),
         ("KV ", f"{short} MiB {kv.layout}"),
         ("KV ", f"{short}M {kv.layout}"),
     ))
+
+
+def _batch_item(view: RunView) -> Item:
+    """The sequences in the request's latest step, and the queue behind it (the batch panel has the rest)."""
+    step = next((t.batch for t in reversed(view.tokens) if t.batch is not None), None)
+    if step is None and view.prefill is not None and view.prefill.chunks:
+        step = view.prefill.chunks[-1].step
+    if step is None:
+        return Item("batch", (("batch ", "–"),), style="bold magenta")
+    n, q = step.sequences, step.waiting
+    return Item("batch", (("batch ", f"{n} seqs, {q} queued"), ("batch ", f"{n} q{q}"), ("batch ", f"{n}")),
+                style="bold magenta")
 
 
 def short_ms(value: float | None, space: str = "") -> str:

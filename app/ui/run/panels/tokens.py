@@ -76,11 +76,13 @@ def _chip(piece: str, token_id: int, style) -> Text:
     return chip
 
 
-def _output_chip(token: TokenEvent) -> Text:
+def _output_chip(token: TokenEvent, preempted: bool = False) -> Text:
     prob = math.exp(token.trace.chosen_logprob) if token.trace is not None else None
     chip = _chip(token.piece, token.token_id, prob_style(prob))
     if token.forced:
         chip.append("⚑", style="bold")  # picked by the user, not sampled
+    if preempted:
+        chip.append("⟲", style="bold red")  # the engine took its blocks back after it: recomputed (batch panel)
     return chip
 
 
@@ -94,12 +96,14 @@ def _strip(frame: Frame, width: int, rows: int) -> list[Text]:
     assert view.prompt is not None
     pieces, tokens = view.prompt.pieces, view.tokens
     reused = view.reused_tokens
+    preempted_after = {after for after, _ in view.preemptions}  # tokens out when each preemption came
     total = len(pieces) + 1 + len(tokens)
     chips: list[Text] = []
     used = 0
     for n in range(total - 1, -1, -1):  # newest first
         if n > len(pieces):
-            chip = _output_chip(tokens[n - len(pieces) - 1])
+            index = n - len(pieces) - 1
+            chip = _output_chip(tokens[index], index + 1 in preempted_after)
         elif n == len(pieces):
             chip = Text("▶", style="bold")
         else:
