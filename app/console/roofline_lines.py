@@ -23,7 +23,7 @@ def token_keys(ev: TokenEvent, ceiling: ReadCeiling | None) -> dict:
     if read is None:
         return {"bytes_read": None, "kv_bytes_read": None, "step_ms": round(ev.step_ms, 3), "roofline_ms": None,
                 "roofline_fraction": None}  # fmt: skip
-    step = step_roofline(read, ev.step_ms, ceiling) if ceiling is not None else None
+    step = step_roofline(read, ev.read_step_ms, ceiling) if ceiling is not None else None
     return {
         "bytes_read": read.total,
         "kv_bytes_read": read.kv,
@@ -35,7 +35,7 @@ def token_keys(ev: TokenEvent, ceiling: ReadCeiling | None) -> dict:
 
 def summary_of(tokens: Iterable[TokenEvent], ceiling: ReadCeiling | None) -> RooflineSummary | None:
     """The decode steps among `tokens` against `ceiling`; None when there were none."""
-    return decode_roofline(((t.bytes_read, t.step_ms) for t in tokens if t.bytes_read is not None), ceiling)
+    return decode_roofline(((t.bytes_read, t.read_step_ms) for t in tokens if t.bytes_read is not None), ceiling)
 
 
 def done_keys(summary: RooflineSummary | None, note: str) -> dict | None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minengine.engine.roofline import StepBytes
+
 
 @dataclass(frozen=True)
 class PoolUsage:
@@ -46,6 +48,9 @@ class BatchStep:
     step_ms: float  # the forward pass's wall time
     solo_step_ms: float | None  # a recent decode step with one sequence alone, on this engine (None: none yet)
     pool: PoolUsage
+    # What the whole step read: the weights once for every sequence in it, and each decode
+    # row's K/V (None for a step of one sequence, whose token event carries its own bytes).
+    bytes_read: StepBytes | None = None
 
     @property
     def scheduled_tokens(self) -> int:

@@ -117,7 +117,13 @@ class Engine:
         self.fingerprint = model_fingerprint(self.model_dir)
         self.prefix_cache: PrefixCache | None = PrefixCache() if prefix_cache else None
         # Every request's forwards run here, in steps shared with the others running.
-        self.steps = StepLoop(self.runner, limits, waiting=lambda: self.scheduler.waiting, pool=self._pool_usage)
+        self.steps = StepLoop(
+            self.runner,
+            limits,
+            waiting=lambda: self.scheduler.waiting,
+            pool=self._pool_usage,
+            weight_bytes=self.model.decode_weight_bytes,
+        )
         self.load_ms = (time.perf_counter() - start) * 1000
 
     def _pool_usage(self, member: Member, members: list[Member]) -> PoolUsage:

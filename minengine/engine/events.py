@@ -125,6 +125,14 @@ class TokenEvent:
     # PrefillEvent.chunks) and in traces recorded before the engine batched.
     batch: BatchStep | None = None
 
+    @property
+    def read_step_ms(self) -> float:
+        """The time `bytes_read` was read in: the shared forward when other sequences shared the
+        step (their waits and sampling are not the step's), else this token's own step."""
+        if self.batch is not None and self.batch.sequences > 1 and self.batch.bytes_read is not None:
+            return self.batch.step_ms
+        return self.step_ms
+
 
 @dataclass(frozen=True)
 class StepReady:

@@ -66,7 +66,7 @@ from minengine.engine.events import (
 )
 from minengine.engine.metrics import request_metrics, without_held
 from minengine.engine.request import GenerationRequest, validate
-from minengine.engine.roofline import step_bytes
+from minengine.engine.roofline import StepBytes, step_bytes
 from minengine.engine.scheduler import Admission, Scheduler
 from minengine.engine.step_loop import Member, StepCancelled, StepLoop
 from minengine.engine.timeline import STAGE_SPANS, Timeline
@@ -547,11 +547,21 @@ class RequestSession:
             trace=trace,
             forced=forced,
             held_ms=self._held_since_previous(state),
-            bytes_read=step_bytes(state.weight_bytes, state.peak) if index else None,  # token 0 came from prefill
+            bytes_read=self._bytes_read(index, state),
             batch=self._member.last_step if index and self._member is not None else None,
         )
         state.previous_t = t
         return event, "stop" if stops else "stop_sequence" if stop_hit else None
+
+    def _bytes_read(self, index: int, state: DecodeState) -> StepBytes | None:
+        """What the step behind token `index` read: the shared step's whole read when others shared
+        it, else this request's weights and K/V; None for token 0, which prefill produced."""
+        if not index:
+            return None
+        shared = self._member.last_step if self._member is not None else None
+        if shared is not None and shared.sequences > 1 and shared.bytes_read is not None:
+            return shared.bytes_read
+        return step_bytes(state.weight_bytes, state.peak)
 
     def _min_tokens_mask(self, logits: torch.Tensor, generated: int) -> torch.Tensor:
         """`logits`, with EOS and stop_token_ids masked to -inf while fewer than min_tokens are out.

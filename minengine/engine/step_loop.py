@@ -38,6 +38,7 @@ import torch
 
 from minengine.device import synchronize
 from minengine.engine.batch_facts import BatchStep, PoolUsage, PrefillChunk
+from minengine.engine.roofline import StepBytes, step_bytes
 from minengine.errors import Mention, RequestError, Setting
 from minengine.kv.cache import KVCache
 from minengine.model.batch_forward import Row
@@ -152,16 +153,19 @@ class StepLoop:
         waiting: Callable[[], int] = lambda: 0,
         pool: Callable[[Member, list[Member]], PoolUsage] | None = None,
         gather_s: float = 0.004,
+        weight_bytes: int = 0,
     ) -> None:
         """`waiting` counts requests in the admission queue; `pool` reports the KV budget as one
         member sees it beside the others. `gather_s`: how long a step waits for the sequences
-        the last one served."""
+        the last one served. `weight_bytes`: what a step reads of the weights (for the roofline of
+        a shared step)."""
         limits.check()
         self.runner = runner
         self.limits = limits
         self.waiting = waiting
         self.pool = pool or (lambda m, _: PoolUsage(m.reserved_bytes, m.reserved_bytes, 0, 0))
         self.gather_s = gather_s
+        self.weight_bytes = weight_bytes
         self.steps_run = 0
         self._order = itertools.count()
         self._members: list[Member] = []
@@ -252,6 +256,15 @@ class StepLoop:
             budget -= n
         return plan
 
+    def _step_bytes(self, plan: list[tuple[_Work, int]]) -> StepBytes:
+        """A shared step's read: the weights once, and the K/V every decode row attended over."""
+        kv = positions = 0
+        for work, _ in plan:
+            if work.member.decoding:
+                read = step_bytes(0, work.member.cache.usage())
+                kv, positions = kv + read.kv, positions + read.positions
+        return StepBytes(self.weight_bytes, kv, positions)
+
     def _finish(self, work: _Work) -> None:
         self._pending.remove(work)
         work.finished = True
@@ -270,6 +283,7 @@ class StepLoop:
             error = exc
         step_ms = (time.perf_counter() - start) * 1000
         decode = sum(n for w, n in plan if w.member.decoding)
+        read = self._step_bytes(plan) if len(plan) > 1 and error is None else None
         solo = statistics.median(self._solo_ms) if self._solo_ms else None
         if len(plan) == 1 and decode == 1 and error is None:
             self._solo_ms.append(step_ms)
@@ -287,6 +301,7 @@ class StepLoop:
                     step_ms=step_ms,
                     solo_step_ms=solo,
                     pool=self.pool(member, members),
+                    bytes_read=read,
                 )
                 member.steps.append(facts)
                 member.last_step = facts

@@ -159,6 +159,13 @@ def test_concurrent_sessions_share_steps_and_keep_their_tokens(chatty_tiny_dir):
         # The pool as this request saw it: its own reservation, and the others' while they ran.
         assert all(s.pool.own > 0 and s.pool.others > 0 for s in shared)
         assert all(s.pool.own + s.pool.others + s.pool.prefix + s.pool.free == s.pool.budget for s in steps)
+        # A shared step's roofline is the step's: the weights read once, every decode row's K/V,
+        # over the forward's own time (not this request's wait for it).
+        for token in (e for e in evs if isinstance(e, TokenEvent) and e.batch is not None and e.batch.sequences > 1):
+            own_kv = token.kv.bytes_per_token * token.kv.tokens
+            assert token.bytes_read == token.batch.bytes_read and token.read_step_ms == token.batch.step_ms
+            assert token.bytes_read.weights == engine.model.decode_weight_bytes
+            assert token.bytes_read.kv > own_kv if token.batch.decode_tokens > 1 else token.bytes_read.kv == own_kv
     assert engine.scheduler.running == 0 and engine.steps.running == 0 and engine.scheduler.held_bytes == 0
 
 

@@ -30,7 +30,7 @@ def roofline_figures(view: RunView, header: TraceHeader, replay: bool) -> Roofli
     """The figures for `view` as it stands; None before the first decode step, and in traces without bytes."""
     steps = [t for t in view.tokens if t.bytes_read is not None]
     ceiling = header.read_ceiling
-    run = decode_roofline(((t.bytes_read, t.step_ms) for t in steps), ceiling)  # type: ignore[misc]
+    run = decode_roofline(((t.bytes_read, t.read_step_ms) for t in steps), ceiling)  # type: ignore[misc]
     if run is None:
         return None
     last = steps[-1]
@@ -39,5 +39,5 @@ def roofline_figures(view: RunView, header: TraceHeader, replay: bool) -> Roofli
         note = f"{ceiling.source}, {ceiling.measured_at}"
     else:
         note = "no read ceiling in this trace" if replay else f"no read ceiling for this machine: {CALIBRATE_HINT}"
-    step = None if ceiling is None else step_roofline(last.bytes_read, last.step_ms, ceiling)
+    step = None if ceiling is None else step_roofline(last.bytes_read, last.read_step_ms, ceiling)
     return RooflineFigures(last.index, last.bytes_read, step, run, note)
