@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from minengine.engine.request import GenerationRequest, SettingSource
 from minengine.errors import RequestError
-from minengine.kv.arithmetic import MIB
+from minengine.kv.arithmetic import DTYPE_BYTES, MIB
 from minengine.kv.usage import KV_DTYPE_ALIASES, KV_DTYPES, KV_LAYOUTS
 from minengine.progress import StatusCallback
 from minengine.sampling.model_defaults import FILE, ModelSamplingDefaults
@@ -186,7 +186,11 @@ def request_from_args(args: argparse.Namespace, prompt: str, model: ModelFolder 
 
 def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCallback | None = None) -> Engine:
     """Load `model` (pulled first when it is the default one, missing) with the flags' device,
-    dtype, weight format, KV budget and CUDA-graph choice.
+    dtype, weight format, KV budget, step limits and CUDA-graph choice.
+
+    Step limits no request could run under are refused before the model loads, a KV budget
+    that cannot hold the smallest request (one block of the run's KV storage) once it has
+    (`minengine.engine.batch_limits`).
 
     `progress` hears status messages and the stages of a pull and of a first load (download,
     verify, convert, layout, cache) as `PullProgress` events.
@@ -194,9 +198,18 @@ def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCa
     # torch loads here, not with the flags: `--endpoint` parses them too and never makes a tensor.
     from minengine.device import resolve_device
     from minengine.engine.engine import Engine
+    from minengine.engine.step_loop import BatchLimits, default_token_budget
+    from minengine.kv.budget_floor import check_budget_holds_a_request, smallest_request_bytes
 
     if args.kv_budget_mib is not None and args.kv_budget_mib <= 0:
         raise RequestError("--kv-budget-mib must be greater than 0")
+    # serve's requests take the engine's default KV storage and blocks; run's flags choose theirs.
+    block_size = getattr(args, "block_size", GenerationRequest.block_size)
+    tokens = getattr(args, "max_num_batched_tokens", None)
+    if tokens is None:
+        tokens = default_token_budget(resolve_device(args.device))
+    limits = BatchLimits(getattr(args, "max_num_seqs", BatchLimits.max_num_seqs), tokens)
+    limits.check(block_size)  # the engine checks them too, in its own 16-token blocks
     cuda_graph = getattr(args, "cuda_graph", None)  # verbs without the flag keep the engine's default
     if cuda_graph and resolve_device(args.device).type != "cuda":
         # Asked for by name, a graph that cannot exist is an error, not a silent no-op.
@@ -215,12 +228,16 @@ def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCa
             progress=progress,
             prefix_cache=getattr(args, "prefix_cache", True),  # verbs without the flag keep it on
             cuda_graph=cuda_graph is not False,  # unset: the engine's default (on, where there is CUDA)
-            max_num_seqs=getattr(args, "max_num_seqs", 8),
-            max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
+            max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
         )
     finally:
         if isinstance(progress, ProgressLine):
             progress.close()  # a stage cut short by an error leaves its line open on a terminal
+    kv_dtype = KV_DTYPE_ALIASES.get(getattr(args, "kv_dtype", "auto"), getattr(args, "kv_dtype", "auto"))
+    element = engine.dtype.itemsize if kv_dtype == "auto" else DTYPE_BYTES[kv_dtype]
+    one_block = smallest_request_bytes(engine.cfg, getattr(args, "kv_layout", "gqa"), element, block_size)
+    check_budget_holds_a_request(engine.scheduler.kv_budget_bytes, one_block, block_size)
     return engine
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, RequestResult
@@ -155,3 +156,22 @@ async def wait_for_waiting(session: aiohttp.ClientSession, url: str, count: int)
                 return
         await asyncio.sleep(0.01)
     raise AssertionError(f"the queue never held {count} request(s)")
+
+
+def scrape(served, headers: dict[str, str] | None = None) -> dict[str, dict[tuple, float]]:
+    """sample name -> {labels (without model_name) as sorted pairs: value}."""
+    resp = raw_request(served.url, "GET", "/metrics", headers=headers if headers is not None else authorized())
+    assert resp.status == 200, resp.body
+    assert resp.headers["content-type"].startswith("text/plain")
+    samples: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(resp.body.decode()):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name") == MODEL
+            samples.setdefault(sample.name, {})[tuple(sorted(labels.items()))] = sample.value
+    return samples
+
+
+def one(samples: dict[str, dict[tuple, float]], name: str, **labels: str) -> float:
+    """The value of `name` with `labels` in a `scrape`."""
+    return samples[name][tuple(sorted(labels.items()))]

@@ -1,8 +1,9 @@
 """`reqscope serve`: an OpenAI-compatible HTTP server on minengine.
 
-Binds to 127.0.0.1 unless told otherwise. One request decodes at a time; others wait in a
-bounded queue (503 once it is full). Each finished request's telemetry goes to `--telemetry
-FILE` as a JSON line, and its access-log line to stderr (`--log-level`). Stop with Ctrl-C.
+Binds to 127.0.0.1 unless told otherwise. Up to --max-num-seqs requests decode together, in
+shared engine steps; others wait in a bounded queue (503 once it is full). Each finished
+request's telemetry goes to `--telemetry FILE` as a JSON line, and its access-log line to
+stderr (`--log-level`). Stop with Ctrl-C.
 
 A keyless server is the default on loopback, but an *empty* `--api-key ""` (typically an unset
 shell variable) is refused: it reads as "protect this server" and would silently give an open
@@ -146,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     def ready(url: str) -> None:
         auth = "API key required" if keys else "no API key"
         stderr_progress(
-            f"serving {config.model_name!r} at {url}/v1 ({engine.describe()}; one request decodes at a time, "
+            f"serving {config.model_name!r} at {url}/v1 ({engine.describe()}; "
+            f"up to {engine.steps.limits.max_num_seqs} requests decode together, "
             f"queue {config.max_queue}; {auth}); Ctrl-C stops"
         )
 

@@ -8,8 +8,9 @@ completion request then passes the gateway (`Gateway.guard`), has its body read 
 (`body.read_json`, bounded in time), is parsed into a GenerationRequest, and runs as an engine
 session on a worker thread (`EngineRun`). The response status is decided only once the
 scheduler has admitted the request, so a full queue is a 503 and a request that can never fit
-is a 400, never a 200 stream that fails. The engine admits one running request at a time;
-others wait in its bounded queue, and their wait is part of their TTFT.
+is a 400, never a 200 stream that fails. The engine admits up to max_num_seqs running
+requests, which decode together in its shared steps; others wait in its bounded queue, and
+their wait is part of their TTFT.
 """
 
 from __future__ import annotations
@@ -150,7 +151,13 @@ async def _complete(request: web.Request, arrival: Arrival, kind: Kind) -> web.S
             access.engine_ended(None)
 
     run = EngineRun(
-        state.engine, api.generation, arrival.timeline, top_logprobs=api.top_logprobs, on_end=record, on_exit=exited
+        state.engine,
+        api.generation,
+        arrival.timeline,
+        top_logprobs=api.top_logprobs,
+        on_end=record,
+        on_exit=exited,
+        on_preempt=state.metrics.preempted,
     )
     if access is not None:
         access.engine_started()

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from minengine.engine.batch_facts import PreemptEvent
 from minengine.engine.engine import Engine
 from minengine.engine.events import AdmitEvent, DoneEvent, RequestResult, StepReady, TokenEvent
 from minengine.engine.request import GenerationRequest
@@ -80,12 +81,14 @@ class EngineRun:
         top_logprobs: int | None,
         on_end: Callable[[SessionEnd], None],
         on_exit: Callable[[], None] | None = None,
+        on_preempt: Callable[[PreemptEvent], None] | None = None,
     ) -> None:
         self.session = engine.start(request, timeline)
         self.timeline = timeline
         self._probe = None if top_logprobs is None else LogprobProbe(top_logprobs, engine.tokenizer.piece)
         self._on_end = on_end
         self._on_exit = on_exit  # the worker is done, however it ended
+        self._on_preempt = on_preempt  # the engine took the request's KV back (it runs again later)
         self._queue: asyncio.Queue[RunItem] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.finished = threading.Event()
@@ -130,6 +133,8 @@ class EngineRun:
                 elif isinstance(event, TokenEvent):
                     logprob = None if self._probe is None else self._probe.entry(event.token_id)
                     self._post(Generated(event, logprob))
+                elif isinstance(event, PreemptEvent) and self._on_preempt is not None:
+                    self._on_preempt(event)
                 elif isinstance(event, DoneEvent):
                     self._on_end(SessionEnd(event.result, self.disconnect_ms))
                     self._post(Ended(event.result, self.session.failure))

@@ -12,7 +12,8 @@ and last *visible* token. Two differences from vLLM follow, both named in the he
 `time_per_output_token_seconds` is one observation per request (its TPOT), while every single
 gap is in `inter_token_latency_seconds`; and the latency histograms count only requests that
 produced visible text. Running and waiting requests and KV usage are read from the scheduler
-at scrape time.
+at scrape time: running is every request in the engine's batch. Preemptions are counted as
+they happen (`preempted`, fed each `PreemptEvent`), not when their request ends.
 
 Each app gets its own CollectorRegistry (never prometheus_client's global one), so several
 servers in one process, as in the tests, keep separate counts.
@@ -28,6 +29,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from minengine.engine.batch_facts import PreemptEvent
 from minengine.engine.events import RequestResult
 from minengine.engine.metrics import inter_token_gaps
 from minengine.engine.scheduler import Scheduler
@@ -92,12 +94,17 @@ class _LiveCollector(Collector):
         """The gauges, from one reading of the scheduler."""
         state = self.read()
         for name, help_text, value in (
-            ("num_requests_running", "Requests admitted and decoding (this server runs one at a time).", state.running),
+            (
+                "num_requests_running",
+                "Requests admitted and running: the sequences the engine's steps batch (at most --max-num-seqs).",
+                state.running,
+            ),
             ("num_requests_waiting", "Requests waiting in the admission queue.", state.waiting),
             (
                 "kv_cache_usage_perc",
-                "KV cache usage as a fraction 0..1 of the KV budget (--kv-budget-mib) reserved by running "
-                "requests; a request reserves its worst case, prompt + max_tokens, when admitted.",
+                "KV cache usage as a fraction 0..1 of the KV budget (--kv-budget-mib) reserved by the running "
+                "requests, every one in the batch; a request reserves its worst case, prompt + max_tokens, "
+                "when admitted.",
                 state.kv_usage,
             ),
         ):
@@ -137,10 +144,9 @@ class ServeMetrics:
             "Prefix cache hits: prompt tokens whose KV was reused from the prefix cache, not prefilled "
             "(whole blocks; never a prompt's last token)",
         )
-        self.num_preemptions = counter(
+        self.preemptions = counter(
             "num_preemptions",
-            "Preemptions: a running request's KV blocks taken back for others when the pool ran out, the "
-            "request recomputed (counted when the request finishes)",
+            "Preemptions: a running request's KV taken back to make room for others, its tokens recomputed later.",
         )
         visible = "; requests with visible output only"
         self.ttft = histogram(
@@ -186,7 +192,7 @@ class ServeMetrics:
         # with the first event would miss that event.
         for metric in (
             self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
-            self.num_preemptions,
+            self.preemptions,
         ):  # fmt: skip
             metric.labels(model_name)
         for reason in SUCCESS_REASONS:
@@ -213,8 +219,6 @@ class ServeMetrics:
             self.prefix_cache_queries.labels(model).inc(prefix.prompt_tokens)
             self.prefix_cache_hits.labels(model).inc(prefix.reused_tokens)
         self.generation_tokens.labels(model).inc(result.usage.completion_tokens)
-        if result.batch is not None:
-            self.num_preemptions.labels(model).inc(result.batch.preemptions)
         reason = api_finish_reason(result.finish_reason)
         if reason in SUCCESS_REASONS and result.error is None:
             self.request_success.labels(model, reason).inc()
@@ -230,6 +234,10 @@ class ServeMetrics:
             self.tpot.labels(model).observe(metrics.tpot_ms / 1000)
         for gap_ms in _visible_gaps_ms(result):
             self.itl.labels(model).observe(gap_ms / 1000)
+
+    def preempted(self, _event: PreemptEvent) -> None:
+        """Count one preemption (called from the preempted request's worker thread, as it happens)."""
+        self.preemptions.labels(self.model_name).inc()
 
     def render(self) -> bytes:
         """The text exposition of every metric, as a scrape receives it."""

@@ -2,7 +2,9 @@
 
 Every request leaves the engine's telemetry record (request ID, stage times, token counts,
 queue wait, KV, errors, cancellation), extended with its prefix cache stage (blocks looked up
-and hit, tokens reused, times), the endpoint it came through and, when
+and hit, tokens reused, times), its batch facts (the engine steps it ran in, how many it shared
+with other sequences, the mean and largest batch, its prefill chunks and preemptions), the
+endpoint it came through and, when
 the client went away mid-request, when the server noticed and how many tokens the engine
 still produced after that: at most the one step already running when the cancel landed.
 A request whose client left while it waited in the queue is recorded as cancelled, with the
@@ -18,6 +20,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from minengine.engine.batch_facts import BatchSummary
 from minengine.engine.events import PrefixCacheEvent, RequestResult
 from minengine.record.telemetry import telemetry_record
 
@@ -40,6 +43,7 @@ class ServedRequest:
         """The JSON telemetry line."""
         record = telemetry_record(self.result)
         record["prefix_cache"] = prefix_cache_json(self.result.prefix_cache)
+        record["batch"] = batch_json(self.result.batch)
         record["endpoint"] = self.endpoint
         record["client_disconnected_ms"] = None if self.disconnect_ms is None else round(self.disconnect_ms, 3)
         record["tokens_after_disconnect"] = self.tokens_after_disconnect
@@ -54,6 +58,7 @@ def server_report(result: RequestResult) -> dict:
     """
     report = telemetry_record(result)
     report["prefix_cache"] = prefix_cache_json(result.prefix_cache)
+    report["batch"] = batch_json(result.batch)
     m = result.metrics
     report["output_tokens"] = None if m is None else m.output_tokens
     report["itl_ms"] = None
@@ -70,6 +75,13 @@ def prefix_cache_json(event: PrefixCacheEvent | None) -> dict | None:
     for key in ("lookup_ms", "copy_ms", "duration_ms"):
         record[key] = round(record[key], 3)
     return record | {"computed_tokens": event.computed_tokens}
+
+
+def batch_json(summary: BatchSummary | None) -> dict | None:
+    """A request's batch facts as JSON (None when it never reached prefill)."""
+    if summary is None:
+        return None
+    return asdict(summary) | {"mean_batch": round(summary.mean_batch, 3)}
 
 
 class TelemetryLog:

@@ -95,7 +95,8 @@ class Engine:
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.device = resolve_device(device)
-        limits = BatchLimits(max_num_seqs, max_num_batched_tokens or default_token_budget(self.device))
+        tokens = default_token_budget(self.device) if max_num_batched_tokens is None else max_num_batched_tokens
+        limits = BatchLimits(max_num_seqs, tokens)
         limits.check()
         if not self.model_dir.is_dir():
             raise ModelNotFoundError(

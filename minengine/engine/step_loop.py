@@ -46,7 +46,7 @@ import torch
 from minengine.device import synchronize
 from minengine.engine.batch_facts import BatchStep, PoolUsage, PrefillChunk
 from minengine.engine.roofline import StepBytes, step_bytes
-from minengine.errors import RequestError, Setting
+from minengine.errors import Mention, RequestError, Setting
 from minengine.kv.block_pool import PoolExhausted
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
@@ -76,22 +76,29 @@ class BatchLimits:
     max_num_batched_tokens: int = 64
 
     def check(self, block_size: int = 16) -> None:
-        """Refuse limits no step can work under (a one-line error naming the setting)."""
-        if self.max_num_seqs < 1:
-            raise RequestError(f"max_num_seqs is {self.max_num_seqs}; a step needs room for 1 sequence: raise ",
-                               Setting.MAX_NUM_SEQS)
-        if self.max_num_batched_tokens < block_size:
+        """Refuse limits no step can work under, for KV blocks of `block_size` tokens (a one-line
+        error naming the setting, its value and what would do)."""
+        seqs, tokens = self.max_num_seqs, self.max_num_batched_tokens
+        if seqs < 1:
             raise RequestError(
-                f"max_num_batched_tokens is {self.max_num_batched_tokens}, smaller than one KV block "
-                f"({block_size} tokens); raise ",
-                Setting.MAX_NUM_BATCHED_TOKENS,
+                Mention(Setting.MAX_NUM_SEQS, str(seqs)),
+                " lets no sequence into a step, so no request could ever run; give it 1 or more",
             )
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if tokens < block_size:
             raise RequestError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_num_seqs "
-                f"({self.max_num_seqs}): a step could not give every running sequence its token; raise ",
+                Mention(Setting.MAX_NUM_BATCHED_TOKENS, str(tokens)),
+                f" is smaller than one KV block ({block_size} tokens), so a step could never fill one; raise ",
                 Setting.MAX_NUM_BATCHED_TOKENS,
-                " or lower ",
+                f" to at least {block_size}",
+            )
+        if tokens < seqs:
+            raise RequestError(
+                Mention(Setting.MAX_NUM_BATCHED_TOKENS, str(tokens)),
+                " is smaller than ",
+                Mention(Setting.MAX_NUM_SEQS, str(seqs)),
+                ", so a step could not give every running sequence its token; raise ",
+                Setting.MAX_NUM_BATCHED_TOKENS,
+                f" to at least {seqs} or lower ",
                 Setting.MAX_NUM_SEQS,
             )
 

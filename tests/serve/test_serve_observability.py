@@ -11,8 +11,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from aiohttp.http_exceptions import BadHttpMessage
-from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import MODEL, authorized, chat_body, raw_request, serving
+from serve_harness import authorized, chat_body, one, raw_request, scrape, serving
 
 from reqscope.serve.access import ACCESS_LOGGER, ClientErrorsInOneLine, configure_logging
 from reqscope.serve.gateway import GatewayConfig
@@ -20,24 +19,6 @@ from reqscope.serve.metrics import token_count_buckets
 
 CHAT = "/v1/chat/completions"
 KEYLESS = GatewayConfig()
-
-
-def scrape(served, headers: dict[str, str] | None = None) -> dict[str, dict[tuple, float]]:
-    """sample name -> {labels (without model_name) as sorted pairs: value}."""
-    resp = raw_request(served.url, "GET", "/metrics", headers=headers if headers is not None else authorized())
-    assert resp.status == 200, resp.body
-    assert resp.headers["content-type"].startswith("text/plain")
-    samples: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(resp.body.decode()):
-        for sample in family.samples:
-            labels = dict(sample.labels)
-            assert labels.pop("model_name") == MODEL
-            samples.setdefault(sample.name, {})[tuple(sorted(labels.items()))] = sample.value
-    return samples
-
-
-def one(samples: dict[str, dict[tuple, float]], name: str, **labels: str) -> float:
-    return samples[name][tuple(sorted(labels.items()))]
 
 
 def test_metrics_after_one_request_carry_vllms_names_and_the_engines_numbers(engine):
