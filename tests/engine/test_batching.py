@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from concurrent_runs import run_all
 from tiny_models import SPECS
 
 from minengine.config import ModelConfig
@@ -124,29 +125,13 @@ def _request(prompt: str, max_tokens: int = 12) -> GenerationRequest:
     return GenerationRequest.from_prompt(prompt, sampling=GREEDY, max_tokens=max_tokens, ignore_eos=True)
 
 
-def _run_all(engine: Engine, requests: list[GenerationRequest]) -> list[list]:
-    events: list[list] = [[] for _ in requests]
-    start = threading.Barrier(len(requests))
-
-    def run(i: int) -> None:
-        start.wait()
-        events[i] = list(engine.start(requests[i]))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    return events
-
-
 PROMPTS = ("Tell me about Kyoto", "What is a KV cache?", "Hi", "Name three hotels with step-free access in Osaka")
 
 
 def test_concurrent_sessions_share_steps_and_keep_their_tokens(chatty_tiny_dir):
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False)
     alone = [next(e for e in engine.start(_request(p)) if isinstance(e, DoneEvent)).result for p in PROMPTS]
-    together = _run_all(engine, [_request(p) for p in PROMPTS])
+    together = run_all(engine, [_request(p) for p in PROMPTS])
     results = [evs[-1].result for evs in together]
     assert [r.token_ids for r in results] == [r.token_ids for r in alone]
     assert all(r.batch.steps == 12 and r.batch.max_batch == 1 and r.batch.shared_steps == 0 for r in alone)

@@ -4,7 +4,7 @@ every block is back in the pool afterwards."""
 
 from __future__ import annotations
 
-import threading
+from concurrent_runs import run_all
 
 from minengine.engine.batch_facts import PreemptEvent
 from minengine.engine.engine import Engine
@@ -20,29 +20,13 @@ def _request(prompt: str) -> GenerationRequest:
     return GenerationRequest.from_prompt(prompt, sampling=GREEDY, max_tokens=48, ignore_eos=True)
 
 
-def _run_all(engine: Engine, requests: list[GenerationRequest]) -> list[list]:
-    events: list[list] = [[] for _ in requests]
-    start = threading.Barrier(len(requests))
-
-    def run(i: int) -> None:
-        start.wait()
-        events[i] = list(engine.start(requests[i]))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    return events
-
-
 def test_a_full_pool_preempts_the_newest_request_which_recomputes_its_tokens(chatty_tiny_dir):
     probe = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False)
     alone = [next(e for e in probe.start(_request(p)) if isinstance(e, DoneEvent)).result for p in PROMPTS]
     worst = max(next(e for e in probe.start(_request(p)) if isinstance(e, AdmitEvent)).kv_needed_bytes for p in PROMPTS)
     # Room for every prompt at once, not for every answer: decode runs the pool dry.
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=worst * 2, prefix_cache=False)
-    together = _run_all(engine, [_request(p) for p in PROMPTS])
+    together = run_all(engine, [_request(p) for p in PROMPTS])
     results = [evs[-1].result for evs in together]
     assert [r.finish_reason for r in results] == ["length"] * len(PROMPTS)
     assert [r.token_ids for r in results] == [r.token_ids for r in alone]  # recompute loses and repeats nothing
