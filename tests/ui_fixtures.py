@@ -7,11 +7,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from minengine.engine.batch_facts import BatchStep, BatchSummary, PoolUsage, PreemptEvent, PrefillChunk
+from minengine.engine.batch_facts import BatchStep, BatchSummary, PreemptEvent, PrefillChunk
 from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, PrefillEvent, StageEvent, TokenEvent
 from minengine.engine.request import GenerationRequest
 from minengine.engine.roofline import ReadCeiling, step_bytes
+from minengine.kv.usage import PoolUsage
 from minengine.record.trace_io import TraceHeader, read_trace
 from minengine.sampling.params import SamplingParams
 from reqscope.run_options import DEFAULT_PROMPT

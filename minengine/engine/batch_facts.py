@@ -14,26 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minengine.engine.roofline import StepBytes
-
-
-@dataclass(frozen=True)
-class PoolUsage:
-    """The KV budget as the step found it, from one request's point of view (bytes).
-
-    `own` is this request's cache, `others` the other running requests' caches, `prefix` the
-    blocks the prefix cache keeps for later requests, and `free` what is left of the budget.
-    The four add up to `budget`.
-    """
-
-    budget: int
-    own: int
-    others: int
-    prefix: int
-
-    @property
-    def free(self) -> int:
-        """Budget no one holds."""
-        return max(0, self.budget - self.own - self.others - self.prefix)
+from minengine.kv.usage import PoolUsage
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ import torch
 
 from minengine.config import ModelConfig
 from minengine.device import resolve_device, resolve_dtype, synchronize
-from minengine.engine.batch_facts import PoolUsage
 from minengine.engine.events import Event
 from minengine.engine.request import GenerationRequest
 from minengine.engine.scheduler import Scheduler
@@ -23,6 +22,7 @@ from minengine.errors import Mention, ModelNotFoundError, Setting
 from minengine.kv.block_pool import BlockPool
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache
+from minengine.kv.usage import PoolUsage
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.model.weight_format import compute_dtype_for, refuse_shapes, resolve_weights

@@ -44,12 +44,13 @@ from dataclasses import dataclass, field
 import torch
 
 from minengine.device import synchronize
-from minengine.engine.batch_facts import BatchStep, PoolUsage, PrefillChunk
+from minengine.engine.batch_facts import BatchStep, PrefillChunk
 from minengine.engine.roofline import StepBytes, step_bytes
 from minengine.errors import Mention, RequestError, Setting
 from minengine.kv.block_pool import PoolExhausted
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
+from minengine.kv.usage import PoolUsage
 from minengine.model.batch_forward import Row
 from minengine.model.runner import ModelRunner
 

@@ -46,6 +46,7 @@ import torch
 
 from minengine.errors import ReqscopeError, Setting
 from minengine.kv.arithmetic import MIB, kv_bytes_per_token
+from minengine.kv.usage import PoolUsage
 
 PREFIX = "prefix cache"  # the holder name of the prefix cache's references
 FIRST_SEGMENT_BYTES = 256 * MIB
@@ -95,23 +96,6 @@ class PoolExhausted(ReqscopeError):
             Setting.KV_BUDGET,
         )
         self.owner, self.wanted, self.free = owner, wanted, free
-
-
-@dataclass(frozen=True)
-class Holdings:
-    """The budget from one holder's point of view, in bytes: its own blocks, other requests'
-    blocks, blocks only the prefix cache keeps, and free. A block two requests share counts
-    as each one's own, and once in `others` for everyone else."""
-
-    budget: int
-    own: int
-    others: int
-    prefix: int
-
-    @property
-    def free(self) -> int:
-        """Budget no block takes."""
-        return max(0, self.budget - self.own - self.others - self.prefix)
 
 
 class Segment:
@@ -293,11 +277,11 @@ class BlockPool:
         with self._lock:
             return {owner: n for owner, n in self._owned.items() if n}
 
-    def holdings(self, owner: str) -> Holdings:
+    def holdings(self, owner: str) -> PoolUsage:
         """The budget as `owner` sees it: its blocks, other requests', the prefix cache's alone, free."""
         with self._lock:
             own = self._owned_bytes[owner]
-            return Holdings(self.budget_bytes, own, self._request_bytes - own, self._prefix_only_bytes)
+            return PoolUsage(self.budget_bytes, own, self._request_bytes - own, self._prefix_only_bytes)
 
     def store(self, fmt: BlockFormat) -> BlockStore:
         """The store of `fmt`'s blocks (made empty on first use: no storage until a block is wanted)."""

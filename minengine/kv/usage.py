@@ -32,3 +32,24 @@ class KVUsage:
     per_layer_tokens: tuple[int, ...]
     per_layer_logical_bytes: tuple[int, ...]
     per_layer_physical_bytes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """The KV budget from one request's point of view (bytes), as a step found it.
+
+    `own` is this request's cache, `others` the other running requests' caches, `prefix` the
+    blocks the prefix cache keeps for later requests, and `free` what is left of the budget.
+    The four add up to `budget`. A block two requests share counts as each one's own, and once
+    in `others` for everyone else.
+    """
+
+    budget: int
+    own: int
+    others: int
+    prefix: int
+
+    @property
+    def free(self) -> int:
+        """Budget no one holds."""
+        return max(0, self.budget - self.own - self.others - self.prefix)

@@ -20,8 +20,9 @@ from serve_harness import (
     wait_for_waiting,
 )
 
-from minengine.engine.batch_facts import BatchStep, BatchSummary, PoolUsage, PreemptEvent
+from minengine.engine.batch_facts import BatchStep, BatchSummary, PreemptEvent
 from minengine.engine.events import TokenEvent
+from minengine.kv.usage import PoolUsage
 from reqscope.serve.telemetry import batch_json
 
 CHAT = "/v1/chat/completions"

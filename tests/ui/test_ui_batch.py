@@ -24,10 +24,11 @@ from ui_fixtures import (
     wait_for,
 )
 
-from minengine.engine.batch_facts import BatchStep, PoolUsage
+from minengine.engine.batch_facts import BatchStep
 from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, PreemptEvent, PrefillEvent, TokenEvent
 from minengine.kv.arithmetic import MIB
+from minengine.kv.usage import PoolUsage
 from minengine.record.export import TRACE_JSONL, export_run
 from minengine.record.trace_io import read_trace
 from reqscope.engine_load import SOLO_STEPS, LoadOptions

@@ -15,8 +15,9 @@ from dataclasses import replace
 from rich.console import Group, RenderableType
 from rich.text import Text
 
-from minengine.engine.batch_facts import BatchStep, PoolUsage, PrefillChunk
+from minengine.engine.batch_facts import BatchStep, PrefillChunk
 from minengine.kv.arithmetic import MIB
+from minengine.kv.usage import PoolUsage
 from reqscope.engine_load import LoadNote
 from reqscope.ui.glyphs import columns, sparkline
 from reqscope.ui.panel import Panel
