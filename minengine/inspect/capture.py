@@ -25,6 +25,7 @@ from minengine.inspect.summary import attention_record, lens_record
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.transformer import Transformer
+from minengine.threads import OneThread
 
 _PLAIN_HISTORY = 16  # uncaptured single-token steps the median is over
 
@@ -100,7 +101,8 @@ def _records(
 ) -> StepInspection:
     start = time.perf_counter()
     ask = observer.ask
-    with torch.inference_mode():
+    # A few dozen small reductions: on one thread, as single-query attention runs (`threads.OneThread`).
+    with torch.inference_mode(), OneThread(logits.device):
         attention = None
         if ask.attention:
             attention = attention_record(observer.weights, observer.kv_heads, ask, layout)
