@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 
 from minengine.engine.events import Event
+from minengine.inspect.ask import LENS_BASES, InspectAsk
 from reqscope.endpoint.options import add_endpoint_arguments
 from reqscope.engine_load import EngineLoad, LoadOptions, add_load_arguments
 from reqscope.run_options import (
@@ -32,6 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--force", action="store_true", help="with --export: replace the export files of an earlier run in DIR"
     )
+    inside = parser.add_argument_group("inside the step (headless; each token record and the export keep them)")
+    inside.add_argument(
+        "--attention", type=int, default=0, metavar="TOP_N",
+        help="record each step's attention: per layer and head the TOP_N most-attended positions and the entropy",
+    )  # fmt: skip
+    inside.add_argument(
+        "--lens", nargs="?", const="candidates", choices=LENS_BASES, default=None,
+        help="record each step's logit lens: each layer's top token and the chosen token's rank, over the "
+        "step's 20 most likely tokens (candidates, the default) or the whole vocabulary (vocab, slower)",
+    )  # fmt: skip
     add_run_arguments(parser)
     add_load_arguments(parser)
     add_endpoint_arguments(parser)
@@ -51,6 +62,11 @@ def run(args: argparse.Namespace) -> int:
         return run_endpoint(args, request_from_args(args, prompt, None))
     model = ModelFolder.of(args)
     request = request_from_args(args, prompt, model)
+    inspect_ask = InspectAsk(attention_top=max(args.attention, 0), lens=args.lens)
+    if args.attention < 0:
+        print(f"reqscope: error: --attention {args.attention}: give the top positions to keep, 1 or more "
+              "(0 records none)", file=sys.stderr)
+        return 2
     headless = args.plain or args.json or not sys.stdout.isatty()
     if not headless:
         if args.export:  # the explorer exports on `x`, each run to a new folder; never drop the flag silently
@@ -70,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
     recorded: list = []
     with EngineLoad(engine, load, request) as beside:
         note = beside.note if load.any else None
-        events = _recording(in_app_words(engine.start(request)), recorded, beside.follow)
+        session = engine.start(request)
+        session.inspect(inspect_ask)
+        events = _recording(in_app_words(session), recorded, beside.follow)
         if args.json:
             from reqscope.console.jsonl import print_jsonl
 

@@ -19,6 +19,7 @@ from minengine.engine.events import (
     TokenEvent,
 )
 from minengine.engine.request import GenerationRequest, setting_value
+from reqscope.console.inspection_json import inspection_keys
 from reqscope.console.json_out import emit, metrics_json
 from reqscope.console.roofline_lines import done_keys, summary_of, token_keys
 
@@ -48,7 +49,8 @@ def print_jsonl(
     (`batch`: the sequences sharing it, its tokens, its time against one sequence alone, the
     queue, the KV pool), a `prefill` record with the prompt's chunks, a `preempt` record when the
     engine takes the request's blocks back, and the done record's `batch` summary; a `load`
-    record first says what shares the engine (`--background`, `--serve-port`).
+    record first says what shares the engine (`--background`, `--serve-port`). A step inspected
+    (`--attention`, `--lens`) adds its `attention`, `lens` and `inspect_cost` (`inspection_json`).
     """
     out = out or sys.stdout
     result: RequestResult | None = None
@@ -95,7 +97,8 @@ def print_jsonl(
                     "kv_physical_bytes": ev.kv.physical_bytes,
                 }
                 | token_keys(ev, read_ceiling)
-                | ({} if ev.batch is None else {"batch": step_record(ev.batch)}),
+                | ({} if ev.batch is None else {"batch": step_record(ev.batch)})
+                | inspection_keys(ev.inspection),
             )
             tokens.append(ev)
         elif isinstance(ev, DoneEvent):

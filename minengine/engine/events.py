@@ -13,6 +13,7 @@ from minengine.engine.batch_facts import BatchStep, BatchSummary, PreemptEvent, 
 from minengine.engine.metrics import RequestMetrics
 from minengine.engine.roofline import StepBytes
 from minengine.engine.timeline import StageTiming, TimelineEvent
+from minengine.inspect.records import StepInspection
 from minengine.kv.usage import KVUsage
 from minengine.sampling.step_trace import StepTrace
 from minengine.text.prompt_parts import PromptPart
@@ -41,6 +42,9 @@ class PromptEvent:
     rendered: str
     pieces: tuple[TokenPiece, ...]
     parts: tuple[PromptPart, ...]
+    # The part each prompt token belongs to (`parts` counts them): what the attention view marks
+    # a position as (`minengine.inspect.positions`). Empty in traces recorded before it was kept.
+    token_parts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,10 @@ class TokenEvent:
     # scheduled, the queue and the KV pool. None for the first token (prefill's; see
     # PrefillEvent.chunks) and in traces recorded before the engine batched.
     batch: BatchStep | None = None
+    # What the step behind this token did inside (its attention, its logit lens, their cost),
+    # when the session was asked to capture it (`RequestSession.inspect`); None otherwise, and
+    # in traces recorded before it was kept.
+    inspection: StepInspection | None = None
 
     @property
     def read_step_ms(self) -> float:

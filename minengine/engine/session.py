@@ -57,7 +57,6 @@ from minengine.engine.events import (
     PrefillEvent,
     PrefixCacheEvent,
     PromptEvent,
-    PromptPart,
     RequestResult,
     StageEvent,
     StepReady,
@@ -71,6 +70,9 @@ from minengine.engine.scheduler import Admission, Scheduler
 from minengine.engine.step_loop import Member, Preempted, StepCancelled, StepLoop
 from minengine.engine.timeline import STAGE_SPANS, Timeline
 from minengine.errors import Message, QueueCancelledError, ReqscopeError, RequestError, Setting
+from minengine.inspect.ask import FULL_VIEW, InspectAsk
+from minengine.inspect.capture import StepCapture
+from minengine.inspect.records import StepInspection
 from minengine.kv.arithmetic import blocks_for, kv_bytes_in_blocks, stored_kv_heads
 from minengine.kv.block_pool import BlockFormat, BlockPool
 from minengine.kv.cache import KVCache
@@ -83,7 +85,7 @@ from minengine.sampling.sampler import Sampler
 from minengine.sampling.step_trace import StepTrace
 from minengine.sampling.trace import explain
 from minengine.text.detokenizer import IncrementalDetokenizer
-from minengine.text.prompt_parts import prompt_parts
+from minengine.text.prompt_parts import count_parts, token_parts
 from minengine.text.stop import StopMatcher
 
 if TYPE_CHECKING:
@@ -227,6 +229,8 @@ class RequestSession:
         self._held_ns = 0  # time the consumer held the session suspended (see `hold`)
         self._holding = False  # the consumer holds the suspension in progress
         self._member: Member | None = None  # its place in the step loop, from the prefix cache stage on
+        self._capture = StepCapture(request.kv_layout, engine.tokenizer.piece)  # what `inspect` asks
+        self._held_step: tuple[int, int] | None = None  # (token fed, its position) behind the waiting logits
 
     # -- control, from the consumer (or, for cancel, any thread) -----------------------------
 
@@ -258,6 +262,26 @@ class RequestSession:
         self.sampling = params
         if self._sampler is not None:
             self._sampler.update(params)
+
+    def inspect(self, ask: InspectAsk) -> None:
+        """Capture what `ask` asks inside each step from the next one on (a visible panel, a flag);
+        `inspect.ask.NOTHING` stops it, and decode takes its uncaptured path again. Each captured
+        step's records come on its TokenEvent (`inspection`)."""
+        self._capture.ask = ask
+
+    def inspect_step(self, ask: InspectAsk = FULL_VIEW, token: int | None = None) -> StepInspection | None:
+        """The waiting step's views now, computed as `ask` asks (by default all of them, the lens
+        over the whole vocabulary), tracking `token` in the lens (by default the one `preview`
+        would show chosen); None when no step waits. The step is run again over the cache it
+        wrote, writing nothing: the waiting logits and every later step stay as they were."""
+        if self.pending_logits is None or self._held_step is None or self._member is None:
+            return None
+        if token is None:
+            filtered, _ = filter_logits(self.pending_logits, self.sampling)
+            token = self._forced if self._forced is not None else int(filtered.argmax())
+        fed, position = self._held_step
+        model = self.engine.runner.model
+        return self._capture.on_demand(model, self._member.cache, fed, position, token, ask)
 
     def preview(self, params: SamplingParams | None = None, top_n: int | None = None) -> StepTrace | None:
         """Explain the waiting step under `params` without sampling or running the model.
@@ -355,10 +379,10 @@ class RequestSession:
         ids = tuple(p.token_id for p in pieces)
         yield self._stage("tokenized", f"{len(ids)} tokens")
         if prompt.generation_prompt_start is None:  # a raw prompt is all the user's
-            parts = (PromptPart("user", len(pieces)),)
+            names = ("user",) * len(pieces)
         else:
-            parts = prompt_parts(prompt.text, prompt.generation_prompt_start, self.request.messages, pieces)
-        yield PromptEvent(prompt.text, tuple(pieces), parts)
+            names = token_parts(prompt.text, prompt.generation_prompt_start, self.request.messages, pieces)
+        yield PromptEvent(prompt.text, tuple(pieces), count_parts(names), names)
         return ids
 
     def _admit(
@@ -489,13 +513,16 @@ class RequestSession:
         state.weight_bytes = self.engine.runner.model.decode_weight_bytes  # once: it sums every tensor
         while True:
             self.pending_logits = logits
+            self._held_step = (state.fed[-1], len(state.fed) - 1)
             yield StepReady(len(state.generated))
+            self._held_step = None
             if self.cancelled.is_set():
                 finish = "cancelled"
                 break
             token, trace, forced = self._sample(self._min_tokens_mask(logits, len(state.generated)))
             self.pending_logits = None
-            event, finish = self._stream(token, trace, forced, cache, state)
+            inspection = self._capture.inspection(self.engine.runner.model, logits, token)
+            event, finish = self._stream(token, trace, forced, cache, state, inspection)
             yield event
             finish = finish or self._stop_after_step(state)
             if finish is not None:
@@ -523,7 +550,13 @@ class RequestSession:
         return token, trace, forced is not None
 
     def _stream(
-        self, token: int, trace: StepTrace | None, forced: bool, cache: KVCache | PagedKVCache, state: DecodeState
+        self,
+        token: int,
+        trace: StepTrace | None,
+        forced: bool,
+        cache: KVCache | PagedKVCache,
+        state: DecodeState,
+        inspection: StepInspection | None = None,
     ) -> tuple[TokenEvent, str | None]:
         """Streaming: commit `token` and release the text it makes visible.
 
@@ -566,6 +599,7 @@ class RequestSession:
             held_ms=self._held_since_previous(state),
             bytes_read=self._bytes_read(index, state),
             batch=self._member.last_step if index and self._member is not None else None,
+            inspection=inspection,
         )
         state.previous_t = t
         return event, "stop" if stops else "stop_sequence" if stop_hit else None
@@ -650,7 +684,11 @@ class RequestSession:
         """Run `ids` at positions from `start` in the engine's shared steps, caching their K/V in the
         request's cache; the next-token logits, and the prompt chunks the steps ran."""
         assert self._member is not None
-        return self._member.forward(ids, start)
+        observer = self._capture.observer(self.engine.runner.model)
+        begun = time.perf_counter()
+        out = self._member.forward(ids, start, observer)
+        self._capture.ran(observer, (time.perf_counter() - begun) * 1000, len(ids))
+        return out
 
     def _forward_or_recompute(
         self, ids: tuple[int, ...], start: int, state: DecodeState

@@ -51,7 +51,7 @@ from minengine.kv.block_pool import PoolExhausted
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.usage import PoolUsage
-from minengine.model.batch_forward import Row
+from minengine.model.batch_forward import Row, RowObserver
 from minengine.model.runner import ModelRunner
 
 _SOLO_HISTORY = 16  # solo decode steps the loop remembers for `BatchStep.solo_step_ms`
@@ -122,6 +122,7 @@ class _Work:
     error: BaseException | None = None
     chunks: list[PrefillChunk] = field(default_factory=list)
     finished: bool = False
+    observer: RowObserver | None = None  # shown its last position inside the step that ends it (inspection)
 
     @property
     def left(self) -> int:
@@ -145,15 +146,18 @@ class Member:
         self.preempted: Preempted | None = None  # taken back while it had no work in the loop
         self.last_step: BatchStep | None = None
 
-    def forward(self, ids: tuple[int, ...], start: int) -> tuple[torch.Tensor, list[PrefillChunk]]:
+    def forward(
+        self, ids: tuple[int, ...], start: int, observer: RowObserver | None = None
+    ) -> tuple[torch.Tensor, list[PrefillChunk]]:
         """Run `ids` at positions from `start` in the loop's steps; the next-token logits and, for a
         prompt, the chunks it ran in. Blocks until the last of its steps has run. Raises
-        `Preempted` when its blocks were taken back: the caller runs everything again from 0."""
+        `Preempted` when its blocks were taken back: the caller runs everything again from 0.
+        `observer` is shown the last position inside its step (its own row of a shared step)."""
         self.away = False
         if self.preempted is not None:
             preempted, self.preempted = self.preempted, None
             raise preempted
-        work = _Work(self, ids, start)
+        work = _Work(self, ids, start, observer=observer)
         self.loop._run_until_done(work)
         if work.error is not None:
             raise work.error
@@ -343,7 +347,8 @@ class StepLoop:
 
     def _step(self, plan: list[tuple[_Work, int]], waiting: int, members: list[Member]) -> None:
         """Run one step outside the lock, then hand each work its part of the result."""
-        rows = [Row(w.ids[w.done : w.done + n], w.start + w.done, w.member.cache, w.done + n == len(w.ids))
+        rows = [Row(w.ids[w.done : w.done + n], w.start + w.done, w.member.cache, w.done + n == len(w.ids),
+                    w.observer if w.done + n == len(w.ids) else None)
                 for w, n in plan]
         start = time.perf_counter()
         error: BaseException | None = None

@@ -213,16 +213,20 @@ class KVCache:
         if self.quantized:
             self._store_fp8(self._k[layer], self._k_scale[layer], k, start, end)
             self._store_fp8(self._v[layer], self._v_scale[layer], v, start, end)
-            self.lengths[layer] = end
+        else:
+            self._k[layer].narrow(2, start, end - start).copy_(k)
+            self._v[layer].narrow(2, start, end - start).copy_(v)
+        self.lengths[layer] = end
+        return self.read(layer, end)
+
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` for positions [0, end) as `update` returns them, writing nothing."""
+        if self.quantized:
             return (
                 self._load_fp8(self._k[layer], self._k_scale[layer], end),
                 self._load_fp8(self._v[layer], self._v_scale[layer], end),
             )
-        k_buf, v_buf = self._k[layer], self._v[layer]
-        k_buf.narrow(2, start, end - start).copy_(k)
-        v_buf.narrow(2, start, end - start).copy_(v)
-        self.lengths[layer] = end
-        keys, values = k_buf.narrow(2, 0, end), v_buf.narrow(2, 0, end)
+        keys, values = self._k[layer].narrow(2, 0, end), self._v[layer].narrow(2, 0, end)
         if self.storage_dtype != self.compute_dtype:  # e.g. a bfloat16 cache under a float32 model
             return keys.to(self.compute_dtype), values.to(self.compute_dtype)
         return keys, values

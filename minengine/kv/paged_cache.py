@@ -206,12 +206,17 @@ class PagedKVCache:
             kq, ks = quantize_fp8(k)
             vq, vs = quantize_fp8(v)
             self._write(layer, start, end, (kq, vq, ks, vs))
-            self.lengths[layer] = end
+        else:
+            self._write(layer, start, end, (k, v))
+        self.lengths[layer] = end
+        return self.read(layer, end)
+
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` for positions [0, end) as `update` returns them, writing nothing."""
+        if self.quantized:
             keys, values, key_scales, value_scales = self._read(layer, end, 4)
             dtype = self.compute_dtype
             return dequantize_fp8(keys, key_scales, dtype), dequantize_fp8(values, value_scales, dtype)
-        self._write(layer, start, end, (k, v))
-        self.lengths[layer] = end
         keys, values = self._read(layer, end, 2)
         if self.storage_dtype != self.compute_dtype:
             return keys.to(self.compute_dtype), values.to(self.compute_dtype)

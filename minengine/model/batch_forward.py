@@ -17,6 +17,7 @@ flip a near-tie under greedy decoding (tests/engine/test_batching.py measures ho
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -24,6 +25,20 @@ from minengine.kv.cache import KVCache
 from minengine.model.ops import attend, decode_attention, heads_first
 from minengine.model.transformer import Transformer
 from minengine.threads import OneThread
+
+
+class RowObserver(Protocol):
+    """Shown what a row's last position does inside the step (`minengine.inspect.observer`).
+
+    It is handed operands the step already has, and must leave them as they are."""
+
+    def attended(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
+        """Layer `layer`'s query of the position, q [Hq, d], over keys [H stored, context, d]."""
+        ...
+
+    def residual(self, layer: int, x: torch.Tensor) -> None:
+        """The position's residual stream [hidden] after block `layer`."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -34,6 +49,7 @@ class Row:
     start: int
     cache: KVCache
     logits: bool  # whether the step returns next-token logits for its last position
+    observer: RowObserver | None = None  # shown its last position's attention and residuals (with `logits`)
 
 
 class RowsAttention:
@@ -90,6 +106,8 @@ class RowsAttention:
             keys, values = keys[0], values[0]
         if self.queries[i] == 0:
             return None
+        if row.observer is not None:
+            row.observer.attended(index, q[q_at], keys)
         return decode_attention(q[q_at], keys, values, self.scale).view(1, -1)
 
     def _chunk_row(self, i: int, index: int, q, k, v, q_at: int) -> torch.Tensor | None:
@@ -99,6 +117,8 @@ class RowsAttention:
         if nq == 0:
             return None
         rq = q[q_at : q_at + nq]
+        if row.observer is not None:
+            row.observer.attended(index, rq[-1], keys[0])
         if nq == 1:  # the chunk's last position (the last layer): it sees every key, no mask needed
             with OneThread(q.device):
                 return decode_attention(rq[0], keys[0], values[0], self.scale).view(1, -1)
@@ -125,15 +145,23 @@ def forward_rows(model: Transformer, rows: list[Row]) -> list[torch.Tensor | Non
         if r.logits:
             ends.append(at - 1)
     last = len(model.layers) - 1
+    # Observed rows (inspection) and their last position in the stacked tokens.
+    observed = [(r.observer, sum(len(p.ids) for p in rows[: n + 1]) - 1)
+                for n, r in enumerate(rows) if r.observer is not None and r.logits]  # fmt: skip
     for i in range(last):
         x = model.block(i, x, cos, sin, attention)
+        for observer, at in observed:
+            observer.residual(i, x[at])
     attention.last_queries_only()
     if not ends:  # prompt chunks only: the last layer just stores its K/V
         layer = model.layers[last]
         attention(last, *model.qkv_heads(layer, layer.input_norm(x), cos, sin))
         return [None] * len(rows)
     keep = torch.tensor(ends, device=model.device, dtype=torch.long)
-    logits = model.logits(model.block(last, x, cos, sin, attention, keep=keep), per_position=True)
+    x = model.block(last, x, cos, sin, attention, keep=keep)
+    for observer, at in observed:
+        observer.residual(last, x[ends.index(at)])
+    logits = model.logits(x, per_position=True)
     out: list[torch.Tensor | None] = []
     n = 0
     for r in rows:

@@ -121,11 +121,12 @@ class ModelRunner:
         """One step over several sequences' rows (`batch_forward`); each row's logits or None.
 
         A step of one row that wants its logits is an ordinary `forward`, so a request alone
-        decodes through the lean single-token steps as before."""
+        decodes through the lean single-token steps as before; an observed row (inspection)
+        takes this general path, whose attention hands the observer its operands."""
         for row in rows:  # blocks first: lean rows write in place, and a full pool fails before any compute
             if isinstance(row.cache, PagedKVCache):
                 row.cache.make_room(row.start + len(row.ids))
-        if len(rows) == 1 and rows[0].logits:
+        if len(rows) == 1 and rows[0].logits and rows[0].observer is None:
             row = rows[0]
             return [self.forward(torch.tensor(row.ids, device=self.device), row.start, row.cache)]
         with self.step_threads.step(False):

@@ -25,10 +25,18 @@ class PromptPart:
     tokens: int
 
 
-def prompt_parts(
+def count_parts(names: tuple[str, ...]) -> tuple[PromptPart, ...]:
+    """Token counts per part name (`token_parts`), in order of first appearance; they sum to len(names)."""
+    counts: dict[str, int] = {}
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+    return tuple(PromptPart(name, n) for name, n in counts.items())
+
+
+def token_parts(
     rendered: str, generation_prompt_start: int, messages: tuple[Message, ...], pieces: list[TokenPiece]
-) -> tuple[PromptPart, ...]:
-    """Token counts per part, in order of first appearance; they sum to len(pieces).
+) -> tuple[str, ...]:
+    """The part each token belongs to, in token order.
 
     `generation_prompt_start` is where the generation prompt begins in `rendered` (its length
     when there is none; see `ModelTokenizer.generation_prompt_start`)."""
@@ -42,7 +50,7 @@ def prompt_parts(
             continue  # the template rewrote the content; its tokens count as template
         spans.append((at, at + len(msg.content), msg.role))
         cursor = at + len(msg.content)
-    counts: dict[str, int] = {}
+    names: list[str] = []
     for piece in pieces:
         name = TEMPLATE
         if piece.start >= generation_prompt_start:
@@ -52,5 +60,5 @@ def prompt_parts(
                 if a <= piece.start < b:
                     name = role
                     break
-        counts[name] = counts.get(name, 0) + 1
-    return tuple(PromptPart(name, n) for name, n in counts.items())
+        names.append(name)
+    return tuple(names)

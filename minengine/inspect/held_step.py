@@ -1,0 +1,45 @@
+"""A held step's views on demand: the step run again over the cache it already wrote, writing nothing.
+
+A step on screen while paused was usually run without capture (its lean path). Its query is
+recomputed from the token it fed; its keys are the cache's own, the step's position included
+(the K/V the step stored, dequantized for FP8), so the weights are those the step gave, and
+the cache, the logits waiting to be sampled and every later step stay exactly as they were.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minengine.inspect.observer import StepObserver
+from minengine.kv.cache import KVCache
+from minengine.kv.paged_cache import PagedKVCache
+from minengine.model.ops import decode_attention
+from minengine.model.transformer import Transformer
+from minengine.threads import OneThread
+
+
+class ReadingAttention:
+    """`Attention` over positions [0, end) of a cache that already holds them: it reads, never writes."""
+
+    def __init__(self, cache: KVCache | PagedKVCache, end: int, observer: StepObserver, scale: float) -> None:
+        self.cache, self.end, self.observer, self.scale = cache, end, observer, scale
+
+    def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.cache.read(index, self.end)
+        self.observer.attended(index, q[0], keys[0])
+        with OneThread(q.device):
+            return decode_attention(q[0], keys[0], values[0], self.scale).view(1, -1)
+
+
+@torch.inference_mode()
+def recompute_step(
+    model: Transformer, cache: KVCache | PagedKVCache, token: int, position: int, observer: StepObserver
+) -> torch.Tensor:
+    """The step that fed `token` at `position` again, shown to `observer`; its logits [vocab] (float32)."""
+    x = model.embed_tokens(torch.tensor([token], device=model.device))
+    cos, sin = model.rope.lookup_signed(position, 1)
+    attention = ReadingAttention(cache, position + 1, observer, model.scale)
+    for i in range(len(model.layers)):
+        x = model.block(i, x, cos, sin, attention)
+        observer.residual(i, x[0])
+    return model.logits(x)
