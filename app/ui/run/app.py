@@ -192,6 +192,8 @@ class RunExplorer(ExplorerBase):
         self.query_one("#body").set_class(self._laid_out_batched, "-batched")
         self.query_one("#body").set_class(bool(self._inside_views()), "-inside")
         super()._fit_layout(size)
+        # small terminals: the token panel shrinks to its counts and a strip while an inside panel shows
+        self.query_one("#body").set_class(self.compact_view in INSPECT_VIEWS, "-inside-shown")
         self._follow_inside()
 
     def action_view(self, name: str) -> None:

@@ -7,19 +7,27 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class AttentionFocus:
-    """The chosen layer, and the chosen query head or None for the mean over the layer's heads."""
+    """The chosen layer (None until one is chosen: the attention detail shows layer 0, the lens the
+    layers round where the answer forms), and the chosen query head or None for the mean over the
+    layer's heads."""
 
-    layer: int = 0
+    layer: int | None = None
     head: int | None = None
+
+    @property
+    def shown_layer(self) -> int:
+        """The layer the attention detail shows."""
+        return self.layer or 0
 
     def clamped(self, layers: int, heads: int) -> AttentionFocus:
         """Within a model of `layers` layers and `heads` query heads."""
         head = None if self.head is None else min(max(self.head, 0), max(heads - 1, 0))
-        return AttentionFocus(min(max(self.layer, 0), max(layers - 1, 0)), head)
+        layer = None if self.layer is None else min(max(self.layer, 0), max(layers - 1, 0))
+        return AttentionFocus(layer, head)
 
     def moved_layer(self, delta: int, layers: int) -> AttentionFocus:
-        """`delta` layers on, wrapping round."""
-        return AttentionFocus((self.layer + delta) % max(layers, 1), self.head)
+        """`delta` layers on, wrapping round (from none chosen: from layer 0)."""
+        return AttentionFocus((self.shown_layer + delta) % max(layers, 1), self.head)
 
     def moved_head(self, delta: int, heads: int) -> AttentionFocus:
         """`delta` heads on through the cycle mean, head 0, ..., head heads-1, mean."""

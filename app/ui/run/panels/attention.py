@@ -63,7 +63,7 @@ class AttentionPanel(Panel):
         room = max(height - len(lines), 1)
         grid_width = min(width, _LABEL_WIDTH + len(attention.layers))
         grid = _grid(attention, focus, width if width - grid_width < _DETAIL_MIN_WIDTH else grid_width, room)
-        layer = attention.layers[focus.layer]
+        layer = attention.layers[focus.shown_layer]
         if width - grid_width >= _DETAIL_MIN_WIDTH + 2:
             detail = _detail(frame, attention, layer, focus, width - grid_width - 2, room)
             body = [_beside(g, d, grid_width + 2) for g, d in _pad(grid, detail)]
@@ -87,18 +87,18 @@ def _waiting(frame: Frame) -> str:
 def _summary(label: str, attention: StepAttention, frame: Frame) -> Text:
     text = Text(no_wrap=True, overflow="ellipsis")
     text.append(label, style="italic")
-    text.append(f"  query at {attention.query_position} over {attention.context} cached  ")
-    text.append(f"{attention.layout} {attention.q_heads} q heads / {attention.kv_heads} KV", style="bold")
     cost = cost_text(frame)
     if cost:
         text.append(f"  {cost}", style="yellow")
+    text.append(f"  {attention.layout} {attention.q_heads} q heads / {attention.kv_heads} KV", style="bold")
+    text.append(f"  query at {attention.query_position} over {attention.context} cached")
     return text
 
 
 def _grid(attention: StepAttention, focus: AttentionFocus, width: int, room: int) -> list[Text]:
     """The tick row and a row per query head, windowed round the focus when the model is larger than the room."""
     columns = max(width - _LABEL_WIDTH, 1)
-    first_layer = window_start(focus.layer, len(attention.layers), columns)
+    first_layer = window_start(focus.shown_layer, len(attention.layers), columns)
     layers = attention.layers[first_layer : first_layer + columns]
     ticks = "".join(_tick_row(layers))
     rows = [_line(f"{'layer':<{_LABEL_WIDTH}}{ticks}", "dim")]
@@ -134,8 +134,8 @@ def _grid_row(attention: StepAttention, layers: tuple[LayerAttention, ...], head
     text.append(label[: _LABEL_WIDTH - 1].ljust(_LABEL_WIDTH), style="bold" if chosen else "dim")
     for lay in layers:
         weight = lay.heads[head].top_weight if head < len(lay.heads) else 0.0
-        style = "reverse" if lay.layer == focus.layer and (focus.head is None or chosen) else (
-            "bold" if lay.layer == focus.layer else "")
+        style = "reverse" if lay.layer == focus.shown_layer and (focus.head is None or chosen) else (
+            "bold" if lay.layer == focus.shown_layer else "")
         text.append(cell_glyph(weight), style=style)
     return text
 

@@ -43,10 +43,22 @@ class LensPanel(Panel):
         lines = [_summary(shown.label, lens, first, frame), _line(_basis(lens), "dim"),
                  _line(_HEADER + ("  p(chosen)" if width >= _BAR_MIN_WIDTH else ""), "dim underline")]
         room = max(height - len(lines), 1)
-        start = window_start(frame.focus.layer, len(lens.layers), room)
+        start = _window(frame.focus.layer, first, len(lens.layers), room)
         for layer in lens.layers[start : start + room]:
             lines.append(_layer_line(layer, lens, first, stays, frame.focus.layer, width))
         return Group(*lines)
+
+
+def _window(focus: int | None, first: int | None, count: int, room: int) -> int:
+    """The first row shown: the focus layer in view (none chosen: the first top-1 layer), and the
+    first top-1 layer too where both fit."""
+    if focus is None:
+        return window_start(first or 0, count, room)
+    start = window_start(focus, count, room)
+    if first is None or start <= first < start + room:
+        return start
+    lowest, highest = max(focus - room + 1, 0), min(focus, count - room)
+    return min(max(first - room // 2, lowest), highest)
 
 
 def _waiting(frame: Frame) -> str:
@@ -80,7 +92,7 @@ def _basis(lens: StepLens) -> str:
             "(renormalised there; pause for the whole vocabulary)")
 
 
-def _layer_line(layer: LayerLens, lens: StepLens, first: int | None, stays: int | None, focus: int,
+def _layer_line(layer: LayerLens, lens: StepLens, first: int | None, stays: int | None, focus: int | None,
                 width: int) -> Text:
     is_chosen = layer.chosen_rank == 1
     rank = f"#{layer.chosen_rank}"
