@@ -22,6 +22,8 @@ from reqscope.ui.run.panels.attention import cost_text
 
 _BAR_MIN_WIDTH = 64  # from this width on, a bar of the chosen token's probability ends each row
 _HEADER = f"{'layer':>5}  {'top guess':<12} {'p':>6}   {'chosen':>7} {'p':>6}"
+_NARROW = 52  # below this width the rows close up (`_NARROW_HEADER`)
+_NARROW_HEADER = f"{'lay':>3} {'top guess':<10} {'p':>6} {'rank':>5} {'p':>6}"
 
 
 def first_top(lens: StepLens) -> int | None:
@@ -41,7 +43,8 @@ class LensPanel(Panel):
             return Text(_waiting(frame), style="dim")
         first, stays = first_top(lens), lens.forms_at
         lines = [_summary(shown.label, lens, first, frame), _line(_basis(lens), "dim"),
-                 _line(_HEADER + ("  p(chosen)" if width >= _BAR_MIN_WIDTH else ""), "dim underline")]
+                 _line(_NARROW_HEADER if width < _NARROW else _HEADER + ("  p(chosen)" if width >= _BAR_MIN_WIDTH
+                                                                         else ""), "dim underline")]
         room = max(height - len(lines), 1)
         start = _window(frame.focus.layer, first, len(lens.layers), room)
         for layer in lens.layers[start : start + room]:
@@ -86,21 +89,26 @@ def _summary(label: str, lens: StepLens, first: int | None, frame: Frame) -> Tex
 
 def _basis(lens: StepLens) -> str:
     if lens.basis == "vocab":
-        return (f"each layer through the final norm and the head: softmax over all {lens.candidates} tokens, "
-                "rank among them")
-    return (f"each layer through the final norm and the head, over the step's {lens.candidates} likeliest tokens only "
-            "(renormalised there; pause for the whole vocabulary)")
+        return f"each layer → final norm → head · softmax over all {lens.candidates} tokens, rank among them"
+    return (f"each layer → final norm → head · over the step's {lens.candidates} likeliest tokens only, "
+            "renormalised (paused: the whole vocabulary)")
 
 
 def _layer_line(layer: LayerLens, lens: StepLens, first: int | None, stays: int | None, focus: int | None,
                 width: int) -> Text:
     is_chosen = layer.chosen_rank == 1
     rank = f"#{layer.chosen_rank}"
-    line = (f"{layer.layer:>5}  {show_piece(layer.top_piece, 12):<12} {layer.top_prob:6.1%}   "
-            f"{rank:>7} {layer.chosen_prob:6.1%}")
+    if width < _NARROW:
+        line = (f"{layer.layer:>3} {show_piece(layer.top_piece, 10):<10} {layer.top_prob:6.1%} "
+                f"{rank:>5} {layer.chosen_prob:6.1%}")
+    else:
+        line = (f"{layer.layer:>5}  {show_piece(layer.top_piece, 12):<12} {layer.top_prob:6.1%}   "
+                f"{rank:>7} {layer.chosen_prob:6.1%}")
     if width >= _BAR_MIN_WIDTH:
         line += "  " + bar(layer.chosen_prob, 10)
-    mark = " ◀ first top-1" if layer.layer == first else " ◀ stays top-1" if layer.layer == stays else ""
+    short = width < len(line) + 14  # room for the long mark
+    mark = (" ◀ top-1" if short else " ◀ first top-1") if layer.layer == first else (
+        (" ◀ stays" if short else " ◀ stays top-1") if layer.layer == stays else "")
     style = ("bold green" if is_chosen else "") + (" reverse" if layer.layer == focus else "")
     text = Text(line, style=style.strip(), no_wrap=True, overflow="ellipsis")
     if mark:
