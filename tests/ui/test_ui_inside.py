@@ -115,7 +115,7 @@ async def test_the_layer_and_head_keys_move_the_detail():
         await pilot.press("s", "7", "right_square_bracket", "right_square_bracket", "right_curly_bracket",
                           "right_curly_bracket")
         await pilot.pause()
-        assert app.focus == AttentionFocus(2, 1)
+        assert app.inside_focus == AttentionFocus(2, 1)
         head = app.recording.pending_token().inspection.attention.layers[2].heads[1]
         text = panel_text(app, "#attention")
         assert f"layer 2 · head 1 (kv 0) · H {head.entropy:.2f} nats" in text

@@ -89,7 +89,7 @@ class RunExplorer(ExplorerBase):
         self.history = RunHistory()
         self.last_export: Path | None = None
         self._laid_out_batched = False  # whether the layout last fitted has the batch panel
-        self.focus = AttentionFocus()  # the layer (and head) the attention detail and the lens show
+        self.inside_focus = AttentionFocus()  # the layer (and head) the attention detail and the lens show
 
     @property
     def subject(self) -> StepSubject | None:
@@ -125,7 +125,7 @@ class RunExplorer(ExplorerBase):
             settings_note=self._settings_note(),
             load=self._load_note(),
             inspection=self._inspection(),
-            focus=self.focus,
+            focus=self.inside_focus,
         )
 
     def _status_line(self, frame: Frame) -> RenderableType:
@@ -223,13 +223,13 @@ class RunExplorer(ExplorerBase):
     def action_focus_layer(self, delta: int) -> None:
         """Move the layer the attention detail and the lens show."""
         layers = self.header.layers if self.header is not None else 1
-        self.focus = self.focus.clamped(layers, self._q_heads()).moved_layer(delta, layers)
+        self.inside_focus = self.inside_focus.clamped(layers, self._q_heads()).moved_layer(delta, layers)
         self._invalidate(now=True)
 
     def action_focus_head(self, delta: int) -> None:
         """Move the head the attention detail shows (through the mean over the layer's heads)."""
-        heads = self._q_heads()
-        self.focus = self.focus.clamped(self.header.layers if self.header else 1, heads).moved_head(delta, heads)
+        heads, layers = self._q_heads(), self.header.layers if self.header is not None else 1
+        self.inside_focus = self.inside_focus.clamped(layers, heads).moved_head(delta, heads)
         self._invalidate(now=True)
 
     def _q_heads(self) -> int:
