@@ -3,19 +3,30 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from minengine.engine.engine import Engine
 from minengine.engine.request import GenerationRequest
+from minengine.engine.session import RequestSession
 
 
-def run_all(engine: Engine, requests: list[GenerationRequest], timeout_s: float = 300) -> list[list]:
-    """Every request's events, the requests started together (a barrier) on threads of their own."""
+def run_all(
+    engine: Engine,
+    requests: list[GenerationRequest],
+    timeout_s: float = 300,
+    prepare: Callable[[RequestSession], None] | None = None,
+) -> list[list]:
+    """Every request's events, the requests started together (a barrier) on threads of their own;
+    `prepare` is handed each session before it runs."""
     events: list[list] = [[] for _ in requests]
     start = threading.Barrier(len(requests))
 
     def run(i: int) -> None:
+        session = engine.start(requests[i])
+        if prepare is not None:
+            prepare(session)
         start.wait()
-        events[i] = list(engine.start(requests[i]))
+        events[i] = list(session)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
     for t in threads:
