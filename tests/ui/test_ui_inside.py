@@ -236,6 +236,32 @@ def test_inside_views_wide(snap_compare):
     assert snap_compare(inspect_replay_app(), press=["s", "s", "s"], terminal_size=(160, 50))
 
 
+async def test_an_exported_run_replays_the_views_it_captured(chatty_engine, tmp_path):
+    from minengine.record.export import TRACE_JSONL
+    from reqscope.ui.run.replay_app import ReplayExplorer
+
+    app = live_app(chatty_engine, kyoto_request(max_tokens=6), start_paused=True, export_root=tmp_path)
+    async with app.run_test(size=SMALL) as pilot:
+        await held_at(pilot, app, 0)
+        await pilot.press("7", "space")
+        await finished(pilot, app)
+        await pilot.press("x")
+        await wait_for(pilot, lambda: app.last_export is not None)
+        captured = [t.index for t in app.view.tokens if t.inspection is not None]
+    header, events = read_trace(app.last_export / TRACE_JSONL)
+    assert [e.index for e in events if isinstance(e, TokenEvent) and e.inspection is not None] == captured
+    replay = ReplayExplorer(header, events)
+    async with replay.run_test(size=SMALL) as pilot:
+        await pilot.press(*["s"] * captured[0], "7")  # the replay opens on step 1, token 0 pending
+        await pilot.pause()
+        assert replay.compact_view == "attention"
+        assert f"step {captured[0] + 1} · recorded" in panel_text(replay, "#attention")
+        await pilot.press("8")  # the lens was not on screen: the trace has none
+        await pilot.pause()
+        assert replay.compact_view == "attention"
+        assert any("no logit lens records" in n.message for n in replay._notifications)
+
+
 # -- inside a batch ----------------------------------------------------------------------------------
 
 
