@@ -71,7 +71,8 @@ class LiveRun:
             session = self.engine.start(self.request)
             with self._cond:
                 self.session = session
-                session.inspect(self._ask)
+                if self._ask.anything:  # a session starts asking nothing
+                    session.inspect(self._ask)
                 if self._cancelled:
                     session.cancel()
             for event in in_app_words(session):

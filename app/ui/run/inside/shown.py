@@ -29,6 +29,15 @@ class ShownInspection:
     label: str  # e.g. "step 5 waiting · full view", "token 12 committed", "step 5 · recorded"
     token_index: int  # the output token (0-based) the step produced or is about to produce
 
+    @property
+    def cost_text(self) -> str:
+        """What capturing it cost, from its measured cost: "inspecting: +0.4 ms/step", or "+N ms for
+        this view" for a held step's full view (the step run again, once)."""
+        cost = self.inspection.cost.cost_ms
+        if self.inspection.on_demand:
+            return f"inspecting: +{cost:.1f} ms for this view"
+        return f"inspecting: +{cost:.1f} ms/step"
+
 
 def capture_ask(attention: bool, lens: bool) -> InspectAsk:
     """What a running decode captures while the attention and/or lens panel is on screen."""

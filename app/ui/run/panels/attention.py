@@ -20,6 +20,7 @@ from reqscope.ui.panel import Panel
 from reqscope.ui.run.frame import Frame
 from reqscope.ui.run.inside.cached_tokens import kind_label, origin, position_piece
 from reqscope.ui.run.inside.focus import AttentionFocus, window_start
+from reqscope.ui.run.inside.shown import ShownInspection
 
 # A cell's glyph by the weight on its top position (below each bound, the glyph at its side).
 _RAMP = ((0.1, "·"), (0.25, "░"), (0.5, "▒"), (0.75, "▓"), (1.01, "█"))
@@ -35,17 +36,6 @@ def cell_glyph(weight: float) -> str:
     return next(glyph for bound, glyph in _RAMP if weight < bound)
 
 
-def cost_text(frame: Frame) -> str:
-    """ "inspecting: +0.4 ms/step" from the shown step's measured cost, or "" without one."""
-    shown = frame.inspection
-    if shown is None:
-        return ""
-    cost = shown.inspection.cost.cost_ms
-    if shown.inspection.on_demand:  # the held step run again for its full view, once
-        return f"inspecting: +{cost:.1f} ms for this view"
-    return f"inspecting: +{cost:.1f} ms/step"
-
-
 class AttentionPanel(Panel):
     """The concentration grid beside (or above) the chosen layer's top positions, then the shaded strip."""
 
@@ -57,7 +47,7 @@ class AttentionPanel(Panel):
         if shown is None or attention is None:
             return Text(_waiting(frame), style="dim")
         focus = frame.focus.clamped(len(attention.layers), attention.q_heads)
-        lines = [_summary(shown.label, attention, frame), _line(
+        lines = [_summary(shown, attention), _line(
             f"cell: weight on its top position  ·<10% ░<25% ▒<50% ▓<75% █  "
             f"[ ] layer  {{ }} head{'  m: other layout' if not frame.replay else ''}", "dim")]
         room = max(height - len(lines), 1)
@@ -84,12 +74,10 @@ def _waiting(frame: Frame) -> str:
             "(paused, the held step's full view)")
 
 
-def _summary(label: str, attention: StepAttention, frame: Frame) -> Text:
+def _summary(shown: ShownInspection, attention: StepAttention) -> Text:
     text = Text(no_wrap=True, overflow="ellipsis")
-    text.append(label, style="italic")
-    cost = cost_text(frame)
-    if cost:
-        text.append(f"  {cost}", style="yellow")
+    text.append(shown.label, style="italic")
+    text.append(f"  {shown.cost_text}", style="yellow")
     text.append(f"  {attention.layout} {attention.q_heads} q heads / {attention.kv_heads} KV", style="bold")
     text.append(f"  query at {attention.query_position} over {attention.context} cached")
     return text

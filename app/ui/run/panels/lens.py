@@ -18,7 +18,7 @@ from reqscope.ui.glyphs import bar, show_piece
 from reqscope.ui.panel import Panel
 from reqscope.ui.run.frame import Frame
 from reqscope.ui.run.inside.focus import window_start
-from reqscope.ui.run.panels.attention import cost_text
+from reqscope.ui.run.inside.shown import ShownInspection
 
 _BAR_MIN_WIDTH = 64  # from this width on, a bar of the chosen token's probability ends each row
 _HEADER = f"{'layer':>5}  {'top guess':<12} {'p':>6}   {'chosen':>7} {'p':>6}"
@@ -42,7 +42,7 @@ class LensPanel(Panel):
         if shown is None or lens is None:
             return Text(_waiting(frame), style="dim")
         first, stays = first_top(lens), lens.forms_at
-        lines = [_summary(shown.label, lens, first, frame), _line(_basis(lens), "dim"),
+        lines = [_summary(shown, lens, first), _line(_basis(lens), "dim"),
                  _line(_NARROW_HEADER if width < _NARROW else _HEADER + ("  p(chosen)" if width >= _BAR_MIN_WIDTH
                                                                          else ""), "dim underline")]
         room = max(height - len(lines), 1)
@@ -71,9 +71,9 @@ def _waiting(frame: Frame) -> str:
             "(paused, the held step over the whole vocabulary)")
 
 
-def _summary(label: str, lens: StepLens, first: int | None, frame: Frame) -> Text:
+def _summary(shown: ShownInspection, lens: StepLens, first: int | None) -> Text:
     text = Text(no_wrap=True, overflow="ellipsis")
-    text.append(label, style="italic")
+    text.append(shown.label, style="italic")
     text.append(f"  chosen {show_piece(lens.chosen_piece, 12)}", style="bold")
     if first is None:
         text.append("  never the top guess before the head")
@@ -81,17 +81,15 @@ def _summary(label: str, lens: StepLens, first: int | None, frame: Frame) -> Tex
         text.append(f"  top-1 from layer {first}", style="bold green")
         if lens.forms_at is not None and lens.forms_at != first:
             text.append(f", stays from {lens.forms_at}")
-    cost = cost_text(frame)
-    if cost:
-        text.append(f"  {cost}", style="yellow")
+    text.append(f"  {shown.cost_text}", style="yellow")
     return text
 
 
 def _basis(lens: StepLens) -> str:
     if lens.basis == "vocab":
-        return f"each layer → final norm → head · softmax over all {lens.candidates} tokens, rank among them"
-    return (f"each layer → final norm → head · over the step's {lens.candidates} likeliest tokens only, "
-            "renormalised (paused: the whole vocabulary)")
+        return f"softmax over all {lens.candidates} tokens, rank among them · each layer → final norm → head"
+    return (f"over the step's {lens.candidates} likeliest tokens only, renormalised (paused: the whole "
+            "vocabulary) · each layer → final norm → head")
 
 
 def _layer_line(layer: LayerLens, lens: StepLens, first: int | None, stays: int | None, focus: int | None,
