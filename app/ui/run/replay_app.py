@@ -113,7 +113,7 @@ class ReplayExplorer(RunExplorer):
         return self._recorded_inside
 
     def _inspection(self) -> ShownInspection | None:
-        return replay_inspection(self.recording)
+        return replay_inspection(self.recording, self.view)
 
     def _follow_inside(self) -> None:
         pass  # a recording captures nothing: it shows what it kept

@@ -62,20 +62,20 @@ def held_inspection(inspection: StepInspection | None, held: int) -> ShownInspec
     return ShownInspection(inspection, f"step {held + 1} waiting · full view", held)
 
 
-def replay_inspection(replay: ReplayRun) -> ShownInspection | None:
-    """The recorded step at the cursor, else the last recorded one before it."""
+def replay_inspection(replay: ReplayRun, view: RunView) -> ShownInspection | None:
+    """The recorded step at the cursor, else the last recorded one before it (`view`: the fold up to the cursor)."""
     pending = replay.pending_token()
     if pending is not None and pending.inspection is not None:
         return ShownInspection(pending.inspection, f"step {pending.index + 1} · recorded", pending.index)
-    return last_inspection(replay.view())
+    return last_inspection(view)
 
 
 def last_inspection(view: RunView) -> ShownInspection | None:
-    """The last committed token's inspection, if one was captured."""
-    for token in reversed(view.tokens):
-        if token.inspection is not None:
-            return ShownInspection(token.inspection, f"token {token.index + 1} committed", token.index)
-    return None
+    """The last committed token's inspection, if one was captured (kept by the fold: no scan per repaint)."""
+    token = view.last_inspected
+    if token is None or token.inspection is None:
+        return None
+    return ShownInspection(token.inspection, f"token {token.index + 1} committed", token.index)
 
 
 def recorded_views(events: list[Event]) -> tuple[str, ...]:
