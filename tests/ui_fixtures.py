@@ -25,12 +25,23 @@ from reqscope.ui.run.replay_app import ReplayExplorer
 # (temperature 0.7, top-k 50, top-p 0.9, seed 0), DIR/request-trace.jsonl copied here.
 TRACE = Path(__file__).parent / "data" / "explorer-trace.jsonl"
 TRACE_NAME = "explorer-trace.jsonl"
+# The same prompt recorded with the step's inside (issue 22: attention's top 5 positions per head,
+# the logit lens over the step's 20 likeliest tokens), with:
+#   reqscope --plain --export DIR --max-tokens 6 --attention 5 --lens candidates \
+#     "Show me wheelchair-accessible hotels in Kyoto"
+INSPECT_TRACE = Path(__file__).parent / "data" / "explorer-inspect-trace.jsonl"
 
 
 def replay_app(**options) -> ReplayExplorer:
     """The explorer replaying the recorded trace."""
     header, events = read_trace(TRACE)
     return ReplayExplorer(header, events, source_name=TRACE_NAME, **options)
+
+
+def inspect_replay_app(**options) -> ReplayExplorer:
+    """The explorer replaying the run recorded with its attention and logit lens (`INSPECT_TRACE`)."""
+    header, events = read_trace(INSPECT_TRACE)
+    return ReplayExplorer(header, events, source_name=INSPECT_TRACE.name, **options)
 
 
 def held_replay_app(at: int = 5, held_ms: float = 2500.0, **options) -> ReplayExplorer:

@@ -128,8 +128,14 @@ class ExplorerBase(App[int]):
         views = self._detail_views()
         if self.compact_view not in views:  # an optional panel that no longer applies
             self.compact_view = views[0]
-        fit_panels(self, size or self.size, views, self.compact_view, self.VIEW_LABELS)
+        fit_panels(self, size or self.size, views, self.compact_view, self.VIEW_LABELS,
+                   {name: self.view_key(name) for name in views})
         self._invalidate()
+
+    def view_key(self, name: str) -> str:
+        """The key that shows the detail panel `name` in this explorer's mode."""
+        action = f"view({name!r})"
+        return next((k.keys for k in keys_for(self.mode, self.OPTIONAL_VIEWS) if k.action == action), "?")
 
     def _optional_shown(self) -> tuple[str, ...]:
         """The optional detail panels that apply now."""

@@ -35,7 +35,8 @@ class Key:
     def display(self) -> str:
         """The keys as a person would type them."""
         names = {"space": "space", "question_mark": "?", "enter": "enter", "up": "↑", "down": "↓",
-                 "left": "←", "right": "→", "home": "home", "end": "end"}
+                 "left": "←", "right": "→", "home": "home", "end": "end", "left_square_bracket": "[",
+                 "right_square_bracket": "]", "left_curly_bracket": "{", "right_curly_bracket": "}"}
         return " / ".join(names.get(k, k) for k in self.keys.split(","))
 
 
@@ -72,6 +73,18 @@ KEYS: tuple[Key, ...] = (
     Key("5", "view('template')", "Template", "Show the rendered chat template (small terminals)", footer=False),
     Key("6", "view('batch')", "Batch", "Show the batch panel: the steps other requests share (small terminals)",
         footer=False, panel="batch"),
+    Key("7", "view('attention')", "Attention", "Show the attention panel: where the step's query looked, per layer "
+        "and head (small terminals)", footer=False, panel="attention"),
+    Key("8", "view('lens')", "Lens", "Show the logit lens panel: what each layer would have predicted (small "
+        "terminals)", footer=False, panel="lens"),
+    Key("left_square_bracket", "focus_layer(-1)", "Layer -", "Attention and lens: the previous layer", footer=False,
+        panel="attention"),
+    Key("right_square_bracket", "focus_layer(1)", "Layer +", "Attention and lens: the next layer", footer=False,
+        panel="attention"),
+    Key("left_curly_bracket", "focus_head(-1)", "Head -", "Attention: the previous head (through the mean over "
+        "the layer's heads)", footer=False, panel="attention"),
+    Key("right_curly_bracket", "focus_head(1)", "Head +", "Attention: the next head (through the mean over the "
+        "layer's heads)", footer=False, panel="attention"),
     Key("1", "view('logits')", "Logprobs", "Show the top logprobs panel (small terminals)", ENDPOINT_ONLY,
         footer=False),
     Key("2", "view('kv')", "KV", "Show the KV cache panel (small terminals)", ENDPOINT_ONLY, footer=False),

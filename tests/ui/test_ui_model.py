@@ -24,7 +24,7 @@ from reqscope.ui.run.frame import Frame
 from reqscope.ui.run.live import LiveRun
 from reqscope.ui.run.live_app import LiveExplorer
 from reqscope.ui.run.panels.kv import growth_chart
-from reqscope.ui.run.panels.logits import chain_text, cut_positions
+from reqscope.ui.run.panels.logits import basis_note, chain_text, cut_positions
 from reqscope.ui.run.panels.readout import fit_line, readout_items
 from reqscope.ui.run.replay import ReplayRun
 from reqscope.ui.run.replay_app import ReplayExplorer
@@ -214,6 +214,27 @@ def test_cut_lines_sit_above_the_first_token_each_stage_dropped():
                       chosen_id=0, chosen_piece="t0", chosen_logprob=-0.5, sample_logprob=-0.7, entropy=1.0,
                       kept=2, top_p_cut=0.6, forced=False)
     assert cut_positions(trace) == {4: "top-k 4", 2: "top-p 0.6, kept 0.600"}
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(0.7, 50, 0.9, 0.0),  # the CLI's default: top-k renormalises before top-p
+    SamplingParams(0.7, 0, 0.9, 0.0),  # top-p sees p(T) itself
+    SamplingParams(0.8, 0, 0.95, 0.05, order=SamplingParams.parse_order("vllm")),  # min-p before top-p
+    SamplingParams(0.8, 0, 0.95, 0.0, order=SamplingParams.parse_order("llama.cpp")),  # T after top-p
+])
+def test_the_basis_note_says_when_p_and_the_top_p_sum_are_on_other_distributions(params):
+    import torch
+
+    from minengine.sampling.trace import explain
+
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(3)) * 3
+    trace = explain(logits, params, chosen_id=int(logits.argmax()), piece=str, top_n=30)
+    prob_sums = [sum(c.prob for c in trace.candidates[: i + 1]) for i in range(len(trace.candidates))]
+    agree = all(abs(s - c.cumulative) < 1e-5 for s, c in zip(prob_sums, trace.candidates, strict=True))
+    note = basis_note(params, trace.vocab_size)
+    assert (note is None) == agree
+    if note is not None:
+        assert note.startswith("p(T): all 300 tokens · Σtop-p: ")
 
 
 # -- replay --------------------------------------------------------------------------------------

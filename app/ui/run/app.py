@@ -31,10 +31,14 @@ from reqscope.ui.run.figures.latency import latency_figures
 from reqscope.ui.run.figures.memory_probe import MemoryReading
 from reqscope.ui.run.frame import Frame, StepSubject
 from reqscope.ui.run.history import RunHistory
+from reqscope.ui.run.inside.focus import AttentionFocus
+from reqscope.ui.run.inside.shown import INSPECT_VIEWS, ShownInspection
+from reqscope.ui.run.panels.attention import AttentionPanel
 from reqscope.ui.run.panels.batch import BatchPanel
 from reqscope.ui.run.panels.kv import KVPanel
 from reqscope.ui.run.panels.latency import LatencyPanel
 from reqscope.ui.run.panels.layout import LayoutPanel
+from reqscope.ui.run.panels.lens import LensPanel
 from reqscope.ui.run.panels.logits import LogitsPanel
 from reqscope.ui.run.panels.pipeline import PipelinePanel
 from reqscope.ui.run.panels.readout import ReadoutPanel
@@ -55,9 +59,13 @@ class RunExplorer(ExplorerBase):
     PIPELINE = PipelinePanel
     READOUT = ReadoutPanel
     BODY = (("tokens", TokensPanel), ("logits", LogitsPanel), ("kv", KVPanel), ("latency", LatencyPanel),
-            ("layouts", LayoutPanel), ("template", TemplatePanel), ("batch", BatchPanel))
+            ("layouts", LayoutPanel), ("template", TemplatePanel), ("attention", AttentionPanel),
+            ("lens", LensPanel), ("batch", BatchPanel))
     DETAIL_VIEWS = ("logits", "kv", "layouts", "latency", "template")
-    OPTIONAL_VIEWS = ("batch",)  # while other requests share the engine (`_batched`)
+    # The batch panel while other requests share the engine (`_batched`); the step's inside
+    # (attention, lens) where the run can show it (`_inside_views`)
+    OPTIONAL_VIEWS = ("batch", *INSPECT_VIEWS)
+    VIEW_LABELS = {"attention": "attn"}  # the small terminals' hint line is short of room
     RECORDED: ClassVar[bool]  # whether the run on screen is a recording (the panels say so)
 
     def __init__(
@@ -81,6 +89,7 @@ class RunExplorer(ExplorerBase):
         self.history = RunHistory()
         self.last_export: Path | None = None
         self._laid_out_batched = False  # whether the layout last fitted has the batch panel
+        self.inside_focus = AttentionFocus()  # the layer (and head) the attention detail and the lens show
 
     @property
     def subject(self) -> StepSubject | None:
@@ -115,6 +124,8 @@ class RunExplorer(ExplorerBase):
             service_model=self.service_model,
             settings_note=self._settings_note(),
             load=self._load_note(),
+            inspection=self._inspection(),
+            focus=self.inside_focus,
         )
 
     def _status_line(self, frame: Frame) -> RenderableType:
@@ -172,20 +183,61 @@ class RunExplorer(ExplorerBase):
     # -- the batch panel ---------------------------------------------------------------------------
 
     def _detail_views(self) -> tuple[str, ...]:
-        return self.DETAIL_VIEWS + (self.OPTIONAL_VIEWS if self._batched() else ())
+        inside = self._inside_views()
+        return (self.DETAIL_VIEWS + tuple(v for v in INSPECT_VIEWS if v in inside)
+                + (("batch",) if self._batched() else ()))
 
     def _fit_layout(self, size=None) -> None:
         self._laid_out_batched = self._batched()
         self.query_one("#body").set_class(self._laid_out_batched, "-batched")
+        self.query_one("#body").set_class(bool(self._inside_views()), "-inside")
         super()._fit_layout(size)
+        # small terminals: the token panel shrinks to its counts and a strip while an inside panel shows
+        self.query_one("#body").set_class(self.compact_view in INSPECT_VIEWS, "-inside-shown")
+        self._follow_inside()
 
     def action_view(self, name: str) -> None:
         """Show one detail panel on small terminals (the batch panel once other requests share the engine)."""
         if name not in self._detail_views():
-            self.notify("the batch panel shows when other requests share the engine: run with --background N "
-                        "or --serve-port PORT, or replay a trace of such a run")  # fmt: skip
+            self.notify(self._missing_view(name))
             return
         super().action_view(name)
+
+    def _missing_view(self, name: str) -> str:
+        """Why the optional panel `name` is not there."""
+        if name == "batch":
+            return ("the batch panel shows when other requests share the engine: run with --background N "
+                    "or --serve-port PORT, or replay a trace of such a run")  # fmt: skip
+        return (f"this trace has no {'attention' if name == 'attention' else 'logit lens'} records: record a run "
+                f"with them ({'--attention N' if name == 'attention' else '--lens'} with --json or --export, "
+                f"or export from the explorer with the panel on screen)")
+
+    # -- the step's inside ---------------------------------------------------------------------
+
+    def inside_on_screen(self) -> tuple[str, ...]:
+        """The inside panels (attention, lens) on screen now: what the run should capture."""
+        views = self._detail_views()
+        wide = self.wide
+        return tuple(v for v in INSPECT_VIEWS if v in views and (wide or self.compact_view == v))
+
+    def action_focus_layer(self, delta: int) -> None:
+        """Move the layer the attention detail and the lens show."""
+        layers = self.header.layers if self.header is not None else 1
+        self.inside_focus = self.inside_focus.clamped(layers, self._q_heads()).moved_layer(delta, layers)
+        self._invalidate(now=True)
+
+    def action_focus_head(self, delta: int) -> None:
+        """Move the head the attention detail shows (through the mean over the layer's heads)."""
+        heads, layers = self._q_heads(), self.header.layers if self.header is not None else 1
+        self.inside_focus = self.inside_focus.clamped(layers, heads).moved_head(delta, heads)
+        self._invalidate(now=True)
+
+    def _q_heads(self) -> int:
+        shown = self._inspection()
+        attention = shown.inspection.attention if shown is not None else None
+        if attention is not None:
+            return attention.q_heads
+        return self.header.q_heads if self.header is not None else 1
 
     def _follow_batch(self) -> None:
         """Lay the panels out again once the run on screen turns out to share the engine (or no longer does)."""
@@ -194,8 +246,8 @@ class RunExplorer(ExplorerBase):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        for i, name in enumerate(self._detail_views()):
-            yield SystemCommand(f"Show {name} panel", f"Small terminals: show the {name} panel [{i + 1}]",
+        for name in self._detail_views():
+            yield SystemCommand(f"Show {name} panel", f"Small terminals: show the {name} panel [{self.view_key(name)}]",
                                 partial(self.run_action, f"view({name!r})"))
 
     # -- hooks ---------------------------------------------------------------------------------
@@ -231,3 +283,14 @@ class RunExplorer(ExplorerBase):
     def _recorded_events(self) -> list[Event]:
         """Every event of the run on screen, for the export."""
         raise NotImplementedError
+
+    def _inside_views(self) -> tuple[str, ...]:
+        """The inside panels (of "attention", "lens") the run on screen can show."""
+        raise NotImplementedError
+
+    def _inspection(self) -> ShownInspection | None:
+        """The step's inside the attention and lens panels show, if any."""
+        raise NotImplementedError
+
+    def _follow_inside(self) -> None:
+        """The inside panels on screen changed (or may have): a live run captures for them."""

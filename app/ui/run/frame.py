@@ -12,6 +12,8 @@ from reqscope.engine_load import LoadNote
 from reqscope.ui.run.figures.latency import LatencyFigures, RunTtft
 from reqscope.ui.run.figures.layout_compare import MeasuredLayout
 from reqscope.ui.run.figures.memory_probe import MemoryReading
+from reqscope.ui.run.inside.focus import AttentionFocus
+from reqscope.ui.run.inside.shown import ShownInspection
 from reqscope.ui.run.view import RunView
 
 if TYPE_CHECKING:  # numpy, only for a fit given with --service-model
@@ -48,3 +50,5 @@ class Frame:
     service_model: ServiceModel | None = None  # a `reqscope calibrate` fit: predicted beside measured
     settings_note: str = ""  # where the sampling values came from, e.g. "set: k · default: T p"
     load: LoadNote | None = None  # what else runs in the engine (--background, --serve-port); None: nothing asked
+    inspection: ShownInspection | None = None  # the step's attention and lens the panels show, if any
+    focus: AttentionFocus = AttentionFocus()  # the layer (and head) the attention detail and the lens follow

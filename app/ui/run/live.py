@@ -21,6 +21,8 @@ from minengine.engine.engine import Engine
 from minengine.engine.events import Event, StepReady
 from minengine.engine.request import GenerationRequest
 from minengine.engine.session import RequestSession
+from minengine.inspect.ask import NOTHING, InspectAsk
+from minengine.inspect.records import StepInspection
 from minengine.sampling.params import SamplingParams
 from minengine.sampling.step_trace import StepTrace
 from reqscope.wording import in_app_words
@@ -54,6 +56,10 @@ class LiveRun:
         self._held_at: int | None = None
         self._cancelled = False
         self._woken = False
+        self._ask = NOTHING  # what each step captures
+        self._held_ask: InspectAsk | None = None  # what a held step's full view computes; None: nothing shown
+        self._held_done: tuple[int, InspectAsk] | None = None  # the held step and ask last computed
+        self.held_view: tuple[int, StepInspection | None] | None = None  # (held step, its full view)
 
     # -- the worker side -------------------------------------------------------------------------
 
@@ -65,6 +71,8 @@ class LiveRun:
             session = self.engine.start(self.request)
             with self._cond:
                 self.session = session
+                if self._ask.anything:  # a session starts asking nothing
+                    session.inspect(self._ask)
                 if self._cancelled:
                     session.cancel()
             for event in in_app_words(session):
@@ -92,6 +100,17 @@ class LiveRun:
                     self._held_at = index
                     session.hold()  # from here until the next pull is held time, not the engine's
                     self._signal(urgent=True)  # the UI must learn the step is now held
+                ask = self._held_ask
+                if ask is not None and self._held_done != (index, ask):
+                    self._held_done = (index, ask)
+                    self._cond.release()  # the UI may pause, step or cancel meanwhile
+                    try:
+                        view = session.inspect_step(ask)
+                    finally:
+                        self._cond.acquire()
+                    self.held_view = (index, view)
+                    self._signal(urgent=True)
+                    continue
                 self._cond.wait()
             self._held_at = None
             if self._budget:
@@ -118,6 +137,14 @@ class LiveRun:
         """True when the run will hold (or holds) at the next step."""
         with self._cond:
             return self._budget == 0
+
+    def inspect(self, running: InspectAsk, held: InspectAsk | None) -> None:
+        """Capture `running` in every step from the next on, and compute `held` for a held step (None: not)."""
+        with self._cond:
+            self._ask, self._held_ask = running, held
+            if self.session is not None:
+                self.session.inspect(running)
+            self._cond.notify_all()  # a step held now computes its full view
 
     def pause(self) -> None:
         """Hold at the next step."""

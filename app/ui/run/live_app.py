@@ -31,6 +31,7 @@ from reqscope.ui.keys import LIVE, bindings
 from reqscope.ui.run.app import RunExplorer
 from reqscope.ui.run.figures.memory_probe import MemoryProbe, MemoryReading
 from reqscope.ui.run.frame import StepSubject
+from reqscope.ui.run.inside.shown import INSPECT_VIEWS, ShownInspection, capture_ask, held_ask, last_inspection
 from reqscope.ui.run.live import LiveRun
 from reqscope.ui.run.loading_screen import LoadingScreen
 from reqscope.ui.run.on_screen import RunOnScreen
@@ -122,6 +123,7 @@ class LiveExplorer(RunExplorer):
         self.shown = RunOnScreen(run, applied=request.sampling)
         if self.load is not None:
             self.load.end()  # a run cut short left them running: they join this one after its steps alone
+        self._follow_inside()
         self._model_thread.submit(run.drive, previous)
         self._invalidate()
 
@@ -152,6 +154,8 @@ class LiveExplorer(RunExplorer):
             self._invalidate()
             if shown.held is not None and self.load is not None:
                 self.load.begin()  # held by the user: the others run meanwhile
+        if shown.full_view_arrived():
+            self._invalidate()
         if shown.held is not None and self.sampling.params != shown.applied:
             self._apply_params(shown)
         if shown.run.failure and not shown.failure_shown:
@@ -212,6 +216,20 @@ class LiveExplorer(RunExplorer):
 
     def _batched(self) -> bool:
         return self.load_options.any or self.view.batched
+
+    def _inside_views(self) -> tuple[str, ...]:
+        return INSPECT_VIEWS  # the engine captures either whenever asked
+
+    def _inspection(self) -> ShownInspection | None:
+        held = self.shown.inspection() if self.shown is not None else None
+        return held or last_inspection(self.view)
+
+    def _follow_inside(self) -> None:
+        if self.shown is None:
+            return
+        on = self.inside_on_screen()
+        attention, lens = "attention" in on, "lens" in on
+        self.shown.run.inspect(capture_ask(attention, lens), held_ask(attention, lens))
 
     def _error_line(self) -> str | None:
         return self.view.error or (self.shown.run.failure if self.shown is not None else None)

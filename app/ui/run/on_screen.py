@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from minengine.sampling.params import SamplingParams
 from reqscope.ui.run.frame import StepSubject
+from reqscope.ui.run.inside.shown import ShownInspection, held_inspection
 from reqscope.ui.run.live import LiveRun
 from reqscope.ui.run.step_subject import held_subject
 from reqscope.ui.run.view import RunView
@@ -25,6 +26,7 @@ class RunOnScreen:
     applied: SamplingParams  # what the session was last told to use
     held: int | None = None  # the step the run holds at, as the screen shows it
     failure_shown: bool = False  # the worker's failure has been notified
+    full_view_shown: tuple[int, object] | None = None  # the held step's full view last drawn
     _preview: tuple[tuple[int, SamplingParams], StepSubject | None] | None = None
 
     def follow(self, view: RunView) -> bool:
@@ -41,6 +43,21 @@ class RunOnScreen:
         if self._preview is None or self._preview[0] != key:
             self._preview = (key, held_subject(self.run, self.held, params))
         return self._preview[1]
+
+    def inspection(self) -> ShownInspection | None:
+        """The held step's full view, once the worker has computed it; None while the run is not held."""
+        view = self.run.held_view
+        if self.held is None or view is None or view[0] != self.held:
+            return None
+        return held_inspection(view[1], self.held)
+
+    def full_view_arrived(self) -> bool:
+        """True once per full view the worker computed: the screen should draw it."""
+        view = self.run.held_view
+        if view is None or view == self.full_view_shown:
+            return False
+        self.full_view_shown = view
+        return True
 
     def toggle(self) -> None:
         """Run freely, or pause at the next step."""

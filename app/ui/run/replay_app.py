@@ -17,6 +17,7 @@ from minengine.sampling.params import SamplingParams
 from reqscope.ui.keys import REPLAY, bindings
 from reqscope.ui.run.app import RunExplorer
 from reqscope.ui.run.frame import Frame, StepSubject
+from reqscope.ui.run.inside.shown import ShownInspection, recorded_views, replay_inspection
 from reqscope.ui.run.replay import ReplayRun
 from reqscope.ui.run.sampling_form import SamplingChoice
 from reqscope.ui.run.status_line import status_text
@@ -44,6 +45,7 @@ class ReplayExplorer(RunExplorer):
         self.view = view
         self._play_timer: Timer | None = None
         self._shares_engine = RunView.of(events).batched  # the whole trace: the layout stays as the cursor moves
+        self._recorded_inside = recorded_views(events)  # the inside views some recorded step kept
 
     @property
     def playing(self) -> bool:
@@ -106,6 +108,15 @@ class ReplayExplorer(RunExplorer):
 
     def _batched(self) -> bool:
         return self._shares_engine
+
+    def _inside_views(self) -> tuple[str, ...]:
+        return self._recorded_inside
+
+    def _inspection(self) -> ShownInspection | None:
+        return replay_inspection(self.recording, self.view)
+
+    def _follow_inside(self) -> None:
+        pass  # a recording captures nothing: it shows what it kept
 
     # -- actions ---------------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ class RunView:
     waiting_step: int | None = None  # index of the step whose logits are waiting, if any
     preemptions: list[tuple[int, PreemptEvent]] = field(default_factory=list)  # (tokens out before it, the event)
     shared_steps: int = 0  # decode steps so far that this request shared with other sequences
+    last_inspected: TokenEvent | None = None  # the latest token whose step's inside was captured
     result: RequestResult | None = None
     events_seen: int = 0
 
@@ -69,6 +70,8 @@ class RunView:
             if event.batch is not None and event.batch.sequences > 1:
                 self.shared_steps += 1
             self.held_totals.append((self.held_totals[-1] if self.held_totals else 0.0) + event.held_ms)
+            if event.inspection is not None:
+                self.last_inspected = event
             self.waiting_step = None
         elif isinstance(event, PreemptEvent):
             self.preemptions.append((len(self.tokens), event))

@@ -15,8 +15,10 @@ from reqscope.ui.panel import Panel
 from reqscope.ui.run.frame import Frame
 
 _RECENT_MIN_ROWS = 4  # spare rows below the candidates before the recent steps are worth showing
-# Column headings, aligned with _candidate_line's fields.
-_HEADER = f"{'':2}{'#':>2} {'token':<12} {'id':>6} {'logit':>6} {'prob':>6} {'cum.':>6}  status"
+# Column headings, aligned with _candidate_line's fields. `p(T)` is the model's distribution at the
+# temperature shown; `Σtop-p` is the running sum top-p compared with its threshold, on the
+# distribution top-p saw (`basis_note` says when that is another one).
+_HEADER = f"{'':2}{'#':>2} {'token':<12} {'id':>6} {'logit':>6} {'p(T)':>6} {'Σtop-p':>6}  status"
 
 
 def chain_text(params: SamplingParams) -> str:
@@ -50,6 +52,29 @@ def cut_positions(trace: StepTrace) -> dict[int, str]:
     return cuts
 
 
+def basis_note(params: SamplingParams, vocab_size: int) -> str | None:
+    """Why `p(T)` and `Σtop-p` on one row differ: the stages that ran before top-p changed what it saw.
+
+    None when top-p saw the distribution `p(T)` shows (the sum of the rows' `p(T)` is then `Σtop-p`).
+    """
+    if params.greedy:
+        return None
+    before = params.order[: params.order.index("top_p")]
+    after = params.order[params.order.index("top_p") + 1 :]
+    changes = []
+    if "top_k" in before and params.top_k and (not vocab_size or params.top_k < vocab_size):
+        changes.append(f"top-k {params.top_k}'s survivors")
+    if "min_p" in before and params.min_p:
+        changes.append(f"min-p {params.min_p:g}'s survivors")
+    unscaled = "temperature" in after and params.temperature != 1
+    if not changes and not unscaled:
+        return None
+    basis = " and ".join(changes) + ", renormalised" if changes else "the whole vocabulary"
+    if unscaled:
+        basis += ", at T=1 (temperature runs after top-p)"
+    return f"p(T): all {vocab_size or '?'} tokens · Σtop-p: {basis}"
+
+
 def _join(a: str | None, b: str) -> str:
     return b if a is None else f"{a} · {b}"
 
@@ -65,7 +90,11 @@ class LogitsPanel(Panel):
         if subject is None:
             return Group(chain, Text("no step yet: logits appear after prefill", style="dim"))
         trace = subject.trace
-        lines = [chain, _summary(subject.label, trace), Text(_HEADER[:width], style="dim underline", no_wrap=True)]
+        lines = [chain, _summary(subject.label, trace)]
+        note = basis_note(trace.params, trace.vocab_size)
+        if note is not None:
+            lines.append(Text(note, style="dim", no_wrap=True, overflow="ellipsis"))
+        lines.append(Text(_HEADER[:width], style="dim underline", no_wrap=True))
         rows = _candidate_rows(trace, frame.cursor if subject.pickable else None, width)
         room = max(height - len(lines), 1)
         lines += _window(rows, frame.cursor, room)
