@@ -63,6 +63,8 @@ KEYS: tuple[Key, ...] = (
     Key("p", "edit_system", "System", "Edit the system prompt (and the prompt), then run again", LIVE_AND_ENDPOINT,
         footer=False),
     Key("m", "switch_layout", "GQA/MHA", "Re-run this request with the other KV cache layout (gqa or mha)", LIVE_ONLY),
+    Key("w", "compare_weights", "Formats", "Run the finished request in the next weight format beside its own: "
+        "tok/s, TTFT, bytes per step, top-1 agreement and KL per step", LIVE_ONLY, footer=False),
     Key("x", "export", "Export", "Export the finished run (timeline CSV, metrics, trace, Perfetto) to a new folder"),
     Key("v", "next_view", "View", "Show the next detail panel (small terminals)", EVERY),
     Key("1", "view('logits')", "Logits", "Show the logits panel (small terminals)", footer=False),
@@ -72,6 +74,8 @@ KEYS: tuple[Key, ...] = (
     Key("5", "view('template')", "Template", "Show the rendered chat template (small terminals)", footer=False),
     Key("6", "view('batch')", "Batch", "Show the batch panel: the steps other requests share (small terminals)",
         footer=False, panel="batch"),
+    Key("9", "view('formats')", "Formats", "Show the weight formats panel, once w has compared (small terminals)",
+        LIVE_ONLY, footer=False, panel="formats"),
     Key("1", "view('logits')", "Logprobs", "Show the top logprobs panel (small terminals)", ENDPOINT_ONLY,
         footer=False),
     Key("2", "view('kv')", "KV", "Show the KV cache panel (small terminals)", ENDPOINT_ONLY, footer=False),

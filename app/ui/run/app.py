@@ -32,6 +32,7 @@ from reqscope.ui.run.figures.memory_probe import MemoryReading
 from reqscope.ui.run.frame import Frame, StepSubject
 from reqscope.ui.run.history import RunHistory
 from reqscope.ui.run.panels.batch import BatchPanel
+from reqscope.ui.run.panels.formats import FormatsPanel
 from reqscope.ui.run.panels.kv import KVPanel
 from reqscope.ui.run.panels.latency import LatencyPanel
 from reqscope.ui.run.panels.layout import LayoutPanel
@@ -47,6 +48,7 @@ from reqscope.wording import error_text
 
 if TYPE_CHECKING:  # numpy, only for a fit given with --service-model
     from minengine.plan.service_model import ServiceModel
+    from reqscope.ui.run.formats.comparer import FormatsShown
 
 
 class RunExplorer(ExplorerBase):
@@ -55,9 +57,10 @@ class RunExplorer(ExplorerBase):
     PIPELINE = PipelinePanel
     READOUT = ReadoutPanel
     BODY = (("tokens", TokensPanel), ("logits", LogitsPanel), ("kv", KVPanel), ("latency", LatencyPanel),
-            ("layouts", LayoutPanel), ("template", TemplatePanel), ("batch", BatchPanel))
+            ("layouts", LayoutPanel), ("template", TemplatePanel), ("batch", BatchPanel), ("formats", FormatsPanel))
     DETAIL_VIEWS = ("logits", "kv", "layouts", "latency", "template")
-    OPTIONAL_VIEWS = ("batch",)  # while other requests share the engine (`_batched`)
+    # batch: while other requests share the engine (`_batched`); formats: once `w` compared weight formats
+    OPTIONAL_VIEWS = ("batch", "formats")
     RECORDED: ClassVar[bool]  # whether the run on screen is a recording (the panels say so)
 
     def __init__(
@@ -80,7 +83,7 @@ class RunExplorer(ExplorerBase):
         self.cursor = 0  # the highlighted candidate
         self.history = RunHistory()
         self.last_export: Path | None = None
-        self._laid_out_batched = False  # whether the layout last fitted has the batch panel
+        self._laid_out: tuple[str, ...] = ()  # the detail panels of the layout last fitted
 
     @property
     def subject(self) -> StepSubject | None:
@@ -115,6 +118,7 @@ class RunExplorer(ExplorerBase):
             service_model=self.service_model,
             settings_note=self._settings_note(),
             load=self._load_note(),
+            formats=self._formats_shown(),
         )
 
     def _status_line(self, frame: Frame) -> RenderableType:
@@ -172,15 +176,20 @@ class RunExplorer(ExplorerBase):
     # -- the batch panel ---------------------------------------------------------------------------
 
     def _detail_views(self) -> tuple[str, ...]:
-        return self.DETAIL_VIEWS + (self.OPTIONAL_VIEWS if self._batched() else ())
+        applies = {"batch": self._batched(), "formats": self._formats_shown() is not None}
+        return self.DETAIL_VIEWS + tuple(name for name in self.OPTIONAL_VIEWS if applies[name])
 
     def _fit_layout(self, size=None) -> None:
-        self._laid_out_batched = self._batched()
-        self.query_one("#body").set_class(self._laid_out_batched, "-batched")
+        self._laid_out = self._detail_views()
+        self.query_one("#body").set_class("batch" in self._laid_out, "-batched")
+        self.query_one("#body").set_class("formats" in self._laid_out, "-formats")
         super()._fit_layout(size)
 
     def action_view(self, name: str) -> None:
         """Show one detail panel on small terminals (the batch panel once other requests share the engine)."""
+        if name == "formats" and name not in self._detail_views():
+            self.notify("the weight formats panel shows once w has compared this request in another format")
+            return
         if name not in self._detail_views():
             self.notify("the batch panel shows when other requests share the engine: run with --background N "
                         "or --serve-port PORT, or replay a trace of such a run")  # fmt: skip
@@ -189,7 +198,7 @@ class RunExplorer(ExplorerBase):
 
     def _follow_batch(self) -> None:
         """Lay the panels out again once the run on screen turns out to share the engine (or no longer does)."""
-        if self._batched() != self._laid_out_batched:
+        if self._detail_views() != self._laid_out:
             self._fit_layout()
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
@@ -222,6 +231,10 @@ class RunExplorer(ExplorerBase):
 
     def _load_note(self) -> LoadNote | None:
         """The load this explorer puts on its engine (background requests, the served API), if any."""
+        return None
+
+    def _formats_shown(self) -> FormatsShown | None:
+        """The weight formats compared (`w`), where any were asked for."""
         return None
 
     def _batched(self) -> bool:

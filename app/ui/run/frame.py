@@ -16,6 +16,7 @@ from reqscope.ui.run.view import RunView
 
 if TYPE_CHECKING:  # numpy, only for a fit given with --service-model
     from minengine.plan.service_model import ServiceModel
+    from reqscope.ui.run.formats.comparer import FormatsShown
 
 
 @dataclass(frozen=True)
@@ -48,3 +49,4 @@ class Frame:
     service_model: ServiceModel | None = None  # a `reqscope calibrate` fit: predicted beside measured
     settings_note: str = ""  # where the sampling values came from, e.g. "set: k · default: T p"
     load: LoadNote | None = None  # what else runs in the engine (--background, --serve-port); None: nothing asked
+    formats: FormatsShown | None = None  # the weight formats compared with `w` (live runs); None: none asked
