@@ -86,6 +86,7 @@ class ExplorerBase(App[int]):
     # Detail panels that join them only while they apply (`_detail_views` says when)
     OPTIONAL_VIEWS: ClassVar[tuple[str, ...]] = ()
     VIEW_LABELS: ClassVar[Mapping[str, str]] = {}  # a detail panel's name in the hints, where not its id
+    VIEW_NUMBERS: ClassVar[Mapping[str, str]] = {}  # a detail panel's key in the hints, where not its place
     KEYS_SKIP_PACER: ClassVar[bool] = False  # whether a key's repaint is drawn at once while the run streams
 
     def __init__(self, *, mode: str, repaint_hz: float) -> None:
@@ -128,7 +129,7 @@ class ExplorerBase(App[int]):
         views = self._detail_views()
         if self.compact_view not in views:  # an optional panel that no longer applies
             self.compact_view = views[0]
-        fit_panels(self, size or self.size, views, self.compact_view, self.VIEW_LABELS)
+        fit_panels(self, size or self.size, views, self.compact_view, self.VIEW_LABELS, self.VIEW_NUMBERS)
         self._invalidate()
 
     def _optional_shown(self) -> tuple[str, ...]:

@@ -22,11 +22,16 @@ def mark_detail_panels(app: App, views: tuple[str, ...]) -> None:
         app.query_one(f"#{name}").add_class("detail")
 
 
-def fit_panels(app: App, size: Size, views: tuple[str, ...], shown: str, labels: Mapping[str, str] = {}) -> bool:
-    """Lay the panels out for `size`, `shown` being the detail panel on small terminals; True when wide."""
+def fit_panels(
+    app: App, size: Size, views: tuple[str, ...], shown: str, labels: Mapping[str, str] = {},
+    numbers: Mapping[str, str] = {},
+) -> bool:  # fmt: skip
+    """Lay the panels out for `size`, `shown` being the detail panel on small terminals; True when wide.
+
+    The hint numbers each panel by its place, or by `numbers` (a panel whose key is not its place)."""
     wide = size.width >= WIDE_MIN[0] and size.height >= WIDE_MIN[1]
     app.query_one("#body").set_class(wide, "-wide")
-    keys = "  ".join(f"{i + 1} {labels.get(name, name)}" for i, name in enumerate(views))
+    keys = "  ".join(f"{numbers.get(name, i + 1)} {labels.get(name, name)}" for i, name in enumerate(views))
     for name in views:
         panel = app.query_one(f"#{name}", Panel)
         panel.set_class(name == shown, "-shown")

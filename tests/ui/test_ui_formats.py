@@ -92,6 +92,8 @@ async def test_w_compares_the_next_formats_against_an_independent_computation(ch
             assert c.other.ttft_ms is not None and c.other.decode_tokens_per_s is not None
             assert c.cost is not None and c.cost.load_ms > 0  # loaded on demand, a new format each press
             assert app.compact_view == "formats" and "formats" in app._detail_views()
+            if size == (80, 24):  # the hint numbers it by its key, not its place among the panels
+                assert "9 formats" in app.query_one("#formats").border_subtitle
             await wait_for(pilot, lambda: not app.needs_repaint)
             text = panel_text(app, "#formats")
             assert f"{fmt} " in text and f"{c.agreeing}/{len(tokens)}" in text and "float32" in text

@@ -61,6 +61,7 @@ class RunExplorer(ExplorerBase):
     DETAIL_VIEWS = ("logits", "kv", "layouts", "latency", "template")
     # batch: while other requests share the engine (`_batched`); formats: once `w` compared weight formats
     OPTIONAL_VIEWS = ("batch", "formats")
+    VIEW_NUMBERS = {"formats": "9"}  # its key (keys.py): after batch, whether or not batch applies
     RECORDED: ClassVar[bool]  # whether the run on screen is a recording (the panels say so)
 
     def __init__(

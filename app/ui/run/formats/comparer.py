@@ -98,11 +98,6 @@ class WeightComparer:
         """Stop the comparison in progress before its next step."""
         self._cancelled.set()
 
-    def drop(self) -> None:
-        """Cancel, and let the kept engine go (on the model thread, after the comparison stops)."""
-        self.cancel()
-        self._submit(self._other.drop)
-
     # -- on the model thread ---------------------------------------------------------------
 
     def _run(self, fmt: str, engine: Engine, request: GenerationRequest, tokens: tuple[int, ...]) -> None:
