@@ -16,25 +16,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from minengine.device import resolve_dtype
 from minengine.dtype_names import WEIGHT_FORMATS
 from minengine.engine.engine import Engine
 from minengine.engine.request import GenerationRequest
-from minengine.model.weight_format import WeightFormatError, compute_dtype_for, refuse_shapes, resolve_weights
+from minengine.errors import ReqscopeError
 from reqscope.bench.fair.compare import REQSCOPE, TRANSFORMERS, FairComparison, SideResult
 from reqscope.bench.fair.pipes import StreamedRun, stream_run
 from reqscope.bench.stats import Spread
-from reqscope.wording import error_text
+from reqscope.other_formats import FormatOption, other_formats
 
 EVERY_FORMAT = ("all",)  # the flag's default: every format this machine runs
-
-
-@dataclass(frozen=True)
-class FormatSkip:
-    """A weight format that did not run, and why."""
-
-    format: str
-    why: str
 
 
 @dataclass(frozen=True)
@@ -42,7 +33,7 @@ class FormatPlan:
     """The formats to run besides the engine's own, and those skipped."""
 
     formats: tuple[str, ...]
-    skipped: tuple[FormatSkip, ...]
+    skipped: tuple[FormatOption, ...]  # each with the engine's reason
 
 
 @dataclass(frozen=True)
@@ -75,7 +66,7 @@ class FormatsResult:
     """Every weight format's row, what was skipped, and the ceiling the fractions are of."""
 
     rows: tuple[FormatRow, ...]
-    skipped: tuple[FormatSkip, ...]
+    skipped: tuple[FormatOption, ...]
     ceiling_bytes_per_s: float
     peer: str | None  # the peer `vs_peer` is against
 
@@ -87,22 +78,8 @@ def side_name(fmt: str, engine: Engine) -> str:
 
 def plan_formats(asked: tuple[str, ...], engine: Engine) -> FormatPlan:
     """The formats of `asked` (`EVERY_FORMAT`: all) other than `engine`'s, each checked as the engine would."""
-    names = WEIGHT_FORMATS if asked == EVERY_FORMAT else asked
-    runs, skipped = [], []
-    for fmt in dict.fromkeys(names):
-        if fmt == engine.weights.format:
-            continue
-        if engine.device.type == "cpu":
-            dtype = engine.dtype
-        else:
-            dtype = resolve_dtype(compute_dtype_for(fmt, engine.device), engine.device)
-        try:
-            refuse_shapes(resolve_weights(fmt, engine.device, dtype), engine.cfg)
-        except WeightFormatError as exc:
-            skipped.append(FormatSkip(fmt, error_text(exc)))
-            continue
-        runs.append(fmt)
-    return FormatPlan(tuple(runs), tuple(skipped))
+    options = other_formats(engine, WEIGHT_FORMATS if asked == EVERY_FORMAT else asked)
+    return FormatPlan(tuple(o.format for o in options if o.runs), tuple(o for o in options if not o.runs))
 
 
 def long_prompt_text(engine: Engine, tokens: int, ids_of: Callable[[Engine, int], list[int]]) -> str:
@@ -131,7 +108,7 @@ def long_prefills(
 def _long(fmt: str, runs: list[StreamedRun]) -> LongPrefill:
     firsts = [run.first_token_ms for run in runs if run.first_token_ms is not None]
     if not firsts:
-        raise WeightFormatError(f"reqscope --weights {fmt} reported no first-token time for the long prompt")
+        raise ReqscopeError(f"reqscope --weights {fmt} reported no first-token time for the long prompt")
     return LongPrefill(runs[0].prompt_tokens or 0, Spread.of(firsts), max(run.peak_rss_bytes or 0 for run in runs))
 
 
@@ -139,7 +116,7 @@ def format_rows(
     fair: FairComparison,
     names: dict[str, str],
     long: dict[str, LongPrefill],
-    skipped: tuple[FormatSkip, ...],
+    skipped: tuple[FormatOption, ...],
     ceiling_bytes_per_s: float,
 ) -> FormatsResult:
     """The rows, from the fair comparison's sides (`names`: format -> side) and the long launches."""

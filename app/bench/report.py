@@ -267,7 +267,7 @@ def format_formats(result: FormatsResult) -> list[str]:
             f"{vs_peer:>13} {read:>10} {fraction:>10} {short_ms:>15} {row.long.first_token_ms.median:>17.0f} "
             f"{row.long.peak_rss_bytes / MIB:>5.0f} MiB"
         )
-    lines += [f"skipped {skip.format}: {skip.why}" for skip in result.skipped]
+    lines += [f"skipped {skip.format}: {skip.why_not}" for skip in result.skipped]
     return lines
 
 

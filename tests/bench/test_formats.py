@@ -37,7 +37,7 @@ def test_each_format_runs_as_its_own_side_with_its_own_bytes_and_prefills(chatty
     assert plan.formats == runs
     assert {s.format for s in plan.skipped} == set(PACKED) - set(runs)
     for skip in plan.skipped:  # the engine's own refusal, in the app's words
-        assert "cannot run" in skip.why and "--weights" in skip.why
+        assert "cannot run" in skip.why_not and "--weights" in skip.why_not
     contenders = fair_contenders(config, engine, PeerSelection((), ()), plan.formats)
     assert [c.name for c in contenders] == [REQSCOPE, TRANSFORMERS, *(f"{REQSCOPE} {f}" for f in runs)]
     for c in contenders[2:]:

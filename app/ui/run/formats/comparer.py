@@ -19,9 +19,10 @@ from minengine.engine.engine import Engine
 from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from minengine.progress import PullProgress
+from reqscope.other_formats import FormatOption, other_formats
 from reqscope.ui.run.formats.agreement import FormatComparison
 from reqscope.ui.run.formats.lockstep import compare_on_tokens
-from reqscope.ui.run.formats.other_engine import FormatOption, OtherEngine, format_options
+from reqscope.ui.run.formats.other_engine import OtherEngine
 from reqscope.wording import error_text
 
 Submit = Callable[..., Future]
@@ -77,7 +78,7 @@ class WeightComparer:
 
     def next_format(self, engine: Engine) -> FormatOption | None:
         """The format the next press compares: after the last one compared, among those that run here."""
-        options = format_options(engine)
+        options = other_formats(engine)
         if self._shown is None:
             self._publish(FormatsShown(engine.weights.format, options, ()))
         runnable = [o for o in options if o.runs]

@@ -1,64 +1,23 @@
-"""Another weight format's engine beside the explorer's: which formats this machine runs, and one loaded at a time.
+"""Another weight format's engine beside the explorer's, one loaded at a time.
 
-A format is checked as the engine checks it (`weight_format.resolve_weights`, `refuse_shapes`),
-before anything loads, so one this torch, CPU or device lacks is listed with the reason instead
-of failing. The engine for a format is loaded on demand over the same model folder and kept
-until another format is asked for: then it is dropped first, so at most one second copy of the
-weights (in its own format) is resident beside the explorer's. What it cost (load time, the
-process's RSS once it has loaded, the weight bytes it holds) is measured at each load.
+The engine for a format (one that `reqscope.other_formats` says runs here) is loaded on demand
+over the same model folder and kept until another format is asked for: then it is dropped
+first, so at most one second copy of the weights (in its own format) is resident beside the
+explorer's. What it cost (load time, the process's RSS once it has loaded, the weight bytes it
+holds) is measured at each load.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-from dataclasses import dataclass
 
 import psutil
 import torch
 
-from minengine.device import resolve_dtype
-from minengine.dtype_names import WEIGHT_FORMATS
 from minengine.engine.engine import Engine
-from minengine.model.weight_format import WeightFormatError, compute_dtype_for, refuse_shapes, resolve_weights
 from minengine.progress import StatusCallback
 from reqscope.ui.run.formats.agreement import EngineCost
-from reqscope.wording import error_text
-
-
-@dataclass(frozen=True)
-class FormatOption:
-    """A weight format other than the explorer's, and why it cannot run here ("" when it can)."""
-
-    format: str
-    why_not: str = ""
-
-    @property
-    def runs(self) -> bool:
-        """True when this machine runs the format."""
-        return not self.why_not
-
-
-def format_options(engine: Engine) -> tuple[FormatOption, ...]:
-    """Every weight format but `engine`'s own, each checked for this device, compute dtype, torch and model."""
-    options = []
-    for fmt in WEIGHT_FORMATS:
-        if fmt == engine.weights.format:
-            continue
-        try:
-            refuse_shapes(resolve_weights(fmt, engine.device, _compute_dtype(engine, fmt)), engine.cfg)
-        except WeightFormatError as exc:
-            options.append(FormatOption(fmt, error_text(exc)))
-            continue
-        options.append(FormatOption(fmt))
-    return tuple(options)
-
-
-def _compute_dtype(engine: Engine, fmt: str) -> torch.dtype:
-    # The CPU's packed formats compute in the explorer's dtype; elsewhere a format is its own dtype.
-    if engine.device.type == "cpu":
-        return engine.dtype
-    return resolve_dtype(compute_dtype_for(fmt, engine.device), engine.device)
 
 
 class OtherEngine:
