@@ -124,3 +124,16 @@ async def test_w_waits_for_the_run_to_finish_and_keeps_one_other_engine(chatty_e
             await pilot.press("w")
             await wait_for(pilot, lambda: not app.formats.busy and app.formats._other.engine is not kept)
             assert app.formats._other.engine.weights.format != "fp16"  # one other engine at a time
+
+
+async def test_from_150x40_the_formats_panel_is_a_strip_under_the_others(chatty_engine):
+    app = live_app(chatty_engine, kyoto_request(max_tokens=3, sampling=SamplingParams(temperature=0)))
+    async with app.run_test(size=(160, 50)) as pilot:
+        await finished(pilot, app)
+        latency = app.query_one("#latency").region
+        await compared(pilot, app, "fp16")
+        await wait_for(pilot, lambda: not app.needs_repaint)
+        strip, tokens = app.query_one("#formats").region, app.query_one("#tokens").region
+        assert app.wide and strip.height == 12 and strip.width == app.query_one("#body").region.width
+        assert strip.y > tokens.y + tokens.height - 1 and app.query_one("#latency").region.height < latency.height
+        assert "fp16 " in panel_text(app, "#formats")
