@@ -49,7 +49,7 @@ class WeightComparer:
         self._submit = submit
         self._wake = wake
         self._other = OtherEngine()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # _compared holds it around _update
         self._cancelled = threading.Event()
         self._busy = False
         self._news = False
@@ -133,8 +133,9 @@ class WeightComparer:
         return report
 
     def _compared(self, comparison: FormatComparison) -> None:
-        self._by_format[comparison.other.format] = comparison
-        self._update()
+        with self._lock:
+            self._by_format[comparison.other.format] = comparison
+            self._update()
 
     def _update(self, **changes: object) -> None:
         with self._lock:
