@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from reqscope.bench import env as bench_env  # first: sets the OpenMP policy before torch loads
 
 # isort: split
+from minengine.dtype_names import WEIGHT_FORMATS
 from minengine.errors import ReqscopeError
 from reqscope.argtypes import positive_whole_number as count
 from reqscope.argtypes import whole_number
@@ -65,6 +66,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the fair comparison again beside one busy process (a spinning Python loop)",
     )
+    parser.add_argument(
+        "--formats",
+        default="all",
+        metavar="LIST",
+        help="other weight formats to run, each as its own `reqscope --json --weights F` side: comma-separated "
+        f"({', '.join(WEIGHT_FORMATS)}), all (default: every one this machine runs, the rest listed as skipped) "
+        "or none",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--output", metavar="FILE", help="also write the JSON report to FILE")
     parser.add_argument("--check", action="store_true", help="exit with code 1 when a target is not met")
@@ -82,6 +91,7 @@ def config_from_args(args: argparse.Namespace, progress=None) -> BenchConfig:
             raise ReqscopeError("--peer and --no-peers contradict each other; give one")
         names = ()
     check_names(names)  # before the default model is pulled: a typo costs nothing
+    formats = _formats(args.formats)
     peers = PeerChoice(names, Path(args.peer_gguf).expanduser() if args.peer_gguf else None)
     if args.model:
         model_dir = Path(args.model).expanduser()
@@ -104,7 +114,23 @@ def config_from_args(args: argparse.Namespace, progress=None) -> BenchConfig:
         omp_policy_set_by_bench=bench_env.SET_BY_BENCH,
         peers=peers,
         under_load=args.under_load,
+        formats=formats,
     )
+
+
+def _formats(value: str) -> tuple[str, ...]:
+    """`--formats`: "all", "none" or comma-separated format names (an unknown one is a usage error)."""
+    if value.strip() == "all":
+        return ("all",)  # reqscope.bench.formats.EVERY_FORMAT (that module imports torch)
+    if value.strip() == "none":
+        return ()
+    names = tuple(name.strip() for name in value.split(",") if name.strip())
+    unknown = [name for name in names if name not in WEIGHT_FORMATS]
+    if unknown or not names:
+        raise ReqscopeError(
+            f"--formats got {', '.join(unknown) or 'nothing'}; give all, none or some of {', '.join(WEIGHT_FORMATS)}"
+        )
+    return names
 
 
 def run_from_args(args: argparse.Namespace) -> int:

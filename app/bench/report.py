@@ -20,6 +20,7 @@ from typing import Any
 
 from minengine.kv.arithmetic import MIB
 from reqscope.bench.fair.compare import REQSCOPE, FairComparison
+from reqscope.bench.formats import FormatsResult
 from reqscope.bench.runner import BenchReport, Comparison
 from reqscope.bench.stats import Spread
 
@@ -141,6 +142,8 @@ def format_table(report: BenchReport) -> str:
     lines += format_fair(report.fair)
     if report.fair_under_load is not None:
         lines += ["", *format_fair(report.fair_under_load)]
+    if report.formats is not None:
+        lines += ["", *format_formats(report.formats)]
     lines += [
         "",
         "in-process comparison (secondary): both engines inside the benchmark's process, same policy "
@@ -234,6 +237,37 @@ def format_fair(fair: FairComparison) -> list[str]:
     p = fair.parity
     lines.append(f"greedy tokens: {p.matching_prefix} of {p.tokens} identical ({REQSCOPE} vs transformers)")
     lines += [f"peer {line}" for line in fair.skipped]
+    return lines
+
+
+def format_formats(result: FormatsResult) -> list[str]:
+    """One row per weight format: decode beside transformers and the peer, bytes per step, the
+    fraction of the ceiling, both prefills and the peak RSS; then the formats skipped and why."""
+    peer = result.peer or "peer"
+    long = result.rows[0].long.prompt_tokens if result.rows else 0
+    short = (result.rows[0].short_prompt_tokens if result.rows else None) or "?"
+    short_head, long_head = f"prefill {short} ms", f"prefill {long} ms"
+    lines = [
+        "weight formats: each `reqscope --json --weights F` in its own process; decode in the fair comparison's "
+        f"rounds, prefill the child's own request-to-first-token ({short}-token chat prompt there, "
+        f"{long}-token prompt and one token in launches of their own, which give the peak RSS)",
+        f"of ceiling = read/step x decode rate / the matvec probe ({result.ceiling_bytes_per_s / 1e9:.1f} GB/s, "
+        "median of the in-process rounds); read/step: what the child reports its decode steps read",
+        "",
+        f"{'':<9} {'decode tok/s':>24} {'vs transformers':>16} {'vs ' + peer:>13} {'read/step':>10} "
+        f"{'of ceiling':>10} {short_head:>15} {long_head:>17} {'peak RSS':>9}",
+    ]
+    for row in result.rows:
+        vs_peer = "-" if row.vs_peer is None else f"{row.vs_peer:.2f}"
+        read = "-" if row.bytes_per_step is None else f"{row.bytes_per_step / MIB:.0f} MiB"
+        fraction = "-" if row.ceiling_fraction is None else f"{row.ceiling_fraction:.0%}"
+        short_ms = "-" if row.prefill_short_ms is None else f"{row.prefill_short_ms.median:.0f}"
+        lines.append(
+            f"{row.format:<9} {_spread(row.decode_tokens_per_s, '.1f'):>24} {row.vs_transformers.median:>16.2f} "
+            f"{vs_peer:>13} {read:>10} {fraction:>10} {short_ms:>15} {row.long.first_token_ms.median:>17.0f} "
+            f"{row.long.peak_rss_bytes / MIB:>5.0f} MiB"
+        )
+    lines += [f"skipped {skip.format}: {skip.why_not}" for skip in result.skipped]
     return lines
 
 

@@ -53,6 +53,16 @@ from reqscope.bench.fair.peers import (
     peer_bytes_per_step,
     select_peers,
 )
+from reqscope.bench.formats import (
+    FormatPlan,
+    FormatsResult,
+    LongPrefill,
+    format_rows,
+    long_prefills,
+    long_prompt_text,
+    plan_formats,
+    side_name,
+)
 from reqscope.bench.hf_reference import TransformersReference
 from reqscope.bench.roofline import (
     ReadProbe,
@@ -104,6 +114,9 @@ class BenchConfig:
     peers: PeerChoice = PeerChoice()  # default: every installed peer that has its model file
     under_load: bool = False  # run the fair comparison again beside one busy process
     fair_rounds: int | None = None  # rounds of the fair comparison (None: `rounds`)
+    # Other weight formats, each a side of the fair comparison of its own (`formats.EVERY_FORMAT`:
+    # every one this machine runs; none by default here, all by default in the command)
+    formats: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -222,6 +235,7 @@ class BenchReport:
     start: StartResult | None
     memory: MemoryResult | None
     device_memory: DeviceMemoryResult | None
+    formats: FormatsResult | None = None  # each weight format in its own processes, when asked for
 
 
 @dataclass
@@ -267,7 +281,9 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
     selection = select_peers(config.peers, config.model_dir, default_gguf=lambda: ensure_default_gguf(progress))
     progress(f"loading minengine from {config.model_dir}")
     engine = _engine(config)
-    fair, fair_loaded = _fair(config, engine, selection, progress)
+    plan = plan_formats(config.formats, engine) if config.formats else None
+    fair, fair_loaded = _fair(config, engine, selection, progress, plan.formats if plan else ())
+    long = _long_prefills(config, engine, plan, progress) if plan is not None else {}
     progress(f"loading transformers from {config.model_dir} (in-process comparison)")
     work = _workload(config, engine)
     raw = _Round({"ours": [], "theirs": []}, {"ours": [], "theirs": []}, {"ours": [], "theirs": []}, [], [], [])
@@ -304,6 +320,11 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
     bytes_per_step = decode_bytes_per_step(
         model.decode_weight_bytes, machine.kv_bytes_per_token, len(work.short_ids), config.new_tokens - 1
     )
+    roofline = _roofline(raw.roofline, bytes_per_step)
+    formats = None
+    if plan is not None:
+        names = {fmt: side_name(fmt, engine) for fmt in long}
+        formats = format_rows(fair, names, long, plan.skipped, roofline.probe_matvec_bytes_per_s.median)
     return BenchReport(
         machine=machine,
         config=config,
@@ -316,11 +337,12 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
             "tokens/s", Spread.of(ours_rates), Spread.of(theirs_rates), Spread.of(ratios(ours_rates, theirs_rates))
         ),
         parity=parity_of(raw.decode["ours"][0].tokens, raw.decode["theirs"][0].tokens),
-        roofline=_roofline(raw.roofline, bytes_per_step),
+        roofline=roofline,
         explorer=_explorer(raw.bare, raw.explorer, work.request.top_n),
         start=start,
         memory=memory,
         device_memory=device_memory,
+        formats=formats,
     )
 
 
@@ -331,10 +353,14 @@ def _engine(config: BenchConfig) -> Engine:
 
 
 def _fair(
-    config: BenchConfig, engine: Engine, selection: PeerSelection, progress: Callable[[str], None]
+    config: BenchConfig,
+    engine: Engine,
+    selection: PeerSelection,
+    progress: Callable[[str], None],
+    formats: tuple[str, ...] = (),
 ) -> tuple[FairComparison, FairComparison | None]:
     """The fair comparison on an idle machine, and beside a busy process when asked."""
-    contenders = fair_contenders(config, engine, selection)
+    contenders = fair_contenders(config, engine, selection, formats)
     rounds = config.fair_rounds or config.rounds
     idle = run_fair(contenders, rounds, config.new_tokens, skipped=selection.skipped, progress=progress)
     if not config.under_load:
@@ -346,16 +372,17 @@ def _fair(
     return idle, loaded
 
 
-def fair_contenders(config: BenchConfig, engine: Engine, selection: PeerSelection) -> list[Contender]:
-    """reqscope, transformers and the selected peers, each with its command line and environment.
+def fair_contenders(
+    config: BenchConfig, engine: Engine, selection: PeerSelection, formats: tuple[str, ...] = ()
+) -> list[Contender]:
+    """reqscope, transformers, the selected peers and reqscope in each of `formats`, each with its
+    command line and environment.
 
     Every child gets the user's environment as it was before reqscope touched it (the policy the
     benchmark set for its own process is taken out), plus OMP_NUM_THREADS when `--threads` was
     given. reqscope then chooses its own policy, as the command always does.
     """
-    env = user_environment()
-    if config.threads is not None:
-        env["OMP_NUM_THREADS"] = str(config.threads)
+    env = _child_env(config)
     tok = engine.tokenizer
     request = GenerationRequest.from_prompt(config.prompt)
     ids = tok.encode(tok.render(list(request.messages)))
@@ -365,11 +392,7 @@ def fair_contenders(config: BenchConfig, engine: Engine, selection: PeerSelectio
         engine.model.decode_weight_bytes, _kv_bytes_per_token(engine), len(ids), config.new_tokens - 1
     )
     reqscope_env = probe_environment(env)
-    command = [sys.executable, "-m", "reqscope", "--json", "--temperature", "0"]
-    command += ["--max-tokens", str(config.new_tokens), "--model", str(config.model_dir)]
-    command += ["--device", device, "--dtype", dtype, "--weights", engine.weights.format]
-    if device == "cuda" and not config.cuda_graph:
-        command.append("--no-cuda-graph")
+    command = _reqscope_command(config, engine, engine.weights.format, config.new_tokens)
     hf = [sys.executable, "-m", "reqscope.bench.fair.hf_child", "--model", str(config.model_dir)]
     hf += ["--ids", ",".join(map(str, ids)), "--max-new-tokens", str(config.new_tokens)]
     hf += ["--eos", ",".join(map(str, eos)), "--device", device, "--dtype", dtype]
@@ -384,7 +407,39 @@ def fair_contenders(config: BenchConfig, engine: Engine, selection: PeerSelectio
         how = f"llama-cpp-python on {plan.gguf.name}, greedy, n_threads {threads}"
         per_step = peer_bytes_per_step(plan, len(ids), config.new_tokens - 1)
         contenders.append(Contender(plan.name, how, tuple(argv), env, per_step))
+    for fmt in formats:  # their bytes per step: what each child reports its steps read
+        how = f"`reqscope --json --weights {fmt}`, the command as users run it"
+        argv = (*_reqscope_command(config, engine, fmt, config.new_tokens), config.prompt)
+        contenders.append(Contender(side_name(fmt, engine), how, argv, env, None, reqscope_env))
     return contenders
+
+
+def _child_env(config: BenchConfig) -> dict[str, str]:
+    env = user_environment()
+    if config.threads is not None:
+        env["OMP_NUM_THREADS"] = str(config.threads)
+    return env
+
+
+def _reqscope_command(config: BenchConfig, engine: Engine, weights: str, max_tokens: int) -> tuple[str, ...]:
+    """`reqscope --json`, greedy, on the benchmark's model, device and dtype, in `weights` (the prompt follows)."""
+    device, dtype = engine.device.type, str(engine.dtype).removeprefix("torch.")
+    command = [sys.executable, "-m", "reqscope", "--json", "--temperature", "0"]
+    command += ["--max-tokens", str(max_tokens), "--model", str(config.model_dir)]
+    command += ["--device", device, "--dtype", dtype, "--weights", weights]
+    if device == "cuda" and not config.cuda_graph:
+        command.append("--no-cuda-graph")
+    return tuple(command)
+
+
+def _long_prefills(
+    config: BenchConfig, engine: Engine, plan: FormatPlan, progress: Callable[[str], None]
+) -> dict[str, LongPrefill]:
+    """Every format's long prompt (about `long_prompt_tokens`, chat-templated) and one token, in its own process."""
+    text = long_prompt_text(engine, config.long_prompt_tokens, long_prompt_ids)
+    formats = (engine.weights.format, *plan.formats)
+    commands = {fmt: (*_reqscope_command(config, engine, fmt, 1), text) for fmt in formats}
+    return long_prefills(commands, _child_env(config), config.fair_rounds or config.rounds, progress)
 
 
 def _workload(config: BenchConfig, engine: Engine) -> _Workload:

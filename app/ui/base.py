@@ -86,6 +86,7 @@ class ExplorerBase(App[int]):
     # Detail panels that join them only while they apply (`_detail_views` says when)
     OPTIONAL_VIEWS: ClassVar[tuple[str, ...]] = ()
     VIEW_LABELS: ClassVar[Mapping[str, str]] = {}  # a detail panel's name in the hints, where not its id
+
     KEYS_SKIP_PACER: ClassVar[bool] = False  # whether a key's repaint is drawn at once while the run streams
 
     def __init__(self, *, mode: str, repaint_hz: float) -> None:

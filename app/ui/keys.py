@@ -64,6 +64,8 @@ KEYS: tuple[Key, ...] = (
     Key("p", "edit_system", "System", "Edit the system prompt (and the prompt), then run again", LIVE_AND_ENDPOINT,
         footer=False),
     Key("m", "switch_layout", "GQA/MHA", "Re-run this request with the other KV cache layout (gqa or mha)", LIVE_ONLY),
+    Key("w", "compare_weights", "Formats", "Run the finished request in the next weight format beside its own: "
+        "tok/s, TTFT, bytes per step, top-1 agreement and KL per step", LIVE_ONLY, footer=False),
     Key("x", "export", "Export", "Export the finished run (timeline CSV, metrics, trace, Perfetto) to a new folder"),
     Key("v", "next_view", "View", "Show the next detail panel (small terminals)", EVERY),
     Key("1", "view('logits')", "Logits", "Show the logits panel (small terminals)", footer=False),
@@ -85,6 +87,8 @@ KEYS: tuple[Key, ...] = (
         "the layer's heads)", footer=False, panel="attention"),
     Key("right_curly_bracket", "focus_head(1)", "Head +", "Attention: the next head (through the mean over the "
         "layer's heads)", footer=False, panel="attention"),
+    Key("9", "view('formats')", "Formats", "Show the weight formats panel, once w has compared (small terminals)",
+        LIVE_ONLY, footer=False, panel="formats"),
     Key("1", "view('logits')", "Logprobs", "Show the top logprobs panel (small terminals)", ENDPOINT_ONLY,
         footer=False),
     Key("2", "view('kv')", "KV", "Show the KV cache panel (small terminals)", ENDPOINT_ONLY, footer=False),

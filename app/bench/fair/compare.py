@@ -41,7 +41,7 @@ class Contender:
     how: str  # one line: how it runs, e.g. "`reqscope --json`, its own default policy"
     argv: tuple[str, ...]
     env: dict[str, str] = field(repr=False)  # exactly what the child is started with
-    bytes_per_token: float | None = None  # what one decode step reads, when known
+    bytes_per_token: float | None = None  # what one decode step reads, when known (else what the child reports)
     environment: ChildEnvironment | None = None  # when the child does not report its own
 
 
@@ -147,8 +147,13 @@ def _side(c: Contender, runs: list[StreamedRun], theirs: list[float]) -> SideRes
         decode_tokens_per_s=Spread.of(rates),
         vs_transformers=Spread.of(ratios(rates, theirs)),
         first_token_ms=Spread.of(firsts) if firsts else None,
-        bytes_per_token=c.bytes_per_token,
+        bytes_per_token=c.bytes_per_token if c.bytes_per_token is not None else _reported_bytes(runs[0]),
     )
+
+
+def _reported_bytes(run: StreamedRun) -> float | None:
+    """What the child said a decode step read, averaged over its steps (None when it did not say)."""
+    return sum(run.bytes_read) / len(run.bytes_read) if run.bytes_read else None
 
 
 def probe_environment(env: dict[str, str]) -> ChildEnvironment:

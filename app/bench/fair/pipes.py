@@ -12,7 +12,8 @@ Events read here (others are ignored):
 
 - `{"event": "environment", "omp_wait_policy": ..., "threads": ..., "libraries": ...}`: what the
   child ran with, as it saw it (the children write it; `reqscope --json` does not);
-- `{"event": "token", "token_id": ...}`: one generated token;
+- `{"event": "token", "token_id": ...}`: one generated token (`reqscope --json` adds the bytes its
+  decode step read, `bytes_read`, kept as the child's own report);
 - `{"event": "done", ...}`: the end, with the child's own request-to-first-token time
   (`first_token_ms`, or `reqscope --json`'s `metrics.ttft_ms`) and the prompt's length
   (`prompt_tokens`, or `usage.prompt_tokens`);
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minengine.errors import ReqscopeError
+from reqscope.bench.start import PeakMemory, resident_high_water
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class StreamedRun:
     first_token_ms: float | None  # the child's own time from the request to its first token
     prompt_tokens: int | None
     environment: ChildEnvironment | None
+    bytes_read: tuple[int, ...] = ()  # per decode step, where the child reports it (`reqscope --json`)
+    peak_rss_bytes: int | None = None  # the child's resident high-water mark, when watched
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -71,13 +75,18 @@ def emit(out, **record: Any) -> None:
     out.flush()
 
 
-def stream_run(name: str, argv: Sequence[str], env: dict[str, str], timeout_s: float = 900.0) -> StreamedRun:
-    """Launch `argv` with exactly `env`, stamp each token line on arrival, and wait for the end.
+def stream_run(
+    name: str, argv: Sequence[str], env: dict[str, str], timeout_s: float = 900.0, watch_memory: bool = False
+) -> StreamedRun:
+    """Launch `argv` with exactly `env`, stamp each token line on arrival, and wait for the end
+    (`watch_memory`: sample the child's resident high-water mark meanwhile, `start.PeakMemory`).
 
     A child that fails, times out or sends an error event is a one-line ReqscopeError naming `name`.
     """
     tokens: list[int] = []
     arrivals: list[float] = []
+    bytes_read: list[int] = []
+    peak: int | None = None
     environment: ChildEnvironment | None = None
     first_token_ms: float | None = None
     prompt_tokens: int | None = None
@@ -85,6 +94,7 @@ def stream_run(name: str, argv: Sequence[str], env: dict[str, str], timeout_s: f
     with tempfile.TemporaryFile() as err:
         start = time.perf_counter()
         proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=err, env=env)
+        memory = PeakMemory(proc.pid) if watch_memory else None
         timer = threading.Timer(timeout_s, proc.kill)
         timer.start()
         try:
@@ -96,6 +106,8 @@ def stream_run(name: str, argv: Sequence[str], env: dict[str, str], timeout_s: f
                 if kind == "token":
                     tokens.append(int(record["token_id"]))
                     arrivals.append(now)
+                    if isinstance(record.get("bytes_read"), int):
+                        bytes_read.append(record["bytes_read"])
                 elif kind == "environment":
                     environment = ChildEnvironment(
                         str(record["omp_wait_policy"]), int(record["threads"]), str(record["libraries"])
@@ -104,9 +116,13 @@ def stream_run(name: str, argv: Sequence[str], env: dict[str, str], timeout_s: f
                     first_token_ms, prompt_tokens = _done_figures(record)
                 elif kind == "error":
                     error = str(record.get("message", "unknown error"))
+            if memory is not None:
+                peak = max(memory.peak, resident_high_water(proc.pid))  # before it is reaped
             returncode = proc.wait()
         finally:
             timer.cancel()
+            if memory is not None:
+                peak = max(peak or 0, memory.stop())
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -115,7 +131,8 @@ def stream_run(name: str, argv: Sequence[str], env: dict[str, str], timeout_s: f
         if returncode != 0:
             err.seek(0)
             raise ReqscopeError(f"{name} exited with {returncode}: {_last_line(err.read())}")
-    return StreamedRun(tuple(tokens), tuple(arrivals), first_token_ms, prompt_tokens, environment)
+    return StreamedRun(tuple(tokens), tuple(arrivals), first_token_ms, prompt_tokens, environment,
+                       tuple(bytes_read), peak)  # fmt: skip
 
 
 def _record(line: bytes) -> dict[str, Any]:

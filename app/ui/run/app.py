@@ -35,6 +35,7 @@ from reqscope.ui.run.inside.focus import AttentionFocus
 from reqscope.ui.run.inside.shown import INSPECT_VIEWS, ShownInspection
 from reqscope.ui.run.panels.attention import AttentionPanel
 from reqscope.ui.run.panels.batch import BatchPanel
+from reqscope.ui.run.panels.formats import FormatsPanel
 from reqscope.ui.run.panels.kv import KVPanel
 from reqscope.ui.run.panels.latency import LatencyPanel
 from reqscope.ui.run.panels.layout import LayoutPanel
@@ -51,6 +52,7 @@ from reqscope.wording import error_text
 
 if TYPE_CHECKING:  # numpy, only for a fit given with --service-model
     from minengine.plan.service_model import ServiceModel
+    from reqscope.ui.run.formats.comparer import FormatsShown
 
 
 class RunExplorer(ExplorerBase):
@@ -60,11 +62,12 @@ class RunExplorer(ExplorerBase):
     READOUT = ReadoutPanel
     BODY = (("tokens", TokensPanel), ("logits", LogitsPanel), ("kv", KVPanel), ("latency", LatencyPanel),
             ("layouts", LayoutPanel), ("template", TemplatePanel), ("attention", AttentionPanel),
-            ("lens", LensPanel), ("batch", BatchPanel))
+            ("lens", LensPanel), ("batch", BatchPanel), ("formats", FormatsPanel))
     DETAIL_VIEWS = ("logits", "kv", "layouts", "latency", "template")
     # The batch panel while other requests share the engine (`_batched`); the step's inside
-    # (attention, lens) where the run can show it (`_inside_views`)
-    OPTIONAL_VIEWS = ("batch", *INSPECT_VIEWS)
+    # (attention, lens) where the run can show it (`_inside_views`); formats once `w` compared
+    # weight formats (`_formats_shown`)
+    OPTIONAL_VIEWS = ("batch", *INSPECT_VIEWS, "formats")
     VIEW_LABELS = {"attention": "attn"}  # the small terminals' hint line is short of room
     RECORDED: ClassVar[bool]  # whether the run on screen is a recording (the panels say so)
 
@@ -88,7 +91,7 @@ class RunExplorer(ExplorerBase):
         self.cursor = 0  # the highlighted candidate
         self.history = RunHistory()
         self.last_export: Path | None = None
-        self._laid_out_batched = False  # whether the layout last fitted has the batch panel
+        self._laid_out: tuple[str, ...] = ()  # the detail panels of the layout last fitted
         self.inside_focus = AttentionFocus()  # the layer (and head) the attention detail and the lens show
 
     @property
@@ -126,6 +129,7 @@ class RunExplorer(ExplorerBase):
             load=self._load_note(),
             inspection=self._inspection(),
             focus=self.inside_focus,
+            formats=self._formats_shown(),
         )
 
     def _status_line(self, frame: Frame) -> RenderableType:
@@ -185,12 +189,15 @@ class RunExplorer(ExplorerBase):
     def _detail_views(self) -> tuple[str, ...]:
         inside = self._inside_views()
         return (self.DETAIL_VIEWS + tuple(v for v in INSPECT_VIEWS if v in inside)
-                + (("batch",) if self._batched() else ()))
+                + (("batch",) if self._batched() else ())
+                + (("formats",) if self._formats_shown() is not None else ()))
 
     def _fit_layout(self, size=None) -> None:
-        self._laid_out_batched = self._batched()
-        self.query_one("#body").set_class(self._laid_out_batched, "-batched")
-        self.query_one("#body").set_class(bool(self._inside_views()), "-inside")
+        self._laid_out = self._detail_views()
+        body = self.query_one("#body")
+        body.set_class("batch" in self._laid_out, "-batched")
+        body.set_class(bool(self._inside_views()), "-inside")
+        body.set_class("formats" in self._laid_out, "-formats")
         super()._fit_layout(size)
         # small terminals: the token panel shrinks to its counts and a strip while an inside panel shows
         self.query_one("#body").set_class(self.compact_view in INSPECT_VIEWS, "-inside-shown")
@@ -198,6 +205,9 @@ class RunExplorer(ExplorerBase):
 
     def action_view(self, name: str) -> None:
         """Show one detail panel on small terminals (the batch panel once other requests share the engine)."""
+        if name == "formats" and name not in self._detail_views():
+            self.notify("the weight formats panel shows once w has compared this request in another format")
+            return
         if name not in self._detail_views():
             self.notify(self._missing_view(name))
             return
@@ -241,7 +251,7 @@ class RunExplorer(ExplorerBase):
 
     def _follow_batch(self) -> None:
         """Lay the panels out again once the run on screen turns out to share the engine (or no longer does)."""
-        if self._batched() != self._laid_out_batched:
+        if self._detail_views() != self._laid_out:
             self._fit_layout()
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
@@ -274,6 +284,10 @@ class RunExplorer(ExplorerBase):
 
     def _load_note(self) -> LoadNote | None:
         """The load this explorer puts on its engine (background requests, the served API), if any."""
+        return None
+
+    def _formats_shown(self) -> FormatsShown | None:
+        """The weight formats compared (`w`), where any were asked for."""
         return None
 
     def _batched(self) -> bool:

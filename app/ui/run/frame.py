@@ -18,6 +18,7 @@ from reqscope.ui.run.view import RunView
 
 if TYPE_CHECKING:  # numpy, only for a fit given with --service-model
     from minengine.plan.service_model import ServiceModel
+    from reqscope.ui.run.formats.comparer import FormatsShown
 
 
 @dataclass(frozen=True)
@@ -52,3 +53,4 @@ class Frame:
     load: LoadNote | None = None  # what else runs in the engine (--background, --serve-port); None: nothing asked
     inspection: ShownInspection | None = None  # the step's attention and lens the panels show, if any
     focus: AttentionFocus = AttentionFocus()  # the layer (and head) the attention detail and the lens follow
+    formats: FormatsShown | None = None  # the weight formats compared with `w` (live runs); None: none asked

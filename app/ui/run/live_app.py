@@ -30,6 +30,7 @@ from reqscope.ui.base import renewed
 from reqscope.ui.keys import LIVE, bindings
 from reqscope.ui.run.app import RunExplorer
 from reqscope.ui.run.figures.memory_probe import MemoryProbe, MemoryReading
+from reqscope.ui.run.formats.comparer import FormatsShown, WeightComparer
 from reqscope.ui.run.frame import StepSubject
 from reqscope.ui.run.inside.shown import INSPECT_VIEWS, ShownInspection, capture_ask, held_ask, last_inspection
 from reqscope.ui.run.live import LiveRun
@@ -68,6 +69,7 @@ class LiveExplorer(RunExplorer):
         self._open_engine = open_engine
         self._probe: MemoryProbe | None = None
         self._model_thread = ModelThread()  # loading and every run: one OpenMP team (see ModelThread)
+        self.formats = WeightComparer(self._model_thread.submit, wake=partial(self._wake, True))  # `w`
         self._switch_interval = sys.getswitchinterval()
 
     @property
@@ -112,6 +114,7 @@ class LiveExplorer(RunExplorer):
         previous = self.shown.run if self.shown is not None else None
         if previous is not None:
             previous.cancel()
+        self.formats.cancel()  # a comparison of the run before would hold this one back
         self.request = request
         self.sampling = SamplingChoice(request.sampling, request.max_tokens)
         self.view = RunView()
@@ -138,6 +141,9 @@ class LiveExplorer(RunExplorer):
     def _take_events(self) -> None:
         if self.shown is not None:
             self._take(self.shown)
+        if self.formats.take_news():
+            self._invalidate()
+            self._follow_batch()
 
     def _take(self, shown: RunOnScreen) -> None:
         events = shown.run.take()
@@ -180,6 +186,7 @@ class LiveExplorer(RunExplorer):
     def _stop(self) -> None:
         if self.shown is not None:
             self.shown.run.cancel()
+        self.formats.cancel()
         if self.load is not None:
             self.load.close()
             self.load = None
@@ -230,6 +237,9 @@ class LiveExplorer(RunExplorer):
         on = self.inside_on_screen()
         attention, lens = "attention" in on, "lens" in on
         self.shown.run.inspect(capture_ask(attention, lens), held_ask(attention, lens))
+
+    def _formats_shown(self) -> FormatsShown | None:
+        return self.formats.shown()
 
     def _error_line(self) -> str | None:
         return self.view.error or (self.shown.run.failure if self.shown is not None else None)
@@ -303,6 +313,29 @@ class LiveExplorer(RunExplorer):
         other = "mha" if self.request.kv_layout == "gqa" else "gqa"
         self.notify(f"running the same request with the {other} cache")
         self._rerun(kv_layout=other)
+
+    def action_compare_weights(self) -> None:
+        """Run the finished request on screen through the next weight format beside its own, and compare."""
+        if self._engine_missing():
+            return
+        assert self.engine is not None
+        result = self.view.result
+        if result is None or not result.token_ids:
+            self.notify("w compares the finished run's tokens: let the request finish first (c cancels it)"
+                        if result is None else "the run made no token to compare")  # fmt: skip
+            return
+        if self.formats.busy:
+            self.notify("a weight-format comparison is running: its figures fill the formats panel")
+            return
+        option = self.formats.next_format(self.engine)
+        if option is None:
+            self.notify("no other weight format runs here: the formats panel says why", severity="warning")
+        else:
+            self.formats.start(option, self.engine, self.request, result.token_ids)
+            self.notify(f"running this request's {len(result.token_ids)} tokens through {option.format} "
+                        f"beside {self.engine.weights.format}")  # fmt: skip
+            self.compact_view = "formats"
+        self._fit_layout()
 
     def _unfinished(self) -> RunOnScreen | None:
         if self.shown is None or self.view.result is not None:
