@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from minengine.kv.cache import KVCache
+from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.ops import attend, decode_attention, heads_first
+from minengine.model.pooled_rows import PooledRows, pooled_count
 from minengine.model.transformer import Transformer
 from minengine.threads import OneThread
 
@@ -51,23 +53,43 @@ class RowsAttention:
         self.lengths = [len(r.ids) for r in rows]
         self.queries = list(self.lengths)  # query positions per row that go on past the K/V write
         self.offsets = [sum(self.lengths[:i]) for i in range(len(rows))]
-        self.lean = [
+        # Decode rows whose cache stores K/V as the model computes them, with room for this position.
+        plain = [
             n == 1 and not r.cache.quantized and r.cache.storage_dtype == model_dtype and r.cache.heads == kv_heads
-            and r.start < r.cache.capacity and not r.cache.borrowed and r.cache.contiguous
+            and r.start < r.cache.capacity
             for r, n in zip(rows, self.lengths, strict=True)
         ]  # fmt: skip
+        self.lean = [p and not r.cache.borrowed and r.cache.contiguous for p, r in zip(plain, rows, strict=True)]
         self.scale = scale
+        self.pooled: PooledRows | None = None
+        self.pooled_rows: list[int] = []  # the rows `pooled` attends, in order
+        poolable = [i for i, r in enumerate(rows) if plain[i] and _in_pool(r)]
+        count = pooled_count([rows[i].start + 1 for i in poolable]) if len(poolable) > 1 else 0
+        if count:
+            self.pooled_rows = chosen = sorted(sorted(poolable, key=lambda i: rows[i].start)[:count])
+            at = [self.offsets[i] for i in chosen]
+            caches = [rows[i].cache for i in chosen]
+            self.pooled = PooledRows(caches, [rows[i].start for i in chosen], at, at, scale, caches[0].device)
 
     def last_queries_only(self) -> None:
         """From now on each row keeps only its last query, and only when it wants logits (the last layer)."""
         self.queries = [1 if r.logits else 0 for r in self.rows]
+        if self.pooled is not None:
+            q_at = [sum(self.queries[:i]) for i in range(len(self.rows))]
+            self.pooled.last_queries_only([q_at[i] for i in self.pooled_rows])
 
     def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q_at = [sum(self.queries[:i]) for i in range(len(self.rows))]
         outs: list[torch.Tensor | None] = [None] * len(self.rows)
         with OneThread(q.device):
+            if self.pooled is not None:
+                together = self.pooled(index, q, k, v)
+                if len(self.pooled_rows) == len(self.rows):  # a step of decode rows only
+                    return together
+                for j, i in enumerate(self.pooled_rows):
+                    outs[i] = together[j : j + 1]
             for i in range(len(self.rows)):
-                if self.lengths[i] == 1:
+                if self.lengths[i] == 1 and outs[i] is None:
                     outs[i] = self._decode_row(i, index, q, k, v, q_at[i])
         for i in range(len(self.rows)):
             if self.lengths[i] > 1:
@@ -104,6 +126,13 @@ class RowsAttention:
                 return decode_attention(rq[0], keys[0], values[0], self.scale).view(1, -1)
         out = attend(heads_first(rq), keys, values, row.start, self.scale)
         return out[0].transpose(0, 1).reshape(nq, -1)
+
+
+def _in_pool(row: Row) -> bool:
+    """Whether a decode row's K/V can be reached by position in the block pool (`PooledRows`):
+    a paged cache, writing past any block it shares, that wants its logits."""
+    cache = row.cache
+    return isinstance(cache, PagedKVCache) and row.logits and row.start >= cache.attached * cache.block_size
 
 
 @torch.inference_mode()
