@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minengine.kv.block_pool import Segment
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.ops import attend, decode_attention, heads_first
@@ -61,32 +62,38 @@ class RowsAttention:
         ]  # fmt: skip
         self.lean = [p and not r.cache.borrowed and r.cache.contiguous for p, r in zip(plain, rows, strict=True)]
         self.scale = scale
-        self.pooled: PooledRows | None = None
-        self.pooled_rows: list[int] = []  # the rows `pooled` attends, in order
-        poolable = [i for i, r in enumerate(rows) if plain[i] and _in_pool(r)]
-        count = pooled_count([rows[i].start + 1 for i in poolable]) if len(poolable) > 1 else 0
-        if count:
-            self.pooled_rows = chosen = sorted(sorted(poolable, key=lambda i: rows[i].start)[:count])
-            at = [self.offsets[i] for i in chosen]
-            caches = [rows[i].cache for i in chosen]
-            self.pooled = PooledRows(caches, [rows[i].start for i in chosen], at, at, scale, caches[0].device)
+        # Decode rows in the block pool go together, a group per segment, where `pooled_count` finds it cheaper.
+        self.pooled: list[tuple[PooledRows, list[int]]] = []  # each group and its rows, in order
+        groups: dict[Segment, list[int]] = {}
+        for i, r in enumerate(rows):
+            segment = _pool_segment(r) if plain[i] else None
+            if segment is not None:
+                groups.setdefault(segment, []).append(i)
+        for segment, members in groups.items():
+            count = pooled_count([rows[i].start + 1 for i in members]) if len(members) > 1 else 0
+            if count:
+                chosen = sorted(sorted(members, key=lambda i: rows[i].start)[:count])
+                at = [self.offsets[i] for i in chosen]
+                caches = [rows[i].cache for i in chosen]
+                group = PooledRows(segment, caches, [rows[i].start for i in chosen], at, at, scale)  # type: ignore[arg-type]
+                self.pooled.append((group, chosen))
 
     def last_queries_only(self) -> None:
         """From now on each row keeps only its last query, and only when it wants logits (the last layer)."""
         self.queries = [1 if r.logits else 0 for r in self.rows]
-        if self.pooled is not None:
-            q_at = [sum(self.queries[:i]) for i in range(len(self.rows))]
-            self.pooled.last_queries_only([q_at[i] for i in self.pooled_rows])
+        q_at = [sum(self.queries[:i]) for i in range(len(self.rows))]
+        for group, chosen in self.pooled:
+            group.last_queries_only([q_at[i] for i in chosen])
 
     def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q_at = [sum(self.queries[:i]) for i in range(len(self.rows))]
         outs: list[torch.Tensor | None] = [None] * len(self.rows)
         with OneThread(q.device):
-            if self.pooled is not None:
-                together = self.pooled(index, q, k, v)
-                if len(self.pooled_rows) == len(self.rows):  # a step of decode rows only
+            for group, chosen in self.pooled:
+                together = group(index, q, k, v)
+                if len(chosen) == len(self.rows):  # a step of decode rows only, in one segment
                     return together
-                for j, i in enumerate(self.pooled_rows):
+                for j, i in enumerate(chosen):
                     outs[i] = together[j : j + 1]
             for i in range(len(self.rows)):
                 if self.lengths[i] == 1 and outs[i] is None:
@@ -128,11 +135,16 @@ class RowsAttention:
         return out[0].transpose(0, 1).reshape(nq, -1)
 
 
-def _in_pool(row: Row) -> bool:
-    """Whether a decode row's K/V can be reached by position in the block pool (`PooledRows`):
-    a paged cache, writing past any block it shares, that wants its logits."""
+def _pool_segment(row: Row) -> Segment | None:
+    """The pool segment that holds every position of a decode row's cache up to its new one
+    (`PooledRows` reads them by position), if there is one: a paged cache, writing past any
+    block it shares, that wants its logits."""
     cache = row.cache
-    return isinstance(cache, PagedKVCache) and row.logits and row.start >= cache.attached * cache.block_size
+    if not isinstance(cache, PagedKVCache) or not row.logits or row.start < cache.attached * cache.block_size:
+        return None
+    runs = cache.runs(row.start + 1)
+    segment = runs[0].segment
+    return segment if all(run.segment is segment for run in runs) else None
 
 
 @torch.inference_mode()

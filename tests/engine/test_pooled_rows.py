@@ -61,17 +61,17 @@ def _caches(runner: ModelRunner, cfg: ModelConfig, contexts, *, split: bool = Fa
 
 
 def _step(runner, caches, tokens, contexts, monkeypatch, pooled: bool, chunk=None):
-    """One shared step of every cache's next token (and `chunk`, a prompt chunk row), pooled or per row."""
+    """One shared step of every cache's next token (and `chunk`, a prompt chunk row), pooled or per
+    row; the logits, and how many rows went together."""
     monkeypatch.setattr(batch_forward, "pooled_count", (lambda lengths: len(lengths)) if pooled else (lambda _: 0))
     rows = [Row((t,), n, c, True) for c, t, n in zip(caches, tokens, contexts, strict=True)]
     if chunk is not None:
         rows.insert(1, chunk)
     for row in rows:
         row.cache.make_room(row.start + len(row.ids))
-    if pooled:  # the path under test is the one taken
-        attention = RowsAttention(rows, runner.model.dtype, runner.model.cfg.num_key_value_heads, runner.model.scale)
-        assert attention.pooled is not None and len(attention.pooled_rows) == len(caches)
-    return forward_rows(runner.model, rows)
+    model = runner.model
+    attention = RowsAttention(rows, model.dtype, model.cfg.num_key_value_heads, model.scale)
+    return forward_rows(model, rows), sum(len(chosen) for _, chosen in attention.pooled)
 
 
 def _read(cache: PagedKVCache, end: int) -> list[torch.Tensor]:
@@ -85,11 +85,13 @@ def _read(cache: PagedKVCache, end: int) -> list[torch.Tensor]:
 
 
 def _compare(runner, cfg, contexts, monkeypatch, **layout):
+    """Both paths on the same caches; the pooled step's caches, and how many rows it pooled."""
     together_caches, tokens = _caches(runner, cfg, contexts, **layout)
     alone_caches, same = _caches(runner, cfg, contexts, **layout)
     assert tokens == same
-    together = _step(runner, together_caches, tokens, contexts, monkeypatch, pooled=True)
-    alone = _step(runner, alone_caches, tokens, contexts, monkeypatch, pooled=False)
+    together, pooled = _step(runner, together_caches, tokens, contexts, monkeypatch, pooled=True)
+    alone, none = _step(runner, alone_caches, tokens, contexts, monkeypatch, pooled=False)
+    assert none == 0
     for a, b in zip(together, alone, strict=True):
         assert (a - b).abs().max().item() <= TOLERANCE
     for c1, c2, n in zip(together_caches, alone_caches, contexts, strict=True):
@@ -101,33 +103,43 @@ def _compare(runner, cfg, contexts, monkeypatch, **layout):
             if layer < 2:
                 assert torch.equal(x[:, n], y[:, n])
             assert (x[:, n] - y[:, n]).abs().max().item() <= TOLERANCE
-    return together_caches
+    return together_caches, pooled
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-tied", "llama-mqa"])
 def test_rows_attended_together_equal_each_row_alone(tiny_models, name, monkeypatch):
     cfg, runner = _runner(tiny_models[name][0])
-    caches = _compare(runner, cfg, CONTEXTS, monkeypatch)
-    assert all(c.contiguous for c in caches)
+    caches, pooled = _compare(runner, cfg, CONTEXTS, monkeypatch)
+    assert all(c.contiguous for c in caches) and pooled == len(CONTEXTS)
 
 
 @pytest.mark.parametrize("contexts", [(5, 5), (1, 2), (2, 30, 7), (12, 12, 12, 12, 12, 12, 12, 12)])
 def test_equal_at_every_mix_of_lengths(tiny_models, contexts, monkeypatch):
     cfg, runner = _runner(tiny_models["llama-gqa"][0])
-    _compare(runner, cfg, contexts, monkeypatch)
+    _, pooled = _compare(runner, cfg, contexts, monkeypatch)
+    assert pooled == len(contexts)
 
 
 def test_split_tables_are_read_by_position(tiny_models, monkeypatch):
     cfg, runner = _runner(tiny_models["llama-gqa"][0])
-    caches = _compare(runner, cfg, CONTEXTS, monkeypatch, split=True)
-    assert not any(c.contiguous for c in caches[1:])
+    caches, pooled = _compare(runner, cfg, CONTEXTS, monkeypatch, split=True)
+    assert not any(c.contiguous for c in caches[1:]) and pooled == len(CONTEXTS)
 
 
-def test_tables_across_segments_are_gathered_per_segment(tiny_models, monkeypatch):
+@pytest.mark.parametrize(("split", "segment_blocks"), [(False, 8), (True, 16)])
+def test_rows_in_several_segments_go_a_group_per_segment(tiny_models, split, segment_blocks, monkeypatch):
     cfg, runner = _runner(tiny_models["llama-gqa"][0])
-    caches = _compare(runner, cfg, CONTEXTS, monkeypatch, split=True, segment_blocks=2)
-    segments = {id(r.segment) for c in caches for r in c.runs(c.tokens)}
-    assert len(segments) > 1 and any(len({id(r.segment) for r in c.runs(c.tokens)}) > 1 for c in caches)
+    contexts = CONTEXTS + CONTEXTS
+    caches, pooled = _compare(runner, cfg, contexts, monkeypatch, split=split, segment_blocks=segment_blocks)
+    segments = [{id(r.segment) for r in c.runs(c.tokens)} for c in caches]
+    alone = [s.pop() for s in segments if len(s) == 1]  # a table across segments keeps the per-row path
+    groups = [alone.count(seg) for seg in set(alone)]
+    assert max(groups) > 1
+    if split:  # some tables cross segments
+        assert len(alone) < len(contexts)
+    else:  # none does, and the rows lie in several segments
+        assert len(alone) == len(contexts) and len(groups) > 1
+    assert pooled == sum(n for n in groups if n > 1)
 
 
 def test_decode_rows_beside_a_prompt_chunk(tiny_models, monkeypatch):
@@ -139,7 +151,9 @@ def test_decode_rows_beside_a_prompt_chunk(tiny_models, monkeypatch):
         chunk_cache = PagedKVCache(fresh, cfg, owner="chunk", device=CPU, compute_dtype=torch.float32,
                                    block_size=BLOCK, expect_tokens=16)  # fmt: skip
         chunk = Row(tuple(_prompt(cfg, 6, seed=9).tolist()), 0, chunk_cache, True)
-        results.append(_step(runner, caches, tokens, CONTEXTS, monkeypatch, pooled, chunk=chunk))
+        logits, together = _step(runner, caches, tokens, CONTEXTS, monkeypatch, pooled, chunk=chunk)
+        assert together == (len(CONTEXTS) if pooled else 0)
+        results.append(logits)
     assert len(results[0]) == len(CONTEXTS) + 1
     for a, b in zip(*results, strict=True):
         assert (a - b).abs().max().item() <= TOLERANCE
