@@ -5,8 +5,9 @@ eight. So the step stacks every scheduled token of every sequence (one per decod
 sequence, a chunk of prompt for each prefilling one) into one [tokens, hidden] residual
 stream, and the projections and the MLP run over all of it: each weight is read once per
 step. Only attention is per sequence: each row writes its K/V into its own cache and its
-queries attend over that cache alone (`RowsAttention`), one query through the small
-single-query kernel, a chunk through SDPA with the causal offset mask.
+queries attend over that cache alone (`RowsAttention`): decode rows in the block pool
+together (`pooled_rows`), another one query through the small single-query kernel, a chunk
+through SDPA with the causal offset mask.
 
 The arithmetic per token is `Transformer.forward`'s; only the matrix shapes differ (a GEMM
 over the step's rows instead of a GEMV), and a BLAS may sum a row in another order then. So a
@@ -42,11 +43,12 @@ class Row:
 class RowsAttention:
     """`Attention` over a step's rows: the stacked q/k/v cut back into sequences, each over its own cache.
 
-    A decode row is one token; it takes the eager step's path where its cache allows (`lean`):
-    its K/V copied straight into the slot for its position through the cache's per-layer views,
-    then single-query attention. The decode rows run together on one intra-op thread (the
-    attention of one query is too small to share, see `threads.OneThread`), prompt chunks on
-    all of them.
+    A decode row is one token. Decode rows in the block pool go together where that is cheaper
+    (`pooled_rows`: one write, one gather and one SDPA per layer for all of them); any other takes
+    the eager step's path where its cache allows (`lean`): its K/V copied straight into the slot
+    for its position through the cache's per-layer views, then single-query attention
+    (`_decode_row`). The decode rows run on one intra-op thread (the attention of one query is
+    too small to share, see `threads.OneThread`), prompt chunks on all of them.
     """
 
     def __init__(self, rows: list[Row], model_dtype: torch.dtype, kv_heads: int, scale: float) -> None:
@@ -138,7 +140,8 @@ class RowsAttention:
 def _pool_segment(row: Row) -> Segment | None:
     """The pool segment that holds every position of a decode row's cache up to its new one
     (`PooledRows` reads them by position), if there is one: a paged cache, writing past any
-    block it shares, that wants its logits."""
+    block it shares, that wants its logits. A row whose attention must be seen on its own
+    (an observer's) answers None here and keeps `_decode_row`."""
     cache = row.cache
     if not isinstance(cache, PagedKVCache) or not row.logits or row.start < cache.attached * cache.block_size:
         return None
