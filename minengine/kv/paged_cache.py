@@ -55,7 +55,7 @@ _NO_VIEWS: tuple[tuple[list[torch.Tensor], ...], tuple[list[torch.Tensor], ...]]
 
 
 @dataclass(frozen=True)
-class _Run:
+class Run:
     """Consecutive blocks of the table within one segment."""
 
     segment: Segment
@@ -104,7 +104,7 @@ class PagedKVCache:
         self.blocks: list[int] = []  # the block table: block i holds positions [i*block_size, (i+1)*block_size)
         self.attached = 0  # leading blocks shared in from the prefix cache
         self.contiguous = True  # the table is one run of consecutive blocks
-        self._runs: list[_Run] = []
+        self._runs: list[Run] = []
         # Over the one run of a contiguous table: per layer K, V (and FP8 scales) [1, heads, capacity, d],
         # and K, V [heads, capacity, d] for the lean step.
         self._views, self._head_views = _NO_VIEWS
@@ -149,7 +149,7 @@ class PagedKVCache:
         self._views, self._head_views = self._view_run(self._runs[0]) if self.contiguous else _NO_VIEWS
 
     @torch.inference_mode(False)
-    def _view_run(self, run: _Run) -> tuple[tuple[list[torch.Tensor], ...], tuple[list[torch.Tensor], ...]]:
+    def _view_run(self, run: Run) -> tuple[tuple[list[torch.Tensor], ...], tuple[list[torch.Tensor], ...]]:
         """Per-layer views of one run, [1, heads, tokens, d] and [heads, tokens, d]: normal views
         of the segment's normal tensors, even when made in a forward pass (see `Segment`)."""
         views: tuple[list[torch.Tensor], ...] = ([], [], [], [])
@@ -159,21 +159,29 @@ class PagedKVCache:
                     out.append(t[i : i + 1].narrow(2, run.local, run.tokens))
         return views, ([k[0] for k in views[0]], [v[0] for v in views[1]])
 
-    def _make_runs(self) -> list[_Run]:
-        runs: list[_Run] = []
+    def _make_runs(self) -> list[Run]:
+        runs: list[Run] = []
         size = self.block_size
         for i, b in enumerate(self.blocks):
             if runs and b == self.blocks[i - 1] + 1:
                 last = runs[-1]
-                runs[-1] = _Run(last.segment, last.local, last.start, last.tokens + size)
+                runs[-1] = Run(last.segment, last.local, last.start, last.tokens + size)
             else:
                 seg = self.store.segment_of(b)
-                runs.append(_Run(seg, (b - seg.first) * size, i * size, size))
+                runs.append(Run(seg, (b - seg.first) * size, i * size, size))
         return runs
 
     @staticmethod
     def _tensors(seg: Segment) -> tuple[torch.Tensor | None, ...]:
         return seg.k, seg.v, seg.k_scale, seg.v_scale
+
+    def runs(self, end: int) -> list[Run]:
+        """Where positions [0, end) lie, in order: the table's runs, the last cut at `end`."""
+        return [
+            run if run.start + run.tokens <= end else Run(run.segment, run.local, run.start, end - run.start)
+            for run in self._runs
+            if run.start < end
+        ]
 
     def head_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-layer K and V over the held blocks, [heads, capacity, head_dim] (one run only)."""

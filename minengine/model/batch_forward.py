@@ -5,8 +5,9 @@ eight. So the step stacks every scheduled token of every sequence (one per decod
 sequence, a chunk of prompt for each prefilling one) into one [tokens, hidden] residual
 stream, and the projections and the MLP run over all of it: each weight is read once per
 step. Only attention is per sequence: each row writes its K/V into its own cache and its
-queries attend over that cache alone (`RowsAttention`), one query through the small
-single-query kernel, a chunk through SDPA with the causal offset mask.
+queries attend over that cache alone (`RowsAttention`): decode rows in the block pool
+together (`pooled_rows`), another one query through the small single-query kernel, a chunk
+through SDPA with the causal offset mask.
 
 The arithmetic per token is `Transformer.forward`'s; only the matrix shapes differ (a GEMM
 over the step's rows instead of a GEMV), and a BLAS may sum a row in another order then. So a
@@ -21,8 +22,11 @@ from typing import Protocol
 
 import torch
 
+from minengine.kv.block_pool import Segment
 from minengine.kv.cache import KVCache
+from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.ops import attend, decode_attention, heads_first
+from minengine.model.pooled_rows import PooledRows, pooled_count
 from minengine.model.transformer import Transformer
 from minengine.threads import OneThread
 
@@ -55,11 +59,12 @@ class Row:
 class RowsAttention:
     """`Attention` over a step's rows: the stacked q/k/v cut back into sequences, each over its own cache.
 
-    A decode row is one token; it takes the eager step's path where its cache allows (`lean`):
-    its K/V copied straight into the slot for its position through the cache's per-layer views,
-    then single-query attention. The decode rows run together on one intra-op thread (the
-    attention of one query is too small to share, see `threads.OneThread`), prompt chunks on
-    all of them.
+    A decode row is one token. Decode rows in the block pool go together where that is cheaper
+    (`pooled_rows`: one write, one gather and one SDPA per layer for all of them); any other takes
+    the eager step's path where its cache allows (`lean`): its K/V copied straight into the slot
+    for its position through the cache's per-layer views, then single-query attention
+    (`_decode_row`). The decode rows run on one intra-op thread (the attention of one query is
+    too small to share, see `threads.OneThread`), prompt chunks on all of them.
     """
 
     def __init__(self, rows: list[Row], model_dtype: torch.dtype, kv_heads: int, scale: float) -> None:
@@ -67,23 +72,49 @@ class RowsAttention:
         self.lengths = [len(r.ids) for r in rows]
         self.queries = list(self.lengths)  # query positions per row that go on past the K/V write
         self.offsets = [sum(self.lengths[:i]) for i in range(len(rows))]
-        self.lean = [
+        # Decode rows whose cache stores K/V as the model computes them, with room for this position.
+        plain = [
             n == 1 and not r.cache.quantized and r.cache.storage_dtype == model_dtype and r.cache.heads == kv_heads
-            and r.start < r.cache.capacity and not r.cache.borrowed and r.cache.contiguous
+            and r.start < r.cache.capacity
             for r, n in zip(rows, self.lengths, strict=True)
         ]  # fmt: skip
+        self.lean = [p and not r.cache.borrowed and r.cache.contiguous for p, r in zip(plain, rows, strict=True)]
         self.scale = scale
+        # Decode rows in the block pool go together, a group per segment, where `pooled_count` finds it cheaper.
+        self.pooled: list[tuple[PooledRows, list[int]]] = []  # each group and its rows, in order
+        groups: dict[Segment, list[int]] = {}
+        for i, r in enumerate(rows):
+            segment = _pool_segment(r) if plain[i] else None
+            if segment is not None:
+                groups.setdefault(segment, []).append(i)
+        for segment, members in groups.items():
+            count = pooled_count([rows[i].start + 1 for i in members]) if len(members) > 1 else 0
+            if count:
+                chosen = sorted(sorted(members, key=lambda i: rows[i].start)[:count])
+                at = [self.offsets[i] for i in chosen]
+                caches = [rows[i].cache for i in chosen]
+                group = PooledRows(segment, caches, [rows[i].start for i in chosen], at, at, scale)  # type: ignore[arg-type]
+                self.pooled.append((group, chosen))
 
     def last_queries_only(self) -> None:
         """From now on each row keeps only its last query, and only when it wants logits (the last layer)."""
         self.queries = [1 if r.logits else 0 for r in self.rows]
+        q_at = [sum(self.queries[:i]) for i in range(len(self.rows))]
+        for group, chosen in self.pooled:
+            group.last_queries_only([q_at[i] for i in chosen])
 
     def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q_at = [sum(self.queries[:i]) for i in range(len(self.rows))]
         outs: list[torch.Tensor | None] = [None] * len(self.rows)
         with OneThread(q.device):
+            for group, chosen in self.pooled:
+                together = group(index, q, k, v)
+                if len(chosen) == len(self.rows):  # a step of decode rows only, in one segment
+                    return together
+                for j, i in enumerate(chosen):
+                    outs[i] = together[j : j + 1]
             for i in range(len(self.rows)):
-                if self.lengths[i] == 1:
+                if self.lengths[i] == 1 and outs[i] is None:
                     outs[i] = self._decode_row(i, index, q, k, v, q_at[i])
         for i in range(len(self.rows)):
             if self.lengths[i] > 1:
@@ -124,6 +155,19 @@ class RowsAttention:
                 return decode_attention(rq[0], keys[0], values[0], self.scale).view(1, -1)
         out = attend(heads_first(rq), keys, values, row.start, self.scale)
         return out[0].transpose(0, 1).reshape(nq, -1)
+
+
+def _pool_segment(row: Row) -> Segment | None:
+    """The pool segment that holds every position of a decode row's cache up to its new one
+    (`PooledRows` reads them by position), if there is one: a paged cache, writing past any
+    block it shares, that wants its logits. A row whose attention must be seen on its own
+    (an observer's) answers None here and keeps `_decode_row`."""
+    cache = row.cache
+    if not isinstance(cache, PagedKVCache) or not row.logits or row.start < cache.attached * cache.block_size:
+        return None
+    runs = cache.runs(row.start + 1)
+    segment = runs[0].segment
+    return segment if all(run.segment is segment for run in runs) else None
 
 
 @torch.inference_mode()

@@ -80,6 +80,21 @@ def decode_attention(
     return torch.bmm(probs, values, out=out)
 
 
+def padded_decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """One query position per row: q [rows, Hq, d] over keys/values [rows, Hkv, L, d], whose
+    positions `mask` [rows, 1, 1, L] flags as visible (None: all of them); returns [rows, Hkv, Hq/Hkv, d].
+
+    The query heads sharing a KV head are stacked as that head's query positions (as
+    `decode_attention` stacks them), so SDPA needs no repeated K/V nor its GQA option, on any
+    backend; the mask has no causal part, so each of them sees every visible key.
+    """
+    rows, kv_heads = keys.shape[0], keys.shape[1]
+    grouped = q.reshape(rows, kv_heads, -1, q.shape[-1])
+    return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
     """Causal attention of q [1, Hq, T, d] over cached k/v [1, Hkv, start+T, d]; returns [1, Hq, T, d].
 
