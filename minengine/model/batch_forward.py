@@ -163,7 +163,9 @@ def _pool_segment(row: Row) -> Segment | None:
     block it shares, that wants its logits. A row whose attention must be seen on its own
     (an observer's) answers None here and keeps `_decode_row`."""
     cache = row.cache
-    if not isinstance(cache, PagedKVCache) or not row.logits or row.start < cache.attached * cache.block_size:
+    if row.observer is not None or not isinstance(cache, PagedKVCache) or not row.logits:
+        return None
+    if row.start < cache.attached * cache.block_size:
         return None
     runs = cache.runs(row.start + 1)
     segment = runs[0].segment
