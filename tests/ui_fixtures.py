@@ -27,7 +27,7 @@ TRACE = Path(__file__).parent / "data" / "explorer-trace.jsonl"
 TRACE_NAME = "explorer-trace.jsonl"
 # The same prompt recorded with the step's inside (issue 22: attention's top 5 positions per head,
 # the logit lens over the step's 20 likeliest tokens), with:
-#   reqscope --plain --export DIR --max-tokens 6 --attention 5 --lens candidates \
+#   reqscope --plain --export DIR --max-tokens 6 --attention 5 --lens \
 #     "Show me wheelchair-accessible hotels in Kyoto"
 INSPECT_TRACE = Path(__file__).parent / "data" / "explorer-inspect-trace.jsonl"
 

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 
 from minengine.engine.events import Event
-from minengine.inspect.ask import LENS_BASES, InspectAsk
+from minengine.inspect.ask import InspectAsk
 from reqscope.endpoint.options import add_endpoint_arguments
 from reqscope.engine_load import EngineLoad, LoadOptions, add_load_arguments
 from reqscope.run_options import (
@@ -38,11 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--attention", type=int, default=0, metavar="TOP_N",
         help="record each step's attention: per layer and head the TOP_N most-attended positions and the entropy",
     )  # fmt: skip
+    # Two flags rather than `--lens [BASIS]`: an optional value would take the prompt after it.
     inside.add_argument(
-        "--lens", nargs="?", const="candidates", choices=LENS_BASES, default=None,
+        "--lens", action="store_const", const="candidates", default=None,
         help="record each step's logit lens: each layer's top token and the chosen token's rank, over the "
-        "step's 20 most likely tokens (candidates, the default) or the whole vocabulary (vocab, slower)",
+        "step's 20 most likely tokens",
     )  # fmt: skip
+    inside.add_argument(
+        "--lens-vocab", dest="lens", action="store_const", const="vocab",
+        help="the logit lens over the whole vocabulary (slower)",
+    )
     add_run_arguments(parser)
     add_load_arguments(parser)
     add_endpoint_arguments(parser)

@@ -181,7 +181,7 @@ def test_json_records_carry_the_views_only_when_asked(chatty_tiny_dir, capsys, t
     plain = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert not any("attention" in r or "lens" in r for r in plain)
     export = tmp_path / "run"
-    assert main(base[:-1] + ["--attention", "4", "--lens", "vocab", "--export", str(export), "hi"]) == 0
+    assert main(base[:-1] + ["--attention", "4", "--lens-vocab", "--export", str(export), "hi"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     tokens = [r for r in records if r["event"] == "token"]
     for t in tokens:
