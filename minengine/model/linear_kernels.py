@@ -7,11 +7,12 @@ float32's bytes in a layout whose products of a few rows cost what one row's doe
 
 - `float32`: oneDNN's packed float32 linear (`mkldnn._reorder_linear_weight` +
   `_linear_pointwise`), the same numbers as a dense float32 matrix summed in oneDNN's order.
-  MKL's small-M GEMM behind `F.linear`/`bmm` costs 2-2.5x its one-row GEMV for 2..8 rows (so a
-  step shared by 8 requests cost 3.6x a one-row step); oneDNN's packed kernel is flat from 1 to
-  8 rows. Packed for `PACK_BATCH_HINT` rows, each row's product is the same bits whatever the
-  number of rows beside it (1 to 1,025 measured) and whatever the thread count, so batching and
-  prefill change no projection's value;
+  MKL's small-M GEMM behind `F.linear`/`bmm` costs 2-3x its one-row GEMV for 2..8 rows, where
+  oneDNN's packed kernel costs about what its one row does; but that one row streams the matrix
+  slower than the dense operands' GEMV (`weight_format` says what that decides). Packed for
+  `PACK_BATCH_HINT` rows, each row's product is the same bits whatever the number of rows
+  beside it (1 to 1,025 tested) and whatever the thread count, so batching and prefill change
+  no projection's value;
 
 - `fp16`: FBGEMM's packed half-precision weights (`quantized.linear_prepack_fp16` and
   `linear_dynamic_fp16`): half the bytes, relative error about 2e-4 per product;
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 PACKED_FORMATS = ("float32", "fp16", "bf16", "int8")
 # The rows oneDNN's float32 packing is tuned for. With 8 (a shared step's rows) a row's product
 # does not depend on the rows beside it; packed for 1 row, the products of 2+ rows sum in
-# another order (measured: scripts/linear_kernels_sweep and tests/model/test_float32_kernel.py).
+# another order (tests/engine/test_float32_kernel.py).
 PACK_BATCH_HINT = 8
 # FBGEMM packs K (the input features) in blocks of this many rows, padding the last block: what
 # is stored, not what is read (a step's kernel stops at the last real row).

@@ -1,10 +1,12 @@
 """Which weight format a run stores its projections in, and why: asked for, or `auto`'s measured choice.
 
 On the CPU, with float32 compute, a format is a packed kernel (`linear_kernels`) or float32's
-own operands. float32 has two kernels, the same bytes and the same numbers up to summation order:
-the dense operands (`weight_layout`, the default) and oneDNN's packed float32 GEMM, which the
-environment variable `FLOAT32_KERNEL_ENV` = "onednn" takes (where the probe finds it; else the
-dense operands, and the reason says why). `auto` takes `AUTO_CPU_ORDER`'s first format that this torch and CPU run: the
+own operands. float32 has two kernels, the same bytes and the same numbers up to summation
+order: the dense operands (`weight_layout`, the default) and oneDNN's packed float32 GEMM, which
+the environment variable `FLOAT32_KERNEL_ENV` = "onednn" takes where the probe finds it (else the
+run stays dense, and its reason says why). The kernel is one per process, so the prefix cache,
+which lives in the process, never mixes them; the reason, and with it the trace header, names
+the packed one. `auto` takes `AUTO_CPU_ORDER`'s first format that this torch and CPU run: the
 fastest whose greedy tokens on the benchmark prompts matched float32's and whose logits stayed
 within `AUTO_MAX_KL` of them (the README gives the measurement and its command). Elsewhere the
 weights are stored in the compute dtype, so a format names that dtype (fp16 is float16, bf16 is
