@@ -35,8 +35,9 @@ from minengine.model.linear_kernels import available, int8_refusal
 AUTO_CPU_ORDER: tuple[str, ...] = ("float32",)
 # oneDNN's packed float32 kernel against the dense operands, on the same machine (README, "Weight
 # formats"; scripts/float32_kernels): a shared step of 8 rows 5-13% faster and prefill no slower,
-# but a one-row decode step 24% slower (its one-row product streams a matrix slower than the
-# dense layouts' GEMV), so the default stays dense; a batch-heavy server can set it.
+# but a one-row decode step 22-27% slower (its one-row product streams a matrix slower than the
+# dense layouts' GEMV) and peak RSS 5% larger, so the default stays dense; a server that runs
+# full batches can set it.
 FLOAT32_KERNEL_ENV = "REQSCOPE_FLOAT32_KERNEL"
 FLOAT32_KERNELS = ("dense", "onednn")
 AUTO_MAX_KL = 1e-3  # nats, mean over the steps of the benchmark prompt's greedy decode
