@@ -202,3 +202,25 @@ def test_an_untied_head_is_packed_and_the_embedding_kept_dense(tiny_models):
     assert isinstance(runner.model.embed, torch.Tensor) and runner.model.embed.dtype == torch.float32
     _, dense = _runner(tiny_models["llama-gqa"][0], None)
     assert runner.model.weight_bytes == dense.model.weight_bytes
+
+
+@needs_onednn
+def test_a_packed_float32_model_neither_writes_nor_reads_a_layout(tiny_models, tmp_path, monkeypatch):
+    import shutil
+
+    from minengine.checkpoint import layout_cache
+
+    monkeypatch.setenv(layout_cache.DISABLE_ENV, "1")
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_models["llama-gqa"][0], folder)
+    _runner(folder, "float32")
+    assert not list((folder / layout_cache.CACHE_DIR).glob("layout-*"))
+    _, dense = _runner(folder, None)  # writes the dense layout
+    assert list((folder / layout_cache.CACHE_DIR).glob("layout-*"))
+    _, packed = _runner(folder, "float32")
+    assert isinstance(packed.model.layers[0].qkv, PackedLinear)  # built from the checkpoint, not the layout
+    cfg = ModelConfig.from_file(folder)
+    ids = _prompt(cfg.vocab_size)
+    torch.testing.assert_close(
+        packed.forward(ids, 0, _cache(cfg)), dense.forward(ids, 0, _cache(cfg)), rtol=0, atol=1e-4
+    )
