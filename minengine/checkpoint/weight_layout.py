@@ -8,7 +8,9 @@ dict tensor by tensor and hands the memory-mapped pages back as it goes (`Checkp
 
 A reader told a packed weight format (`linear_kernels`) packs each projection instead, into a
 `PackedLinear` that `project` and `project_chunks` dispatch on; the float32 source of each is
-dropped as it is packed, so the model holds one copy of its weights, in the chosen format.
+dropped as it is packed, so the model holds one copy of its weights, in the chosen format. With
+oneDNN's packed float32 a tied head stays a dense operand, whose columns the embedding lookups
+read: a packed head cannot hand out rows, and float32 rows beside it would hold the table twice.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class CheckpointReader:
         self.sd = sd
         self.pages = MappedFiles()
         self.packs = packs
+        self.dense: set[str] = set()  # names a packed format leaves as dense operands (a tied float32 head)
 
     def __contains__(self, name: str) -> bool:
         return name in self.sd
@@ -111,7 +114,7 @@ class CheckpointReader:
         `chunks` defaults to one per CPU thread (one on CUDA; one for a packed kernel, which
         runs its own threads)."""
         weights = [self.sd[n] for n in names]
-        if self.packs is not None:
+        if self.packs is not None and self.dense.isdisjoint(names):
             stacked = torch.cat(weights) if len(weights) > 1 else weights[0]
             return self._consumed(names, PackedLinear(self.packs, stacked, chunks or 1))
         if chunks is None:
@@ -121,7 +124,9 @@ class CheckpointReader:
     def embedding(self, name: str, *, tied: bool) -> Embedding:
         """The token embedding: None when `tied` and the head's dense operand serves lookups, else
         a table (dense, or at the packed format's width). A tied weight is left for the head."""
-        if self.packs is None:
+        if self.packs is None or self.packs == "float32":
+            if tied and self.packs is not None:
+                self.dense.add(name)  # the head stays dense, so that its columns serve the lookups
             return None if tied else self.copy(name)
         rows = EmbeddingRows(self.packs, self.sd[name])
         return rows if tied else self._consumed((name,), rows)

@@ -2,7 +2,17 @@
 
 Decode is memory-bound: a step streams every projection once for very little arithmetic, so
 fewer bytes per weight is most of the speed there is. Three packed kernels store a float32
-model's projections in fewer bytes and compute in float32 around them:
+model's projections in fewer bytes and compute in float32 around them, and a fourth keeps
+float32's bytes in a layout whose products of a few rows cost what one row's does:
+
+- `float32`: oneDNN's packed float32 linear (`mkldnn._reorder_linear_weight` +
+  `_linear_pointwise`), the same numbers as a dense float32 matrix summed in oneDNN's order.
+  MKL's small-M GEMM behind `F.linear`/`bmm` costs 2-3x its one-row GEMV for 2..8 rows, where
+  oneDNN's packed kernel costs about what its one row does; but that one row streams the matrix
+  slower than the dense operands' GEMV (`weight_format` says what that decides). Packed for
+  `PACK_BATCH_HINT` rows, each row's product is the same bits whatever the number of rows
+  beside it (1 to 1,025 tested) and whatever the thread count, so batching and prefill change
+  no projection's value;
 
 - `fp16`: FBGEMM's packed half-precision weights (`quantized.linear_prepack_fp16` and
   `linear_dynamic_fp16`): half the bytes, relative error about 2e-4 per product;
@@ -28,7 +38,11 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-PACKED_FORMATS = ("fp16", "bf16", "int8")
+PACKED_FORMATS = ("float32", "fp16", "bf16", "int8")
+# The rows oneDNN's float32 packing is tuned for. With 8 (a shared step's rows) a row's product
+# does not depend on the rows beside it; packed for 1 row, the products of 2+ rows sum in
+# another order (tests/engine/test_float32_kernel.py).
+PACK_BATCH_HINT = 8
 # FBGEMM packs K (the input features) in blocks of this many rows, padding the last block: what
 # is stored, not what is read (a step's kernel stops at the last real row).
 _FBGEMM_ROW_BLOCK = 512
@@ -78,6 +92,11 @@ class PackedLinear:
             per_channel = out_features * 12  # int32 column offsets, float32 scales, int32 zero points
             self.stored_bytes = _ceil_to(in_features, _FBGEMM_ROW_BLOCK) * columns + per_channel
             self.read_bytes = _ceil_to(in_features, 4) * columns + per_channel  # rows interleaved by 4
+        elif fmt == "float32":
+            with warnings.catch_warnings():  # a private op: `available` says when it is missing
+                warnings.simplefilter("ignore")
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+            self.stored_bytes = self.read_bytes = out_features * in_features * 4
         elif fmt == "bf16":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), None)
             self.stored_bytes = self.read_bytes = self.packed.numel() * self.packed.element_size()
@@ -95,6 +114,8 @@ class PackedLinear:
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         if self.format == "int8":
             return torch.ops.quantized.linear_dynamic(x, self.packed, True)
+        if self.format == "float32":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise(x.bfloat16(), self.packed, None, "none", [], "").float()
 
 
@@ -160,12 +181,14 @@ def available(fmt: str) -> KernelProbe:
     try:
         if fmt == "bf16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return KernelProbe(fmt, False, "this CPU has no oneDNN bf16 path (it needs AVX-512)")
+        if fmt in ("float32", "bf16") and not torch.backends.mkldnn.is_available():
+            return KernelProbe(fmt, False, "this torch build has no oneDNN")
         y = PackedLinear(fmt, weight, 1).linear(x)
     except (RuntimeError, AttributeError, NotImplementedError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return KernelProbe(fmt, False, f"this torch build has no {fmt} linear kernel ({first[:120]})")
     error = float((y - x @ weight.t()).norm() / (x @ weight.t()).norm())
-    if not error < 0.05:
+    if not error < (1e-5 if fmt == "float32" else 0.05):  # float32 differs only in summation order
         return KernelProbe(fmt, False, f"the {fmt} kernel's test product is off by {error:.0%}")
     return KernelProbe(fmt, True)
 

@@ -1,7 +1,12 @@
 """Which weight format a run stores its projections in, and why: asked for, or `auto`'s measured choice.
 
 On the CPU, with float32 compute, a format is a packed kernel (`linear_kernels`) or float32's
-own operands. `auto` takes `AUTO_CPU_ORDER`'s first format that this torch and CPU run: the
+own operands. float32 has two kernels, the same bytes and the same numbers up to summation
+order: the dense operands (`weight_layout`, the default) and oneDNN's packed float32 GEMM, which
+the environment variable `FLOAT32_KERNEL_ENV` = "onednn" takes where the probe finds it (else the
+run stays dense, and its reason says why). The kernel is one per process, so the prefix cache,
+which lives in the process, never mixes them; the reason, and with it the trace header, names
+the packed one. `auto` takes `AUTO_CPU_ORDER`'s first format that this torch and CPU run: the
 fastest whose greedy tokens on the benchmark prompts matched float32's and whose logits stayed
 within `AUTO_MAX_KL` of them (the README gives the measurement and its command). Elsewhere the
 weights are stored in the compute dtype, so a format names that dtype (fp16 is float16, bf16 is
@@ -10,6 +15,7 @@ bfloat16); one that differs from the dtype asked for, or int8, is refused.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +33,13 @@ from minengine.model.linear_kernels import available, int8_refusal
 # issue's targets (prefill no slower, peak RSS no larger) rule fp16 out as a default here, so
 # `auto` stays float32 on the CPU until a kernel pays; `--weights fp16` or `int8` take them.
 AUTO_CPU_ORDER: tuple[str, ...] = ("float32",)
+# oneDNN's packed float32 kernel against the dense operands, on the same machine (README, "Weight
+# formats"; scripts/float32_kernels): a shared step of 8 rows 5-13% faster and prefill no slower,
+# but a one-row decode step 22-27% slower (its one-row product streams a matrix slower than the
+# dense layouts' GEMV) and peak RSS 5% larger, so the default stays dense; a server that runs
+# full batches can set it.
+FLOAT32_KERNEL_ENV = "REQSCOPE_FLOAT32_KERNEL"
+FLOAT32_KERNELS = ("dense", "onednn")
 AUTO_MAX_KL = 1e-3  # nats, mean over the steps of the benchmark prompt's greedy decode
 DTYPE_FORMAT = {torch.float32: "float32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 FORMAT_DTYPE = {fmt: dtype for dtype, fmt in DTYPE_FORMAT.items()}
@@ -55,6 +68,22 @@ class WeightChoice:
 _chosen = WeightChoice
 
 
+def float32_kernel() -> str:
+    """The float32 kernel the environment asks for: "dense" (the default) or "onednn"."""
+    asked = os.environ.get(FLOAT32_KERNEL_ENV, "").strip().lower()
+    return asked if asked in FLOAT32_KERNELS else "dense"
+
+
+def _float32(why: str) -> WeightChoice:
+    """float32 on the CPU, in the kernel the environment asks for (dense when oneDNN's is missing, saying why)."""
+    if float32_kernel() == "dense":
+        return _chosen("float32", why, False)
+    probe = available("float32")
+    if not probe.ok:
+        return _chosen("float32", f"{why}; dense, since {probe.why_not}", False)
+    return _chosen("float32", f"{why}, through oneDNN's packed float32 kernel", True)
+
+
 def compute_dtype_for(name: str, device: torch.device) -> str:
     """The dtype name `auto` compute means once the weight format `name` is known: a CUDA format's own dtype."""
     if device.type != "cpu" and name in ("fp16", "bf16", "float32"):
@@ -79,13 +108,13 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> Weig
         for fmt in AUTO_CPU_ORDER:
             if fmt == "float32":
                 note = f" ({'; '.join(skipped)})" if skipped else ""
-                return _chosen("float32", f"auto: no packed format pays here{note}", False)
+                return _float32(f"auto: no packed format pays here{note}")
             probe = available(fmt)
             if probe.ok:
                 return _chosen(fmt, "auto: the fastest measured that keeps float32's greedy tokens", True)
             skipped.append(f"{fmt}: {probe.why_not}")
     if name == own:
-        return _chosen(name, "asked for", False)
+        return _float32("asked for") if packs else _chosen(name, "asked for", False)
     if not packs:
         if device.type == "cpu":
             raise WeightFormatError(
