@@ -26,8 +26,10 @@ are released. The session reaches its engine through `EngineHandle`, and the mod
 A RequestSession is an iterator of events. The consumer drives it: every pull runs the engine
 up to the next event, so a consumer that stops pulling at a `StepReady` has paused decode
 with the next token's logits computed and waiting. While paused it may preview the step with
-other sampling parameters, force the next token, or change the parameters for the steps that
-follow. `cancel()` may be called from any thread; decode stops before the next model step.
+other sampling parameters, force the next token, change the parameters for the steps that
+follow, or compute what the waiting step did inside (`inspect_step`); `inspect` asks for that to
+be captured on every step from the next one on (`minengine.inspect`). `cancel()` may be called
+from any thread; decode stops before the next model step.
 Those controls, and what the run reports (`pending_logits`, `result`, `failure`), are all the
 state a session keeps on itself.
 
