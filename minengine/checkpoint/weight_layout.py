@@ -21,9 +21,10 @@ import torch
 
 from minengine.checkpoint.mapped_pages import MappedFiles
 from minengine.model.linear_kernels import EmbeddingRows, PackedLinear
+from minengine.model.panel_kernels import PANEL_PACKS, PanelLinear
 
-# A projection's operand: a dense [chunks, in, out/chunks] tensor, or a packed kernel's weight.
-Operand = torch.Tensor | PackedLinear
+# A projection's operand: a dense [chunks, in, out/chunks] tensor, or a packed or panel kernel's weight.
+Operand = torch.Tensor | PackedLinear | PanelLinear
 # The token embedding: a dense [vocab, hidden] table, rows in a packed format's storage, or None
 # when a tied head's dense operand serves the lookups.
 Embedding = torch.Tensor | EmbeddingRows | None
@@ -86,7 +87,9 @@ class CheckpointReader:
 
     The pages of the memory-mapped file that each copy was read from are given back at once,
     so loading never holds the weights twice. With a packed format (`packs`, "fp16", "int8",
-    "bf16"), projections are packed and the embedding kept at the format's width.
+    "bf16"), projections are packed and the embedding kept at the format's width; with a panel
+    format (`PANEL_PACKS`: "q8_0", "float32-panels") they are laid out in panels, and a tied
+    embedding is read from the head's panels.
     """
 
     def __init__(self, sd: dict[str, torch.Tensor], packs: str | None = None) -> None:
@@ -114,6 +117,9 @@ class CheckpointReader:
         `chunks` defaults to one per CPU thread (one on CUDA; one for a packed kernel, which
         runs its own threads)."""
         weights = [self.sd[n] for n in names]
+        if self.packs in PANEL_PACKS:
+            stacked = torch.cat(weights) if len(weights) > 1 else weights[0]
+            return self._consumed(names, PanelLinear(PANEL_PACKS[self.packs], stacked, chunks or 1))
         if self.packs is not None and self.dense.isdisjoint(names):
             stacked = torch.cat(weights) if len(weights) > 1 else weights[0]
             return self._consumed(names, PackedLinear(self.packs, stacked, chunks or 1))
@@ -124,6 +130,8 @@ class CheckpointReader:
     def embedding(self, name: str, *, tied: bool) -> Embedding:
         """The token embedding: None when `tied` and the head's dense operand serves lookups, else
         a table (dense, or at the packed format's width). A tied weight is left for the head."""
+        if self.packs in PANEL_PACKS:  # the head's panels hand out its rows: one copy serves both
+            return None if tied else self.copy(name)
         if self.packs is None or self.packs == "float32":
             if tied and self.packs is not None:
                 self.dense.add(name)  # the head stays dense, so that its columns serve the lookups
@@ -138,7 +146,7 @@ class CheckpointReader:
 
 def project(x: torch.Tensor, weight: Operand, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] times a [chunks, in, out/chunks] operand (+ bias [out]): a linear layer, [T, out]."""
-    if isinstance(weight, PackedLinear):
+    if not isinstance(weight, torch.Tensor):  # a packed or panel kernel's weight
         y = weight.linear(x)
         return y if bias is None else y.add_(bias)
     y = project_chunks(x, weight, bias)
@@ -155,7 +163,7 @@ def project_chunks(
     `out` receives the result when given (a decode step's scratch buffer, of that shape).
     """
     chunks = weight.shape[0]
-    if isinstance(weight, PackedLinear):  # the kernel writes [T, out]: its columns, cut into the chunks
+    if not isinstance(weight, torch.Tensor):  # the kernel writes [T, out]: its columns, cut into the chunks
         y = project(x, weight, bias)
         T = x.shape[0]
         y = y.view(chunks, 1, -1) if T == 1 else y.view(T, chunks, -1).transpose(0, 1)

@@ -109,7 +109,7 @@ class Engine:
         self.weights = resolve_weights(weights, self.device, self.dtype)
         refuse_shapes(self.weights, self.cfg)
         self.tokenizer = ModelTokenizer(self.model_dir)
-        packs = self.weights.format if self.weights.packed else None
+        packs = self.weights.packs
         self.model = Transformer.load(self.model_dir, self.cfg, self.dtype, self.device, progress, packs=packs)
         self.model.rope.ensure(min(self.cfg.max_position_embeddings, 4096))
         # Requests make caches and run steps through it.

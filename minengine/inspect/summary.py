@@ -23,6 +23,7 @@ from minengine.inspect.records import (
     StepLens,
 )
 from minengine.model.linear_kernels import EmbeddingRows, PackedLinear
+from minengine.model.panel_kernels import PanelLinear
 from minengine.model.transformer import Transformer
 
 
@@ -126,6 +127,8 @@ def _project_onto(model: Transformer, h: torch.Tensor, ids: torch.Tensor) -> tor
 def _head_rows(model: Transformer, ids: torch.Tensor) -> torch.Tensor | None:
     """The head's weight rows [len(ids), hidden] for `ids`, where its storage has them to take."""
     head = model.lm_head
+    if isinstance(head, PanelLinear):
+        return head.rows(ids)
     if isinstance(head, PackedLinear):
         if model.cfg.tie_word_embeddings and isinstance(model.embed, EmbeddingRows):
             return model.embed.lookup(ids)  # the tied head is the embedding, whose rows it keeps

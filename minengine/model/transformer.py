@@ -45,6 +45,7 @@ from minengine.config import ModelConfig
 from minengine.kv.cache import KVCache
 from minengine.model import loader
 from minengine.model.linear_kernels import EmbeddingRows, PackedLinear
+from minengine.model.panel_kernels import PanelLinear
 from minengine.model.ops import RMSNorm, attend, decode_attention, heads_first
 from minengine.model.rope import RotaryTable, rotate
 from minengine.progress import ProgressCallback
@@ -75,7 +76,7 @@ class Layer:
             hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
             self.qk_norm = RMSNorm(torch.cat([self.q_norm.expand(hq, -1), self.k_norm.expand(hkv, -1)]), eps)
 
-    def tensors(self) -> list[torch.Tensor | PackedLinear]:
+    def tensors(self) -> list[torch.Tensor | PackedLinear | PanelLinear]:
         """Every parameter of the block, tensors and packed weights (for byte counts)."""
         optional = (self.qkv_bias, self.q_norm, self.k_norm)
         norms = [self.input_norm.weight, self.post_norm.weight]
@@ -224,6 +225,8 @@ class Transformer:
             return self.embed.lookup(ids)
         if self.embed is not None:
             return F.embedding(ids, self.embed)
+        if isinstance(self.lm_head, PanelLinear):
+            return self.lm_head.rows(ids)
         per_chunk = self.lm_head.shape[2]
         return self.lm_head[ids // per_chunk, :, ids % per_chunk]  # column `id` of the head, [T, hidden]
 
@@ -325,7 +328,7 @@ class Transformer:
             x = self.block(i, x, cos, sin, attention, last_only=not all_logits and i == last)
         return self.logits(x, per_position=all_logits)
 
-    def _read_every_step(self) -> list[torch.Tensor | PackedLinear]:
+    def _read_every_step(self) -> list[torch.Tensor | PackedLinear | PanelLinear]:
         return [self.norm.weight, self.lm_head] + [t for layer in self.layers for t in layer.tensors()]
 
     @property
@@ -350,9 +353,9 @@ class Transformer:
         return row + sum(_read_bytes(t) for t in self._read_every_step())
 
 
-def _stored_bytes(t: torch.Tensor | PackedLinear) -> int:
-    return t.stored_bytes if isinstance(t, PackedLinear) else t.numel() * t.element_size()
+def _stored_bytes(t: torch.Tensor | PackedLinear | PanelLinear) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.stored_bytes
 
 
-def _read_bytes(t: torch.Tensor | PackedLinear) -> int:
-    return t.read_bytes if isinstance(t, PackedLinear) else t.numel() * t.element_size()
+def _read_bytes(t: torch.Tensor | PackedLinear | PanelLinear) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.read_bytes

@@ -25,6 +25,7 @@ from minengine.config import ModelConfig
 from minengine.dtype_names import WEIGHT_FORMATS
 from minengine.errors import Mention, ReqscopeError, Setting
 from minengine.model.linear_kernels import available, int8_refusal
+from minengine.model.panel_kernels import Q8_BLOCK, library
 
 # Measured on the 2-core development machine (README, "Weight formats"; an AMD EPYC with AVX2
 # and no AVX-512): fp16 keeps float32's greedy tokens (mean KL 1.6e-6) but decodes only 1.2x
@@ -39,7 +40,7 @@ AUTO_CPU_ORDER: tuple[str, ...] = ("float32",)
 # dense layouts' GEMV) and peak RSS 5% larger, so the default stays dense; a server that runs
 # full batches can set it.
 FLOAT32_KERNEL_ENV = "REQSCOPE_FLOAT32_KERNEL"
-FLOAT32_KERNELS = ("dense", "onednn")
+FLOAT32_KERNELS = ("dense", "onednn", "panels")
 AUTO_MAX_KL = 1e-3  # nats, mean over the steps of the benchmark prompt's greedy decode
 DTYPE_FORMAT = {torch.float32: "float32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 FORMAT_DTYPE = {fmt: dtype for dtype, fmt in DTYPE_FORMAT.items()}
@@ -58,6 +59,14 @@ class WeightChoice:
     format: str
     why: str
     packed: bool = False  # a packed CPU kernel holds the projections (else dense operands in the compute dtype)
+    panels: bool = False  # reqscope's panel kernel holds them (`panel_kernels`), not one of torch's
+
+    @property
+    def packs(self) -> str | None:
+        """What the checkpoint reader is told to pack into: None for dense operands."""
+        if not self.packed:
+            return None
+        return "float32-panels" if self.panels and self.format == "float32" else self.format
 
     @property
     def label(self) -> str:
@@ -75,9 +84,15 @@ def float32_kernel() -> str:
 
 
 def _float32(why: str) -> WeightChoice:
-    """float32 on the CPU, in the kernel the environment asks for (dense when oneDNN's is missing, saying why)."""
-    if float32_kernel() == "dense":
+    """float32 on the CPU, in the kernel the environment asks for (dense when that one is missing, saying why)."""
+    kernel = float32_kernel()
+    if kernel == "dense":
         return _chosen("float32", why, False)
+    if kernel == "panels":
+        panels = library()
+        if panels.lib is None:
+            return _chosen("float32", f"{why}; dense, since {panels.why_not}", False)
+        return _chosen("float32", f"{why}, through reqscope's panel kernel", True, True)
     probe = available("float32")
     if not probe.ok:
         return _chosen("float32", f"{why}; dense, since {probe.why_not}", False)
@@ -123,9 +138,9 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> Weig
                 " or ",
                 Mention(Setting.WEIGHTS, own),
             )
-        if name == "int8":
+        if name in ("int8", "q8_0"):
             raise WeightFormatError(
-                f"int8 weights have no {device.type} kernel here; use ",
+                f"{name} weights have no {device.type} kernel here; use ",
                 Mention(Setting.WEIGHTS, own),
                 f" (the {_dtype(dtype)} compute's own) or run on the CPU",
             )
@@ -135,6 +150,16 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> Weig
             " or ",
             Mention(Setting.DTYPE, "auto"),
         )
+    if name == "q8_0":
+        panels = library()
+        if panels.lib is None:
+            raise WeightFormatError(
+                f"q8_0 weights cannot run: {panels.why_not}; use ",
+                Mention(Setting.WEIGHTS, "int8"),
+                " or ",
+                Mention(Setting.WEIGHTS, "auto"),
+            )
+        return _chosen(name, "asked for", True, True)
     probe = available(name)
     if not probe.ok:
         raise WeightFormatError(
@@ -152,14 +177,22 @@ def _dtype(dtype: torch.dtype) -> str:
 
 def refuse_shapes(choice: WeightChoice, cfg: ModelConfig) -> None:
     """Raise before anything is loaded when the chosen kernel cannot hold one of `cfg`'s projections."""
-    if not (choice.packed and choice.format == "int8"):
+    if not (choice.packed and choice.format in ("int8", "q8_0")):
         return
+    refusal = int8_refusal if choice.format == "int8" else q8_0_refusal
     for name, shape in expected_shapes(cfg).items():
-        why = int8_refusal(name, shape) if len(shape) == 2 else None
+        why = refusal(name, shape) if len(shape) == 2 else None
         if why is not None:
             raise WeightFormatError(
-                f"int8 weights cannot hold this model: {why}; use ",
+                f"{choice.format} weights cannot hold this model: {why}; use ",
                 Mention(Setting.WEIGHTS, "fp16"),
                 " or ",
                 Mention(Setting.WEIGHTS, "float32"),
             )
+
+
+def q8_0_refusal(name: str, shape: tuple[int, int]) -> str | None:
+    """Why q8_0's blocks cannot hold the [out, in] weight `name` (input features not in blocks of 32), or None."""
+    if shape[1] % Q8_BLOCK:
+        return f"{name} has {shape[1]} input features, not a whole number of q8_0's {Q8_BLOCK}-input blocks"
+    return None

@@ -1,0 +1,193 @@
+"""reqscope's own CPU kernel for the projections: weights in panels that stream once for every row.
+
+A decode step is memory-bound: each projection's weight is read once for one row (alone) or
+a few (a shared step). MKL's GEMV streams one row well, but its GEMM of 2..8 rows costs 2-3x
+that (it packs the weight on every call), and oneDNN's prepacked GEMM is flat in rows but slow
+at one. `panel_rows.c` stores a weight as panels of 16 output columns over the whole input,
+contiguous, and computes every row of a step against each panel while it is in cache, so a
+step of 8 rows reads the weights once; each output is one FMA chain in input order, so a row's
+product is the same bits whatever rows share its step.
+
+Two storages (`PanelLinear.format`):
+- `float32`: the checkpoint's values, the same bytes as the dense operands;
+- `q8_0`: llama.cpp's Q8_0 blocks (int8 weights, one scale per 32 inputs of a column, float32
+  here), a quarter of the bytes, dequantized in registers: activations stay float32.
+
+The kernel is C, compiled once per machine with the system compiler into the user cache
+(`library`): about a second. Where there is no x86-64 CPU with AVX2, no compiler, or the build
+fails, `available` says why and the weight format falls back with that reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("panel_rows.c")
+PANEL = 16  # output columns per panel (two AVX2 vectors), as panel_rows.c's PW
+Q8_BLOCK = 32  # inputs per q8_0 scale, as panel_rows.c's QB
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# A reader's `packs` for each panel storage (float32 is also a oneDNN kernel's `packs`, so it is named apart).
+PANEL_PACKS = {"q8_0": "q8_0", "float32-panels": "float32"}
+_BUILD_TIMEOUT_S = 120
+# From this many rows (a prompt chunk) MKL's GEMM over the panels, each a [in, 16] matrix,
+# beats the panel kernel, which is built for the few rows of decode (scripts/panel_kernels
+# measures both). q8_0 dequantizes a transient float32 copy for it, one matrix at a time.
+GEMM_ROWS = 32
+
+
+class PanelLibrary:
+    """The compiled kernel, or why there is none (`why_not`)."""
+
+    def __init__(self, lib: ctypes.CDLL | None, why_not: str = "") -> None:
+        self.lib, self.why_not = lib, why_not
+        if lib is not None:
+            c_long, c_int, ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
+            lib.f32_panels.argtypes = [ptr, c_long, c_long, ptr, c_long, ptr, c_long, c_int]
+            lib.q8_0_panels.argtypes = [ptr, c_long, c_long, ptr, ptr, c_long, ptr, c_long, c_int]
+            lib.f32_panels.restype = lib.q8_0_panels.restype = None
+
+
+def kernels_home() -> Path:
+    """Where the compiled kernel is kept: the user cache's `kernels` folder."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("reqscope")) / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(cc: str, home: Path) -> Path:
+    """Compile `SOURCE` into `home` (once per source, compiler and flags), written atomically."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join((cc, version, *FLAGS)).encode()).hexdigest()[:16]
+    path = home / f"panel_rows-{key}.so"
+    if path.exists():
+        return path
+    home.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=home)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
+        )
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no message"])[0]
+            raise RuntimeError(f"{Path(cc).name} could not build the panel kernel ({first[:160]})")
+        os.replace(tmp, path)  # another process building the same key writes the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@cache
+def library() -> PanelLibrary:
+    """The panel kernel for this machine, built on first use (cached per process and on disk)."""
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return PanelLibrary(None, f"the panel kernel is built for x86-64 Linux, not {platform.machine()} {platform.system()}")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith(("AVX2", "AVX512")):
+        return PanelLibrary(None, f"the panel kernel needs AVX2 and FMA; torch finds {capability} on this CPU")
+    cc = _compiler()
+    if cc is None:
+        return PanelLibrary(None, "the panel kernel is compiled here and no C compiler (cc) was found; install gcc")
+    try:
+        return PanelLibrary(ctypes.CDLL(str(_build(cc, kernels_home()))))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return PanelLibrary(None, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+
+
+def _panels(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] float32 as [panels, in, PANEL], the last panel padded with zero columns."""
+    out_features, in_features = weight.shape
+    panels = -(-out_features // PANEL)
+    padded = torch.zeros(panels * PANEL, in_features, dtype=torch.float32)
+    padded[:out_features] = weight
+    return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+class PanelLinear:
+    """One projection in panels: `linear(x)` is x [T, in] @ W.T, [T, out], float32.
+
+    Duck-types `linear_kernels.PackedLinear` (format, chunks, shape, stored/read bytes) so the
+    layers apply it as any packed weight; unlike those it can hand back its weight's rows
+    (`rows`), so a tied head also serves the embedding lookups and the model holds one copy.
+    """
+
+    __slots__ = ("format", "panels", "scales", "in_features", "out_features", "chunks", "stored_bytes", "read_bytes")
+
+    def __init__(self, fmt: str, weight: torch.Tensor, chunks: int) -> None:
+        """Lay out (and for q8_0 quantize) a float32 [out, in] weight; the caller drops it afterwards."""
+        out_features, in_features = weight.shape
+        self.format, self.in_features, self.out_features, self.chunks = fmt, in_features, out_features, chunks
+        panels = _panels(weight.float())
+        self.scales: torch.Tensor | None = None
+        if fmt == "q8_0":
+            if in_features % Q8_BLOCK:
+                raise ValueError(f"q8_0 needs input features in blocks of {Q8_BLOCK}, not {in_features}")
+            blocks = panels.view(panels.shape[0], in_features // Q8_BLOCK, Q8_BLOCK, PANEL)
+            scales = (blocks.abs().amax(dim=2) / 127).clamp_(min=1e-30)  # [panels, in/32, PANEL]
+            self.panels = torch.round(blocks / scales[:, :, None]).to(torch.int8).view_as(panels).contiguous()
+            self.scales = scales.contiguous()
+        elif fmt == "float32":
+            self.panels = panels
+        else:
+            raise ValueError(f"no panel storage {fmt!r}")
+        scale_bytes = 0 if self.scales is None else self.scales.numel() * 4
+        self.stored_bytes = self.panels.numel() * self.panels.element_size() + scale_bytes
+        self.read_bytes = self.stored_bytes  # a step reads every panel whole (padding is under 16 columns)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The dense operand's shape, [chunks, in, out/chunks]."""
+        return (self.chunks, self.in_features, self.out_features // self.chunks)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] (float32) times the weight: [T, out], float32."""
+        x = x.contiguous()
+        rows, panels = x.shape[0], self.panels.shape[0]
+        if rows >= GEMM_ROWS:  # a prompt chunk: the BLAS GEMM, each panel a [in, PANEL] matrix
+            panels = self.panels if self.scales is None else self._dequantized()
+            y = torch.bmm(x.expand(panels.shape[0], -1, -1), panels)  # [panels, T, PANEL]
+            y = y.permute(1, 0, 2).reshape(rows, -1)
+            return y if y.shape[1] == self.out_features else y[:, : self.out_features].contiguous()
+        width = panels * PANEL
+        y = torch.empty(rows, width, dtype=torch.float32)
+        lib, threads = library().lib, torch.get_num_threads()
+        assert lib is not None, "PanelLinear made without the kernel"
+        if self.scales is None:
+            lib.f32_panels(x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), panels, y.data_ptr(), width, threads)
+        else:
+            lib.q8_0_panels(
+                x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), self.scales.data_ptr(), panels,
+                y.data_ptr(), width, threads,
+            )  # fmt: skip
+        return y if width == self.out_features else y[:, : self.out_features].contiguous()
+
+    def _dequantized(self) -> torch.Tensor:
+        """q8_0 panels as transient float32 ones (a prompt chunk's GEMM reads them)."""
+        assert self.scales is not None
+        n = self.panels.shape[0]
+        blocks = self.panels.view(n, -1, Q8_BLOCK, PANEL).float()
+        return blocks.mul_(self.scales[:, :, None]).view(n, self.in_features, PANEL)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows (output features) `ids` [T], float32 [T, in]: a tied embedding's lookup."""
+        panel, column = ids // PANEL, ids % PANEL
+        picked = self.panels[panel, :, column].float()  # [T, in]
+        if self.scales is None:
+            return picked
+        scales = self.scales[panel, :, column]  # [T, in/32]
+        return picked.view(len(ids), -1, Q8_BLOCK).mul_(scales[:, :, None]).view(len(ids), -1)

@@ -1,0 +1,273 @@
+"""reqscope's panel kernel (float32 and q8_0 panels): products against float64, a row's bits whatever
+rows share its call, Q8_0's blocks, the model under both storages, choosing it, and falling back.
+
+Tolerances: a float32 panel product is one float32 FMA chain per output, within 1e-6 relative
+of float64; q8_0 rounds each weight to 8 bits within its block of 32 (relative error of a
+product about 0.5%, bound 1%). The tiny models' logits under float32 panels stay within
+transformers' 1e-4, as the dense operands' do.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import SPECS, TinySpec, build_tiny
+
+from minengine.checkpoint import layout_cache
+from minengine.config import ModelConfig
+from minengine.engine.engine import Engine
+from minengine.kv.cache import KVCache
+from minengine.model import panel_kernels, weight_format
+from minengine.model.panel_kernels import GEMM_ROWS, PANEL, Q8_BLOCK, PanelLibrary, PanelLinear, library
+from minengine.model.runner import ModelRunner
+from minengine.model.transformer import Transformer
+from minengine.model.weight_format import FLOAT32_KERNEL_ENV, WeightFormatError, resolve_weights
+
+CPU = torch.device("cpu")
+SHAPES = [(960, 576), (576, 1536), (49152, 576), (100, 64), (17, 96)]
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 13, GEMM_ROWS - 1, GEMM_ROWS, 70)
+PROMPT_LEN, NEW_TOKENS = 20, 16
+
+needs_kernel = pytest.mark.skipif(library().lib is None, reason=library().why_not)
+
+
+def _weight(shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.02
+
+
+def _x(rows, features, seed=1):
+    return torch.randn(rows, features, generator=torch.Generator().manual_seed(seed))
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+# -- the kernel -----------------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+def test_float32_panels_are_float64s_product_to_float32_rounding(shape):
+    w = _weight(shape)
+    panel = PanelLinear("float32", w, 1)
+    assert panel.shape == (1, shape[1], shape[0])
+    assert panel.stored_bytes == -(-shape[0] // PANEL) * PANEL * shape[1] * 4  # float32, padded to whole panels
+    for rows in ROWS:
+        x = _x(rows, shape[1])
+        y = panel.linear(x)
+        assert y.shape == (rows, shape[0]) and y.is_contiguous()
+        assert _rel(y, x.double() @ w.double().t()) < 1e-6
+
+
+def _q8_0_reference(w: torch.Tensor) -> torch.Tensor:
+    """Q8_0 as llama.cpp defines it, written independently: per 32 inputs of a row, scale absmax/127."""
+    out, k = w.shape
+    blocks = w.double().view(out, k // Q8_BLOCK, Q8_BLOCK)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(blocks / scale).clamp(-127, 127) * scale).view(out, k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % Q8_BLOCK == 0])
+def test_q8_0_panels_hold_q8_0s_blocks_and_multiply_by_them(shape):
+    w = _weight(shape)
+    panel = PanelLinear("q8_0", w, 1)
+    dequantized = _q8_0_reference(w)
+    ids = torch.arange(shape[0])
+    off = (panel.rows(ids).double() - dequantized).abs()
+    # float32 scales: the same integers but where w/scale lands on a rounding tie (a few in a million)
+    assert (off > 1e-7).double().mean() < 1e-5 and off.max() < 1e-3
+    panels = -(-shape[0] // PANEL)
+    assert panel.stored_bytes == panels * PANEL * shape[1] * (1 + 4 / Q8_BLOCK)  # int8 + a float32 scale per 32
+    stored = panel.rows(ids).double()
+    for rows in ROWS:
+        x = _x(rows, shape[1])
+        y = panel.linear(x)
+        assert _rel(y, x.double() @ stored.t()) < 1e-6  # the product of the stored weights
+        assert _rel(y, x.double() @ w.double().t()) < 1e-2  # and near float32's
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["float32", "q8_0"])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (100, 64)])
+def test_a_rows_product_is_the_same_bits_whatever_rows_and_threads_share_the_call(fmt, shape):
+    panel = PanelLinear(fmt, _weight(shape), 1)
+    x = _x(GEMM_ROWS - 1, shape[1])
+    alone = torch.cat([panel.linear(x[i : i + 1]) for i in range(x.shape[0])])
+    threads = torch.get_num_threads()
+    try:
+        for count in {1, threads}:
+            torch.set_num_threads(count)
+            for rows in range(2, GEMM_ROWS):
+                assert torch.equal(panel.linear(x[:rows]), alone[:rows]), (count, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_q8_0_refuses_inputs_not_in_blocks_of_32():
+    with pytest.raises(ValueError, match="blocks of 32"):
+        PanelLinear("q8_0", _weight((64, 40)), 1)
+
+
+# -- building the kernel --------------------------------------------------------------------------
+
+
+def test_without_a_compiler_the_library_says_why_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(panel_kernels, "kernels_home", lambda: tmp_path / "kernels")
+    found = panel_kernels.library.__wrapped__()  # past the per-process cache
+    if found.lib is None and "AVX2" in found.why_not or "x86-64" in found.why_not:
+        pytest.skip(found.why_not)
+    assert found.lib is None
+    assert found.why_not and "\n" not in found.why_not
+    assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built left behind
+
+
+@needs_kernel
+def test_a_build_is_kept_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setattr(panel_kernels, "kernels_home", lambda: tmp_path / "kernels")
+    first = panel_kernels.library.__wrapped__()
+    built = list((tmp_path / "kernels").glob("panel_rows-*.so"))
+    assert first.lib is not None and len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    assert panel_kernels.library.__wrapped__().lib is not None
+    assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").glob("*.so")] == [stamp]
+
+
+# -- in the model ---------------------------------------------------------------------------------
+
+
+def _runner(folder, packs):
+    cfg = ModelConfig.from_file(folder)
+    return cfg, ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs))
+
+
+def _cache(cfg):
+    return KVCache(cfg, PROMPT_LEN + NEW_TOKENS, device=CPU, compute_dtype=torch.float32)
+
+
+def _prompt(vocab):
+    return torch.randint(3, vocab, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1))
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", [s.name for s in SPECS])
+def test_float32_panels_match_transformers_logits_and_greedy_tokens(tiny_models, name):
+    folder, hf = tiny_models[name]
+    cfg, runner = _runner(folder, "float32-panels")
+    ids = _prompt(cfg.vocab_size)
+    ours = runner.forward(ids, 0, _cache(cfg), all_logits=True)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0].float()
+    assert torch.allclose(ours, ref, atol=1e-4, rtol=0), (ours - ref).abs().max()
+    want = hf.generate(ids[None], max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cache = _cache(cfg)
+    logits, tokens = runner.forward(ids, 0, cache), []
+    for pos in range(PROMPT_LEN, PROMPT_LEN + NEW_TOKENS):
+        tokens.append(int(logits.argmax()))
+        logits = runner.forward(torch.tensor([tokens[-1]]), pos, cache)  # the lean decode step: panel rows
+    assert tokens == want[0, PROMPT_LEN:].tolist()
+
+
+def _kl(ref, other):
+    return F.kl_div(F.log_softmax(other, -1), F.log_softmax(ref, -1), log_target=True, reduction="none").sum(-1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", [s.name for s in SPECS])
+def test_q8_0_stays_near_float32_on_the_tiny_models(tiny_models, name):
+    folder, _ = tiny_models[name]
+    cfg, dense = _runner(folder, None)
+    _, q8 = _runner(folder, "q8_0")
+    ids = _prompt(cfg.vocab_size)
+    ref = dense.model.forward(ids, 0, _cache(cfg), all_logits=True)
+    ours = q8.model.forward(ids, 0, _cache(cfg), all_logits=True)
+    assert _kl(ref, ours).max() < 1e-3
+
+
+@needs_kernel
+@pytest.mark.parametrize("packs", ["q8_0", "float32-panels"])
+def test_the_lean_step_and_a_batched_step_give_the_general_paths_logits(tiny_models, packs):
+    from minengine.model.batch_forward import Row
+
+    cfg, runner = _runner(tiny_models["llama-gqa"][0], packs)
+    ids = _prompt(cfg.vocab_size)
+    general, lean = _cache(cfg), _cache(cfg)
+    runner.model.forward(ids, 0, general)
+    runner.forward(ids, 0, lean)
+    token = torch.tensor([7])
+    want = runner.model.forward(token, PROMPT_LEN, general)
+    assert runner.eager_decoder.serves(lean, PROMPT_LEN)
+    torch.testing.assert_close(runner.forward(token, PROMPT_LEN, lean), want, rtol=0, atol=1e-5)
+    others = [_cache(cfg) for _ in range(3)]
+    for c in others:
+        runner.forward(ids, 0, c)
+    rows = [Row((7,), PROMPT_LEN, c, True) for c in others]
+    for got in runner.forward_rows(rows):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("packs", ["q8_0", "float32-panels"])
+def test_one_copy_the_tied_heads_panels_serve_the_lookups(tiny_models, packs):
+    cfg, runner = _runner(tiny_models["llama-mha-tied"][0], packs)
+    model = runner.model
+    assert cfg.tie_word_embeddings and model.embed is None and isinstance(model.lm_head, PanelLinear)
+    _, dense = _runner(tiny_models["llama-mha-tied"][0], None)
+    ids = torch.tensor([0, 3, 5, cfg.vocab_size - 1])
+    rows = model.embed_tokens(ids)
+    if packs == "float32-panels":
+        assert torch.equal(rows, dense.model.embed_tokens(ids))
+        assert model.weight_bytes >= dense.model.weight_bytes  # float32's bytes (padding to whole panels)
+    else:
+        torch.testing.assert_close(rows, dense.model.embed_tokens(ids), rtol=0.01, atol=2e-3)
+        assert model.weight_bytes < 0.3 * dense.model.weight_bytes  # about 9/32 of float32's, held once
+
+
+# -- choosing it ----------------------------------------------------------------------------------
+
+
+@needs_kernel
+def test_q8_0_is_asked_for_and_the_float32_panels_taken_from_the_environment(monkeypatch):
+    choice = resolve_weights("q8_0", CPU, torch.float32)
+    assert (choice.format, choice.packed, choice.panels, choice.packs) == ("q8_0", True, True, "q8_0")
+    monkeypatch.setenv(FLOAT32_KERNEL_ENV, "panels")
+    choice = resolve_weights("float32", CPU, torch.float32)
+    assert choice.packs == "float32-panels" and "panel kernel" in choice.why
+    monkeypatch.delenv(FLOAT32_KERNEL_ENV)
+    assert resolve_weights("float32", CPU, torch.float32).packs is None
+
+
+def test_without_the_kernel_q8_0_is_refused_and_float32_stays_dense(monkeypatch):
+    monkeypatch.setattr(weight_format, "library", lambda: PanelLibrary(None, "no C compiler (cc) was found"))
+    with pytest.raises(WeightFormatError, match="q8_0 weights cannot run: no C compiler") as info:
+        resolve_weights("q8_0", CPU, torch.float32)
+    assert "\n" not in str(info.value)
+    monkeypatch.setenv(FLOAT32_KERNEL_ENV, "panels")
+    choice = resolve_weights("float32", CPU, torch.float32)
+    assert choice.packs is None and "dense, since no C compiler" in choice.why
+
+
+def test_q8_0_on_cuda_is_refused():
+    with pytest.raises(WeightFormatError):
+        resolve_weights("q8_0", torch.device("cuda"), torch.float16)
+
+
+@needs_kernel
+def test_q8_0_refuses_a_model_whose_inputs_are_not_in_blocks_of_32(tiny_models, tmp_path, monkeypatch):
+    folder = tmp_path / "odd"
+    build_tiny(TinySpec("odd", "llama", {"hidden_size": 40, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                         "intermediate_size": 64, "num_hidden_layers": 1}), folder)  # fmt: skip
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        src = tiny_models["llama-gqa"][0] / name
+        if src.exists():
+            shutil.copy(src, folder / name)
+    monkeypatch.setenv(layout_cache.DISABLE_ENV, "1")
+    with pytest.raises(WeightFormatError, match="has 40 input features, not a whole number of q8_0") as info:
+        Engine(folder, device="cpu", weights="q8_0")
+    assert "\n" not in str(info.value)
+    assert not (folder / layout_cache.CACHE_DIR).exists()
