@@ -70,7 +70,7 @@ def _compiler() -> str | None:
 
 def _build(cc: str, home: Path) -> Path:
     """Compile `SOURCE` into `home` (once per source, compiler and flags), written atomically."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    version = subprocess.run([cc, "-dumpversion"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + "\0".join((cc, version, *FLAGS)).encode()).hexdigest()[:16]
     path = home / f"panel_rows-{key}.so"
     if path.exists():
@@ -96,7 +96,8 @@ def _build(cc: str, home: Path) -> Path:
 def library() -> PanelLibrary:
     """The panel kernel for this machine, built on first use (cached per process and on disk)."""
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return PanelLibrary(None, f"the panel kernel is built for x86-64 Linux, not {platform.machine()} {platform.system()}")
+        here = f"{platform.machine()} {platform.system()}"
+        return PanelLibrary(None, f"the panel kernel is built for x86-64 Linux, not {here}")
     capability = torch.backends.cpu.get_cpu_capability()
     if not capability.startswith(("AVX2", "AVX512")):
         return PanelLibrary(None, f"the panel kernel needs AVX2 and FMA; torch finds {capability} on this CPU")
@@ -168,7 +169,9 @@ class PanelLinear:
         lib, threads = library().lib, torch.get_num_threads()
         assert lib is not None, "PanelLinear made without the kernel"
         if self.scales is None:
-            lib.f32_panels(x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), panels, y.data_ptr(), width, threads)
+            lib.f32_panels(
+                x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), panels, y.data_ptr(), width, threads
+            )
         else:
             lib.q8_0_panels(
                 x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), self.scales.data_ptr(), panels,

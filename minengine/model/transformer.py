@@ -45,8 +45,8 @@ from minengine.config import ModelConfig
 from minengine.kv.cache import KVCache
 from minengine.model import loader
 from minengine.model.linear_kernels import EmbeddingRows, PackedLinear
-from minengine.model.panel_kernels import PanelLinear
 from minengine.model.ops import RMSNorm, attend, decode_attention, heads_first
+from minengine.model.panel_kernels import PanelLinear
 from minengine.model.rope import RotaryTable, rotate
 from minengine.progress import ProgressCallback
 from minengine.threads import OneThread
