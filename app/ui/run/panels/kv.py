@@ -97,7 +97,7 @@ _HOLDER_STYLES = ("bold green", "yellow", "blue")
 _SPLIT_WORDINGS = (
     ("own", "shared with other requests", "with the prefix cache"),
     ("own", "with requests", "with prefix cache"),
-    ("own", "w/ requests", "w/ prefix"),
+    ("own", "others", "prefix"),  # the pool legend's words (the batch panel)
 )
 
 
