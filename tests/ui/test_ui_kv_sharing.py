@@ -13,6 +13,7 @@ from minengine.engine.events import DoneEvent, PrefixCacheEvent, TokenEvent
 from minengine.kv.usage import BlockSharing
 from minengine.record.export import TRACE_JSONL, export_run
 from minengine.record.trace_io import read_trace, trace_header
+from reqscope.engine_load import SOLO_STEPS, LoadOptions
 from reqscope.ui.run.panels.kv import block_split_line
 from reqscope.ui.run.replay_app import ReplayExplorer
 
@@ -95,6 +96,26 @@ async def test_a_request_sharing_the_prefix_shows_as_blocks_shared_with_other_re
         assert hit > 0 and s.with_requests == hit and s.with_prefix == 0 and s.own == app.view.kv.blocks - hit
         assert split_words(s) in panel_text(app, "#kv")
     assert isinstance(list(events)[-1], DoneEvent)
+
+
+@pytest.mark.anyio
+async def test_background_requests_share_the_template_block_with_a_restarted_run(own_engine):
+    # Every request's chat template starts with the same system prompt: its first full block is
+    # in the prefix cache once a run has ended, and the background requests attach it too.
+    app = live_app(own_engine, kyoto_request(max_tokens=32), load=LoadOptions(background=2))
+    async with app.run_test(size=SMALL) as pilot:
+        await finished(pilot, app)
+        first = app.view.result.request_id
+        await pilot.press("r")
+        await wait_for(pilot, lambda: app.view.result is not None and app.view.result.request_id != first)
+        await finished(pilot, app)
+        await pilot.press("2")
+        hit = app.view.prefix_cache.blocks_hit
+        splits = [t.kv.sharing for t in app.view.tokens]
+        assert hit > 1 and all(s.with_requests + s.with_prefix == hit and s.blocks == s.own + hit for s in splits)
+        assert [s.with_requests for s in splits[:SOLO_STEPS]] == [0] * SOLO_STEPS  # alone until they join
+        assert any(s.with_requests for s in splits)
+        assert split_words(splits[-1]) in panel_text(app, "#kv")
 
 
 # -- export and replay ---------------------------------------------------------------------------
