@@ -284,7 +284,8 @@ class PagedKVCache:
         return self.blocks[: held // self.block_size]
 
     def usage(self) -> KVUsage:
-        """Bytes held now: logical (per token, the seeds' formula) and physical (the blocks really held)."""
+        """Bytes held now: logical (per token, the seeds' formula), physical (the blocks really held,
+        a shared one in full), and those blocks by who else holds them (`sharing`)."""
         cfg, fmt = self.cfg, self.format
         per_token = kv_bytes_per_token(cfg.num_hidden_layers, self.heads, cfg.head_dim, self.storage_dtype.itemsize)
         per_layer_token = per_token // cfg.num_hidden_layers
