@@ -19,6 +19,7 @@ from minengine.engine.events import (
     TokenEvent,
 )
 from minengine.engine.request import GenerationRequest, setting_value
+from minengine.record.telemetry import block_sharing_json
 from reqscope.console.inspection_json import inspection_keys
 from reqscope.console.json_out import emit, metrics_json
 from reqscope.console.roofline_lines import done_keys, summary_of, token_keys
@@ -45,7 +46,9 @@ def print_jsonl(
     Each token record says what its decode step read and, given this machine's read `ceiling`,
     the time the ceiling allows it (`roofline_ms`) and the fraction of it reached; the done
     record sums them up under `roofline`; given the engine's weight format, it says which ran
-    and why (`weights`). The batch facts come as the engine records them: each token's step
+    and why (`weights`). Each token record also splits the request's KV blocks by who else
+    holds them (`kv_blocks`: its own, shared with other requests, shared with the prefix cache;
+    null for a cache outside the pool). The batch facts come as the engine records them: each token's step
     (`batch`: the sequences sharing it, its tokens, its time against one sequence alone, the
     queue, the KV pool), a `prefill` record with the prompt's chunks, a `preempt` record when the
     engine takes the request's blocks back, and the done record's `batch` summary; a `load`
@@ -95,6 +98,7 @@ def print_jsonl(
                     "itl_ms": None if ev.itl_ms is None else round(ev.itl_ms, 3),
                     "kv_logical_bytes": ev.kv.logical_bytes,
                     "kv_physical_bytes": ev.kv.physical_bytes,
+                    "kv_blocks": block_sharing_json(ev.kv.sharing),
                 }
                 | token_keys(ev, read_ceiling)
                 | ({} if ev.batch is None else {"batch": step_record(ev.batch)})

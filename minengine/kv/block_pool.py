@@ -29,7 +29,9 @@ kept prefix then grows right after it, as it would in a buffer of its own).
 Every block has a reference count; its holders are named (a request id, or `PREFIX` for the
 prefix cache). A block goes back to the free list when its last holder frees it. The counters
 say what is held by whom: `holdings(owner)` splits the budget into this owner's blocks, other
-requests', the prefix cache's alone, and free (`PoolUsage` in the engine's batch facts).
+requests', the prefix cache's alone, and free (`PoolUsage` in the engine's batch facts);
+`sharing(blocks)` sorts one request's blocks by who else holds them (`BlockSharing`, in its
+`KVUsage`).
 Thread-safe; allocation calls the prefix cache's evictor (`evictor`) outside the pool's lock.
 """
 
@@ -46,7 +48,7 @@ import torch
 
 from minengine.errors import ReqscopeError, Setting
 from minengine.kv.arithmetic import MIB, kv_bytes_per_token
-from minengine.kv.usage import PoolUsage
+from minengine.kv.usage import BlockSharing, PoolUsage
 
 PREFIX = "prefix cache"  # the holder name of the prefix cache's references
 FIRST_SEGMENT_BYTES = 256 * MIB
@@ -282,6 +284,21 @@ class BlockPool:
         with self._lock:
             own = self._owned_bytes[owner]
             return PoolUsage(self.budget_bytes, own, self._request_bytes - own, self._prefix_only_bytes)
+
+    def sharing(self, fmt: BlockFormat, blocks: Sequence[int]) -> BlockSharing:
+        """One request's `blocks` by who else holds them: no one, another request, or the prefix cache only."""
+        own = with_requests = with_prefix = 0
+        with self._lock:
+            store = self.store(fmt)
+            for b in blocks:
+                refs, in_prefix = store.refs[b], store.prefix[b]
+                if refs == 1:
+                    own += 1
+                elif refs - in_prefix > 1:
+                    with_requests += 1
+                else:
+                    with_prefix += 1
+        return BlockSharing(own, with_requests, with_prefix, fmt.nbytes)
 
     def store(self, fmt: BlockFormat) -> BlockStore:
         """The store of `fmt`'s blocks (made empty on first use: no storage until a block is wanted)."""

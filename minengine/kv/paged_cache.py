@@ -28,7 +28,7 @@ from minengine.config import ModelConfig
 from minengine.kv.arithmetic import blocks_for, kv_bytes_per_token
 from minengine.kv.block_pool import PREFIX, BlockFormat, BlockPool, Segment
 from minengine.kv.cache import dequantize_fp8, quantize_fp8
-from minengine.kv.usage import KV_LAYOUTS, KVUsage
+from minengine.kv.usage import KV_LAYOUTS, BlockSharing, KVUsage
 
 
 @dataclass(frozen=True)
@@ -40,15 +40,6 @@ class Freed:
 
     blocks: int
     nbytes: int
-
-
-@dataclass(frozen=True)
-class BlockSharing:
-    """A cache's blocks by who else holds them."""
-
-    own: int  # held by this request alone
-    with_requests: int  # also held by another request (the prefix cache may hold them too)
-    with_prefix: int  # also held by the prefix cache, and by no other request
 
 
 _NO_VIEWS: tuple[tuple[list[torch.Tensor], ...], tuple[list[torch.Tensor], ...]] = (([], [], [], []), ([], []))
@@ -293,7 +284,8 @@ class PagedKVCache:
         return self.blocks[: held // self.block_size]
 
     def usage(self) -> KVUsage:
-        """Bytes held now: logical (per token, the seeds' formula) and physical (the blocks really held)."""
+        """Bytes held now: logical (per token, the seeds' formula), physical (the blocks really held,
+        a shared one in full), and those blocks by who else holds them (`sharing`)."""
         cfg, fmt = self.cfg, self.format
         per_token = kv_bytes_per_token(cfg.num_hidden_layers, self.heads, cfg.head_dim, self.storage_dtype.itemsize)
         per_layer_token = per_token // cfg.num_hidden_layers
@@ -316,21 +308,12 @@ class PagedKVCache:
             per_layer_tokens=tuple(self.lengths),
             per_layer_logical_bytes=tuple(per_layer_token * n for n in self.lengths),
             per_layer_physical_bytes=(layer_block_bytes * len(self.blocks),) * cfg.num_hidden_layers,
+            sharing=self.sharing(),
         )
 
     def sharing(self) -> BlockSharing:
         """This cache's blocks: its own, shared with other requests, shared with the prefix cache only."""
-        own = with_requests = with_prefix = 0
-        store = self.store
-        for b in self.blocks:
-            refs, in_prefix = store.refs[b], store.prefix[b]
-            if refs == 1:
-                own += 1
-            elif refs - in_prefix > 1:
-                with_requests += 1
-            else:
-                with_prefix += 1
-        return BlockSharing(own, with_requests, with_prefix)
+        return self.pool.sharing(self.format, self.blocks)
 
     def release(self) -> Freed:
         """Drop this cache's references; what went back to the pool (shared blocks stay with their other holders)."""

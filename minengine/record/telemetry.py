@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from minengine.engine.events import RequestResult
+from minengine.kv.usage import BlockSharing
 
 
 def telemetry_record(r: RequestResult) -> dict:
@@ -28,5 +29,21 @@ def telemetry_record(r: RequestResult) -> dict:
         "engine_metrics": None if e is None else {"ttft_ms": e.ttft_ms, "e2e_ms": e.e2e_ms, "tpot_ms": e.tpot_ms},
         "kv_peak_logical_bytes": None if r.kv_peak is None else r.kv_peak.logical_bytes,
         "kv_peak_physical_bytes": None if r.kv_peak is None else r.kv_peak.physical_bytes,
+        "kv_peak_blocks": None if r.kv_peak is None else block_sharing_json(r.kv_peak.sharing),
         "sampler_order": list(r.sampler_order),
+    }
+
+
+def block_sharing_json(s: BlockSharing | None) -> dict | None:
+    """A paged cache's blocks by who else holds them, counts and bytes; None for a cache outside the pool."""
+    if s is None:
+        return None
+    return {
+        "blocks": s.blocks,
+        "own": s.own,
+        "with_requests": s.with_requests,
+        "with_prefix": s.with_prefix,
+        "own_bytes": s.own_bytes,
+        "with_requests_bytes": s.with_requests_bytes,
+        "with_prefix_bytes": s.with_prefix_bytes,
     }

@@ -1,4 +1,5 @@
-"""The KV cache: totals, memory, its growth over the request as a chart, and one bar per layer.
+"""The KV cache: totals, its blocks by who else holds them, memory, its growth over the request
+as a chart, and one bar per layer.
 
 The growth chart draws MiB against cached tokens: this run measured (logical, and physical as
 the staircase its blocks make), the layouts it did not use by formula (dotted), and the same
@@ -14,7 +15,7 @@ from rich.text import Text
 
 from minengine.engine.events import PrefixCacheEvent
 from minengine.kv.arithmetic import KIB, MIB
-from minengine.kv.usage import KVUsage
+from minengine.kv.usage import BlockSharing, KVUsage
 from reqscope.ui.glyphs import PlotSeries, bar, columns, plot
 from reqscope.ui.panel import Panel
 from reqscope.ui.run.figures.kv_growth import KVPoint, growth_points
@@ -39,9 +40,10 @@ class KVPanel(Panel):
         if kv is None:
             return Text("the cache fills at prefill", style="dim")
         lines = _totals(kv, width) + [_memory(frame.memory, frame.replay)]
-        shared = shared_blocks_line(frame.view.prefix_cache, kv)
-        if shared is not None and height >= 4:
-            lines.insert(2, shared)
+        # Who holds the blocks now comes before what the prefix cache gave at admission.
+        extra = [line for line in (block_split_line(kv.sharing, width), shared_blocks_line(frame.view.prefix_cache, kv))
+                 if line is not None]  # fmt: skip
+        lines[2:2] = extra[: max(height - len(lines), 0)]
         rows = height - len(lines)
         if rows >= _CHART_MIN_ROWS:
             # Short of room for both, the chart goes first: every layer holds the same tokens, so
@@ -87,6 +89,49 @@ def shared_blocks_line(event: PrefixCacheEvent | None, kv: KVUsage) -> Text | No
     text.append(f" + {kv.blocks - shared} new", style="bold")
     text.append(f" · {event.blocks_hit}/{event.blocks_looked_up} hit, copied in {event.copy_ms:.1f} ms"
                 f" · the cache keeps {event.kept_blocks} blocks, {event.kept_bytes / MIB:.1f} MiB", style="dim")
+    return text
+
+
+# The pool bar's colours (the batch panel): this request's blocks, other requests', the prefix cache's.
+_HOLDER_STYLES = ("bold green", "yellow", "blue")
+_SPLIT_WORDINGS = (
+    ("own", "shared with other requests", "with the prefix cache"),
+    ("own", "with requests", "with prefix cache"),
+    ("own", "others", "prefix"),  # the pool legend's words (the batch panel)
+)
+
+
+def block_split_line(sharing: BlockSharing | None, width: int) -> Text | None:
+    """The request's blocks now: its own, shared with other requests, shared with the prefix cache.
+
+    With their MiB where `width` has room, else in shorter words. None for a cache outside the
+    pool and in traces recorded before the split was kept.
+    """
+    if sharing is None:
+        return None
+    attempts = [(_SPLIT_WORDINGS[0], True)] + [(words, False) for words in _SPLIT_WORDINGS]
+    for words, with_bytes in attempts:
+        text = _split_text(sharing, words, with_bytes)
+        if text.cell_len <= width:
+            return text
+    text.truncate(width, overflow="ellipsis")
+    return text
+
+
+def _split_text(sharing: BlockSharing, words: tuple[str, str, str], with_bytes: bool) -> Text:
+    groups = ((sharing.own, sharing.own_bytes), (sharing.with_requests, sharing.with_requests_bytes),
+              (sharing.with_prefix, sharing.with_prefix_bytes))  # fmt: skip
+    text = Text(no_wrap=True, overflow="ellipsis")
+    text.append("blocks ", style="dim")
+    text.append(f"{sharing.blocks}", style="bold")
+    text.append(": ")
+    for n, ((count, nbytes), word, style) in enumerate(zip(groups, words, _HOLDER_STYLES, strict=True)):
+        if n:
+            text.append(" · ", style="dim")
+        text.append(f"{count} ", style=style if count else "bold")
+        text.append(word, style="" if count else "dim")
+        if with_bytes and count:
+            text.append(f" ({nbytes / MIB:.2f} MiB)", style="dim")
     return text
 
 
