@@ -3,7 +3,7 @@
 A decode step is memory-bound: each projection's weight is read once for one row (alone) or
 a few (a shared step). MKL's GEMV streams one row well, but its GEMM of 2..8 rows costs 2-3x
 that (it packs the weight on every call), and oneDNN's prepacked GEMM is flat in rows but slow
-at one. `panel_rows.c` stores a weight as panels of 16 output columns over the whole input,
+at one. `panel_rows.c` stores a weight as panels of 8 output columns over the whole input,
 contiguous, and computes every row of a step against each panel while it is in cache, so a
 step of 8 rows reads the weights once; each output is one FMA chain in input order, so a row's
 product is the same bits whatever rows share its step.
@@ -33,13 +33,13 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("panel_rows.c")
-PANEL = 16  # output columns per panel (two AVX2 vectors), as panel_rows.c's PW
+PANEL = 8  # output columns per panel (one AVX2 vector), as panel_rows.c's PW
 Q8_BLOCK = 32  # inputs per q8_0 scale, as panel_rows.c's QB
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # A reader's `packs` for each panel storage (float32 is also a oneDNN kernel's `packs`, so it is named apart).
 PANEL_PACKS = {"q8_0": "q8_0", "float32-panels": "float32"}
 _BUILD_TIMEOUT_S = 120
-# From this many rows (a prompt chunk) MKL's GEMM over the panels, each a [in, 16] matrix,
+# From this many rows (a prompt chunk) MKL's GEMM over the panels, each an [in, 8] matrix,
 # beats the panel kernel, which is built for the few rows of decode (scripts/panel_kernels
 # measures both). q8_0 dequantizes a transient float32 copy for it, one matrix at a time.
 GEMM_ROWS = 32
@@ -120,7 +120,7 @@ def _panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PanelLinear:
-    """One projection in panels: `linear(x)` is x [T, in] @ W.T, [T, out], float32.
+    """One projection in panels of PANEL columns: `linear(x)` is x [T, in] @ W.T, [T, out], float32.
 
     Duck-types `linear_kernels.PackedLinear` (format, chunks, shape, stored/read bytes) so the
     layers apply it as any packed weight; unlike those it can hand back its weight's rows
@@ -148,7 +148,7 @@ class PanelLinear:
             raise ValueError(f"no panel storage {fmt!r}")
         scale_bytes = 0 if self.scales is None else self.scales.numel() * 4
         self.stored_bytes = self.panels.numel() * self.panels.element_size() + scale_bytes
-        self.read_bytes = self.stored_bytes  # a step reads every panel whole (padding is under 16 columns)
+        self.read_bytes = self.stored_bytes  # a step reads every panel whole (padding is under 8 columns)
 
     @property
     def shape(self) -> tuple[int, int, int]:
