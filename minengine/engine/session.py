@@ -89,6 +89,7 @@ from minengine.sampling.trace import explain
 from minengine.text.detokenizer import IncrementalDetokenizer
 from minengine.text.prompt_parts import count_parts, token_parts
 from minengine.text.stop import StopMatcher
+from minengine.threads import OneThread
 
 if TYPE_CHECKING:
     from minengine.config import ModelConfig
@@ -540,9 +541,16 @@ class RequestSession:
 
     def _sample(self, logits: torch.Tensor) -> tuple[int, StepTrace | None, bool]:
         """Sampling: the next token (the forced one, if set), its trace when asked for, and whether forced."""
-        req = self.request
         forced, self._forced = self._forced, None
-        trace = None
+        # One row's sampling is too small to share out, and a request decoding in a shared step
+        # samples on its own thread: a parallel region there would give that thread an OpenMP
+        # team of its own, and once teams outnumber the cores every worker sleeps between regions
+        # (`threads.ModelThread`), so each region of the step's thread would wait for a wake-up.
+        with OneThread(logits.device):
+            return self._sample_on_this_thread(logits, forced)
+
+    def _sample_on_this_thread(self, logits: torch.Tensor, forced: int | None) -> tuple[int, StepTrace | None, bool]:
+        req, trace = self.request, None
         if req.trace:
             token, trace = self._sampler.sample_traced(logits, self.engine.tokenizer.piece, req.top_n, force=forced)
         else:
