@@ -13,6 +13,10 @@ Two storages (`PanelLinear.format`):
 - `q8_0`: llama.cpp's Q8_0 blocks (int8 weights, one scale per 32 inputs of a column, float32
   here), a quarter of the bytes, dequantized in registers: activations stay float32.
 
+Prompts run through it too (rows in passes of 8, a block of 64 rows in L2 while the panels
+pass): a 64-token chunk, the CPU's default step budget, takes what MKL's GEMM over the dense
+operands takes; a 1,025-token prompt in one call 1.2-1.3x (scripts/panel_kernels).
+
 The kernel is C, compiled once per machine with the system compiler into the user cache
 (`library`): about a second. Where there is no x86-64 CPU with AVX2, no compiler, or the build
 fails, `available` says why and the weight format falls back with that reason.
@@ -39,10 +43,6 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # A reader's `packs` for each panel storage (float32 is also a oneDNN kernel's `packs`, so it is named apart).
 PANEL_PACKS = {"q8_0": "q8_0", "float32-panels": "float32"}
 _BUILD_TIMEOUT_S = 120
-# From this many rows (a prompt chunk) MKL's GEMM over the panels, each an [in, 8] matrix,
-# beats the panel kernel, which is built for the few rows of decode (scripts/panel_kernels
-# measures both). q8_0 dequantizes a transient float32 copy for it, one matrix at a time.
-GEMM_ROWS = 32
 
 
 class PanelLibrary:
@@ -159,11 +159,6 @@ class PanelLinear:
         """x [T, in] (float32) times the weight: [T, out], float32."""
         x = x.contiguous()
         rows, panels = x.shape[0], self.panels.shape[0]
-        if rows >= GEMM_ROWS:  # a prompt chunk: the BLAS GEMM, each panel a [in, PANEL] matrix
-            panels = self.panels if self.scales is None else self._dequantized()
-            y = torch.bmm(x.expand(panels.shape[0], -1, -1), panels)  # [panels, T, PANEL]
-            y = y.permute(1, 0, 2).reshape(rows, -1)
-            return y if y.shape[1] == self.out_features else y[:, : self.out_features].contiguous()
         width = panels * PANEL
         y = torch.empty(rows, width, dtype=torch.float32)
         lib, threads = library().lib, torch.get_num_threads()
@@ -178,13 +173,6 @@ class PanelLinear:
                 y.data_ptr(), width, threads,
             )  # fmt: skip
         return y if width == self.out_features else y[:, : self.out_features].contiguous()
-
-    def _dequantized(self) -> torch.Tensor:
-        """q8_0 panels as transient float32 ones (a prompt chunk's GEMM reads them)."""
-        assert self.scales is not None
-        n = self.panels.shape[0]
-        blocks = self.panels.view(n, -1, Q8_BLOCK, PANEL).float()
-        return blocks.mul_(self.scales[:, :, None]).view(n, self.in_features, PANEL)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows (output features) `ids` [T], float32 [T, in]: a tied embedding's lookup."""

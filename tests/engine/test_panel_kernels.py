@@ -21,14 +21,14 @@ from minengine.config import ModelConfig
 from minengine.engine.engine import Engine
 from minengine.kv.cache import KVCache
 from minengine.model import panel_kernels, weight_format
-from minengine.model.panel_kernels import GEMM_ROWS, PANEL, Q8_BLOCK, PanelLibrary, PanelLinear, library
+from minengine.model.panel_kernels import PANEL, Q8_BLOCK, PanelLibrary, PanelLinear, library
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.model.weight_format import FLOAT32_KERNEL_ENV, WeightFormatError, resolve_weights
 
 CPU = torch.device("cpu")
 SHAPES = [(960, 576), (576, 1536), (49152, 576), (100, 64), (17, 96)]
-ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 13, GEMM_ROWS - 1, GEMM_ROWS, 70)
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 31, 64, 70)
 PROMPT_LEN, NEW_TOKENS = 20, 16
 
 needs_kernel = pytest.mark.skipif(library().lib is None, reason=library().why_not)
@@ -96,13 +96,13 @@ def test_q8_0_panels_hold_q8_0s_blocks_and_multiply_by_them(shape):
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (100, 64)])
 def test_a_rows_product_is_the_same_bits_whatever_rows_and_threads_share_the_call(fmt, shape):
     panel = PanelLinear(fmt, _weight(shape), 1)
-    x = _x(GEMM_ROWS - 1, shape[1])
+    x = _x(70, shape[1])
     alone = torch.cat([panel.linear(x[i : i + 1]) for i in range(x.shape[0])])
     threads = torch.get_num_threads()
     try:
         for count in {1, threads}:
             torch.set_num_threads(count)
-            for rows in range(2, GEMM_ROWS):
+            for rows in (*range(2, 17), 31, 64, 65, 70):
                 assert torch.equal(panel.linear(x[:rows]), alone[:rows]), (count, rows)
     finally:
         torch.set_num_threads(threads)
