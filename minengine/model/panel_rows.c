@@ -3,7 +3,8 @@
  * A decode step multiplies each weight by a few rows, so the weight must stream from memory
  * once for all of them. A panel is 8 output columns (one AVX2 vector) over the whole input,
  * contiguous, so the hardware prefetcher follows it. A pass keeps up to 8 rows' sums in
- * registers (8 rows x 1 panel, 4 x 2, 2 x 4 or 1 x 4 panels at once), so up to 8 rows read each
+ * registers (8 rows x 1 panel, 4 x 2, 2 x 4 or 1 x 4 panels at once; q8_0 holds its scales too,
+ * so 4 x 1 and 2 x 2), so up to 8 rows read each
  * panel once: a second pass would read it again from L2, which is barely faster than memory
  * here (measured: 5 rows in two passes cost 1.2x 4 rows in one). Every output is
  * one FMA chain over k = 0..K-1 in order, whatever M and the thread count, so a row's product is
@@ -70,25 +71,21 @@ static inline void q8_##RT##x##NP(const float *x, long K, const int8_t *Q, const
 F32_TILE(1, 4) F32_TILE(2, 4) F32_TILE(3, 2) F32_TILE(4, 2)
 F32_TILE(1, 1) F32_TILE(2, 1) F32_TILE(3, 1) F32_TILE(4, 1)
 F32_TILE(5, 1) F32_TILE(6, 1) F32_TILE(7, 1) F32_TILE(8, 1)
-Q8_TILE(1, 4) Q8_TILE(2, 4) Q8_TILE(3, 2) Q8_TILE(4, 2)
+Q8_TILE(1, 4) Q8_TILE(2, 2)
 Q8_TILE(1, 1) Q8_TILE(2, 1) Q8_TILE(3, 1) Q8_TILE(4, 1)
 Q8_TILE(5, 1) Q8_TILE(6, 1) Q8_TILE(7, 1) Q8_TILE(8, 1)
 
 /* Rows [r, end) (at most 8 a pass) against panels [p, p + n) of one group (n <= GP). */
-#define GROUP_ROWS(KIND, ARGS, STEP)                                                             \
+#define GROUP_ROWS(KIND, ARGS, N2, N4)                                                             \
     for (long r = r0; r < end;) {                                                                \
         long rows = end - r < 8 ? end - r : 8;                                                   \
         const float *xr = x + r * K;                                                             \
         float *yr = y + r * ldy + p0 * PW;                                                       \
         long p = 0;                                                                              \
-        if (rows <= 2) for (; p + 4 <= n; p += 4) {                                              \
-            if (rows == 1) KIND##_1x4(xr, K, ARGS(p), yr + p * PW, ldy);                         \
-            else KIND##_2x4(xr, K, ARGS(p), yr + p * PW, ldy);                                   \
-        }                                                                                        \
-        if (rows == 3 || rows == 4) for (; p + 2 <= n; p += 2) {                                 \
-            if (rows == 3) KIND##_3x2(xr, K, ARGS(p), yr + p * PW, ldy);                         \
-            else KIND##_4x2(xr, K, ARGS(p), yr + p * PW, ldy);                                   \
-        }                                                                                        \
+        if (rows == 1) for (; p + 4 <= n; p += 4) KIND##_1x4(xr, K, ARGS(p), yr + p * PW, ldy);  \
+        if (rows == 2) for (; p + N2 <= n; p += N2) KIND##_2x##N2(xr, K, ARGS(p), yr + p * PW, ldy); \
+        if (rows == 3) for (; p + N4 <= n; p += N4) KIND##_3x##N4(xr, K, ARGS(p), yr + p * PW, ldy); \
+        if (rows == 4) for (; p + N4 <= n; p += N4) KIND##_4x##N4(xr, K, ARGS(p), yr + p * PW, ldy); \
         for (; p < n; p++) switch (rows) {                                                       \
             case 1: KIND##_1x1(xr, K, ARGS(p), yr + p * PW, ldy); break;                         \
             case 2: KIND##_2x1(xr, K, ARGS(p), yr + p * PW, ldy); break;                         \
@@ -114,7 +111,7 @@ void f32_panels(const float *x, long M, long K, const float *P, long panels, flo
 #pragma omp for schedule(static)
         for (long g = 0; g < groups; g++) {
             long p0 = g * GP, n = panels - p0 < GP ? panels - p0 : GP;
-            GROUP_ROWS(f32, F32_ARGS, 0)
+            GROUP_ROWS(f32, F32_ARGS, 4, 2)
         }
     }
 }
@@ -129,7 +126,7 @@ void q8_0_panels(const float *x, long M, long K, const int8_t *Q, const float *S
 #pragma omp for schedule(static)
         for (long g = 0; g < groups; g++) {
             long p0 = g * GP, n = panels - p0 < GP ? panels - p0 : GP;
-            GROUP_ROWS(q8, Q8_ARGS, 0)
+            GROUP_ROWS(q8, Q8_ARGS, 2, 1)  /* q8_0's scales take registers: narrower tiles */
         }
     }
 }
