@@ -14,9 +14,10 @@ from minengine.dtype_names import DTYPE_CHOICES, WEIGHT_CHOICES
 MODEL_HELP = "model folder (default: the pulled SmolLM2-135M-Instruct)"
 DTYPE_HELP = "weights and compute (half = float16)"
 WEIGHTS_HELP = (
-    "the projections' storage, in llama.cpp's and vLLM's short names: float32, fp16, bf16, int8 (per-channel); "
-    "on the CPU fp16/bf16/int8 are packed kernels around float32 compute, elsewhere the compute dtype's own "
-    "(default auto: the fastest format measured to keep float32's greedy tokens, fp16 on the CPU)"
+    "the projections' storage, in llama.cpp's and vLLM's short names: float32, fp16, bf16, int8 (per-channel, "
+    "activations quantized too), q8_0 (llama.cpp's blocks of 32; reqscope's panel kernel, built once with the "
+    "system C compiler); on the CPU fp16/bf16/int8 are torch's packed kernels around float32 compute, elsewhere "
+    "the compute dtype's own (default auto: the fastest format measured to keep float32's greedy tokens)"
 )
 
 
