@@ -73,6 +73,16 @@ def build_tiny(spec: TinySpec, folder: Path, seed: int = 0):
     return model
 
 
+def build_tiny_with_tokenizer(spec: TinySpec, folder: Path, tokenizer_from: Path) -> None:
+    """`build_tiny`, then the tokenizer files of the model folder `tokenizer_from` copied beside it."""
+    import shutil
+
+    build_tiny(spec, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, folder / name)
+
+
 def random_model(model_type: str, config: dict, seed: int):
     """A float32 transformers model of `model_type` built from `config`, initialised from `seed`."""
     import transformers

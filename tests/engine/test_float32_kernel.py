@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tiny_models import SPECS
+from transformers_parity import assert_matches_transformers
 
 from minengine.config import ModelConfig
 from minengine.engine.engine import Engine
@@ -167,18 +168,7 @@ def _prompt(vocab: int) -> torch.Tensor:
 def test_prefill_logits_and_greedy_tokens_match_transformers(tiny_models, name):
     folder, hf = tiny_models[name]
     cfg, runner = _runner(folder, "float32")
-    ids = _prompt(cfg.vocab_size)
-    ours = runner.forward(ids, 0, _cache(cfg), all_logits=True)
-    with torch.no_grad():
-        ref = hf(ids[None]).logits[0].float()
-    assert torch.allclose(ours, ref, atol=1e-4, rtol=0), (ours - ref).abs().max()
-    want = hf.generate(ids[None], max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    cache = _cache(cfg)
-    logits, tokens = runner.forward(ids, 0, cache), []
-    for pos in range(PROMPT_LEN, PROMPT_LEN + NEW_TOKENS):
-        tokens.append(int(logits.argmax()))
-        logits = runner.forward(torch.tensor([tokens[-1]]), pos, cache)  # the lean decode step
-    assert tokens == want[0, PROMPT_LEN:].tolist()
+    assert_matches_transformers(runner, hf, cfg, PROMPT_LEN, NEW_TOKENS)
 
 
 @needs_onednn

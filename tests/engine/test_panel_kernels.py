@@ -9,12 +9,11 @@ transformers' 1e-4, as the dense operands' do.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import SPECS, TinySpec, build_tiny
+from tiny_models import SPECS, TinySpec, build_tiny_with_tokenizer
+from transformers_parity import assert_matches_transformers
 
 from minengine.checkpoint import layout_cache
 from minengine.config import ModelConfig
@@ -159,18 +158,7 @@ def _prompt(vocab):
 def test_float32_panels_match_transformers_logits_and_greedy_tokens(tiny_models, name):
     folder, hf = tiny_models[name]
     cfg, runner = _runner(folder, "float32-panels")
-    ids = _prompt(cfg.vocab_size)
-    ours = runner.forward(ids, 0, _cache(cfg), all_logits=True)
-    with torch.no_grad():
-        ref = hf(ids[None]).logits[0].float()
-    assert torch.allclose(ours, ref, atol=1e-4, rtol=0), (ours - ref).abs().max()
-    want = hf.generate(ids[None], max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    cache = _cache(cfg)
-    logits, tokens = runner.forward(ids, 0, cache), []
-    for pos in range(PROMPT_LEN, PROMPT_LEN + NEW_TOKENS):
-        tokens.append(int(logits.argmax()))
-        logits = runner.forward(torch.tensor([tokens[-1]]), pos, cache)  # the lean decode step: panel rows
-    assert tokens == want[0, PROMPT_LEN:].tolist()
+    assert_matches_transformers(runner, hf, cfg, PROMPT_LEN, NEW_TOKENS)
 
 
 def _kl(ref, other):
@@ -260,12 +248,9 @@ def test_q8_0_on_cuda_is_refused():
 @needs_kernel
 def test_q8_0_refuses_a_model_whose_inputs_are_not_in_blocks_of_32(tiny_models, tmp_path, monkeypatch):
     folder = tmp_path / "odd"
-    build_tiny(TinySpec("odd", "llama", {"hidden_size": 40, "num_attention_heads": 2, "num_key_value_heads": 1,
-                                         "intermediate_size": 64, "num_hidden_layers": 1}), folder)  # fmt: skip
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        src = tiny_models["llama-gqa"][0] / name
-        if src.exists():
-            shutil.copy(src, folder / name)
+    spec = TinySpec("odd", "llama", {"hidden_size": 40, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                     "intermediate_size": 64, "num_hidden_layers": 1})  # fmt: skip
+    build_tiny_with_tokenizer(spec, folder, tiny_models["llama-gqa"][0])
     monkeypatch.setenv(layout_cache.DISABLE_ENV, "1")
     with pytest.raises(WeightFormatError, match="has 40 input features, not a whole number of q8_0") as info:
         Engine(folder, device="cpu", weights="q8_0")

@@ -197,15 +197,12 @@ def test_a_format_this_cpu_lacks_is_refused_before_loading(chatty_tiny_dir, monk
 
 
 def test_int8_refuses_a_model_whose_shapes_overflow_its_accumulator(tiny_models, tmp_path, monkeypatch):
-    from tiny_models import TinySpec, build_tiny
+    from tiny_models import TinySpec, build_tiny_with_tokenizer
 
     folder = tmp_path / "wide"
-    build_tiny(TinySpec("wide", "llama", {"hidden_size": 8, "num_attention_heads": 1, "num_key_value_heads": 1,
-                                          "intermediate_size": 140_000, "num_hidden_layers": 1}), folder)  # fmt: skip
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        src = tiny_models["llama-gqa"][0] / name
-        if src.exists():
-            shutil.copy(src, folder / name)
+    spec = TinySpec("wide", "llama", {"hidden_size": 8, "num_attention_heads": 1, "num_key_value_heads": 1,
+                                      "intermediate_size": 140_000, "num_hidden_layers": 1})  # fmt: skip
+    build_tiny_with_tokenizer(spec, folder, tiny_models["llama-gqa"][0])
     monkeypatch.setenv(layout_cache.DISABLE_ENV, "1")
     with pytest.raises(WeightFormatError, match="down_proj.weight has 140000 input features") as info:
         Engine(folder, device="cpu", weights="int8")
