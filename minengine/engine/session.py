@@ -546,17 +546,14 @@ class RequestSession:
         # samples on its own thread: a parallel region there would give that thread an OpenMP
         # team of its own, and once teams outnumber the cores every worker sleeps between regions
         # (`threads.ModelThread`), so each region of the step's thread would wait for a wake-up.
-        with OneThread(logits.device):
-            return self._sample_on_this_thread(logits, forced)
-
-    def _sample_on_this_thread(self, logits: torch.Tensor, forced: int | None) -> tuple[int, StepTrace | None, bool]:
         req, trace = self.request, None
-        if req.trace:
-            token, trace = self._sampler.sample_traced(logits, self.engine.tokenizer.piece, req.top_n, force=forced)
-        else:
-            # Draw even when forced, so the generator advances as in the traced path.
-            token = self._sampler.sample(logits)
-            token = forced if forced is not None else token
+        with OneThread(logits.device):
+            if req.trace:
+                token, trace = self._sampler.sample_traced(logits, self.engine.tokenizer.piece, req.top_n, force=forced)
+            else:
+                # Draw even when forced, so the generator advances as in the traced path.
+                token = self._sampler.sample(logits)
+                token = forced if forced is not None else token
         return token, trace, forced is not None
 
     def _stream(

@@ -127,17 +127,24 @@ class PanelLinear:
     (`rows`), so a tied head also serves the embedding lookups and the model holds one copy.
     """
 
-    __slots__ = ("format", "panels", "scales", "in_features", "out_features", "chunks", "stored_bytes", "read_bytes")
+    __slots__ = (
+        "format", "panels", "scales", "in_features", "out_features", "chunks", "stored_bytes", "read_bytes", "_lib"
+    )
 
     def __init__(self, fmt: str, weight: torch.Tensor, chunks: int) -> None:
         """Lay out (and for q8_0 quantize) a float32 [out, in] weight; the caller drops it afterwards."""
         out_features, in_features = weight.shape
         self.format, self.in_features, self.out_features, self.chunks = fmt, in_features, out_features, chunks
+        lib = library().lib
+        if lib is None:
+            raise RuntimeError(f"no panel kernel: {library().why_not}")
+        self._lib = lib
         panels = _panels(weight.float())
         self.scales: torch.Tensor | None = None
         if fmt == "q8_0":
-            if in_features % Q8_BLOCK:
-                raise ValueError(f"q8_0 needs input features in blocks of {Q8_BLOCK}, not {in_features}")
+            why = q8_0_refusal("the weight", (out_features, in_features))
+            if why is not None:
+                raise ValueError(why)
             blocks = panels.view(panels.shape[0], in_features // Q8_BLOCK, Q8_BLOCK, PANEL)
             scales = (blocks.abs().amax(dim=2) / 127).clamp_(min=1e-30)  # [panels, in/32, PANEL]
             self.panels = torch.round(blocks / scales[:, :, None]).to(torch.int8).view_as(panels).contiguous()
@@ -161,8 +168,7 @@ class PanelLinear:
         rows, panels = x.shape[0], self.panels.shape[0]
         width = panels * PANEL
         y = torch.empty(rows, width, dtype=torch.float32)
-        lib, threads = library().lib, torch.get_num_threads()
-        assert lib is not None, "PanelLinear made without the kernel"
+        lib, threads = self._lib, torch.get_num_threads()
         if self.scales is None:
             lib.f32_panels(
                 x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), panels, y.data_ptr(), width, threads
@@ -182,3 +188,10 @@ class PanelLinear:
             return picked
         scales = self.scales[panel, :, column]  # [T, in/32]
         return picked.view(len(ids), -1, Q8_BLOCK).mul_(scales[:, :, None]).view(len(ids), -1)
+
+
+def q8_0_refusal(name: str, shape: tuple[int, int]) -> str | None:
+    """Why q8_0's blocks cannot hold the [out, in] weight `name` (inputs not in blocks of 32), or None."""
+    if shape[1] % Q8_BLOCK:
+        return f"{name} has {shape[1]} input features, not a whole number of q8_0's {Q8_BLOCK}-input blocks"
+    return None

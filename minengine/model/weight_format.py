@@ -25,7 +25,7 @@ from minengine.config import ModelConfig
 from minengine.dtype_names import WEIGHT_FORMATS
 from minengine.errors import Mention, ReqscopeError, Setting
 from minengine.model.linear_kernels import available, int8_refusal
-from minengine.model.panel_kernels import Q8_BLOCK, library
+from minengine.model.panel_kernels import library, q8_0_refusal
 
 # Measured on the 2-core development machine (README, "Weight formats"; an AMD EPYC with AVX2
 # and no AVX-512): fp16 keeps float32's greedy tokens (mean KL 1.6e-6) but decodes only 1.2x
@@ -190,9 +190,3 @@ def refuse_shapes(choice: WeightChoice, cfg: ModelConfig) -> None:
                 Mention(Setting.WEIGHTS, "float32"),
             )
 
-
-def q8_0_refusal(name: str, shape: tuple[int, int]) -> str | None:
-    """Why q8_0's blocks cannot hold the [out, in] weight `name` (input features not in blocks of 32), or None."""
-    if shape[1] % Q8_BLOCK:
-        return f"{name} has {shape[1]} input features, not a whole number of q8_0's {Q8_BLOCK}-input blocks"
-    return None

@@ -108,7 +108,7 @@ def test_a_rows_product_is_the_same_bits_whatever_rows_and_threads_share_the_cal
 
 
 def test_q8_0_refuses_inputs_not_in_blocks_of_32():
-    with pytest.raises(ValueError, match="blocks of 32"):
+    with pytest.raises(ValueError, match="40 input features, not a whole number of q8_0's 32-input blocks"):
         PanelLinear("q8_0", _weight((64, 40)), 1)
 
 
