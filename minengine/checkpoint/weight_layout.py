@@ -163,9 +163,12 @@ def project_chunks(
     `out` receives the result when given (a decode step's scratch buffer, of that shape).
     """
     chunks = weight.shape[0]
+    T = x.shape[0]
+    if out is not None and T == 1 and bias is None and isinstance(weight, PanelLinear):
+        weight.linear(x, out=out.view(1, -1))  # one row's chunks lie end to end: straight into `out`
+        return out
     if not isinstance(weight, torch.Tensor):  # the kernel writes [T, out]: its columns, cut into the chunks
         y = project(x, weight, bias)
-        T = x.shape[0]
         y = y.view(chunks, 1, -1) if T == 1 else y.view(T, chunks, -1).transpose(0, 1)
         return y if out is None else out.copy_(y)
     rows = x.expand(chunks, -1, -1)

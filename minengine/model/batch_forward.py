@@ -6,8 +6,9 @@ sequence, a chunk of prompt for each prefilling one) into one [tokens, hidden] r
 stream, and the projections and the MLP run over all of it: each weight is read once per
 step. Only attention is per sequence: each row writes its K/V into its own cache and its
 queries attend over that cache alone (`RowsAttention`): decode rows in the block pool
-together (`pooled_rows`), another one query through the small single-query kernel, a chunk
-through SDPA with the causal offset mask.
+together (`pooled_rows`, read in place by the C kernel of `attention_rows` where it runs),
+another one query through the single-query kernel, a chunk through SDPA with the causal
+offset mask.
 
 The arithmetic per token is `Transformer.forward`'s; only the matrix shapes differ (a GEMM
 over the step's rows instead of a GEMV), and a BLAS may sum a row in another order then. So a
@@ -25,6 +26,7 @@ import torch
 from minengine.kv.block_pool import Segment
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
+from minengine.model.attention_rows import serves_store
 from minengine.model.ops import attend, decode_attention, heads_first
 from minengine.model.pooled_rows import PooledRows, pooled_count
 from minengine.model.transformer import Transformer
@@ -87,13 +89,15 @@ class RowsAttention:
             segment = _pool_segment(r) if plain[i] else None
             if segment is not None:
                 groups.setdefault(segment, []).append(i)
+        threads = torch.get_num_threads()  # the C kernel's, which shares its rows out itself
         for segment, members in groups.items():
-            count = pooled_count([rows[i].start + 1 for i in members]) if len(members) > 1 else 0
+            count = pooled_rows_count(segment, [rows[i].start + 1 for i in members])
             if count:
                 chosen = sorted(sorted(members, key=lambda i: rows[i].start)[:count])
                 at = [self.offsets[i] for i in chosen]
                 caches = [rows[i].cache for i in chosen]
-                group = PooledRows(segment, caches, [rows[i].start for i in chosen], at, at, scale)  # type: ignore[arg-type]
+                starts = [rows[i].start for i in chosen]
+                group = PooledRows(segment, caches, starts, at, at, scale, threads)  # type: ignore[arg-type]
                 self.pooled.append((group, chosen))
 
     def last_queries_only(self) -> None:
@@ -155,6 +159,15 @@ class RowsAttention:
                 return decode_attention(rq[0], keys[0], values[0], self.scale).view(1, -1)
         out = attend(heads_first(rq), keys, values, row.start, self.scale)
         return out[0].transpose(0, 1).reshape(nq, -1)
+
+
+def pooled_rows_count(segment: Segment, lengths: list[int]) -> int:
+    """How many of a segment's decode rows, shortest first, attend together (`PooledRows`), given
+    their context lengths: all of them where the C kernel reads the segment in place (it gathers
+    nothing, so together is cheaper at any length), else what `pooled_count`'s costs say."""
+    if serves_store(segment.k):
+        return len(lengths)
+    return pooled_count(lengths) if len(lengths) > 1 else 0
 
 
 def _pool_segment(row: Row) -> Segment | None:

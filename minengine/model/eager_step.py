@@ -24,6 +24,7 @@ import torch
 
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
+from minengine.model.attention_rows import SlotKernel
 from minengine.model.ops import decode_attention
 from minengine.model.transformer import Scratch, Transformer
 
@@ -68,11 +69,13 @@ class SlotAttention:
     """`Attention` for one position of an unborrowed, unquantized grouped-heads cache.
 
     K/V are copied straight into the slot for `pos` through the cache's per-layer views
-    (`KVCache.head_views`, made once), and attention writes into the scratch buffer. It runs on
-    one thread (see `threads.OneThread`), switched inline: this loop is hot.
+    (`KVCache.head_views`, made once), and attention writes into the scratch buffer: in float32
+    on the CPU both are one call of the C kernel (`attention_rows.SlotKernel`), the arithmetic
+    `ops.decode_attention` runs there too; elsewhere torch's operations, on one thread (see
+    `threads.OneThread`), switched inline: this loop is hot.
     """
 
-    __slots__ = ("keys", "values", "pos", "end", "out", "row", "scale", "threads")
+    __slots__ = ("keys", "values", "pos", "end", "out", "row", "scale", "threads", "kernel")
 
     def __init__(self, cache: KVCache | PagedKVCache, pos: int, s: Scratch, scale: float) -> None:
         self.keys, self.values = cache.head_views()
@@ -80,8 +83,15 @@ class SlotAttention:
         self.out, self.row = s.attended, s.attended_row
         self.scale = scale
         self.threads = torch.get_num_threads() if cache.device.type == "cpu" else 1
+        # float32 on the CPU: the C kernel writes the slot and attends in one call per layer.
+        self.kernel = None
+        if SlotKernel.serves(s.q, s.k, s.v, s.attended, self.keys[0]):
+            self.kernel = SlotKernel(self.keys, self.values, pos, (s.q, s.k, s.v, s.attended), scale)
 
     def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:  # q, k, v are the scratch buffers the kernel was given
+            self.kernel(index)
+            return self.row
         keys, values = self.keys[index], self.values[index]
         keys.select(1, self.pos).copy_(k)
         values.select(1, self.pos).copy_(v)

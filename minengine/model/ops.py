@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from minengine.model.attention_rows import attend_one, serves
+
 _HAS_GQA_SDPA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 _CONSTANTS: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
@@ -68,6 +70,8 @@ def decode_attention(
     position is visible unless flagged in `hidden` [L] (the static decode step's fixed window);
     hidden slots get probability exactly 0. Callers run it on one thread (`threads.OneThread`).
     """
+    if hidden is None and serves(q, keys, values) and (out is None or out.is_contiguous()):
+        return attend_one(q, keys, values, scale, out)  # read in place, a dozen dispatches fewer
     if q.dim() == 2:
         q = q.view(keys.shape[0], -1, q.shape[-1])
     # beta=0 ignores the (dummy) input; the scale rides along as the GEMM's alpha.

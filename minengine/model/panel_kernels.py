@@ -17,97 +17,20 @@ Prompts run through it too (rows in passes of 8, a block of 64 rows in L2 while 
 pass): a 64-token chunk, the CPU's default step budget, takes what MKL's GEMM over the dense
 operands takes; a 1,025-token prompt in one call 1.2-1.3x (scripts/panel_kernels).
 
-The kernel is C, compiled once per machine with the system compiler into the user cache
-(`library`): about a second. Where there is no x86-64 CPU with AVX2, no compiler, or the build
-fails, `available` says why and the weight format falls back with that reason.
+The kernel is C, compiled once per machine with the system compiler (`cpu_kernels.library`).
+Where there is none, the weight format falls back and its reason says why.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from functools import cache
-from pathlib import Path
-
 import torch
 
-SOURCE = Path(__file__).with_name("panel_rows.c")
+from minengine.model.cpu_kernels import library
+
 PANEL = 8  # output columns per panel (one AVX2 vector), as panel_rows.c's PW
 Q8_BLOCK = 32  # inputs per q8_0 scale, as panel_rows.c's QB
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # A reader's `packs` for each panel storage (float32 is also a oneDNN kernel's `packs`, so it is named apart).
 PANEL_PACKS = {"q8_0": "q8_0", "float32-panels": "float32"}
-_BUILD_TIMEOUT_S = 120
-
-
-class PanelLibrary:
-    """The compiled kernel, or why there is none (`why_not`)."""
-
-    def __init__(self, lib: ctypes.CDLL | None, why_not: str = "") -> None:
-        self.lib, self.why_not = lib, why_not
-        if lib is not None:
-            c_long, c_int, ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
-            lib.f32_panels.argtypes = [ptr, c_long, c_long, ptr, c_long, ptr, c_long, c_int]
-            lib.q8_0_panels.argtypes = [ptr, c_long, c_long, ptr, ptr, c_long, ptr, c_long, c_int]
-            lib.f32_panels.restype = lib.q8_0_panels.restype = None
-
-
-def kernels_home() -> Path:
-    """Where the compiled kernel is kept: the user cache's `kernels` folder."""
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("reqscope")) / "kernels"
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _build(cc: str, home: Path) -> Path:
-    """Compile `SOURCE` into `home` (once per source, compiler and flags), written atomically."""
-    version = subprocess.run([cc, "-dumpversion"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + "\0".join((cc, version, *FLAGS)).encode()).hexdigest()[:16]
-    path = home / f"panel_rows-{key}.so"
-    if path.exists():
-        return path
-    home.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=home)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
-        )
-        if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no message"])[0]
-            raise RuntimeError(f"{Path(cc).name} could not build the panel kernel ({first[:160]})")
-        os.replace(tmp, path)  # another process building the same key writes the same bytes
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
-@cache
-def library() -> PanelLibrary:
-    """The panel kernel for this machine, built on first use (cached per process and on disk)."""
-    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        here = f"{platform.machine()} {platform.system()}"
-        return PanelLibrary(None, f"the panel kernel is built for x86-64 Linux, not {here}")
-    capability = torch.backends.cpu.get_cpu_capability()
-    if not capability.startswith(("AVX2", "AVX512")):
-        return PanelLibrary(None, f"the panel kernel needs AVX2 and FMA; torch finds {capability} on this CPU")
-    cc = _compiler()
-    if cc is None:
-        return PanelLibrary(None, "the panel kernel is compiled here and no C compiler (cc) was found; install gcc")
-    try:
-        return PanelLibrary(ctypes.CDLL(str(_build(cc, kernels_home()))))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return PanelLibrary(None, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
 
 
 def _panels(weight: torch.Tensor) -> torch.Tensor:
@@ -162,12 +85,14 @@ class PanelLinear:
         """The dense operand's shape, [chunks, in, out/chunks]."""
         return (self.chunks, self.in_features, self.out_features // self.chunks)
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] (float32) times the weight: [T, out], float32."""
+    def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] (float32) times the weight: [T, out], float32 (into `out`, a contiguous
+        [T, out] buffer, when given: a decode step's scratch)."""
         x = x.contiguous()
         rows, panels = x.shape[0], self.panels.shape[0]
         width = panels * PANEL
-        y = torch.empty(rows, width, dtype=torch.float32)
+        direct = out is not None and width == self.out_features and out.is_contiguous()
+        y = out if direct else torch.empty(rows, width, dtype=torch.float32)
         lib, threads = self._lib, torch.get_num_threads()
         if self.scales is None:
             lib.f32_panels(
@@ -178,7 +103,10 @@ class PanelLinear:
                 x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), self.scales.data_ptr(), panels,
                 y.data_ptr(), width, threads,
             )  # fmt: skip
-        return y if width == self.out_features else y[:, : self.out_features].contiguous()
+        if direct:
+            return y
+        y = y if width == self.out_features else y[:, : self.out_features].contiguous()
+        return y if out is None else out.copy_(y)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows (output features) `ids` [T], float32 [T, in]: a tied embedding's lookup."""

@@ -32,6 +32,7 @@ import torch
 
 from minengine.kv.block_pool import Segment
 from minengine.kv.paged_cache import PagedKVCache
+from minengine.model.attention_rows import RowsKernel, serves_store
 from minengine.model.ops import padded_decode_attention
 
 # Relative costs of one layer's attention, fitted (least squares on the ratios) to both paths'
@@ -92,6 +93,7 @@ class PooledRows:
         tokens: Sequence[int],
         queries: Sequence[int],
         scale: float,
+        threads: int = 1,
     ) -> None:
         device = segment.k.device
         self.segment, self.caches, self.scale, self.device = segment, list(caches), scale, device
@@ -101,16 +103,19 @@ class PooledRows:
         self.tokens = _Take(tokens, device)
         self.queries = _Take(queries, device)
         slots: list[int] = []  # each row's new position in the segment
-        positions: list[int] = []  # the segment's position of each padded slot, in slot order
+        table: list[list[int]] = []  # each row's positions in the segment, in order
         for cache, end in zip(self.caches, self.ends, strict=True):
             runs = cache.runs(end)
             if any(run.segment is not segment for run in runs):
                 raise ValueError("every row's blocks must lie in the segment attended")
             slots.append(runs[-1].local + end - 1 - runs[-1].start)
-            for run in runs:
-                positions.extend(range(run.local, run.local + run.tokens))
-            # Padding reads the row's first position: written, so finite, and masked out.
-            positions.extend([runs[0].local] * (longest - end))
+            table.append([p for run in runs for p in range(run.local, run.local + run.tokens)])
+        # The C kernel reads each row's positions where they lie: no gather, no padding.
+        self.kernel = RowsKernel(table, slots, tokens, queries, scale, threads) if serves_store(segment.k) else None
+        if self.kernel is not None:
+            return
+        # Padding reads the row's first position: written, so finite, and masked out.
+        positions = [p for row, end in zip(table, self.ends, strict=True) for p in row + [row[0]] * (longest - end)]
         self.slots = torch.tensor(slots, device=device)
         self.positions = torch.tensor(positions, device=device)
         self.mask = None
@@ -121,10 +126,16 @@ class PooledRows:
     def last_queries_only(self, queries: Sequence[int]) -> None:
         """From now on the rows' queries are at `queries` (the last layer's)."""
         self.queries = _Take(queries, self.device)
+        if self.kernel is not None:
+            self.kernel.queries(queries)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write the rows' k/v [T, kv_heads, d] of `layer` and attend their q [T', heads, d]; [rows, heads*d]."""
         seg_k, seg_v = self.segment.k[layer], self.segment.v[layer]  # [kv_heads, positions, d]
+        if self.kernel is not None:
+            for cache, end in zip(self.caches, self.ends, strict=True):
+                cache.lengths[layer] = end
+            return self.kernel(q, k, v, seg_k, seg_v)
         seg_k.index_copy_(1, self.slots, self.tokens(k).transpose(0, 1))
         seg_v.index_copy_(1, self.slots, self.tokens(v).transpose(0, 1))
         for cache, end in zip(self.caches, self.ends, strict=True):

@@ -24,8 +24,9 @@ from minengine.checkpoint.weights import expected_shapes
 from minengine.config import ModelConfig
 from minengine.dtype_names import WEIGHT_FORMATS
 from minengine.errors import Mention, ReqscopeError, Setting
+from minengine.model.cpu_kernels import library
 from minengine.model.linear_kernels import available, int8_refusal
-from minengine.model.panel_kernels import library, q8_0_refusal
+from minengine.model.panel_kernels import q8_0_refusal
 
 # Measured on the 2-core development machine (README, "Weight formats"; an AMD EPYC with AVX2
 # and no AVX-512): fp16 keeps float32's greedy tokens (mean KL 1.6e-6) but decodes only 1.2x

@@ -19,8 +19,9 @@ from minengine.checkpoint import layout_cache
 from minengine.config import ModelConfig
 from minengine.engine.engine import Engine
 from minengine.kv.cache import KVCache
-from minengine.model import panel_kernels, weight_format
-from minengine.model.panel_kernels import PANEL, Q8_BLOCK, PanelLibrary, PanelLinear, library
+from minengine.model import cpu_kernels, weight_format
+from minengine.model.cpu_kernels import KernelLibrary, library
+from minengine.model.panel_kernels import PANEL, Q8_BLOCK, PanelLinear
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.model.weight_format import FLOAT32_KERNEL_ENV, WeightFormatError, resolve_weights
@@ -117,8 +118,8 @@ def test_q8_0_refuses_inputs_not_in_blocks_of_32():
 
 def test_without_a_compiler_the_library_says_why_in_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setattr(panel_kernels, "kernels_home", lambda: tmp_path / "kernels")
-    found = panel_kernels.library.__wrapped__()  # past the per-process cache
+    monkeypatch.setattr(cpu_kernels, "kernels_home", lambda: tmp_path / "kernels")
+    found = cpu_kernels.library.__wrapped__()  # past the per-process cache
     if found.lib is None and "AVX2" in found.why_not or "x86-64" in found.why_not:
         pytest.skip(found.why_not)
     assert found.lib is None
@@ -128,12 +129,12 @@ def test_without_a_compiler_the_library_says_why_in_one_line(monkeypatch, tmp_pa
 
 @needs_kernel
 def test_a_build_is_kept_and_reused(monkeypatch, tmp_path):
-    monkeypatch.setattr(panel_kernels, "kernels_home", lambda: tmp_path / "kernels")
-    first = panel_kernels.library.__wrapped__()
-    built = list((tmp_path / "kernels").glob("panel_rows-*.so"))
+    monkeypatch.setattr(cpu_kernels, "kernels_home", lambda: tmp_path / "kernels")
+    first = cpu_kernels.library.__wrapped__()
+    built = list((tmp_path / "kernels").glob("reqscope_kernels-*.so"))
     assert first.lib is not None and len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    assert panel_kernels.library.__wrapped__().lib is not None
+    assert cpu_kernels.library.__wrapped__().lib is not None
     assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").glob("*.so")] == [stamp]
 
 
@@ -231,7 +232,7 @@ def test_q8_0_is_asked_for_and_the_float32_panels_taken_from_the_environment(mon
 
 
 def test_without_the_kernel_q8_0_is_refused_and_float32_stays_dense(monkeypatch):
-    monkeypatch.setattr(weight_format, "library", lambda: PanelLibrary(None, "no C compiler (cc) was found"))
+    monkeypatch.setattr(weight_format, "library", lambda: KernelLibrary(None, "no C compiler (cc) was found"))
     with pytest.raises(WeightFormatError, match="q8_0 weights cannot run: no C compiler") as info:
         resolve_weights("q8_0", CPU, torch.float32)
     assert "\n" not in str(info.value)

@@ -1,9 +1,12 @@
 """Decode rows attended together over the block pool (`PooledRows`) against each row on its own.
 
-Each case builds the same caches twice and runs one shared step both ways: the logits agree within
-float32 rounding (SDPA sums a row in another order than the per-row kernels) and the K/V written
-are the same bytes. The cases cover several context lengths in one step, GQA, MHA and MQA, a table
-split over runs, tables in several segments, and decode rows beside a prompt chunk.
+Each case builds the same caches twice and runs one shared step both ways, with the C kernel
+(`attention_rows`) and with torch's path that stands in where it cannot be built. Through the
+kernel the logits are the same bits (each row's arithmetic is its own either way); through torch
+they agree within float32 rounding (SDPA sums a row in another order than the per-row
+operations), and the K/V written are the same bytes. The cases cover several context lengths in
+one step, GQA, MHA and MQA, a table split over runs, tables in several segments, and decode rows
+beside a prompt chunk.
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import minengine.model.attention_rows as attention_rows
 import minengine.model.batch_forward as batch_forward
 from minengine.config import ModelConfig
-from minengine.kv.block_pool import BlockFormat, BlockPool
+from minengine.kv.block_pool import BlockFormat, BlockPool, Segment
 from minengine.kv.paged_cache import PagedKVCache
+from minengine.model.cpu_kernels import KernelLibrary, library
 from minengine.model.batch_forward import Row, RowsAttention, forward_rows
 from minengine.model.pooled_rows import pooled_count
 from minengine.model.runner import ModelRunner
@@ -24,6 +29,17 @@ CPU = torch.device("cpu")
 BLOCK = 4
 TOLERANCE = 2e-5  # float32 logits, absolute: the two paths differ only in summation order
 CONTEXTS = (3, 9, 17, 41)  # each row's prompt: mixed lengths, a block boundary either side
+
+
+@pytest.fixture(params=["kernel", "torch"], autouse=True)
+def kernel(request, monkeypatch) -> bool:
+    """Every case twice: through the C kernel (where it builds here) and through torch's path."""
+    if request.param == "kernel":
+        if library().lib is None:
+            pytest.skip(library().why_not)
+        return True
+    monkeypatch.setattr(attention_rows, "library", lambda: KernelLibrary(None, "switched off by the test"))
+    return False
 
 
 def _runner(folder) -> tuple[ModelConfig, ModelRunner]:
@@ -63,7 +79,8 @@ def _caches(runner: ModelRunner, cfg: ModelConfig, contexts, *, split: bool = Fa
 def _step(runner, caches, tokens, contexts, monkeypatch, pooled: bool, chunk=None):
     """One shared step of every cache's next token (and `chunk`, a prompt chunk row), pooled or per
     row; the logits, and how many rows went together."""
-    monkeypatch.setattr(batch_forward, "pooled_count", (lambda lengths: len(lengths)) if pooled else (lambda _: 0))
+    count = (lambda _, lengths: len(lengths)) if pooled else (lambda *_: 0)
+    monkeypatch.setattr(batch_forward, "pooled_rows_count", count)
     rows = [Row((t,), n, c, True) for c, t, n in zip(caches, tokens, contexts, strict=True)]
     if chunk is not None:
         rows.insert(1, chunk)
@@ -84,7 +101,7 @@ def _read(cache: PagedKVCache, end: int) -> list[torch.Tensor]:
     return out
 
 
-def _compare(runner, cfg, contexts, monkeypatch, **layout):
+def _compare(runner, cfg, contexts, monkeypatch, kernel: bool, **layout):
     """Both paths on the same caches; the pooled step's caches, and how many rows it pooled."""
     together_caches, tokens = _caches(runner, cfg, contexts, **layout)
     alone_caches, same = _caches(runner, cfg, contexts, **layout)
@@ -93,7 +110,7 @@ def _compare(runner, cfg, contexts, monkeypatch, **layout):
     alone, none = _step(runner, alone_caches, tokens, contexts, monkeypatch, pooled=False)
     assert none == 0
     for a, b in zip(together, alone, strict=True):
-        assert (a - b).abs().max().item() <= TOLERANCE
+        assert torch.equal(a, b) if kernel else (a - b).abs().max().item() <= TOLERANCE
     for c1, c2, n in zip(together_caches, alone_caches, contexts, strict=True):
         assert c1.lengths == c2.lengths == [n + 1] * cfg.num_hidden_layers
         for layer, (x, y) in enumerate(zip(_read(c1, n + 1), _read(c2, n + 1), strict=True)):
@@ -107,30 +124,30 @@ def _compare(runner, cfg, contexts, monkeypatch, **layout):
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-tied", "llama-mqa"])
-def test_rows_attended_together_equal_each_row_alone(tiny_models, name, monkeypatch):
+def test_rows_attended_together_equal_each_row_alone(tiny_models, name, monkeypatch, kernel):
     cfg, runner = _runner(tiny_models[name][0])
-    caches, pooled = _compare(runner, cfg, CONTEXTS, monkeypatch)
+    caches, pooled = _compare(runner, cfg, CONTEXTS, monkeypatch, kernel)
     assert all(c.contiguous for c in caches) and pooled == len(CONTEXTS)
 
 
 @pytest.mark.parametrize("contexts", [(5, 5), (1, 2), (2, 30, 7), (12, 12, 12, 12, 12, 12, 12, 12)])
-def test_equal_at_every_mix_of_lengths(tiny_models, contexts, monkeypatch):
+def test_equal_at_every_mix_of_lengths(tiny_models, contexts, monkeypatch, kernel):
     cfg, runner = _runner(tiny_models["llama-gqa"][0])
-    _, pooled = _compare(runner, cfg, contexts, monkeypatch)
+    _, pooled = _compare(runner, cfg, contexts, monkeypatch, kernel)
     assert pooled == len(contexts)
 
 
-def test_split_tables_are_read_by_position(tiny_models, monkeypatch):
+def test_split_tables_are_read_by_position(tiny_models, monkeypatch, kernel):
     cfg, runner = _runner(tiny_models["llama-gqa"][0])
-    caches, pooled = _compare(runner, cfg, CONTEXTS, monkeypatch, split=True)
+    caches, pooled = _compare(runner, cfg, CONTEXTS, monkeypatch, kernel, split=True)
     assert not any(c.contiguous for c in caches[1:]) and pooled == len(CONTEXTS)
 
 
 @pytest.mark.parametrize(("split", "segment_blocks"), [(False, 8), (True, 16)])
-def test_rows_in_several_segments_go_a_group_per_segment(tiny_models, split, segment_blocks, monkeypatch):
+def test_rows_in_several_segments_go_a_group_per_segment(tiny_models, split, segment_blocks, monkeypatch, kernel):
     cfg, runner = _runner(tiny_models["llama-gqa"][0])
     contexts = CONTEXTS + CONTEXTS
-    caches, pooled = _compare(runner, cfg, contexts, monkeypatch, split=split, segment_blocks=segment_blocks)
+    caches, pooled = _compare(runner, cfg, contexts, monkeypatch, kernel, split=split, segment_blocks=segment_blocks)
     segments = [{id(r.segment) for r in c.runs(c.tokens)} for c in caches]
     alone = [s.pop() for s in segments if len(s) == 1]  # a table across segments keeps the per-row path
     groups = [alone.count(seg) for seg in set(alone)]
@@ -142,7 +159,7 @@ def test_rows_in_several_segments_go_a_group_per_segment(tiny_models, split, seg
     assert pooled == sum(n for n in groups if n > 1)
 
 
-def test_decode_rows_beside_a_prompt_chunk(tiny_models, monkeypatch):
+def test_decode_rows_beside_a_prompt_chunk(tiny_models, monkeypatch, kernel):
     cfg, runner = _runner(tiny_models["llama-gqa"][0])
     results = []
     for pooled in (True, False):
@@ -156,10 +173,16 @@ def test_decode_rows_beside_a_prompt_chunk(tiny_models, monkeypatch):
         results.append(logits)
     assert len(results[0]) == len(CONTEXTS) + 1
     for a, b in zip(*results, strict=True):
-        assert (a - b).abs().max().item() <= TOLERANCE
+        assert torch.equal(a, b) if kernel else (a - b).abs().max().item() <= TOLERANCE
 
 
-def test_the_rule_attends_short_rows_together_and_leaves_long_ones_alone():
+def test_the_rule_attends_short_rows_together_and_leaves_long_ones_alone(kernel):
+    segment = Segment(BlockFormat(2, 1, 8, BLOCK, torch.float32), 0, 4, CPU)
+    if kernel:  # the kernel gathers nothing: every row of a segment goes together, at any length
+        assert batch_forward.pooled_rows_count(segment, [60]) == 1
+        assert batch_forward.pooled_rows_count(segment, [60] * 7 + [2000]) == 8
+        return
+    assert batch_forward.pooled_rows_count(segment, [60] * 7 + [2000]) == 7
     assert pooled_count([60]) == 0  # one row: nothing to share
     assert pooled_count([60] * 8) == 8
     assert pooled_count([2000] * 8) == 0  # the gather would copy more than the per-row path reads

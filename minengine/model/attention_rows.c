@@ -1,0 +1,170 @@
+/* Decode attention read in place: one query position per row over its cached keys and values.
+ *
+ * A decode row's attention is a few thousand multiply-adds, yet through torch it is a dozen
+ * dispatches (K/V copied into the slot, narrows, two batched matmuls, a softmax), and rows in
+ * a block pool first need their keys gathered into one padded tensor: together most of a
+ * shared step outside the projections. Here one call per layer writes every row's new K/V
+ * into its slot and attends each row over its positions where they lie, by index.
+ *
+ * Each (row, KV head) is one unit of work, done by one thread with the same arithmetic
+ * whatever the other rows and the thread count: a row's output is the same bits alone or in a
+ * batch, and whether its positions are consecutive (a request's own cache) or listed (a block
+ * table). The query heads sharing a KV head (grouped-query attention) are scored together,
+ * so each key is read once per group.
+ *
+ * Built with panel_rows.c by minengine/model/cpu_kernels.py (-O3 -mavx2 -mfma -fopenmp).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+
+/* The arguments of one call: set once per step (shapes, indices), per layer (pointers). */
+typedef struct {
+    long rows, hq, hkv, d;     /* rows of queries; query and KV heads; head size */
+    float scale;               /* applied to q.k */
+    int threads;
+    const float *q;            /* row r's heads at q + q_at[r] * q_rs, heads d apart */
+    long q_rs;
+    const long *q_at;          /* NULL: row r is q's row r */
+    const float *k, *v;        /* the rows' new K/V, written before attending; k NULL: none */
+    long k_rs, v_rs;
+    const long *kv_at;         /* NULL: row r is k's and v's row r */
+    const long *slots;         /* the cache position each row's new K/V go to */
+    float *kc, *vc;            /* the cache: head h, position p at kc + h * kc_hs + p * d */
+    long kc_hs, vc_hs;
+    const long *pos;           /* row r's positions: pos[ends[r-1] .. ends[r]); NULL: 0 .. length - 1 */
+    const long *ends;
+    float *out;                /* row r's attended heads at out + r * out_rs, heads d apart */
+    long out_rs;
+} AttendArgs;
+
+/* e^x, 8 lanes, for x <= 0 (scores less their maximum): Cephes' expf, exactly 0 below -87. */
+static inline __m256 exp_le0(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+static inline float hsum(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+static inline float hmax(__m256 a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+/* a . b over d: 8 lanes at a time when d allows (then the lanes summed in a fixed order). */
+static inline float dot(const float *a, const float *b, long d) {
+    if ((d & 7) == 0) {
+        __m256 acc = _mm256_setzero_ps();
+        for (long i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        return hsum(acc);
+    }
+    float s = 0.0f;
+    for (long i = 0; i < d; i++) s = fmaf(a[i], b[i], s);
+    return s;
+}
+
+/* out[j] = inv * sum_i p[i] * v(i)[j] over j in [0, d): 4 vectors at a time where they fit. */
+static void weigh(const float *p, long len, const float *vh, const long *pos, long d, float inv, float *out) {
+    long j = 0;
+    if ((d & 7) == 0) {
+        for (; j + 32 <= d; j += 32) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (long i = 0; i < len; i++) {
+                const float *v = vh + (pos ? pos[i] : i) * d + j;
+                __m256 w = _mm256_broadcast_ss(p + i);
+                a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
+                a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+                a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
+                a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
+            }
+            __m256 s = _mm256_set1_ps(inv);
+            _mm256_storeu_ps(out + j, _mm256_mul_ps(a0, s));
+            _mm256_storeu_ps(out + j + 8, _mm256_mul_ps(a1, s));
+            _mm256_storeu_ps(out + j + 16, _mm256_mul_ps(a2, s));
+            _mm256_storeu_ps(out + j + 24, _mm256_mul_ps(a3, s));
+        }
+        for (; j < d; j += 8) {
+            __m256 a = _mm256_setzero_ps();
+            for (long i = 0; i < len; i++)
+                a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i), _mm256_loadu_ps(vh + (pos ? pos[i] : i) * d + j), a);
+            _mm256_storeu_ps(out + j, _mm256_mul_ps(a, _mm256_set1_ps(inv)));
+        }
+        return;
+    }
+    for (; j < d; j++) {
+        float a = 0.0f;
+        for (long i = 0; i < len; i++) a = fmaf(p[i], vh[(pos ? pos[i] : i) * d + j], a);
+        out[j] = a * inv;
+    }
+}
+
+/* Row r, KV head h: write its new K/V, then its query heads over the row's positions. */
+static void attend_unit(const AttendArgs *a, long r, long h, float *s, long padded) {
+    long d = a->d, groups = a->hq / a->hkv, first = r ? a->ends[r - 1] : 0, len = a->ends[r] - first;
+    float *kh = a->kc + h * a->kc_hs, *vh = a->vc + h * a->vc_hs;
+    if (a->k) {
+        long at = a->kv_at ? a->kv_at[r] : r;
+        const float *k = a->k + at * a->k_rs + h * d, *v = a->v + at * a->v_rs + h * d;
+        float *kd = kh + a->slots[r] * d, *vd = vh + a->slots[r] * d;
+        for (long j = 0; j < d; j++) kd[j] = k[j], vd[j] = v[j];
+    }
+    const long *pos = a->pos ? a->pos + first : NULL;
+    const float *q = a->q + (a->q_at ? a->q_at[r] : r) * a->q_rs + h * groups * d;
+    for (long i = 0; i < len; i++) {
+        const float *k = kh + (pos ? pos[i] : i) * d;
+        for (long g = 0; g < groups; g++) s[g * padded + i] = dot(q + g * d, k, d) * a->scale;
+    }
+    float *out = a->out + r * a->out_rs + h * groups * d;
+    for (long g = 0; g < groups; g++) {
+        float *sg = s + g * padded;
+        for (long i = len; i < padded; i++) sg[i] = -INFINITY;
+        __m256 m = _mm256_set1_ps(-INFINITY);
+        for (long i = 0; i < padded; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sg + i));
+        __m256 top = _mm256_set1_ps(hmax(m)), sum = _mm256_setzero_ps();
+        for (long i = 0; i < padded; i += 8) {
+            __m256 e = exp_le0(_mm256_sub_ps(_mm256_loadu_ps(sg + i), top));
+            _mm256_storeu_ps(sg + i, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        weigh(sg, len, vh, pos, d, 1.0f / hsum(sum), out + g * d);
+    }
+}
+
+void attend_rows(const AttendArgs *a) {
+    long units = a->rows * a->hkv, longest = 0, work = 0;
+    for (long r = 0; r < a->rows; r++) {
+        long len = a->ends[r] - (r ? a->ends[r - 1] : 0);
+        longest = len > longest ? len : longest;
+        work += len;
+    }
+    long padded = (longest + 7) & ~7L, groups = a->hq / a->hkv;
+    /* Below some 64k multiply-adds a second thread's wake-up costs more than it saves. */
+    int threads = work * a->hq * a->d >= (1L << 16) && units > 1 ? a->threads : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *s = malloc(sizeof(float) * groups * (padded ? padded : 8));
+#pragma omp for schedule(static)
+        for (long u = 0; u < units; u++) attend_unit(a, u / a->hkv, u % a->hkv, s, padded);
+        free(s);
+    }
+}

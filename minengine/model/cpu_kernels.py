@@ -1,0 +1,95 @@
+"""reqscope's C kernels for the CPU, compiled once per machine and loaded with ctypes.
+
+Two sources make one library: `panel_rows.c` (the projections over weight panels,
+`panel_kernels`) and `attention_rows.c` (decode attention read in place, `attention_rows`).
+They are built with the system compiler into the user cache (`library`), about two seconds,
+keyed by the sources, the compiler and its flags, and written atomically, so processes that
+race build the same bytes. Where there is no x86-64 CPU with AVX2, no compiler, or the build
+fails, `KernelLibrary.why_not` says why in one line and every caller keeps torch's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("panel_rows.c", "attention_rows.c"))
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+_BUILD_TIMEOUT_S = 120
+
+
+class KernelLibrary:
+    """The compiled kernels, or why there are none (`why_not`)."""
+
+    def __init__(self, lib: ctypes.CDLL | None, why_not: str = "") -> None:
+        self.lib, self.why_not = lib, why_not
+        if lib is not None:
+            c_long, c_int, ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
+            lib.f32_panels.argtypes = [ptr, c_long, c_long, ptr, c_long, ptr, c_long, c_int]
+            lib.q8_0_panels.argtypes = [ptr, c_long, c_long, ptr, ptr, c_long, ptr, c_long, c_int]
+            lib.attend_rows.argtypes = [ptr]  # an AttendArgs (attention_rows.AttendArgs)
+            lib.f32_panels.restype = lib.q8_0_panels.restype = lib.attend_rows.restype = None
+
+
+def kernels_home() -> Path:
+    """Where the compiled kernels are kept: the user cache's `kernels` folder."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("reqscope")) / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(cc: str, home: Path) -> Path:
+    """Compile `SOURCES` into `home` (once per sources, compiler and flags), written atomically."""
+    version = subprocess.run([cc, "-dumpversion"], capture_output=True, text=True, timeout=30).stdout
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    key = hashlib.sha256(sources + "\0".join((cc, version, *FLAGS)).encode()).hexdigest()[:16]
+    path = home / f"reqscope_kernels-{key}.so"
+    if path.exists():
+        return path
+    home.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=home)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
+        )
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no message"])[0]
+            raise RuntimeError(f"{Path(cc).name} could not build reqscope's CPU kernels ({first[:160]})")
+        os.replace(tmp, path)  # another process building the same key writes the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@cache
+def library() -> KernelLibrary:
+    """The kernels for this machine, built on first use (cached per process and on disk)."""
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        here = f"{platform.machine()} {platform.system()}"
+        return KernelLibrary(None, f"reqscope's CPU kernels are built for x86-64 Linux, not {here}")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith(("AVX2", "AVX512")):
+        return KernelLibrary(None, f"reqscope's CPU kernels need AVX2 and FMA; torch finds {capability} on this CPU")
+    cc = _compiler()
+    if cc is None:
+        why = "reqscope's CPU kernels are compiled here and no C compiler (cc) was found; install gcc"
+        return KernelLibrary(None, why)
+    try:
+        return KernelLibrary(ctypes.CDLL(str(_build(cc, kernels_home()))))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return KernelLibrary(None, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
