@@ -1,11 +1,13 @@
 """Which threads run model work: a small block on one CPU thread (`OneThread`), and all of a
-process's model work on one long-lived thread (`ModelThread`)."""
+process's model work on one long-lived thread (`ModelThread`; the process's own: `model_thread`)."""
 
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TypeVar
 
 import torch
@@ -48,15 +50,52 @@ class ModelThread:
     and decoded at 40 tok/s against 55 when one thread did everything (2 cores).
 
     Work runs in submission order, so a new run queued behind a cancelled one starts when that
-    one has returned.
+    one has returned. The thread never holds the process open at exit: what it runs (steps, a
+    request's run, a load) ends with the process.
     """
 
     def __init__(self, name: str = "reqscope-model") -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._queue: queue.SimpleQueue[tuple[Future, Callable[..., object], tuple] | None] = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # the future carries it to whoever waits
+                future.set_exception(exc)
+            del future, fn, args, item  # nothing of a finished run stays referenced while idle
+
+    def here(self) -> bool:
+        """Whether the calling thread is this one."""
+        return threading.current_thread() is self._thread
 
     def submit(self, fn: Callable[..., T], /, *args: object) -> Future[T]:
         """Queue `fn(*args)` on the thread; its future carries the result or the exception."""
-        return self._executor.submit(fn, *args)
+        if self._closed:
+            raise RuntimeError("the model thread was shut down")
+        future: Future[T] = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def call(self, fn: Callable[..., T], /, *args: object) -> T:
+        """`fn(*args)` on the thread, waited for (at once when called there), with the caller's
+        intra-op thread count: a count set on another thread is that thread's alone."""
+        if self.here():
+            return fn(*args)
+        count = torch.get_num_threads()
+
+        def run() -> T:
+            if torch.get_num_threads() != count:
+                torch.set_num_threads(count)
+            return fn(*args)
+
+        return self.submit(run).result()
 
     async def run(self, fn: Callable[..., T], /, *args: object) -> T:
         """Await `fn(*args)` run on the thread (from an asyncio event loop)."""
@@ -64,4 +103,21 @@ class ModelThread:
 
     def shutdown(self) -> None:
         """Take no more work; what is queued still runs (cancel a run first to end it)."""
-        self._executor.shutdown(wait=False)
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+
+
+_process_thread: ModelThread | None = None
+_process_lock = threading.Lock()
+
+
+def model_thread() -> ModelThread:
+    """The process's model thread: every engine loads its model and runs its steps on it, so that
+    all the process's OpenMP work has one team (`ModelThread` says why), whichever threads the
+    requests come from."""
+    global _process_thread
+    with _process_lock:
+        if _process_thread is None:
+            _process_thread = ModelThread("minengine-steps")
+        return _process_thread

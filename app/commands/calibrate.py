@@ -32,6 +32,7 @@ from minengine.plan.service_model import (
     Point,
     ServiceModel,
 )
+from minengine.threads import model_thread
 from reqscope.argtypes import positive_whole_number
 from reqscope.engine_flags import add_engine_arguments
 
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(folder, device=args.device, dtype=args.dtype, weights=args.weights)
     line = ProgressLine(prefix="reqscope: ")  # redrawn in place on a terminal, start and end lines otherwise
     try:
-        model = calibrate(engine, plan, progress=line)
+        model = model_thread().call(lambda: calibrate(engine, plan, progress=line))  # where the engine steps
     finally:
         line.close()
     if args.output:

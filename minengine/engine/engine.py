@@ -28,6 +28,7 @@ from minengine.model.transformer import Transformer
 from minengine.model.weight_format import compute_dtype_for, refuse_shapes, resolve_weights
 from minengine.progress import ProgressCallback
 from minengine.text.tokenizer import ModelTokenizer
+from minengine.threads import model_thread
 
 
 def default_kv_budget(device: torch.device) -> int:
@@ -109,12 +110,8 @@ class Engine:
         self.weights = resolve_weights(weights, self.device, self.dtype)
         refuse_shapes(self.weights, self.cfg)
         self.tokenizer = ModelTokenizer(self.model_dir)
-        packs = self.weights.packs
-        self.model = Transformer.load(self.model_dir, self.cfg, self.dtype, self.device, progress, packs=packs)
-        self.model.rope.ensure(min(self.cfg.max_position_embeddings, 4096))
-        # Requests make caches and run steps through it.
-        self.runner = ModelRunner(self.model, static_decode=cuda_graph and self.device.type == "cuda")
-        synchronize(self.device)
+        # On the thread every step will run on (`threads.model_thread`): one OpenMP team for both.
+        self.model, self.runner = model_thread().call(self._load, progress, cuda_graph)
         # Every request's KV blocks and the prefix cache's, within the KV budget; admission waits for room in it.
         self.pool = BlockPool(kv_budget_bytes or default_kv_budget(self.device), self.device)
         self.scheduler = Scheduler(self.pool.budget_bytes, max_running=limits.max_num_seqs, pool=self.pool)
@@ -129,6 +126,14 @@ class Engine:
             weight_bytes=self.model.decode_weight_bytes,
         )
         self.load_ms = (time.perf_counter() - start) * 1000
+
+    def _load(self, progress: ProgressCallback | None, cuda_graph: bool) -> tuple[Transformer, ModelRunner]:
+        """The model and the runner requests make caches and run steps through."""
+        model = Transformer.load(self.model_dir, self.cfg, self.dtype, self.device, progress, packs=self.weights.packs)
+        model.rope.ensure(min(self.cfg.max_position_embeddings, 4096))
+        runner = ModelRunner(model, static_decode=cuda_graph and self.device.type == "cuda")
+        synchronize(self.device)
+        return model, runner
 
     def _pool_usage(self, member: Member, members: list[Member]) -> PoolUsage:
         """The KV budget as `member` sees it: the blocks its cache holds, the other running

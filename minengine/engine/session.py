@@ -89,7 +89,7 @@ from minengine.sampling.trace import explain
 from minengine.text.detokenizer import IncrementalDetokenizer
 from minengine.text.prompt_parts import count_parts, token_parts
 from minengine.text.stop import StopMatcher
-from minengine.threads import OneThread
+from minengine.threads import OneThread, model_thread
 
 if TYPE_CHECKING:
     from minengine.config import ModelConfig
@@ -283,8 +283,9 @@ class RequestSession:
             filtered, _ = filter_logits(self.pending_logits, self.sampling)
             token = self._forced if self._forced is not None else int(filtered.argmax())
         fed, position = self._held_step
-        model = self.engine.runner.model
-        return self._capture.on_demand(model, self._member.cache, fed, position, token, ask)
+        model, cache = self.engine.runner.model, self._member.cache
+        # A forward and the lens: on the model thread, as every step (`threads.model_thread`).
+        return model_thread().call(lambda: self._capture.on_demand(model, cache, fed, position, token, ask))
 
     def preview(self, params: SamplingParams | None = None, top_n: int | None = None) -> StepTrace | None:
         """Explain the waiting step under `params` without sampling or running the model.
@@ -524,7 +525,7 @@ class RequestSession:
                 break
             token, trace, forced = self._sample(self._min_tokens_mask(logits, len(state.generated)))
             self.pending_logits = None
-            inspection = self._capture.inspection(self.engine.runner.model, logits, token)
+            inspection = self._inspection(logits, token)
             event, finish = self._stream(token, trace, forced, cache, state, inspection)
             yield event
             finish = finish or self._stop_after_step(state)
@@ -538,6 +539,14 @@ class RequestSession:
             # held back (a possible stop-string start, an incomplete character).
             state.text_parts.append(state.stopper.flush() + state.detok.flush())
         return finish
+
+    def _inspection(self, logits: torch.Tensor, token: int) -> StepInspection | None:
+        """The captured step's records, if this step was captured: its lens runs the head over
+        every layer's residual, model work, so on the model thread (`threads.model_thread`)."""
+        if not self._capture.pending:
+            return None
+        model = self.engine.runner.model
+        return model_thread().call(lambda: self._capture.inspection(model, logits, token))
 
     def _sample(self, logits: torch.Tensor) -> tuple[int, StepTrace | None, bool]:
         """Sampling: the next token (the forced one, if set), its trace when asked for, and whether forced."""

@@ -11,13 +11,14 @@ read once for everyone; a prompt longer than what is left of the budget is split
 
 A request's session still runs on its consumer's thread: it samples its own rows with its own
 parameters, streams its own text, and blocks in `Member.forward` only while its work waits for
-and runs in a step. The loop has no thread of its own: when no step is running, the thread of the
-oldest request with work pending plans and runs the next step, for everyone (a leader/follower
-hand-off; the others wait for it).
-So a request alone runs every forward on its own thread, exactly as before batching, and the
-host that loaded the model on that thread keeps one OpenMP team (`threads.ModelThread` says
-why that matters). A session whose consumer holds it (a person stepping the explorer) has no
-work in the loop, so the others go on without it. Before a step the loop gives the sequences
+and runs in a step. Every step runs on the process's model thread (`threads.model_thread`), the
+one the engine loaded on: GNU OpenMP gives each thread that opens a parallel region a team of
+its own, and with two teams on a 2-core machine every region waits for a sleeping worker
+(`threads.ModelThread`): the same 8-row step took 88 ms on a second thread against 50 on the
+loader's. So a consumer hands its work in and, when no drive of the steps is queued, queues
+one; a caller already on the model thread runs the steps itself. A session whose consumer
+holds it (a person stepping the explorer) has no work in the loop, so the others go on without
+it. Before a step the loop gives the sequences
 the last one served a moment (`gather_s`) to hand in their next token, so that sequences
 decoding together stay in the same steps instead of drifting into alternate ones; a sequence
 marked `away` (held) is not waited for.
@@ -53,6 +54,7 @@ from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.usage import PoolUsage
 from minengine.model.batch_forward import Row, RowObserver
 from minengine.model.runner import ModelRunner
+from minengine.threads import model_thread
 
 _SOLO_HISTORY = 16  # solo decode steps the loop remembers for `BatchStep.solo_step_ms`
 # How long a step waits for the sequences the last one served, as a fraction of that step's time
@@ -158,11 +160,8 @@ class Member:
         `Preempted` when its blocks were taken back: the caller runs everything again from 0.
         `observer` is shown the last position inside its step (its own row of a shared step)."""
         self.away = False
-        if self.preempted is not None:
-            preempted, self.preempted = self.preempted, None
-            raise preempted
         work = _Work(self, ids, start, observer=observer)
-        self.loop._run_until_done(work)
+        self.loop._run_until_done(work)  # ends at once with `Preempted` if it was taken back meanwhile
         if work.error is not None:
             raise work.error
         assert work.logits is not None
@@ -206,7 +205,7 @@ class StepLoop:
         self._solo_ms: deque[float] = deque(maxlen=_SOLO_HISTORY)
         self._last_step_s = 0.0  # the last step's forward, which `_gather` waits a fraction of
         self._cond = threading.Condition()
-        self._stepping = False  # a thread is planning or running a step
+        self._driving = False  # a drive of the steps is queued on, or running on, the model thread
 
     # -- members -------------------------------------------------------------------------------
 
@@ -238,38 +237,59 @@ class StepLoop:
     # -- the loop ------------------------------------------------------------------------------
 
     def _run_until_done(self, work: _Work) -> None:
-        """Hand in `work`; run steps (for everyone) whenever none is running, until `work` is done."""
+        """Hand in `work` and wait until the steps the process's model thread runs have done it."""
+        steps = model_thread()
         with self._cond:
+            # Under the lock, as `_preempt` sets it: checked before, a preemption between the check
+            # and the hand-in would let this work run at its old positions over blocks given back.
+            member = work.member
+            if member.preempted is not None:
+                work.error, member.preempted = member.preempted, None
+                work.finished = True
+                return
             self._pending.append(work)
             self._cond.notify_all()
+            if steps.here():  # a caller on the model thread itself: it runs the steps, for everyone
+                self._drive(until=work)
+                return
             while not work.finished:
-                if self._stepping or not self._leads(work):
-                    self._cond.wait()
-                    continue
-                self._stepping = True
-                plan: list[tuple[_Work, int]] = []
-                try:
-                    self._gather()
-                    plan = self._room_for(self._plan())
-                    if plan:
-                        waiting, members = self.waiting(), list(self._members)
-                        self._cond.release()
-                        try:
-                            with torch.inference_mode():
-                                self._step(plan, waiting, members)
-                        finally:
-                            self._cond.acquire()
-                finally:
-                    self._stepping = False
-                    self._cond.notify_all()
-                if not plan and not work.finished:
-                    self._cond.wait(0.05)  # all of it waits for blocks: until someone leaves or hands in work
+                if not self._driving:
+                    self._driving = True
+                    steps.submit(self._drive_all)
+                self._cond.wait()
 
-    def _leads(self, work: _Work) -> bool:
-        """Under the lock: whether `work`'s thread runs the next step: the oldest member's with work
-        pending does, so the steps stay on one thread while that request runs (one OpenMP team;
-        a request alone, or the explorer's under background load, runs them all on its own)."""
-        return work.member.order == min(w.member.order for w in self._pending)
+    def _drive_all(self) -> None:
+        """On the model thread: run steps while any member has work pending."""
+        with self._cond:
+            try:
+                self._drive(until=None)
+            except BaseException as exc:  # a fault outside a step's forward: fail the work, never hang it
+                for work in list(self._pending):
+                    work.error = exc
+                    self._finish(work)
+                raise
+            finally:
+                self._driving = False
+                self._cond.notify_all()
+
+    def _drive(self, until: _Work | None) -> None:
+        """Under the lock, on the model thread: plan and run steps until `until` is done (None:
+        until no work is pending). Only this thread runs steps, so two never overlap."""
+        while (not until.finished) if until is not None else bool(self._pending):
+            self._gather()
+            plan = self._room_for(self._plan())
+            if not plan:
+                if self._pending:
+                    self._cond.wait(0.05)  # all of it waits for blocks: until someone leaves or hands in work
+                continue
+            waiting, members = self.waiting(), list(self._members)
+            self._cond.release()
+            try:
+                with torch.inference_mode():
+                    self._step(plan, waiting, members)
+            finally:
+                self._cond.acquire()
+            self._cond.notify_all()
 
     def _gather(self) -> None:
         """Under the lock: give the sequences the last step served a moment to hand in their next token."""

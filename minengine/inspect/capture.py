@@ -55,6 +55,11 @@ class StepCapture:
         else:
             self._pending = (observer, forward_ms, tokens)
 
+    @property
+    def pending(self) -> bool:
+        """Whether a captured forward waits for its records (`inspection`)."""
+        return self._pending is not None
+
     def inspection(self, model: Transformer, logits: torch.Tensor, chosen: int) -> StepInspection | None:
         """The records of the step whose `logits` chose `chosen`, if it was captured (once)."""
         pending, self._pending = self._pending, None

@@ -19,8 +19,8 @@ import minengine.model.batch_forward as batch_forward
 from minengine.config import ModelConfig
 from minengine.kv.block_pool import BlockFormat, BlockPool, Segment
 from minengine.kv.paged_cache import PagedKVCache
-from minengine.model.cpu_kernels import KernelLibrary, library
 from minengine.model.batch_forward import Row, RowsAttention, forward_rows
+from minengine.model.cpu_kernels import KernelLibrary, library
 from minengine.model.pooled_rows import pooled_count
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer

@@ -4,6 +4,7 @@ every block is back in the pool afterwards."""
 
 from __future__ import annotations
 
+import pytest
 from concurrent_runs import run_all
 
 from minengine.engine.batch_facts import PreemptEvent
@@ -20,12 +21,14 @@ def _request(prompt: str) -> GenerationRequest:
     return GenerationRequest.from_prompt(prompt, sampling=GREEDY, max_tokens=48, ignore_eos=True)
 
 
-def test_a_full_pool_preempts_the_newest_request_which_recomputes_its_tokens(chatty_tiny_dir):
+@pytest.mark.parametrize("room", [2.0, 1.5])  # a tighter pool preempts more, mid-prefill and between steps
+def test_a_full_pool_preempts_the_newest_request_which_recomputes_its_tokens(chatty_tiny_dir, room):
     probe = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False)
     alone = [next(e for e in probe.start(_request(p)) if isinstance(e, DoneEvent)).result for p in PROMPTS]
     worst = max(next(e for e in probe.start(_request(p)) if isinstance(e, AdmitEvent)).kv_needed_bytes for p in PROMPTS)
     # Room for every prompt at once, not for every answer: decode runs the pool dry.
-    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=worst * 2, prefix_cache=False)
+    budget = int(worst * room)
+    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=budget, prefix_cache=False)
     together = run_all(engine, [_request(p) for p in PROMPTS])
     results = [evs[-1].result for evs in together]
     assert [r.finish_reason for r in results] == ["length"] * len(PROMPTS)
