@@ -551,10 +551,10 @@ class RequestSession:
     def _sample(self, logits: torch.Tensor) -> tuple[int, StepTrace | None, bool]:
         """Sampling: the next token (the forced one, if set), its trace when asked for, and whether forced."""
         forced, self._forced = self._forced, None
-        # One row's sampling is too small to share out, and a request decoding in a shared step
-        # samples on its own thread: a parallel region there would give that thread an OpenMP
-        # team of its own, and once teams outnumber the cores every worker sleeps between regions
-        # (`threads.ModelThread`), so each region of the step's thread would wait for a wake-up.
+        # One row's sampling is too small to share out, and it runs on the consumer's thread, not
+        # the model thread: a parallel region here would give this thread an OpenMP team of its
+        # own, and once teams outnumber the cores every worker sleeps between regions
+        # (`threads.ModelThread`), so each region of a step would wait for a wake-up.
         req, trace = self.request, None
         with OneThread(logits.device):
             if req.trace:

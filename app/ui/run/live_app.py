@@ -1,6 +1,7 @@
 """The explorer over the engine: the request runs live, and the keys hold, step, pick and re-run it.
 
-The engine loads and runs on one thread of its own (`ModelThread`). It never calls into the UI
+The runs go one after another on a thread of their own (`ModelThread`), and the engine's model
+work on the process's model thread (`minengine.threads.model_thread`). It never calls into the UI
 per token: events wait in the run's inbox, and one `RunProgress` message wakes the UI to take
 all of them. Repaints are coalesced and, while the engine decodes, paced by `RepaintPacer`
 (at most `repaint_hz` a second, and no more than `REPAINT_DUTY` of a core, see `ExplorerBase`),
@@ -68,7 +69,9 @@ class LiveExplorer(RunExplorer):
         self.shown: RunOnScreen | None = None  # None until the engine has loaded
         self._open_engine = open_engine
         self._probe: MemoryProbe | None = None
-        self._model_thread = ModelThread()  # loading and every run: one OpenMP team (see ModelThread)
+        # Loading and every run, in order; the engine's own loads and steps go to the process's
+        # model thread (`threads.model_thread`), so the runs here do no OpenMP work of their own.
+        self._model_thread = ModelThread()
         self.formats = WeightComparer(self._model_thread.submit, wake=partial(self._wake, True))  # `w`
         self._switch_interval = sys.getswitchinterval()
 
