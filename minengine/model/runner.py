@@ -15,7 +15,9 @@ step allocates:
 The choice depends on the cache, so it is made per call; the cache is made here too, over the
 static decoder's arena when that can serve it. On the CPU each call also runs on the thread count
 `decode_threads.StepThreads` chooses for the machine's state (all threads unless other processes
-want a core, when the command spins; see there).
+want a core, when the command spins; see there). Every call runs on the process's model thread,
+where the engine loaded: model work from a second thread would open a second OpenMP team, and
+with two, every parallel region waits for a sleeping worker (`threads.ModelThread`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from minengine.model.cuda_graph import StaticDecoder
 from minengine.model.decode_threads import StepThreads
 from minengine.model.eager_step import EagerDecoder
 from minengine.model.transformer import Transformer
+from minengine.threads import model_thread
 
 
 class ModelRunner:
@@ -99,13 +102,20 @@ class ModelRunner:
             block_size=block_size,
         )
 
-    @torch.inference_mode()
     def forward(
         self, ids: torch.Tensor, start: int, cache: KVCache | PagedKVCache, *, all_logits: bool = False
     ) -> torch.Tensor:
         """`Transformer.forward`'s logits for positions [start, start+len(ids)), by the fastest
         path that serves `cache`: a single token (not `all_logits`) through the static or eager
-        step when one can, everything else through the general path."""
+        step when one can, everything else through the general path. Runs on the process's model
+        thread (`threads.model_thread`), waited for when called from another."""
+        steps = model_thread()
+        if not steps.here():
+            return steps.call(lambda: self.forward(ids, start, cache, all_logits=all_logits))
+        return self._forward(ids, start, cache, all_logits)
+
+    @torch.inference_mode()
+    def _forward(self, ids: torch.Tensor, start: int, cache: KVCache | PagedKVCache, all_logits: bool) -> torch.Tensor:
         single = ids.shape[0] == 1 and not all_logits
         if isinstance(cache, PagedKVCache):
             cache.make_room(start + ids.shape[0])  # the blocks first: the lean step writes in place
@@ -122,7 +132,11 @@ class ModelRunner:
 
         A step of one row that wants its logits is an ordinary `forward`, so a request alone
         decodes through the lean single-token steps as before; an observed row (inspection)
-        takes this general path, whose attention hands the observer its operands."""
+        takes this general path, whose attention hands the observer its operands. On the model
+        thread, as `forward`."""
+        steps = model_thread()
+        if not steps.here():
+            return steps.call(self.forward_rows, rows)
         for row in rows:  # blocks first: lean rows write in place, and a full pool fails before any compute
             if isinstance(row.cache, PagedKVCache):
                 row.cache.make_room(row.start + len(row.ids))
