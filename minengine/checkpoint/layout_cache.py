@@ -9,9 +9,12 @@ Decode streams mapped pages as fast as owned ones (measured), and the private ma
 copy-on-write, so nothing done in memory can reach the file.
 
 The key covers everything the layout depends on: the checkpoint files (name, size, mtime),
-config.json, the dtype, the weight format (only dense formats are cached, but a file names its
-format, and one made for another is rebuilt, never read), the CPU thread count (it sets the
-column chunks) and this file format's version. A folder keeps one layout; a missing, stale or
+config.json, the dtype, the weight format, the CPU thread count (it sets the column chunks) and
+this file format's version. Dense formats are cached, and reqscope's panel formats (a panel
+operand is stored as its panels and scales, named in the file's metadata, and built back around
+the mapped tensors); FBGEMM's and oneDNN's packed weights are opaque and are not. A file names
+its format, and one made for another is rebuilt, never read. A folder keeps one dense layout and
+one of each panel format (its name carries the format); a missing, stale or
 unreadable one is rebuilt, and a folder that cannot be written to simply gets no cache. Only
 the folders of pulled models (under reqscope's models home) get one unless
 `REQSCOPE_LAYOUT_CACHE=1`; `=0` turns it off.
@@ -29,17 +32,20 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from minengine.checkpoint.paths import models_home
-from minengine.checkpoint.weight_layout import CheckpointReader
+from minengine.checkpoint.weight_layout import CheckpointReader, Operand
+from minengine.model.panel_kernels import PANEL_PACKS, PanelLinear
 from minengine.model.weight_format import DTYPE_FORMAT
 from minengine.progress import BYTES, ProgressCallback, Stage
 
 FORMAT_VERSION = 2
 CACHE_DIR = ".minengine"
 DISABLE_ENV = "REQSCOPE_LAYOUT_CACHE"
-_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8"}
 _TRANSPOSED = "transposed"  # metadata: names stored as their last two dims swapped
 _WEIGHTS = "weights"  # metadata: the weight format the operands were built for
+_PANELS = "panels"  # metadata: operands stored as panels (`PanelLinear`), each [format, out_features, chunks]
 _PAD = "__pad"
+_PART = "#"  # a panel operand's tensors are stored as "<operand>#panels" and "<operand>#scales"
 # Every tensor starts on a cache line, as torch's own allocations do: MKL's kernels pick their
 # code path, and with it the rounding of a sum, by the operands' alignment, so a mapped layout
 # aligned differently from a built one would give slightly different logits.
@@ -82,9 +88,17 @@ def layout_key(folder: Path, files: list[Path], dtype: torch.dtype, weights: str
     return h.hexdigest()[:24]
 
 
-def layout_path(folder: Path, key: str) -> Path:
-    """Where the layout for `key` lives."""
-    return folder / CACHE_DIR / f"layout-{key}.safetensors"
+def layout_path(folder: Path, key: str, weights: str | None = None) -> Path:
+    """Where the layout for `key` lives. A panel format's carries the format in its name, so that
+    it is kept beside the dense layout instead of replacing it (`write_layout` keeps one of each)."""
+    tag = f"{weights}-" if weights in PANEL_PACKS else ""
+    return folder / CACHE_DIR / f"layout-{tag}{key}.safetensors"
+
+
+def _kind(path: Path) -> str:
+    """The format tag in a layout file's name ("" for a dense layout)."""
+    stem = path.name.removeprefix("layout-").removesuffix(".safetensors")
+    return stem.rsplit("-", 1)[0] if "-" in stem else ""
 
 
 def clear(folder: Path) -> None:
@@ -96,8 +110,9 @@ def clear(folder: Path) -> None:
 class CachedLayout:
     """Operands read back from a layout file, answering `CheckpointReader`'s questions."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], panels: dict[str, list] | None = None) -> None:
         self.tensors = tensors
+        self.panels = panels or {}  # operand name -> [format, out_features, chunks]
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -106,9 +121,15 @@ class CachedLayout:
         """The stored tensor (a view of the mapping)."""
         return self.tensors[name]
 
-    def projection(self, *names: str, chunks: int | None = None) -> torch.Tensor:
-        """The stored operand for these weights."""
-        return self.tensors[_projection_name(names)]
+    def projection(self, *names: str, chunks: int | None = None) -> torch.Tensor | PanelLinear:
+        """The stored operand for these weights (built back into its panels where it was stored so)."""
+        name = _projection_name(names)
+        if name in self.panels:
+            fmt, out_features, stored_chunks = self.panels[name]
+            parts = {part: self.tensors[f"{name}{_PART}{part}"] for part in ("panels", "scales")
+                     if f"{name}{_PART}{part}" in self.tensors}  # fmt: skip
+            return PanelLinear.stored(fmt, parts["panels"], parts.get("scales"), out_features, stored_chunks)
+        return self.tensors[name]
 
     def embedding(self, name: str, *, tied: bool) -> torch.Tensor | None:
         """The stored table, or None when the head serves lookups (layouts are float32's own operands)."""
@@ -128,6 +149,7 @@ class RecordingReader:
     def __init__(self, reader: CheckpointReader, stage: Stage | None = None) -> None:
         self.reader = reader
         self.made: dict[str, torch.Tensor] = {}
+        self.panels: dict[str, list] = {}  # the operands made as panels, as `CachedLayout.panels`
         self._stage = stage
         self._consumed = 0
 
@@ -145,9 +167,14 @@ class RecordingReader:
         self._laid_out((name,))
         return t
 
-    def projection(self, *names: str, chunks: int | None = None) -> torch.Tensor:
-        """`CheckpointReader.projection`, recorded."""
-        self.made[_projection_name(names)] = t = self.reader.projection(*names, chunks=chunks)
+    def projection(self, *names: str, chunks: int | None = None) -> Operand:
+        """`CheckpointReader.projection`, recorded (a panel kernel's weight as its tensors)."""
+        name, t = _projection_name(names), self.reader.projection(*names, chunks=chunks)
+        if isinstance(t, PanelLinear):
+            self.panels[name] = [t.format, t.out_features, t.chunks]
+            self.made.update({f"{name}{_PART}{part}": x for part, x in t.tensors().items()})
+        else:
+            self.made[name] = t
         self._laid_out(names)
         return t
 
@@ -176,6 +203,7 @@ def open_layout(path: Path, weights: str) -> CachedLayout | None:
             if metadata.get(_WEIGHTS, weights) != weights:
                 return None
             transposed = set(json.loads(metadata.get(_TRANSPOSED, "[]")))
+            panels = json.loads(metadata.get(_PANELS, "{}"))
             tensors = {}
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if name.startswith(_PAD):
@@ -186,14 +214,19 @@ def open_layout(path: Path, weights: str) -> CachedLayout | None:
                 tensors[name] = t.transpose(-2, -1) if name in transposed else t
     except (SafetensorError, OSError, ValueError, RuntimeError):
         return None
-    return CachedLayout(tensors)
+    return CachedLayout(tensors, panels)
 
 
 def write_layout(
-    path: Path, tensors: dict[str, torch.Tensor], weights: str, progress: ProgressCallback | None = None
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    weights: str,
+    progress: ProgressCallback | None = None,
+    panels: dict[str, list] | None = None,
 ) -> bool:
     """Write `tensors`, built for weight format `weights`, as a safetensors file at `path`
-    (atomically, replacing other layouts); False on failure.
+    (atomically, replacing other layouts); False on failure. `panels` names the operands stored
+    as a panel kernel's tensors (`RecordingReader.panels`).
 
     Written directly from the tensors' memory: `safetensors.torch.save_file` would first copy
     every tensor into a bytes object, briefly holding the weights twice. `progress` hears a
@@ -219,7 +252,10 @@ def write_layout(
         header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         stored.append(t)
         offset += size
-    header["__metadata__"] = {_TRANSPOSED: json.dumps(transposed), "format": str(FORMAT_VERSION), _WEIGHTS: weights}
+    header["__metadata__"] = {
+        _TRANSPOSED: json.dumps(transposed), "format": str(FORMAT_VERSION), _WEIGHTS: weights,
+        _PANELS: json.dumps(panels or {}),
+    }  # fmt: skip
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % ALIGN)  # the data, and so every tensor, starts aligned
     try:
@@ -245,6 +281,6 @@ def write_layout(
         return False
     writing.finish()
     for other in path.parent.glob("layout-*.safetensors"):
-        if other != path:
+        if other != path and _kind(other) == _kind(path):
             other.unlink(missing_ok=True)
     return True

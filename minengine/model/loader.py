@@ -18,6 +18,7 @@ from minengine.checkpoint import layout_cache
 from minengine.checkpoint.weight_layout import CheckpointReader, WeightSource
 from minengine.checkpoint.weights import checkpoint_files, load_state_dict
 from minengine.config import ModelConfig
+from minengine.model.panel_kernels import PANEL_PACKS
 from minengine.model.weight_format import DTYPE_FORMAT
 from minengine.progress import TENSORS, ProgressCallback, Stage
 
@@ -38,23 +39,26 @@ def build(
 
     Building and writing a layout (a first load, about a second here) is reported to `progress`
     as a "layout" stage (checkpoint tensors laid out) and a "cache" stage (bytes written).
-    With a packed weight format (`packs`) the projections are packed from the checkpoint every
-    time: a packed kernel's weights are opaque objects, not tensors a file could map.
+    A panel format (`PANEL_PACKS`) is cached as its panels; with another packed weight format
+    (`packs`) the projections are packed from the checkpoint every time: FBGEMM's and oneDNN's
+    packed weights are opaque objects, not tensors a file could map.
     """
-    if device.type != "cpu" or packs is not None or not layout_cache.wanted(folder):
+    cachable = packs is None or packs in PANEL_PACKS  # FBGEMM's and oneDNN's packs are opaque objects
+    if device.type != "cpu" or not cachable or not layout_cache.wanted(folder):
         return make(CheckpointReader(load_state_dict(folder, cfg, dtype, device), packs))
-    weights = DTYPE_FORMAT.get(dtype, str(dtype))  # a dense layout's format is its dtype's
-    path = layout_cache.layout_path(folder, layout_cache.layout_key(folder, checkpoint_files(folder), dtype, weights))
+    weights = packs or DTYPE_FORMAT.get(dtype, str(dtype))  # a dense layout's format is its dtype's
+    key = layout_cache.layout_key(folder, checkpoint_files(folder), dtype, weights)
+    path = layout_cache.layout_path(folder, key, weights)
     cached = layout_cache.open_layout(path, weights)
     if cached is not None:
         try:
             return make(cached)
         except (KeyError, RuntimeError):
             pass  # a layout that does not fit this build: rebuild it below
-    reader = CheckpointReader(load_state_dict(folder, cfg, dtype, device))
+    reader = CheckpointReader(load_state_dict(folder, cfg, dtype, device), packs)
     building = Stage(progress, "layout", len(reader.sd), TENSORS, folder.name)
     recorder = layout_cache.RecordingReader(reader, building)
     model = make(recorder)
     building.finish(f"{len(recorder.made)} operands")
-    layout_cache.write_layout(path, recorder.made, weights, progress)
+    layout_cache.write_layout(path, recorder.made, weights, progress, recorder.panels)
     return model

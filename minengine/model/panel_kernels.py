@@ -76,6 +76,27 @@ class PanelLinear:
             self.panels = panels
         else:
             raise ValueError(f"no panel storage {fmt!r}")
+        self._count_bytes()
+
+    @classmethod
+    def stored(
+        cls, fmt: str, panels: torch.Tensor, scales: torch.Tensor | None, out_features: int, chunks: int
+    ) -> PanelLinear:
+        """A projection from panels laid out before (`tensors`; a layout cache maps them back)."""
+        lib = library().lib
+        if lib is None:
+            raise RuntimeError(f"no panel kernel: {library().why_not}")
+        self = cls.__new__(cls)
+        self.format, self.in_features, self.out_features, self.chunks = fmt, panels.shape[1], out_features, chunks
+        self.panels, self.scales, self._lib = panels, scales, lib
+        self._count_bytes()
+        return self
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What `stored` builds it back from: the panels, and q8_0's scales."""
+        return {"panels": self.panels} | ({} if self.scales is None else {"scales": self.scales})
+
+    def _count_bytes(self) -> None:
         scale_bytes = 0 if self.scales is None else self.scales.numel() * 4
         self.stored_bytes = self.panels.numel() * self.panels.element_size() + scale_bytes
         self.read_bytes = self.stored_bytes  # a step reads every panel whole (padding is under 8 columns)

@@ -257,3 +257,29 @@ def test_q8_0_refuses_a_model_whose_inputs_are_not_in_blocks_of_32(tiny_models, 
         Engine(folder, device="cpu", weights="q8_0")
     assert "\n" not in str(info.value)
     assert not (folder / layout_cache.CACHE_DIR).exists()
+
+
+# -- the layout cache -----------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("packs", ["q8_0", "float32-panels"])
+def test_a_panel_layout_is_cached_beside_the_dense_one_and_mapped_back(tiny_models, tmp_path, monkeypatch, packs):
+    import shutil
+
+    monkeypatch.setenv(layout_cache.DISABLE_ENV, "1")
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_models["llama-gqa"][0], folder)
+    cfg, dense = _runner(folder, None)
+    _, built = _runner(folder, packs)  # builds its panels and writes them
+    files = sorted(p.name for p in (folder / layout_cache.CACHE_DIR).glob("layout-*.safetensors"))
+    assert len(files) == 2 and [f for f in files if f.startswith(f"layout-{packs}-")]  # the dense one kept
+    (panel_file,) = (folder / layout_cache.CACHE_DIR).glob(f"layout-{packs}-*.safetensors")
+    written = panel_file.stat().st_mtime_ns
+    _, mapped = _runner(folder, packs)  # maps them back: the file is read, not written again
+    assert panel_file.stat().st_mtime_ns == written
+    layer = mapped.model.layers[0]
+    assert isinstance(layer.qkv, PanelLinear) and layer.qkv.format == built.model.layers[0].qkv.format
+    ids = torch.randint(3, cfg.vocab_size, (PROMPT_LEN,), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(mapped.forward(ids, 0, _cache(cfg)), built.forward(ids, 0, _cache(cfg)))
+    assert torch.equal(dense.forward(ids, 0, _cache(cfg)), _runner(folder, None)[1].forward(ids, 0, _cache(cfg)))
