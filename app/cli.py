@@ -124,15 +124,16 @@ def mistyped_verb(word: str) -> str | None:
     return matches[0] if len(matches) == 1 else None
 
 
-SPINNING_VERBS = ("run", "calibrate")
+SPINNING_VERBS = ("run", "calibrate", "serve")
 
 
 def decodes_requests(argv: list[str]) -> bool:
     """Whether this command line decodes in this process, so that OpenMP's workers may spin.
 
-    A request's decode spins (watching the machine): the explorer, `--plain`, `--json`, and each
-    browser tab's explorer (`web --session`, a process of its own). So does calibrate, whose
-    fit must describe the steps `run` takes. Every other verb sleeps.
+    A request's decode spins (watching the machine): the explorer, `--plain`, `--json`, each
+    browser tab's explorer (`web --session`, a process of its own), and `serve`, whose requests'
+    steps all run on the process's model thread. So does calibrate, whose fit must describe the
+    steps `run` takes. Every other verb sleeps.
     """
     if argv[:1] == ["web"]:
         return "--session" in argv

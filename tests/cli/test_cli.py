@@ -66,7 +66,7 @@ def test_vllm_names_for_dtypes_are_accepted():
         (["Show me hotels in Kyoto"], True),
         (["run", "--plain", "hi"], True),
         (["calibrate", "--json"], True),  # its fit must describe the steps `run` takes
-        (["serve"], False),
+        (["serve"], True),  # every request's steps on one thread: one team to keep spinning
         (["bench"], False),
         (["web"], False),  # the server only relays screens...
         (["web", "--session", "--model", "m"], True),  # ...each tab's explorer decodes in its own process
