@@ -20,7 +20,7 @@ import torch
 
 from minengine.model.cpu_kernels import library
 
-_long_p, _float_p = ctypes.c_void_p, ctypes.c_void_p
+_ptr = ctypes.c_void_p  # float and long arrays alike: the C side knows their types
 
 
 class AttendArgs(ctypes.Structure):
@@ -29,12 +29,12 @@ class AttendArgs(ctypes.Structure):
     _fields_ = [
         ("rows", ctypes.c_long), ("hq", ctypes.c_long), ("hkv", ctypes.c_long), ("d", ctypes.c_long),
         ("scale", ctypes.c_float), ("threads", ctypes.c_int),
-        ("q", _float_p), ("q_rs", ctypes.c_long), ("q_at", _long_p),
-        ("k", _float_p), ("v", _float_p), ("k_rs", ctypes.c_long), ("v_rs", ctypes.c_long),
-        ("kv_at", _long_p), ("slots", _long_p),
-        ("kc", _float_p), ("vc", _float_p), ("kc_hs", ctypes.c_long), ("vc_hs", ctypes.c_long),
-        ("pos", _long_p), ("ends", _long_p),
-        ("out", _float_p), ("out_rs", ctypes.c_long),
+        ("q", _ptr), ("q_rs", ctypes.c_long), ("q_at", _ptr),
+        ("k", _ptr), ("v", _ptr), ("k_rs", ctypes.c_long), ("v_rs", ctypes.c_long),
+        ("kv_at", _ptr), ("slots", _ptr),
+        ("kc", _ptr), ("vc", _ptr), ("kc_hs", ctypes.c_long), ("vc_hs", ctypes.c_long),
+        ("pos", _ptr), ("ends", _ptr),
+        ("out", _ptr), ("out_rs", ctypes.c_long),
     ]  # fmt: skip
 
 

@@ -132,14 +132,12 @@ class PooledRows:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write the rows' k/v [T, kv_heads, d] of `layer` and attend their q [T', heads, d]; [rows, heads*d]."""
         seg_k, seg_v = self.segment.k[layer], self.segment.v[layer]  # [kv_heads, positions, d]
+        for cache, end in zip(self.caches, self.ends, strict=True):
+            cache.lengths[layer] = end
         if self.kernel is not None:
-            for cache, end in zip(self.caches, self.ends, strict=True):
-                cache.lengths[layer] = end
             return self.kernel(q, k, v, seg_k, seg_v)
         seg_k.index_copy_(1, self.slots, self.tokens(k).transpose(0, 1))
         seg_v.index_copy_(1, self.slots, self.tokens(v).transpose(0, 1))
-        for cache, end in zip(self.caches, self.ends, strict=True):
-            cache.lengths[layer] = end
         heads = seg_k.shape[0]
         keys = seg_k.index_select(1, self.positions).view(heads, self.rows, self.longest, -1).transpose(0, 1)
         values = seg_v.index_select(1, self.positions).view(heads, self.rows, self.longest, -1).transpose(0, 1)
