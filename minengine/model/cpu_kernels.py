@@ -34,7 +34,7 @@ class KernelLibrary:
         self.lib, self.why_not = lib, why_not
         if lib is not None:
             c_long, c_int, ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
-            lib.f32_panels.argtypes = [ptr, c_long, c_long, ptr, c_long, ptr, c_long, c_int]
+            lib.f32_panels.argtypes = [ptr, c_long, c_long, ptr, ptr, c_long, ptr, c_long, c_int]
             lib.q8_0_panels.argtypes = [ptr, c_long, c_long, ptr, ptr, c_long, ptr, c_long, c_int]
             lib.attend_rows.argtypes = [ptr]  # an AttendArgs (attention_rows.AttendArgs)
             lib.f32_panels.restype = lib.q8_0_panels.restype = lib.attend_rows.restype = None

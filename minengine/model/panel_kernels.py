@@ -116,9 +116,11 @@ class PanelLinear:
         y = out if direct else torch.empty(rows, width, dtype=torch.float32)
         lib, threads = self._lib, torch.get_num_threads()
         if self.scales is None:
+            packed = x if rows == 1 else torch.empty_like(x)  # the kernel's room to lay the rows out k-major
             lib.f32_panels(
-                x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), panels, y.data_ptr(), width, threads
-            )
+                x.data_ptr(), rows, self.in_features, packed.data_ptr(), self.panels.data_ptr(), panels, y.data_ptr(),
+                width, threads,
+            )  # fmt: skip
         else:
             lib.q8_0_panels(
                 x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), self.scales.data_ptr(), panels,
