@@ -558,7 +558,10 @@ class RequestSession:
         req, trace = self.request, None
         with OneThread(logits.device):
             if req.trace:
-                token, trace = self._sampler.sample_traced(logits, self.engine.tokenizer.piece, req.top_n, force=forced)
+                summary = self._member.summary if self._member is not None else None  # for these very logits only
+                token, trace = self._sampler.sample_traced(
+                    logits, self.engine.tokenizer.piece, req.top_n, force=forced, summary=summary
+                )
             else:
                 # Draw even when forced, so the generator advances as in the traced path.
                 token = self._sampler.sample(logits)
@@ -701,8 +704,11 @@ class RequestSession:
         request's cache; the next-token logits, and the prompt chunks the steps ran."""
         assert self._member is not None
         observer = self._capture.observer(self.engine.runner.model)
+        # A traced greedy step's candidates and softmax come from the step, made with its other rows'.
+        params = self._sampler.params if self._sampler is not None else self.sampling
+        summarize = max(self.request.top_n, 2) if self.request.trace and params.greedy else None
         begun = time.perf_counter()
-        out = self._member.forward(ids, start, observer)
+        out = self._member.forward(ids, start, observer, summarize)
         self._capture.ran(observer, (time.perf_counter() - begun) * 1000, len(ids))
         return out
 

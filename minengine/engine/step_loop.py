@@ -54,6 +54,7 @@ from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.usage import PoolUsage
 from minengine.model.batch_forward import Row, RowObserver
 from minengine.model.runner import ModelRunner
+from minengine.sampling.logit_summary import LogitSummary, summarize
 from minengine.threads import model_thread
 
 _SOLO_HISTORY = 16  # solo decode steps the loop remembers for `BatchStep.solo_step_ms`
@@ -129,6 +130,8 @@ class _Work:
     chunks: list[PrefillChunk] = field(default_factory=list)
     finished: bool = False
     observer: RowObserver | None = None  # shown its last position inside the step that ends it (inspection)
+    summarize: int | None = None  # top candidates its logits' summary keeps (`logit_summary`); None: none
+    summary: LogitSummary | None = None
 
     @property
     def left(self) -> int:
@@ -151,20 +154,25 @@ class Member:
         self.preemptions = 0
         self.preempted: Preempted | None = None  # taken back while it had no work in the loop
         self.last_step: BatchStep | None = None
+        self.summary: LogitSummary | None = None  # of the logits the last forward returned, when asked
 
     def forward(
-        self, ids: tuple[int, ...], start: int, observer: RowObserver | None = None
+        self, ids: tuple[int, ...], start: int, observer: RowObserver | None = None, summarize: int | None = None
     ) -> tuple[torch.Tensor, list[PrefillChunk]]:
         """Run `ids` at positions from `start` in the loop's steps; the next-token logits and, for a
         prompt, the chunks it ran in. Blocks until the last of its steps has run. Raises
         `Preempted` when its blocks were taken back: the caller runs everything again from 0.
-        `observer` is shown the last position inside its step (its own row of a shared step)."""
+        `observer` is shown the last position inside its step (its own row of a shared step).
+        With `summarize` (a top-candidate count) the step also summarizes the logits for a greedy
+        trace, with every other row that asks, into `summary`."""
         self.away = False
-        work = _Work(self, ids, start, observer=observer)
+        self.summary = None
+        work = _Work(self, ids, start, observer=observer, summarize=summarize)
         self.loop._run_until_done(work)  # ends at once with `Preempted` if it was taken back meanwhile
         if work.error is not None:
             raise work.error
         assert work.logits is not None
+        self.summary = work.summary
         return work.logits, work.chunks
 
     def leave(self) -> None:
@@ -369,6 +377,21 @@ class StepLoop:
                 kv, positions = kv + read.kv, positions + read.positions
         return StepBytes(self.weight_bytes, kv, positions)
 
+    @staticmethod
+    def _summaries(plan: list[tuple[_Work, int]], logits: list[torch.Tensor | None]) -> dict[int, LogitSummary]:
+        """Outside the lock: the logit summaries the step's finishing rows asked for, by row,
+        each top-candidate count's rows summarized together (after the step's own time is taken:
+        it is the traces' cost, not the forward's)."""
+        asked: dict[int, list[int]] = {}
+        for i, (work, n) in enumerate(plan):
+            if work.summarize is not None and work.done + n == len(work.ids) and logits[i] is not None:
+                asked.setdefault(work.summarize, []).append(i)
+        out: dict[int, LogitSummary] = {}
+        for k, rows in asked.items():
+            for i, summary in zip(rows, summarize([logits[i] for i in rows], k), strict=True):  # type: ignore[misc]
+                out[i] = summary
+        return out
+
     def _finish(self, work: _Work) -> None:
         self._pending.remove(work)
         work.finished = True
@@ -387,6 +410,7 @@ class StepLoop:
         except Exception as exc:  # the step failed: every request in it fails with the same error
             error = exc
         step_ms = (time.perf_counter() - start) * 1000
+        summaries = self._summaries(plan, logits) if error is None else {}
         self._last_step_s = step_ms / 1000 if len(plan) > 1 else 0.0  # a lone sequence has no one to wait for
         decode = sum(n for w, n in plan if w.member.decoding)
         read = self._step_bytes(plan) if len(plan) > 1 and error is None else None
@@ -420,6 +444,7 @@ class StepLoop:
                     self._finish(work)
                 elif work.done == len(work.ids):
                     work.logits = logits[i]
+                    work.summary = summaries.get(i)
                     member.decoding = True
                     self._finish(work)
             self._cond.notify_all()

@@ -27,7 +27,7 @@ _SMALL_SORT = 2048
 # on 262k random logits, 2.4e-5 on 49k); anything closer is left to the sorted computation.
 _TOP_P_MARGIN = 3e-4
 # Chunk width for top_values: a max per chunk is one vectorised pass, unlike torch.topk.
-_CHUNK = 32
+TOP_VALUES_CHUNK = 32
 
 
 def top_values(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,13 +38,13 @@ def top_values(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     returned equal torch.topk's; ids may differ among equal values.
     """
     n = x.numel()
-    rows = n // _CHUNK
+    rows = n // TOP_VALUES_CHUNK
     if k * 4 > rows:
         return torch.topk(x, k)
-    best_chunks = torch.topk(x[: rows * _CHUNK].view(rows, _CHUNK).amax(dim=1), k).indices
-    ids = (best_chunks.unsqueeze(1) * _CHUNK + torch.arange(_CHUNK, device=x.device)).reshape(-1)
-    if rows * _CHUNK < n:
-        ids = torch.cat((ids, torch.arange(rows * _CHUNK, n, device=x.device)))
+    best_chunks = torch.topk(x[: rows * TOP_VALUES_CHUNK].view(rows, TOP_VALUES_CHUNK).amax(dim=1), k).indices
+    ids = (best_chunks.unsqueeze(1) * TOP_VALUES_CHUNK + torch.arange(TOP_VALUES_CHUNK, device=x.device)).reshape(-1)
+    if rows * TOP_VALUES_CHUNK < n:
+        ids = torch.cat((ids, torch.arange(rows * TOP_VALUES_CHUNK, n, device=x.device)))
     values, where = torch.topk(x[ids], k)
     return values, ids[where]
 

@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 from minengine.sampling.chain import Live, as_row, final_distribution, over_row, run_chain
+from minengine.sampling.logit_summary import LogitSummary
 from minengine.sampling.params import SamplingParams
 from minengine.sampling.step_trace import StepTrace
 from minengine.sampling.trace import build_trace, check_token, greedy_trace
@@ -97,24 +98,31 @@ class Sampler:
         piece: Callable[[int], str],
         top_n: int = 20,
         force: int | None = None,
+        summary: LogitSummary | None = None,
     ) -> tuple[int, StepTrace]:
         """The next token id and the trace explaining it.
 
         With `force`, that token is committed instead, but the generator still advances
         exactly as if a token had been drawn, so later steps draw the same random numbers
-        whether or not an earlier one was forced.
+        whether or not an earlier one was forced. A greedy step reads `summary` (of these very
+        logits, made in the step) instead of computing it.
         """
         with OneThread(logits.device):
-            return self._sample_traced(as_row(logits), piece, top_n, force)
+            return self._sample_traced(as_row(logits), piece, top_n, force, summary)
 
     def _sample_traced(
-        self, logits: torch.Tensor, piece: Callable[[int], str], top_n: int, force: int | None
+        self,
+        logits: torch.Tensor,
+        piece: Callable[[int], str],
+        top_n: int,
+        force: int | None,
+        summary: LogitSummary | None = None,
     ) -> tuple[int, StepTrace]:
         n = logits.numel()
         if force is not None:
             check_token(force, n)
         if self.params.greedy:
-            trace = greedy_trace(logits, self.params, force, piece, top_n, force is not None)
+            trace = greedy_trace(logits, self.params, force, piece, top_n, force is not None, summary)
             if trace is not None:
                 return trace.chosen_id, trace
         run = run_chain(logits, self.params)

@@ -20,6 +20,7 @@ from minengine.sampling.chain import (
     run_chain,
     top_values,
 )
+from minengine.sampling.logit_summary import LogitSummary, display, rank_candidates
 from minengine.sampling.params import SamplingParams
 from minengine.sampling.step_trace import Candidate, StepTrace
 from minengine.threads import OneThread
@@ -42,13 +43,8 @@ def _display(logits: torch.Tensor, params: SamplingParams, chain_scaled: torch.T
         scaled = chain_scaled
     else:
         scaled = logits / params.temperature
-    probs = torch.softmax(scaled, dim=-1)
-    # H = -sum p log p = -log p_peak - sum p (z - z_peak): both terms small, so no cancellation.
-    neg_log_peak = -torch.log(probs[peak])
-    entropy = float(neg_log_peak - torch.dot(probs, scaled - scaled[peak]))
-    if not math.isfinite(entropy):  # a -inf logit: 0 * -inf poisons the dot product
-        entropy = float(torch.special.entr(probs).sum())
-    return _Display(scaled, probs, scaled[peak] + neg_log_peak, entropy)
+    shown = display(scaled, peak)
+    return _Display(scaled, shown.probs, shown.log_normaliser, shown.entropy)
 
 
 def _candidates(
@@ -86,8 +82,7 @@ def build_trace(
     later, then sums in the same order.
     """
     best_logits, best_ids = top_values(logits, min(top_n, logits.numel()))
-    # Among equal logits the higher id comes first: the order HF's ascending sort reverses to.
-    ranked = sorted(zip(best_ids.tolist(), best_logits.tolist(), strict=True), key=lambda c: (-c[1], -c[0]))
+    ranked = rank_candidates(best_ids, best_logits)
     shown = _display(logits, params, run.scaled, peak=ranked[0][0])
     if shown.scaled is logits:
         chosen_logprob = float(logits[chosen] - shown.log_normaliser)
@@ -137,6 +132,7 @@ def greedy_trace(
     piece: Callable[[int], str],
     top_n: int,
     forced: bool,
+    summary: LogitSummary | None = None,
 ) -> StepTrace | None:
     """`build_trace` for a greedy step, from the top candidates alone; None when it cannot tell.
 
@@ -148,19 +144,25 @@ def greedy_trace(
     decode step has streamed the weights (~0.6 ms a step). Values are bit for bit the general
     path's (same display softmax, same gathers); a non-finite top logit, or ties reaching past
     the candidates, return None and the caller takes the general path. `chosen` None means
-    the argmax; otherwise it is the committed token (forced, or given to `explain`).
+    the argmax; otherwise it is the committed token (forced, or given to `explain`). A `summary`
+    of these very logits (`logit_summary`, made in the step for every row that shares it)
+    stands in for the top candidates and the display softmax, with the same values.
     """
     n = logits.numel()
     k = min(max(top_n, 2), n)
-    best_logits, best_ids = top_values(logits, k)
-    ranked = sorted(zip(best_ids.tolist(), best_logits.tolist(), strict=True), key=lambda c: (-c[1], -c[0]))
+    if summary is not None and (summary.logits is not logits or summary.k != k):
+        summary = None
+    best_logits, best_ids = (summary.top_logits, summary.top_ids) if summary is not None else top_values(logits, k)
+    ranked = rank_candidates(best_ids, best_logits)
     top = ranked[0][1]
     if not math.isfinite(top) or (k < n and ranked[-1][1] == top):
         return None
     winner = min(tid for tid, logit in ranked if logit == top)  # torch.argmax: the first maximum
     ranked = ranked[: min(top_n, n)]
     chosen = winner if chosen is None else chosen
-    shown = _display(logits, params, None, peak=ranked[0][0])
+    shown = summary.display if summary is not None and summary.display is not None else None
+    if shown is None:
+        shown = _display(logits, params, None, peak=ranked[0][0])
     ids = torch.tensor([tid for tid, _ in ranked], dtype=torch.long, device=logits.device)
     log_normaliser = float(shown.log_normaliser)
     top_p_prob = [math.exp(logit - log_normaliser) for _, logit in ranked]
