@@ -118,3 +118,12 @@ def test_traced_greedy_requests_in_shared_steps_trace_from_summaries(chatty_tiny
     untraced = GenerationRequest.from_prompt(prompts[0], sampling=GREEDY, max_tokens=4, ignore_eos=True, trace=False)
     list(engine.start(untraced))
     assert made == []
+
+
+def test_rows_not_end_to_end_are_copied_and_summarized_the_same():
+    rows = _rows(5, 49152, seed=11)
+    picked = rows[::2]  # a step whose middle rows asked for no summary
+    for summary, row in zip(summarize(picked, 20), picked, strict=True):
+        assert summary.logits is row
+        with OneThread(row.device):
+            assert greedy_trace(row, GREEDY, None, piece, 20, False, summary) == _alone(row, 20)
