@@ -103,7 +103,8 @@ def test_traced_greedy_requests_in_shared_steps_trace_from_summaries(chatty_tiny
         GenerationRequest.from_prompt(p, sampling=GREEDY, max_tokens=8, ignore_eos=True, top_n=5) for p in prompts
     ]
     together = run_all(engine, requests)
-    assert made and max(len(rows) for rows, _ in made) > 1  # some summaries were made for a shared step
+    # Summaries were made for shared steps only: a row alone computes its own.
+    assert made and min(len(rows) for rows, _ in made) > 1
     for rows, summaries in made:
         for row, summary in zip(rows, summaries, strict=True):
             assert isinstance(summary, real_trace) and summary.k == 5
@@ -113,11 +114,12 @@ def test_traced_greedy_requests_in_shared_steps_trace_from_summaries(chatty_tiny
     for events in together:
         tokens = [e for e in events if isinstance(e, TokenEvent)]
         assert len(tokens) == 8 and all(t.trace is not None and t.trace.chosen_id == t.token_id for t in tokens)
-    # Without a trace nothing is summarized.
+    # Without a trace nothing is summarized; alone, a traced request summarizes its own rows.
     made.clear()
-    untraced = GenerationRequest.from_prompt(prompts[0], sampling=GREEDY, max_tokens=4, ignore_eos=True, trace=False)
-    list(engine.start(untraced))
-    assert made == []
+    untraced = [r.with_(trace=False) for r in requests]
+    assert all(len([e for e in evs if isinstance(e, TokenEvent)]) == 8 for evs in run_all(engine, untraced))
+    alone = list(engine.start(requests[0]))
+    assert made == [] and all(e.trace is not None for e in alone if isinstance(e, TokenEvent))
 
 
 def test_rows_not_end_to_end_are_copied_and_summarized_the_same():
