@@ -16,7 +16,7 @@ from minengine.engine.events import Event
 from minengine.engine.request import GenerationRequest
 from minengine.engine.scheduler import Scheduler
 from minengine.engine.session import RequestSession
-from minengine.engine.step_loop import BatchLimits, Member, StepLoop, default_token_budget
+from minengine.engine.step_loop import Member, StepLoop, default_limits
 from minengine.engine.timeline import Timeline
 from minengine.errors import Mention, ModelNotFoundError, Setting
 from minengine.kv.block_pool import BlockPool
@@ -96,8 +96,7 @@ class Engine:
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.device = resolve_device(device)
-        tokens = default_token_budget(self.device) if max_num_batched_tokens is None else max_num_batched_tokens
-        limits = BatchLimits(max_num_seqs, tokens)
+        limits = default_limits(self.device, max_num_seqs, max_num_batched_tokens)
         limits.check()
         if not self.model_dir.is_dir():
             raise ModelNotFoundError(

@@ -177,6 +177,34 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_step_budget(chatty_tiny
     ).result.token_ids
 
 
+def test_the_cpu_default_budget_takes_a_prompt_whole_while_nothing_decodes(chatty_tiny_dir):
+    """The default limits on the CPU: 64 tokens a step beside a decoding sequence, 2,048 while
+    none decodes (chunks there only cost); a budget given by name stays a hard cap."""
+    from minengine.engine.step_loop import IDLE_TOKEN_BUDGET, default_limits
+
+    cpu = torch.device("cpu")
+    assert default_limits(cpu, 8, None) == BatchLimits(8, 64, IDLE_TOKEN_BUDGET)
+    assert default_limits(cpu, 8, 64) == BatchLimits(8, 64, None)
+    assert default_limits(torch.device("cuda"), 8, None) == BatchLimits(8, 2048, None)
+    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False)
+    long_prompt = "Describe step-free routes between the stations of Kyoto, " * 12
+    alone = next(e for e in engine.start(_request(long_prompt)) if isinstance(e, PrefillEvent))
+    assert alone.prompt_tokens > 128 and len(alone.chunks) == 1  # nobody decoding: one step
+    # Beside a request that decodes, the same prompt goes in chunks of the budget.
+    decoding = engine.start(_request(PROMPTS[0], max_tokens=400))
+    events = iter(decoding)
+    while not isinstance(next(events), TokenEvent):
+        pass
+    rest: list = []
+    beside = threading.Thread(target=lambda: rest.extend(events))
+    beside.start()
+    chunked = next(e for e in engine.start(_request(long_prompt)) if isinstance(e, PrefillEvent))
+    decoding.cancel()
+    beside.join(timeout=60)
+    assert len(chunked.chunks) == -(-chunked.prompt_tokens // 64)
+    assert all(c.tokens <= 64 for c in chunked.chunks) and any(c.step.sequences == 2 for c in chunked.chunks)
+
+
 def test_a_held_request_is_out_of_the_batch_while_the_others_go_on(chatty_tiny_dir):
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False)
     held = engine.start(_request(PROMPTS[0]))
