@@ -13,9 +13,11 @@ Two storages (`PanelLinear.format`):
 - `q8_0`: llama.cpp's Q8_0 blocks (int8 weights, one scale per 32 inputs of a column, float32
   here), a quarter of the bytes, dequantized in registers: activations stay float32.
 
-Prompts run through it too (rows in passes of 8, a block of 64 rows in L2 while the panels
-pass): a 64-token chunk, the CPU's default step budget, takes what MKL's GEMM over the dense
-operands takes; a 1,025-token prompt in one call 1.2-1.3x (scripts/panel_kernels).
+Prompt chunks run through it too (rows in passes of 8, a block of 64 rows in L2 while the panels
+pass): a 64-token chunk, the CPU's default step budget beside decoding sequences, takes what
+MKL's GEMM over the dense operands takes. From 256 rows (a prompt taken whole while nothing
+decodes) MKL's GEMM is faster, so the product lays the weight back out densely in a scratch
+buffer and runs it (`UNPACK_ROWS`): rows of such a chunk are not the panel kernel's bits.
 
 The kernel is C, compiled once per machine with the system compiler (`cpu_kernels.library`).
 Where there is none, the weight format falls back and its reason says why.
@@ -23,12 +25,23 @@ Where there is none, the weight format falls back and its reason says why.
 
 from __future__ import annotations
 
+import threading
+
 import torch
+import torch.nn.functional as F
 
 from minengine.model.cpu_kernels import library
 
 PANEL = 8  # output columns per panel (one AVX2 vector), as panel_rows.c's PW
 Q8_BLOCK = 32  # inputs per q8_0 scale, as panel_rows.c's QB
+# From this many rows a product lays the weight back out densely and runs MKL's GEMM: a prompt
+# chunk is compute-bound, where MKL's GEMM outruns the panel tiles, and laying a layer's matrix
+# out costs 0.4-1.5 ms against 10-40 ms of multiply (measured crossover 256 rows: 3072x576 10.5
+# ms either way; at 1,025 rows 32 against 42 ms). Only matrices up to 32 MiB (not a vocabulary
+# head, whose prompts want one row of logits) take it, into one scratch per thread.
+UNPACK_ROWS = 256
+UNPACK_MAX_ELEMENTS = 8 << 20
+_scratch = threading.local()
 # A reader's `packs` for each panel storage (float32 is also a oneDNN kernel's `packs`, so it is named apart).
 PANEL_PACKS = {"q8_0": "q8_0", "float32-panels": "float32"}
 
@@ -111,6 +124,9 @@ class PanelLinear:
         [T, out] buffer, when given: a decode step's scratch)."""
         x = x.contiguous()
         rows, panels = x.shape[0], self.panels.shape[0]
+        if rows >= UNPACK_ROWS and panels * PANEL * self.in_features <= UNPACK_MAX_ELEMENTS:
+            y = F.linear(x, self._unpacked())  # a long prompt chunk: MKL's GEMM over the weight laid back out
+            return y if out is None else out.copy_(y)
         width = panels * PANEL
         direct = out is not None and width == self.out_features and out.is_contiguous()
         y = out if direct else torch.empty(rows, width, dtype=torch.float32)
@@ -130,6 +146,22 @@ class PanelLinear:
             return y
         y = y if width == self.out_features else y[:, : self.out_features].contiguous()
         return y if out is None else out.copy_(y)
+
+    def _unpacked(self) -> torch.Tensor:
+        """The weight as a dense [out, in] float32 matrix (q8_0's dequantized), in this thread's
+        scratch: valid until its next unpacking."""
+        panels, width = self.panels.shape[0], self.in_features
+        need = panels * PANEL * width
+        scratch = getattr(_scratch, "buffer", None)
+        if scratch is None or scratch.numel() < need:
+            scratch = _scratch.buffer = torch.empty(need, dtype=torch.float32)
+        view = scratch[:need].view(panels, PANEL, width)
+        if self.scales is None:
+            view.copy_(self.panels.transpose(1, 2))
+        else:
+            scales = self.scales.repeat_interleave(Q8_BLOCK, dim=1)  # [panels, in, PANEL]
+            torch.mul(self.panels.transpose(1, 2), scales.transpose(1, 2), out=view)
+        return scratch[: self.out_features * width].view(self.out_features, width)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows (output features) `ids` [T], float32 [T, in]: a tied embedding's lookup."""

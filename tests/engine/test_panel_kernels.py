@@ -21,7 +21,7 @@ from minengine.engine.engine import Engine
 from minengine.kv.cache import KVCache
 from minengine.model import cpu_kernels, weight_format
 from minengine.model.cpu_kernels import KernelLibrary, library
-from minengine.model.panel_kernels import PANEL, Q8_BLOCK, PanelLinear
+from minengine.model.panel_kernels import PANEL, Q8_BLOCK, UNPACK_MAX_ELEMENTS, UNPACK_ROWS, PanelLinear
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.model.weight_format import FLOAT32_KERNEL_ENV, WeightFormatError, resolve_weights
@@ -89,6 +89,27 @@ def test_q8_0_panels_hold_q8_0s_blocks_and_multiply_by_them(shape):
         y = panel.linear(x)
         assert _rel(y, x.double() @ stored.t()) < 1e-6  # the product of the stored weights
         assert _rel(y, x.double() @ w.double().t()) < 1e-2  # and near float32's
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["float32", "q8_0"])
+@pytest.mark.parametrize("shape", [(960, 576), (100, 64), (49152, 576)])
+def test_a_long_prompt_chunk_multiplies_the_weight_laid_back_out(fmt, shape):
+    """From UNPACK_ROWS rows the product is MKL's over the stored weight laid out densely (the
+    vocabulary head, too large for the scratch, keeps the panel tiles): the same product either way."""
+    w = _weight(shape)
+    panel = PanelLinear(fmt, w, 1)
+    stored = panel.rows(torch.arange(shape[0]))  # the weight as stored (q8_0's dequantized)
+    for rows in (UNPACK_ROWS - 1, UNPACK_ROWS, 300):
+        x = _x(rows, shape[1])
+        y = panel.linear(x)
+        assert y.shape == (rows, shape[0]) and y.is_contiguous()
+        assert _rel(y, x.double() @ stored.double().t()) < 1e-6
+        into = torch.empty(rows, shape[0])
+        assert panel.linear(x, out=into) is into and torch.equal(into, y)
+        if rows >= UNPACK_ROWS and shape[0] * shape[1] <= UNPACK_MAX_ELEMENTS:
+            torch.testing.assert_close(y, F.linear(x, stored), rtol=0, atol=1e-5)
+    assert shape[0] * shape[1] > UNPACK_MAX_ELEMENTS or torch.equal(panel._unpacked(), stored)
 
 
 @needs_kernel
