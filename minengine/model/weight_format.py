@@ -1,10 +1,11 @@
 """Which weight format a run stores its projections in, and why: asked for, or `auto`'s measured choice.
 
 On the CPU, with float32 compute, a format is a packed kernel (`linear_kernels`) or float32's
-own operands. float32 has two kernels, the same bytes and the same numbers up to summation
-order: the dense operands (`weight_layout`, the default) and oneDNN's packed float32 GEMM, which
-the environment variable `FLOAT32_KERNEL_ENV` = "onednn" takes where the probe finds it (else the
-run stays dense, and its reason says why). The kernel is one per process, so the prefix cache,
+own operands. float32 has three kernels, the same bytes and the same numbers up to summation
+order: reqscope's panel kernel (`panel_kernels`, the default where the C compiler built it), the
+dense operands (`weight_layout`: MKL's GEMV and GEMM) and oneDNN's packed float32 GEMM; the
+environment variable `FLOAT32_KERNEL_ENV` ("panels", "dense", "onednn") picks one (a kernel this
+machine lacks leaves the run dense, and its reason says why). The kernel is one per process, so the prefix cache,
 which lives in the process, never mixes them; the reason, and with it the trace header, names
 the packed one. `auto` takes `AUTO_CPU_ORDER`'s first format that this torch and CPU run: the
 fastest whose greedy tokens on the benchmark prompts matched float32's and whose logits stayed
@@ -35,11 +36,12 @@ from minengine.model.panel_kernels import q8_0_refusal
 # issue's targets (prefill no slower, peak RSS no larger) rule fp16 out as a default here, so
 # `auto` stays float32 on the CPU until a kernel pays; `--weights fp16` or `int8` take them.
 AUTO_CPU_ORDER: tuple[str, ...] = ("float32",)
-# oneDNN's packed float32 kernel against the dense operands, on the same machine (README, "Weight
-# formats"; scripts/float32_kernels): a shared step of 8 rows 5-13% faster and prefill no slower,
-# but a one-row decode step 22-27% slower (its one-row product streams a matrix slower than the
-# dense layouts' GEMV) and peak RSS 5% larger, so the default stays dense; a server that runs
-# full batches can set it.
+# float32's kernels on the same machine (README, "Weight formats" and "Many requests, one step"):
+# the panel kernel decodes one stream 1.1-1.25x as fast as the dense operands and 8 streams
+# 1.6-1.8x (its products stream each weight once for up to 8 rows, the same bits whatever rows
+# share them), and a prompt of 256 tokens or more runs through MKL's GEMM as the dense operands
+# do (`panel_kernels.UNPACK_ROWS`), so it is the default. oneDNN's packed kernel: a shared step
+# of 8 rows 5-13% faster than dense but a one-row step 22-27% slower and peak RSS 5% larger.
 FLOAT32_KERNEL_ENV = "REQSCOPE_FLOAT32_KERNEL"
 FLOAT32_KERNELS = ("dense", "onednn", "panels")
 AUTO_MAX_KL = 1e-3  # nats, mean over the steps of the benchmark prompt's greedy decode
@@ -79,9 +81,9 @@ _chosen = WeightChoice
 
 
 def float32_kernel() -> str:
-    """The float32 kernel the environment asks for: "dense" (the default) or "onednn"."""
+    """The float32 kernel the environment asks for: "panels" (the default), "dense" or "onednn"."""
     asked = os.environ.get(FLOAT32_KERNEL_ENV, "").strip().lower()
-    return asked if asked in FLOAT32_KERNELS else "dense"
+    return asked if asked in FLOAT32_KERNELS else "panels"
 
 
 def _float32(why: str) -> WeightChoice:

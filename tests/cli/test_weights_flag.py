@@ -7,6 +7,7 @@ import json
 import pytest
 
 from minengine.checkpoint import layout_cache
+from minengine.model.cpu_kernels import library
 from minengine.model.linear_kernels import available
 from reqscope import cli
 
@@ -21,7 +22,8 @@ def test_json_and_plain_say_which_format_ran_and_why(chatty_tiny_dir, capsys, mo
     argv = ["--model", str(chatty_tiny_dir), "--temperature", "0", "--max-tokens", "2"]
     assert cli.main(["--json", *argv, "--weights", "float32", "hi"]) == 0
     done = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert done["event"] == "done" and done["weights"] == {"format": "float32", "why": "asked for"}
+    kernel = ", through reqscope's panel kernel" if library().lib is not None else f"; dense, since {library().why_not}"
+    assert done["event"] == "done" and done["weights"] == {"format": "float32", "why": "asked for" + kernel}
     assert cli.main(["--plain", *argv, "hi"]) == 0
     model_line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("· model"))
     assert ", weights " in model_line and "(auto: " in model_line

@@ -18,6 +18,7 @@ from minengine.config import ModelConfig
 from minengine.engine.engine import Engine
 from minengine.kv.cache import KVCache
 from minengine.model import linear_kernels, weight_format
+from minengine.model.cpu_kernels import library
 from minengine.model.linear_kernels import PACK_BATCH_HINT, KernelProbe, PackedLinear, available
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
@@ -106,12 +107,20 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(shape):
 # -- choosing it ----------------------------------------------------------------------------------
 
 
-def test_float32_stays_dense_unless_the_environment_asks(monkeypatch):
-    monkeypatch.delenv(FLOAT32_KERNEL_ENV, raising=False)
+def test_float32_takes_the_panel_kernel_unless_the_environment_asks_for_another(monkeypatch):
+    monkeypatch.setenv(FLOAT32_KERNEL_ENV, "dense")
     assert resolve_weights("float32", CPU, torch.float32) == weight_format.WeightChoice("float32", "asked for", False)
     assert not resolve_weights("auto", CPU, torch.float32).packed
-    monkeypatch.setenv(FLOAT32_KERNEL_ENV, "something else")
-    assert not resolve_weights("float32", CPU, torch.float32).packed
+    panels = library().lib is not None  # without a C compiler the default is dense, saying why
+    for asked in (None, "something else", "panels"):
+        if asked is None:
+            monkeypatch.delenv(FLOAT32_KERNEL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(FLOAT32_KERNEL_ENV, asked)
+        for name in ("float32", "auto"):
+            choice = resolve_weights(name, CPU, torch.float32)
+            assert choice.format == "float32" and choice.panels == choice.packed == panels
+            assert choice.why.endswith(", through reqscope's panel kernel" if panels else library().why_not)
 
 
 @needs_onednn

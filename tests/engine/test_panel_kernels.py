@@ -248,7 +248,7 @@ def test_q8_0_is_asked_for_and_the_float32_panels_taken_from_the_environment(mon
     monkeypatch.setenv(FLOAT32_KERNEL_ENV, "panels")
     choice = resolve_weights("float32", CPU, torch.float32)
     assert choice.packs == "float32-panels" and "panel kernel" in choice.why
-    monkeypatch.delenv(FLOAT32_KERNEL_ENV)
+    monkeypatch.setenv(FLOAT32_KERNEL_ENV, "dense")
     assert resolve_weights("float32", CPU, torch.float32).packs is None
 
 
