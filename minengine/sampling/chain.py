@@ -42,11 +42,35 @@ def top_values(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if k * 4 > rows:
         return torch.topk(x, k)
     best_chunks = torch.topk(x[: rows * TOP_VALUES_CHUNK].view(rows, TOP_VALUES_CHUNK).amax(dim=1), k).indices
-    ids = (best_chunks.unsqueeze(1) * TOP_VALUES_CHUNK + torch.arange(TOP_VALUES_CHUNK, device=x.device)).reshape(-1)
-    if rows * TOP_VALUES_CHUNK < n:
-        ids = torch.cat((ids, torch.arange(rows * TOP_VALUES_CHUNK, n, device=x.device)))
+    ids = _chunk_members(best_chunks, n)
     values, where = torch.topk(x[ids], k)
     return values, ids[where]
+
+
+def top_values_rows(stacked: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`top_values` of every row of [rows, n], the chunk maxima and their top-k in one pass each
+    (row-wise, so each row gets the bits it gets alone)."""
+    count, n = stacked.shape
+    chunks = n // TOP_VALUES_CHUNK
+    if k * 4 > chunks:
+        return [top_values(row, k) for row in stacked]
+    maxima = stacked[:, : chunks * TOP_VALUES_CHUNK].view(count, chunks, TOP_VALUES_CHUNK).amax(dim=2)
+    ids = _chunk_members(torch.topk(maxima, k, dim=1).indices, n)
+    out = []
+    for row, row_ids in zip(stacked, ids, strict=True):
+        values, where = torch.topk(row[row_ids], k)
+        out.append((values, row_ids[where]))
+    return out
+
+
+def _chunk_members(best_chunks: torch.Tensor, n: int) -> torch.Tensor:
+    """The ids in chunks `best_chunks` [..., k] of a row of n, then the tail past the last whole chunk."""
+    device = best_chunks.device
+    ids = (best_chunks.unsqueeze(-1) * TOP_VALUES_CHUNK + torch.arange(TOP_VALUES_CHUNK, device=device)).flatten(-2)
+    whole = n // TOP_VALUES_CHUNK * TOP_VALUES_CHUNK
+    if whole < n:
+        ids = torch.cat((ids, torch.arange(whole, n, device=device).expand(*ids.shape[:-1], -1)), dim=-1)
+    return ids
 
 
 # -- the four stages ---------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minengine.sampling.chain import TOP_VALUES_CHUNK, top_values
+from minengine.sampling.chain import top_values_rows
 from minengine.threads import OneThread
 
 
@@ -75,7 +75,7 @@ def summarize(rows: Sequence[torch.Tensor], k: int) -> list[LogitSummary]:
     stacked = _stacked(rows)  # [rows, vocab]
     width = stacked.shape[1]
     k = min(k, width)
-    tops = _top_values_rows(stacked, k)
+    tops = top_values_rows(stacked, k)
     peaks = [rank_candidates(ids, values)[0][0] for values, ids in tops]
     probs = torch.softmax(stacked, dim=-1)
     # Subtraction is exact, so one stacked pass gives each row the bits its own gives.
@@ -102,21 +102,3 @@ def _stacked(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     ):
         return first.as_strided((len(rows), width), (width, 1))
     return torch.stack(list(rows))
-
-
-def _top_values_rows(stacked: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`chain.top_values` of every row of [rows, vocab], the chunk maxima and first top-k stacked."""
-    n, chunk = stacked.shape[1], TOP_VALUES_CHUNK
-    chunks = n // chunk
-    if k * 4 > chunks:  # a small vocabulary: top_values takes torch.topk of the whole row there
-        return [top_values(row, k) for row in stacked]
-    best = torch.topk(stacked[:, : chunks * chunk].view(len(stacked), chunks, chunk).amax(dim=2), k, dim=1).indices
-    ids = (best.unsqueeze(2) * chunk + torch.arange(chunk, device=stacked.device)).reshape(len(stacked), -1)
-    if chunks * chunk < n:
-        tail = torch.arange(chunks * chunk, n, device=stacked.device).expand(len(stacked), -1)
-        ids = torch.cat((ids, tail), dim=1)
-    out = []
-    for row, row_ids in zip(stacked, ids, strict=True):
-        values, where = torch.topk(row[row_ids], k)
-        out.append((values, row_ids[where]))
-    return out
