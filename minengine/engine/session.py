@@ -85,7 +85,7 @@ from minengine.sampling.chain import filter_logits
 from minengine.sampling.params import SamplingParams
 from minengine.sampling.sampler import Sampler
 from minengine.sampling.step_trace import StepTrace
-from minengine.sampling.trace import explain
+from minengine.sampling.trace import explain, greedy_candidates
 from minengine.text.detokenizer import IncrementalDetokenizer
 from minengine.text.prompt_parts import count_parts, token_parts
 from minengine.text.stop import StopMatcher
@@ -706,7 +706,7 @@ class RequestSession:
         observer = self._capture.observer(self.engine.runner.model)
         # A traced greedy step's candidates and softmax come from the step, made with its other rows'.
         params = self._sampler.params if self._sampler is not None else self.sampling
-        summarize = max(self.request.top_n, 2) if self.request.trace and params.greedy else None
+        summarize = greedy_candidates(self.request.top_n) if self.request.trace and params.greedy else None
         begun = time.perf_counter()
         out = self._member.forward(ids, start, observer, summarize)
         self._capture.ran(observer, (time.perf_counter() - begun) * 1000, len(ids))

@@ -125,6 +125,12 @@ def build_trace(
     )
 
 
+def greedy_candidates(top_n: int) -> int:
+    """How many top candidates `greedy_trace` searches for a trace showing `top_n` (at least 2, to
+    tell a tie at the top; a row shorter than that gives all it has)."""
+    return max(top_n, 2)
+
+
 def greedy_trace(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -149,7 +155,7 @@ def greedy_trace(
     stands in for the top candidates and the display softmax, with the same values.
     """
     n = logits.numel()
-    k = min(max(top_n, 2), n)
+    k = min(greedy_candidates(top_n), n)
     if summary is not None and (summary.logits is not logits or summary.k != k):
         summary = None
     best_logits, best_ids = (summary.top_logits, summary.top_ids) if summary is not None else top_values(logits, k)
