@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("panel_rows.c", "attention_rows.c"))
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 _BUILD_TIMEOUT_S = 120
 
 
@@ -35,9 +35,10 @@ class KernelLibrary:
         if lib is not None:
             c_long, c_int, ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
             lib.f32_panels.argtypes = [ptr, c_long, c_long, ptr, ptr, c_long, ptr, c_long, c_int]
+            lib.f16_panels.argtypes = lib.f32_panels.argtypes
             lib.q8_0_panels.argtypes = [ptr, c_long, c_long, ptr, ptr, c_long, ptr, c_long, c_int]
             lib.attend_rows.argtypes = [ptr]  # an AttendArgs (attention_rows.AttendArgs)
-            lib.f32_panels.restype = lib.q8_0_panels.restype = lib.attend_rows.restype = None
+            lib.f32_panels.restype = lib.f16_panels.restype = lib.q8_0_panels.restype = lib.attend_rows.restype = None
 
 
 def kernels_home() -> Path:
@@ -84,7 +85,7 @@ def library() -> KernelLibrary:
         return KernelLibrary(None, f"reqscope's CPU kernels are built for x86-64 Linux, not {here}")
     capability = torch.backends.cpu.get_cpu_capability()
     if not capability.startswith(("AVX2", "AVX512")):
-        return KernelLibrary(None, f"reqscope's CPU kernels need AVX2 and FMA; torch finds {capability} on this CPU")
+        return KernelLibrary(None, f"reqscope's CPU kernels need AVX2, FMA and F16C; torch finds {capability} on this CPU")
     cc = _compiler()
     if cc is None:
         why = "reqscope's CPU kernels are compiled here and no C compiler (cc) was found; install gcc"

@@ -8,8 +8,10 @@ contiguous, and computes every row of a step against each panel while it is in c
 step of 8 rows reads the weights once; each output is one FMA chain in input order, so a row's
 product is the same bits whatever rows share its step.
 
-Two storages (`PanelLinear.format`):
+Three storages (`PanelLinear.format`):
 - `float32`: the checkpoint's values, the same bytes as the dense operands;
+- `fp16`: the values rounded to IEEE half precision, half the bytes, converted back exactly in
+  registers (F16C): float32 arithmetic on the rounded weights;
 - `q8_0`: llama.cpp's Q8_0 blocks (int8 weights, one scale per 32 inputs of a column, float32
   here), a quarter of the bytes, dequantized in registers: activations stay float32.
 
@@ -43,7 +45,7 @@ UNPACK_ROWS = 256
 UNPACK_MAX_ELEMENTS = 8 << 20
 _scratch = threading.local()
 # A reader's `packs` for each panel storage (float32 is also a oneDNN kernel's `packs`, so it is named apart).
-PANEL_PACKS = {"q8_0": "q8_0", "float32-panels": "float32"}
+PANEL_PACKS = {"q8_0": "q8_0", "float32-panels": "float32", "fp16-panels": "fp16"}
 
 
 def _panels(weight: torch.Tensor) -> torch.Tensor:
@@ -87,6 +89,8 @@ class PanelLinear:
             self.scales = scales.contiguous()
         elif fmt == "float32":
             self.panels = panels
+        elif fmt == "fp16":
+            self.panels = panels.half()
         else:
             raise ValueError(f"no panel storage {fmt!r}")
         self._count_bytes()
@@ -133,7 +137,8 @@ class PanelLinear:
         lib, threads = self._lib, torch.get_num_threads()
         if self.scales is None:
             packed = x if rows == 1 else torch.empty_like(x)  # the kernel's room to lay the rows out k-major
-            lib.f32_panels(
+            kernel = lib.f32_panels if self.format == "float32" else lib.f16_panels
+            kernel(
                 x.data_ptr(), rows, self.in_features, packed.data_ptr(), self.panels.data_ptr(), panels, y.data_ptr(),
                 width, threads,
             )  # fmt: skip
@@ -148,7 +153,7 @@ class PanelLinear:
         return y if out is None else out.copy_(y)
 
     def _unpacked(self) -> torch.Tensor:
-        """The weight as a dense [out, in] float32 matrix (q8_0's dequantized), in this thread's
+        """The weight as a dense [out, in] float32 matrix (fp16's converted, q8_0's dequantized), in this thread's
         scratch: valid until its next unpacking."""
         panels, width = self.panels.shape[0], self.in_features
         need = panels * PANEL * width

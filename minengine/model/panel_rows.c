@@ -11,11 +11,15 @@
  * one FMA chain over k = 0..K-1 in order, whatever M and the thread count, so a row's product is
  * the same bits alone or beside others (batch invariance by construction).
  *
+ * fp16 panels hold the weights in IEEE half precision: half of float32's bytes, each vector
+ * converted exactly to float32 once per k (F16C) and shared by the rows, so the products are
+ * float32's arithmetic on the rounded weights.
+ *
  * q8_0 panels hold int8 weights and one float32 scale per 32 inputs and column (llama.cpp's
  * Q8_0 blocks, with a float32 scale): a quarter of float32's bytes. Each weight vector is
  * dequantized once per k and shared by every row, so the activations stay float32.
  *
- * Built by minengine/model/panel_kernels.py with -O3 -mavx2 -mfma -fopenmp; OpenMP is the
+ * Built by minengine/model/cpu_kernels.py with -O3 -mavx2 -mfma -mf16c -fopenmp; OpenMP is the
  * runtime torch already loaded (same soname), and the thread count is the caller's.
  */
 #include <immintrin.h>
@@ -35,18 +39,22 @@
     if ((RT) > 1 && ((k * (K_BYTES)) & 63) == 0) _mm_prefetch((const char *)(BASE) + PF_BYTES, _MM_HINT_T0);
 
 /* RT rows x NP panels, the whole input: RT*NP sums in registers, each one FMA chain in k order.
- * Inlined: GCC 12 left out of line keeps the 2 x 4 and 4 x 2 tiles' sums in memory, a store of
- * each sum every k (4 rows: 11% slower a sweep). */
-#define F32_TILE(RT, NP)                                                                         \
-static inline __attribute__((always_inline)) void f32_##RT##x##NP(const float *x, long K, const float *P, float *y, long ldy) { \
+ * One macro for float32 and fp16 panels: LOAD turns 8 stored weights into a float32 vector (fp16:
+ * one F16C conversion, exact, shared by the tile's rows), so both kinds sum the same products in
+ * the same order. Inlined: GCC 12 left out of line keeps the 2 x 4 and 4 x 2 tiles' sums in
+ * memory, a store of each sum every k (4 rows: 11% slower a sweep). */
+#define LOAD_F32(P, at) _mm256_loadu_ps((P) + (at))
+#define LOAD_F16(P, at) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((P) + (at))))
+#define TILE(KIND, WT, LOAD, RT, NP)                                                             \
+static inline __attribute__((always_inline)) void KIND##_##RT##x##NP(const float *x, long K, const WT *P, float *y, long ldy) { \
     __m256 a[RT][NP];                                                                            \
     for (int r = 0; r < RT; r++)                                                                 \
         for (int p = 0; p < NP; p++) a[r][p] = _mm256_setzero_ps();                              \
     for (long k = 0; k < K; k++) {                                                               \
         __m256 w[NP];                                                                            \
         for (int p = 0; p < NP; p++) {                                                           \
-            PREFETCH(RT, P + (p * K + k) * PW, PW * 4)                                           \
-            w[p] = _mm256_loadu_ps(P + (p * K + k) * PW);                                        \
+            PREFETCH(RT, P + (p * K + k) * PW, PW * (long)sizeof(WT))                            \
+            w[p] = LOAD(P, (p * K + k) * PW);                                                    \
         }                                                                                        \
         for (int r = 0; r < RT; r++) {                                                           \
             __m256 b = _mm256_broadcast_ss(x + k * RT + r);                                      \
@@ -56,6 +64,8 @@ static inline __attribute__((always_inline)) void f32_##RT##x##NP(const float *x
     for (int r = 0; r < RT; r++)                                                                 \
         for (int p = 0; p < NP; p++) _mm256_storeu_ps(y + r * ldy + p * PW, a[r][p]);            \
 }
+#define F32_TILE(RT, NP) TILE(f32, float, LOAD_F32, RT, NP)
+#define F16_TILE(RT, NP) TILE(f16, uint16_t, LOAD_F16, RT, NP)
 
 /* The same over q8_0 panels: each weight vector dequantized once per k, shared by the rows. */
 #define Q8_TILE(RT, NP)                                                                          \
@@ -85,6 +95,9 @@ static inline void q8_##RT##x##NP(const float *x, long K, const int8_t *Q, const
 F32_TILE(1, 4) F32_TILE(2, 4) F32_TILE(3, 2) F32_TILE(4, 2)
 F32_TILE(1, 1) F32_TILE(2, 1) F32_TILE(3, 1) F32_TILE(4, 1)
 F32_TILE(5, 1) F32_TILE(6, 1) F32_TILE(7, 1) F32_TILE(8, 1)
+F16_TILE(1, 4) F16_TILE(2, 4) F16_TILE(3, 2) F16_TILE(4, 2)
+F16_TILE(1, 1) F16_TILE(2, 1) F16_TILE(3, 1) F16_TILE(4, 1)
+F16_TILE(5, 1) F16_TILE(6, 1) F16_TILE(7, 1) F16_TILE(8, 1)
 Q8_TILE(1, 4) Q8_TILE(2, 2)
 Q8_TILE(1, 1) Q8_TILE(2, 1) Q8_TILE(3, 1) Q8_TILE(4, 1)
 Q8_TILE(5, 1) Q8_TILE(6, 1) Q8_TILE(7, 1) Q8_TILE(8, 1)
@@ -126,25 +139,35 @@ static void pack_rows(const float *x, long M, long K, float *xp) {
     }
 }
 
-#define F32_ARGS(p) (P + (p0 + (p)) * K * PW)
+#define FLOAT_ARGS(p) (P + (p0 + (p)) * K * PW)
 #define Q8_ARGS(p) (Q + (p0 + (p)) * K * PW), (S + (p0 + (p)) * (K / QB) * PW)
+
+/* The float32 and fp16 products: the rows repacked, then blocks of RB rows against every group. */
+#define FLOAT_PANELS(KIND)                                                                       \
+    long groups = (panels + GP - 1) / GP;                                                        \
+    if (xp != x) pack_rows(x, M, K, xp);                                                         \
+    x = xp;                                                                                      \
+    _Pragma("omp parallel num_threads(threads)")                                                 \
+    for (long r0 = 0; r0 < M; r0 += RB) {                                                        \
+        long end = M - r0 < RB ? M : r0 + RB;                                                    \
+        _Pragma("omp for schedule(static)")                                                      \
+        for (long g = 0; g < groups; g++) {                                                      \
+            long p0 = g * GP, n = panels - p0 < GP ? panels - p0 : GP;                           \
+            GROUP_ROWS(KIND, FLOAT_ARGS, 4, 2)                                                     \
+        }                                                                                        \
+    }
 
 /* x [M, K] contiguous; xp room for M * K floats (the rows repacked, see pack_rows); P [panels][K][8];
  * y rows of stride ldy (>= panels * 8). */
 void f32_panels(const float *x, long M, long K, float *xp, const float *P, long panels, float *y, long ldy,
                 int threads) {
-    long groups = (panels + GP - 1) / GP;
-    if (xp != x) pack_rows(x, M, K, xp);
-    x = xp;
-#pragma omp parallel num_threads(threads)
-    for (long r0 = 0; r0 < M; r0 += RB) {
-        long end = M - r0 < RB ? M : r0 + RB;
-#pragma omp for schedule(static)
-        for (long g = 0; g < groups; g++) {
-            long p0 = g * GP, n = panels - p0 < GP ? panels - p0 : GP;
-            GROUP_ROWS(f32, F32_ARGS, 4, 2)
-        }
-    }
+    FLOAT_PANELS(f32)
+}
+
+/* The same with P [panels][K][8] IEEE half-precision weights (F16C), computed in float32. */
+void f16_panels(const float *x, long M, long K, float *xp, const uint16_t *P, long panels, float *y, long ldy,
+                int threads) {
+    FLOAT_PANELS(f16)
 }
 
 /* Q [panels][K][8] int8; S [panels][K/32][8] float32; K a multiple of 32. */

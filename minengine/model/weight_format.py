@@ -69,7 +69,7 @@ class WeightChoice:
         """What the checkpoint reader is told to pack into: None for dense operands."""
         if not self.packed:
             return None
-        return "float32-panels" if self.panels and self.format == "float32" else self.format
+        return f"{self.format}-panels" if self.panels and self.format in ("float32", "fp16") else self.format
 
     @property
     def label(self) -> str:
@@ -100,6 +100,23 @@ def _float32(why: str) -> WeightChoice:
     if not probe.ok:
         return _chosen("float32", f"{why}; dense, since {probe.why_not}", False)
     return _chosen("float32", f"{why}, through oneDNN's packed float32 kernel", True)
+
+
+def _fp16(why: str) -> WeightChoice:
+    """fp16 on the CPU: reqscope's panel kernel, or FBGEMM's packed fp16 where the kernel was not
+    built (saying why); a WeightFormatError when neither runs."""
+    panels = library()
+    if panels.lib is not None:
+        return _chosen("fp16", f"{why}, through reqscope's panel kernel", True, True)
+    probe = available("fp16")
+    if not probe.ok:
+        raise WeightFormatError(
+            f"fp16 weights cannot run: {panels.why_not}, and {probe.why_not}; use ",
+            Mention(Setting.WEIGHTS, "float32"),
+            " or ",
+            Mention(Setting.WEIGHTS, "auto"),
+        )
+    return _chosen("fp16", f"{why}; FBGEMM's packed fp16, since {panels.why_not}", True)
 
 
 def compute_dtype_for(name: str, device: torch.device) -> str:
@@ -153,6 +170,8 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> Weig
             " or ",
             Mention(Setting.DTYPE, "auto"),
         )
+    if name == "fp16":
+        return _fp16("asked for")
     if name == "q8_0":
         panels = library()
         if panels.lib is None:

@@ -1,8 +1,8 @@
-"""reqscope's panel kernel (float32 and q8_0 panels): products against float64, a row's bits whatever
-rows share its call, Q8_0's blocks, the model under both storages, choosing it, and falling back.
+"""reqscope's panel kernel (float32, fp16 and q8_0 panels): products against float64, a row's bits
+whatever rows share its call, Q8_0's blocks, the model under each storage, choosing it, and falling back.
 
 Tolerances: a float32 panel product is one float32 FMA chain per output, within 1e-6 relative
-of float64; q8_0 rounds each weight to 8 bits within its block of 32 (relative error of a
+of float64 (fp16's: of float64's product of the half-rounded weights); q8_0 rounds each weight to 8 bits within its block of 32 (relative error of a
 product about 0.5%, bound 1%). The tiny models' logits under float32 panels stay within
 transformers' 1e-4, as the dense operands' do.
 """
@@ -63,6 +63,21 @@ def test_float32_panels_are_float64s_product_to_float32_rounding(shape):
         assert _rel(y, x.double() @ w.double().t()) < 1e-6
 
 
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp16_panels_multiply_by_the_half_rounded_weights_in_float32(shape):
+    w = _weight(shape)
+    panel = PanelLinear("fp16", w, 1)
+    rounded = w.half()
+    assert torch.equal(panel.rows(torch.arange(shape[0])), rounded.float())  # IEEE half, round to nearest even
+    assert panel.stored_bytes == -(-shape[0] // PANEL) * PANEL * shape[1] * 2
+    for rows in ROWS:
+        x = _x(rows, shape[1])
+        y = panel.linear(x)
+        assert _rel(y, x.double() @ rounded.double().t()) < 1e-6  # float32 arithmetic on the stored weights
+        assert _rel(y, x.double() @ w.double().t()) < 1e-3  # and near float32's
+
+
 def _q8_0_reference(w: torch.Tensor) -> torch.Tensor:
     """Q8_0 as llama.cpp defines it, written independently: per 32 inputs of a row, scale absmax/127."""
     out, k = w.shape
@@ -92,14 +107,14 @@ def test_q8_0_panels_hold_q8_0s_blocks_and_multiply_by_them(shape):
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", ["float32", "q8_0"])
+@pytest.mark.parametrize("fmt", ["float32", "fp16", "q8_0"])
 @pytest.mark.parametrize("shape", [(960, 576), (100, 64), (49152, 576)])
 def test_a_long_prompt_chunk_multiplies_the_weight_laid_back_out(fmt, shape):
     """From UNPACK_ROWS rows the product is MKL's over the stored weight laid out densely (the
     vocabulary head, too large for the scratch, keeps the panel tiles): the same product either way."""
     w = _weight(shape)
     panel = PanelLinear(fmt, w, 1)
-    stored = panel.rows(torch.arange(shape[0]))  # the weight as stored (q8_0's dequantized)
+    stored = panel.rows(torch.arange(shape[0]))  # the weight as stored (fp16's converted, q8_0's dequantized)
     for rows in (UNPACK_ROWS - 1, UNPACK_ROWS, 300):
         x = _x(rows, shape[1])
         y = panel.linear(x)
@@ -113,7 +128,7 @@ def test_a_long_prompt_chunk_multiplies_the_weight_laid_back_out(fmt, shape):
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", ["float32", "q8_0"])
+@pytest.mark.parametrize("fmt", ["float32", "fp16", "q8_0"])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (100, 64)])
 def test_a_rows_product_is_the_same_bits_whatever_rows_and_threads_share_the_call(fmt, shape):
     panel = PanelLinear(fmt, _weight(shape), 1)
@@ -200,7 +215,20 @@ def test_q8_0_stays_near_float32_on_the_tiny_models(tiny_models, name):
 
 
 @needs_kernel
-@pytest.mark.parametrize("packs", ["q8_0", "float32-panels"])
+@pytest.mark.parametrize("name", [s.name for s in SPECS])
+def test_fp16_panels_keep_float32s_greedy_tokens_on_the_tiny_models(tiny_models, name):
+    folder, _ = tiny_models[name]
+    cfg, dense = _runner(folder, None)
+    _, half = _runner(folder, "fp16-panels")
+    ids = _prompt(cfg.vocab_size)
+    ref = dense.model.forward(ids, 0, _cache(cfg), all_logits=True)
+    ours = half.model.forward(ids, 0, _cache(cfg), all_logits=True)
+    assert _kl(ref, ours).max() < 1e-5
+    assert torch.equal(ref.argmax(-1), ours.argmax(-1))
+
+
+@needs_kernel
+@pytest.mark.parametrize("packs", ["q8_0", "float32-panels", "fp16-panels"])
 def test_the_lean_step_and_a_batched_step_give_the_general_paths_logits(tiny_models, packs):
     from minengine.model.batch_forward import Row
 
@@ -222,7 +250,7 @@ def test_the_lean_step_and_a_batched_step_give_the_general_paths_logits(tiny_mod
 
 
 @needs_kernel
-@pytest.mark.parametrize("packs", ["q8_0", "float32-panels"])
+@pytest.mark.parametrize("packs", ["q8_0", "float32-panels", "fp16-panels"])
 def test_one_copy_the_tied_heads_panels_serve_the_lookups(tiny_models, packs):
     cfg, runner = _runner(tiny_models["llama-mha-tied"][0], packs)
     model = runner.model
@@ -233,6 +261,9 @@ def test_one_copy_the_tied_heads_panels_serve_the_lookups(tiny_models, packs):
     if packs == "float32-panels":
         assert torch.equal(rows, dense.model.embed_tokens(ids))
         assert model.weight_bytes >= dense.model.weight_bytes  # float32's bytes (padding to whole panels)
+    elif packs == "fp16-panels":
+        assert torch.equal(rows, dense.model.embed_tokens(ids).half().float())
+        assert model.weight_bytes < 0.55 * dense.model.weight_bytes  # half of float32's, held once
     else:
         torch.testing.assert_close(rows, dense.model.embed_tokens(ids), rtol=0.01, atol=2e-3)
         assert model.weight_bytes < 0.3 * dense.model.weight_bytes  # about 9/32 of float32's, held once
@@ -250,6 +281,8 @@ def test_q8_0_is_asked_for_and_the_float32_panels_taken_from_the_environment(mon
     assert choice.packs == "float32-panels" and "panel kernel" in choice.why
     monkeypatch.setenv(FLOAT32_KERNEL_ENV, "dense")
     assert resolve_weights("float32", CPU, torch.float32).packs is None
+    choice = resolve_weights("fp16", CPU, torch.float32)  # the panels whatever float32's kernel
+    assert (choice.format, choice.packs, choice.why) == ("fp16", "fp16-panels", "asked for, through reqscope's panel kernel")
 
 
 def test_without_the_kernel_q8_0_is_refused_and_float32_stays_dense(monkeypatch):
@@ -260,6 +293,9 @@ def test_without_the_kernel_q8_0_is_refused_and_float32_stays_dense(monkeypatch)
     monkeypatch.setenv(FLOAT32_KERNEL_ENV, "panels")
     choice = resolve_weights("float32", CPU, torch.float32)
     assert choice.packs is None and "dense, since no C compiler" in choice.why
+    if weight_format.available("fp16").ok:  # fp16 falls back to FBGEMM's packed kernel, saying why
+        choice = resolve_weights("fp16", CPU, torch.float32)
+        assert choice.packs == "fp16" and not choice.panels and "FBGEMM's packed fp16, since no C compiler" in choice.why
 
 
 def test_q8_0_on_cuda_is_refused():
@@ -284,7 +320,7 @@ def test_q8_0_refuses_a_model_whose_inputs_are_not_in_blocks_of_32(tiny_models, 
 
 
 @needs_kernel
-@pytest.mark.parametrize("packs", ["q8_0", "float32-panels"])
+@pytest.mark.parametrize("packs", ["q8_0", "float32-panels", "fp16-panels"])
 def test_a_panel_layout_is_cached_beside_the_dense_one_and_mapped_back(tiny_models, tmp_path, monkeypatch, packs):
     import shutil
 
