@@ -85,7 +85,8 @@ def library() -> KernelLibrary:
         return KernelLibrary(None, f"reqscope's CPU kernels are built for x86-64 Linux, not {here}")
     capability = torch.backends.cpu.get_cpu_capability()
     if not capability.startswith(("AVX2", "AVX512")):
-        return KernelLibrary(None, f"reqscope's CPU kernels need AVX2, FMA and F16C; torch finds {capability} on this CPU")
+        why = f"reqscope's CPU kernels need AVX2, FMA and F16C; torch finds {capability} on this CPU"
+        return KernelLibrary(None, why)
     cc = _compiler()
     if cc is None:
         why = "reqscope's CPU kernels are compiled here and no C compiler (cc) was found; install gcc"
