@@ -2,10 +2,9 @@
 whatever rows share its call, Q8_0's blocks, the model under each storage, choosing it, and falling back.
 
 Tolerances: a float32 panel product is one float32 FMA chain per output, within 1e-6 relative
-of float64 (fp16's: of float64's product of the half-rounded weights); q8_0 rounds each weight to
-8 bits within its block of 32 (relative error of a
-product about 0.5%, bound 1%). The tiny models' logits under float32 panels stay within
-transformers' 1e-4, as the dense operands' do.
+of float64 (fp16's: of float64's product of the half-rounded weights); q8_0 rounds each weight
+to 8 bits within its block of 32 (relative error of a product about 0.5%, bound 1%). The tiny
+models' logits under float32 panels stay within transformers' 1e-4, as the dense operands' do.
 """
 
 from __future__ import annotations
