@@ -9,7 +9,8 @@ machine lacks leaves the run dense, and its reason says why). The kernel is one 
 which lives in the process, never mixes them; the reason, and with it the trace header, names
 the packed one. `auto` takes `AUTO_CPU_ORDER`'s first format that this torch and CPU run: the
 fastest whose greedy tokens on the benchmark prompts matched float32's and whose logits stayed
-within `AUTO_MAX_KL` of them (the README gives the measurement and its command). Elsewhere the
+within `AUTO_MAX_KL` of them (the README gives the measurement and its command): fp16 in the
+panel kernel, else float32. Elsewhere the
 weights are stored in the compute dtype, so a format names that dtype (fp16 is float16, bf16 is
 bfloat16); one that differs from the dtype asked for, or int8, is refused.
 """
@@ -30,12 +31,13 @@ from minengine.model.linear_kernels import available, int8_refusal
 from minengine.model.panel_kernels import q8_0_refusal
 
 # Measured on the 2-core development machine (README, "Weight formats"; an AMD EPYC with AVX2
-# and no AVX-512): fp16 keeps float32's greedy tokens (mean KL 1.6e-6) but decodes only 1.2x
-# float32's tok/s, prefills 1,025 tokens about 5% slower and loads about 2 s slower (a packed
-# model has no layout cache); int8 decodes 1.6x but parts from float32's greedy tokens. The
-# issue's targets (prefill no slower, peak RSS no larger) rule fp16 out as a default here, so
-# `auto` stays float32 on the CPU until a kernel pays; `--weights fp16` or `int8` take them.
-AUTO_CPU_ORDER: tuple[str, ...] = ("float32",)
+# and no AVX-512): fp16 in reqscope's panel kernel keeps float32's greedy tokens (mean KL
+# 1.6e-6 nats), decodes 1.4-1.5x float32's tok/s, prefills no slower (a long prompt runs through
+# MKL's GEMM either way) and peaks at two thirds of float32's RSS (half the weight bytes, its
+# panels cached), so it comes first. FBGEMM's packed fp16 (where no C compiler built the panel
+# kernel) decoded only 1.2x and prefilled 5% slower, so `auto` does not take it; int8 and q8_0
+# decode faster but part from float32's greedy tokens.
+AUTO_CPU_ORDER: tuple[str, ...] = ("fp16", "float32")
 # float32's kernels on the same machine (README, "Weight formats" and "Many requests, one step"):
 # the panel kernel decodes one stream 1.1-1.25x as fast as the dense operands and 8 streams
 # 1.6-1.8x (its products stream each weight once for up to 8 rows, the same bits whatever rows
@@ -144,9 +146,15 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> Weig
             if fmt == "float32":
                 note = f" ({'; '.join(skipped)})" if skipped else ""
                 return _float32(f"auto: no packed format pays here{note}")
+            why = "auto: the fastest measured that keeps float32's greedy tokens"
+            if fmt in ("fp16", "q8_0"):  # measured in the panel kernel only
+                if library().lib is not None:
+                    return _chosen(fmt, f"{why}, through reqscope's panel kernel", True, True)
+                skipped.append(f"{fmt}: {library().why_not}")
+                continue
             probe = available(fmt)
             if probe.ok:
-                return _chosen(fmt, "auto: the fastest measured that keeps float32's greedy tokens", True)
+                return _chosen(fmt, why, True)
             skipped.append(f"{fmt}: {probe.why_not}")
     if name == own:
         return _float32("asked for") if packs else _chosen(name, "asked for", False)

@@ -26,6 +26,8 @@ from minengine.config import ModelConfig
 from minengine.engine.engine import Engine
 from minengine.engine.request import GenerationRequest
 from minengine.kv.cache import KVCache
+from minengine.model import weight_format
+from minengine.model.cpu_kernels import KernelLibrary, library
 from minengine.model.linear_kernels import PackedLinear, available
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
@@ -152,11 +154,17 @@ def test_a_model_counts_its_packed_bytes(tiny_models, fmt):
 # -- choosing the format -------------------------------------------------------------------------
 
 
-def test_auto_takes_the_measured_format_on_the_cpu():
+def test_auto_takes_the_measured_format_on_the_cpu(monkeypatch):
     choice = resolve_weights("auto", CPU, torch.float32)
-    first_available = next(f for f in AUTO_CPU_ORDER if f == "float32" or available(f).ok)
-    assert choice.format == first_available
+    kernel = library().lib is not None
+    assert AUTO_CPU_ORDER == ("fp16", "float32")
+    assert (choice.format, choice.panels) == (("fp16", True) if kernel else ("float32", False))
     assert choice.why.startswith("auto: ")
+    monkeypatch.setattr(weight_format, "library", lambda: KernelLibrary(None, "no C compiler (cc) was found"))
+    choice = resolve_weights("auto", CPU, torch.float32)  # not FBGEMM's fp16: it did not pay
+    assert choice.format == "float32" and not choice.packed
+    none = "no C compiler (cc) was found"
+    assert choice.why == f"auto: no packed format pays here (fp16: {none}); dense, since {none}"
     assert resolve_weights("int8", CPU, torch.float32).why == "asked for"
 
 
