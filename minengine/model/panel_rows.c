@@ -95,7 +95,7 @@ static inline void q8_##RT##x##NP(const float *x, long K, const int8_t *Q, const
 F32_TILE(1, 4) F32_TILE(2, 4) F32_TILE(3, 2) F32_TILE(4, 2)
 F32_TILE(1, 1) F32_TILE(2, 1) F32_TILE(3, 1) F32_TILE(4, 1)
 F32_TILE(5, 1) F32_TILE(6, 1) F32_TILE(7, 1) F32_TILE(8, 1)
-F16_TILE(1, 4) F16_TILE(2, 4) F16_TILE(3, 2) F16_TILE(4, 2)
+F16_TILE(1, 8) F16_TILE(1, 4) F16_TILE(2, 4) F16_TILE(3, 2) F16_TILE(4, 2)
 F16_TILE(1, 1) F16_TILE(2, 1) F16_TILE(3, 1) F16_TILE(4, 1)
 F16_TILE(5, 1) F16_TILE(6, 1) F16_TILE(7, 1) F16_TILE(8, 1)
 Q8_TILE(1, 4) Q8_TILE(2, 2)
@@ -164,9 +164,22 @@ void f32_panels(const float *x, long M, long K, float *xp, const float *P, long 
     FLOAT_PANELS(f32)
 }
 
-/* The same with P [panels][K][8] IEEE half-precision weights (F16C), computed in float32. */
+/* The same with P [panels][K][8] IEEE half-precision weights (F16C), computed in float32. One row
+ * takes 8 panels at a time: its 1 x 4 tile converts too little per broadcast to keep the stream
+ * busy (1 x 8: 9% faster a sweep of the model's matrices, the 576-wide ones split 5:4 between two
+ * threads included). Each output is still one FMA chain in k order: the same bits as in a group of 4. */
 void f16_panels(const float *x, long M, long K, float *xp, const uint16_t *P, long panels, float *y, long ldy,
                 int threads) {
+    if (M == 1) {
+        long groups = (panels + 7) / 8;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (long g = 0; g < groups; g++) {
+            long p = g * 8;
+            if (p + 8 <= panels) f16_1x8(x, K, P + p * K * PW, y + p * PW, ldy);
+            else for (; p < panels; p++) f16_1x1(x, K, P + p * K * PW, y + p * PW, ldy);
+        }
+        return;
+    }
     FLOAT_PANELS(f16)
 }
 
