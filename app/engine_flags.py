@@ -15,9 +15,10 @@ MODEL_HELP = "model folder (default: the pulled SmolLM2-135M-Instruct)"
 DTYPE_HELP = "weights and compute (half = float16)"
 WEIGHTS_HELP = (
     "the projections' storage, in llama.cpp's and vLLM's short names: float32, fp16, bf16, int8 (per-channel, "
-    "activations quantized too), q8_0 (llama.cpp's blocks of 32; reqscope's panel kernel, built once with the "
-    "system C compiler); on the CPU fp16/bf16/int8 are torch's packed kernels around float32 compute, elsewhere "
-    "the compute dtype's own (default auto: the fastest format measured to keep float32's greedy tokens)"
+    "activations quantized too), q8_0 (llama.cpp's blocks of 32); on the CPU, around float32 compute, float32, "
+    "fp16 and q8_0 run in reqscope's panel kernel (built once with the system C compiler; FBGEMM's fp16 without "
+    "one) and bf16/int8 in torch's packed kernels, elsewhere the compute dtype's own (default auto: the fastest "
+    "format measured to keep float32's greedy tokens, fp16 on the CPU)"
 )
 
 
