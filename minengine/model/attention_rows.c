@@ -18,25 +18,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-/* The arguments of one call: set once per step (shapes, indices), per layer (pointers). */
-typedef struct {
-    long rows, hq, hkv, d;     /* rows of queries; query and KV heads; head size */
-    float scale;               /* applied to q.k */
-    int threads;
-    const float *q;            /* row r's heads at q + q_at[r] * q_rs, heads d apart */
-    long q_rs;
-    const long *q_at;          /* NULL: row r is q's row r */
-    const float *k, *v;        /* the rows' new K/V, written before attending; k NULL: none */
-    long k_rs, v_rs;
-    const long *kv_at;         /* NULL: row r is k's and v's row r */
-    const long *slots;         /* the cache position each row's new K/V go to */
-    float *kc, *vc;            /* the cache: head h, position p at kc + h * kc_hs + p * d */
-    long kc_hs, vc_hs;
-    const long *pos;           /* row r's positions: pos[ends[r-1] .. ends[r]); NULL: 0 .. length - 1 */
-    const long *ends;
-    float *out;                /* row r's attended heads at out + r * out_rs, heads d apart */
-    long out_rs;
-} AttendArgs;
+#include "attention_rows.h"
 
 /* e^x, 8 lanes, for x <= 0 (scores less their maximum): Cephes' expf, exactly 0 below -87. */
 static inline __m256 exp_le0(__m256 x) {
@@ -58,6 +40,9 @@ static inline __m256 exp_le0(__m256 x) {
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
+
+/* exp_le0 out of line, for row_ops.c's SiLU (one definition of the polynomial). */
+__m256 exp8_le0(__m256 x) { return exp_le0(x); }
 
 static inline float hsum(__m256 a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));

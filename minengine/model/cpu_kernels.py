@@ -1,7 +1,9 @@
 """reqscope's C kernels for the CPU, compiled once per machine and loaded with ctypes.
 
-Two sources make one library: `panel_rows.c` (the projections over weight panels,
-`panel_kernels`) and `attention_rows.c` (decode attention read in place, `attention_rows`).
+Four sources make one library: `panel_rows.c` (the projections over weight panels,
+`panel_kernels`), `attention_rows.c` (decode attention read in place, `attention_rows`),
+`row_ops.c` (RMSNorm, the rotary embedding and SiLU-gating over a step's rows, `row_kernels`)
+and `decode_layers.c` (every block of a one-token step in one call, `eager_step.LayerStack`).
 They are built with the system compiler into the user cache (`library`), about two seconds,
 keyed by the sources, the compiler and its flags, and written atomically, so processes that
 race build the same bytes. Where there is no x86-64 CPU with AVX2, no compiler, or the build
@@ -22,7 +24,10 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("panel_rows.c", "attention_rows.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("panel_rows.c", "attention_rows.c", "row_ops.c", "decode_layers.c")
+)
+HEADERS = (Path(__file__).with_name("attention_rows.h"),)  # part of the build's key
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 _BUILD_TIMEOUT_S = 120
 
@@ -38,6 +43,13 @@ class KernelLibrary:
             lib.f16_panels.argtypes = lib.f32_panels.argtypes
             lib.q8_0_panels.argtypes = [ptr, c_long, c_long, ptr, ptr, c_long, ptr, c_long, c_int]
             lib.attend_rows.argtypes = [ptr]  # an AttendArgs (attention_rows.AttendArgs)
+            rows = [ptr, c_long, c_long, c_long, c_long, c_long]  # x, T, H, d, stride of T, stride of H
+            lib.rms_norm_rows.argtypes = [*rows, ptr, ctypes.c_float, ptr, c_long, c_long]  # weight, eps, y, strides
+            lib.rope_rows.argtypes = [*rows, ptr, ptr, ptr, c_long, c_long]  # cos, signed sin, y, strides
+            lib.silu_mul_rows.argtypes = [ptr, ptr, ptr, c_long, c_long, c_long, c_long, c_long]
+            lib.decode_layers.argtypes = [ptr]  # a StackArgs (eager_step.StackArgs)
+            for name in ("rms_norm_rows", "rope_rows", "silu_mul_rows", "decode_layers"):
+                getattr(lib, name).restype = None
             lib.f32_panels.restype = lib.f16_panels.restype = lib.q8_0_panels.restype = lib.attend_rows.restype = None
 
 
@@ -55,7 +67,7 @@ def _compiler() -> str | None:
 def _build(cc: str, home: Path) -> Path:
     """Compile `SOURCES` into `home` (once per sources, compiler and flags), written atomically."""
     version = subprocess.run([cc, "-dumpversion"], capture_output=True, text=True, timeout=30).stdout
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
     key = hashlib.sha256(sources + "\0".join((cc, version, *FLAGS)).encode()).hexdigest()[:16]
     path = home / f"reqscope_kernels-{key}.so"
     if path.exists():

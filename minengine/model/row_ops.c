@@ -1,0 +1,92 @@
+/* A block's small row operations in one call each: RMSNorm, the rotary embedding, SiLU-gating.
+ *
+ * Between its projections a decode step runs, per layer, two RMSNorms and one rotation of q
+ * and k: a few thousand flops each, yet through torch four or five dispatches and an
+ * allocation each, about 10% of a one-row step on the CPU (py-spy, fp16 panels). Here each is
+ * one call over every row of the step.
+ *
+ * Rows are addressed as [T][H][d] with strides for T and H (d contiguous), so q and k heads
+ * viewed inside a fused q/k/v row need no copy. Every row is computed alone, in one fixed
+ * order, whatever T, H and the rows beside it: a row's result is the same bits alone or in a
+ * batch. Single-threaded: a step's rows are too small to share out.
+ *
+ * Built with panel_rows.c by minengine/model/cpu_kernels.py.
+ */
+#include <immintrin.h>
+#include <math.h>
+
+__m256 exp8_le0(__m256 x); /* attention_rows.c: e^x for x <= 0, Cephes' polynomial */
+
+/* y = w * (x * 1 / sqrt(eps + sum(x^2) / d)) per row (Hugging Face's order: normalise, then
+ * scale). The sum runs in 8 lanes over d, then the lanes are added in a fixed order. */
+void rms_norm_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *w, float eps,
+                   float *y, long syt, long syh) {
+    for (long t = 0; t < T; t++)
+        for (long h = 0; h < H; h++) {
+            const float *xr = x + t * sxt + h * sxh;
+            float *yr = y + t * syt + h * syh;
+            __m256 acc = _mm256_setzero_ps();
+            long i = 0;
+            for (; i + 8 <= d; i += 8) {
+                __m256 v = _mm256_loadu_ps(xr + i);
+                acc = _mm256_fmadd_ps(v, v, acc);
+            }
+            float lanes[8], sum = 0.0f;
+            _mm256_storeu_ps(lanes, acc);
+            for (int l = 0; l < 8; l++) sum += lanes[l];
+            for (; i < d; i++) sum += xr[i] * xr[i];
+            float r = 1.0f / sqrtf(eps + sum / (float)d);
+            __m256 vr = _mm256_set1_ps(r);
+            for (i = 0; i + 8 <= d; i += 8)
+                _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_loadu_ps(w + i),
+                                                       _mm256_mul_ps(_mm256_loadu_ps(xr + i), vr)));
+            for (; i < d; i++) yr[i] = w[i] * (xr[i] * r);
+        }
+}
+
+/* y = x * cos + swap_halves(x) * signed_sin per head row, cos/signed_sin [T][d] (rope's
+ * `rotate`): two products and a sum, each rounded, so the result is torch's `rotate` bit for
+ * bit; contraction into a fused multiply-add is switched off for that. x and y must not overlap. */
+#ifdef __clang__
+#pragma STDC FP_CONTRACT OFF
+#else
+__attribute__((optimize("fp-contract=off")))
+#endif
+void rope_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *cos_t, const float *sin_t,
+               float *y, long syt, long syh) {
+    long half = d / 2;
+    for (long t = 0; t < T; t++) {
+        const float *c = cos_t + t * d, *s = sin_t + t * d;
+        for (long h = 0; h < H; h++) {
+            const float *xr = x + t * sxt + h * sxh;
+            float *yr = y + t * syt + h * syh;
+            for (long i = 0; i < half; i++) yr[i] = xr[i] * c[i] + xr[i + half] * s[i];
+            for (long i = half; i < d; i++) yr[i] = xr[i] * c[i] + xr[i - half] * s[i];
+        }
+    }
+}
+
+/* out = silu(gate) * up, T rows of n values (row strides sg, su, so; out may be gate): the MLP's
+ * gating. silu(g) = g * sigmoid(g), the sigmoid from e^-|g| so the exponential never overflows.
+ * Each value on its own, in 8 lanes; a row's tail through the same lanes, padded. */
+static void silu_mul_row(const float *gate, const float *up, float *out, long n) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i);
+        __m256 e = exp8_le0(_mm256_or_ps(g, sign));  /* e^-|g| */
+        __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(e, inv), g);  /* g < 0: e / (1 + e) */
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+    }
+    if (i < n) {
+        float g[8] = {0}, u[8] = {0}, y[8];
+        for (long j = 0; j < n - i; j++) g[j] = gate[i + j], u[j] = up[i + j];
+        silu_mul_row(g, u, y, 8);
+        for (long j = 0; j < n - i; j++) out[i + j] = y[j];
+    }
+}
+
+void silu_mul_rows(const float *gate, const float *up, float *out, long T, long n, long sg, long su, long so) {
+    for (long t = 0; t < T; t++) silu_mul_row(gate + t * sg, up + t * su, out + t * so, n);
+}

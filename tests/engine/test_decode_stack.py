@@ -1,0 +1,148 @@
+"""The C row operations (`row_kernels`) and the C stack of a one-token step (`eager_step.LayerStack`).
+
+References: float64 for RMSNorm and SiLU-gating (the C norm sums in another order than torch:
+within 1e-6 relative), torch's own `rotate` bit for bit for the rotation, and the Python block
+bit for bit for the stack: the stack calls the same kernels on the same buffers, so a request's
+logits must not depend on which of the two ran its step, nor on the rows sharing a batched step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minengine.config import ModelConfig
+from minengine.kv.cache import KVCache
+from minengine.model import row_kernels
+from minengine.model.batch_forward import Row
+from minengine.model.cpu_kernels import library
+from minengine.model.eager_step import LayerStack
+from minengine.model.ops import RMSNorm
+from minengine.model.rope import rotate
+from minengine.model.runner import ModelRunner
+from minengine.model.transformer import Transformer
+from minengine.threads import model_thread
+
+CPU = torch.device("cpu")
+PROMPT_LEN, STEPS = 20, 6
+
+needs_kernel = pytest.mark.skipif(library().lib is None, reason=library().why_not)
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _rel(y, ref):
+    return float((y.double() - ref).abs().max() / ref.abs().max())
+
+
+# -- the row operations ---------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [576, 64, 61, 8, 3])
+def test_rms_norm_rows_are_float64s_and_each_row_its_own(d):
+    weight, eps = _randn(d, seed=1), 1e-5
+    norm = RMSNorm(weight, eps)
+    x = _randn(9, d) * 3
+    y = norm(x)
+    ref = weight.double() * (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps))
+    assert _rel(y, ref) < 1e-6
+    assert torch.equal(torch.cat([norm(x[i : i + 1]) for i in range(9)]), y)  # alone or beside others
+    heads = _randn(3, 5, 2 * d)[:, :, :d]  # rows inside wider rows: strided heads
+    assert torch.equal(norm(heads), norm(heads.contiguous()))
+
+
+@needs_kernel
+def test_a_weight_per_head_keeps_torchs_norm():
+    weight = _randn(4, 16)  # qwen3's q/k norms: one weight row per head
+    assert row_kernels.rms_norm(_randn(2, 4, 16), weight, 1e-6) is None
+
+
+@needs_kernel
+def test_rotate_in_c_is_torchs_rotate_bit_for_bit():
+    table_cos, table_sin = _randn(50, 64, seed=2), _randn(50, 64, seed=3)
+    cos, sin = table_cos[7:12, None], table_sin[7:12, None]  # lookup_signed's views
+    qkv = _randn(5, 15 * 64, seed=4)
+    qk = qkv[:, : 12 * 64].view(5, 12, 64)  # q and k heads inside the fused output
+    want = qk * cos + qk.roll(32, dims=-1) * sin  # rope.rotate's torch operations
+    assert torch.equal(row_kernels.rotate(qk, cos, sin, None), want)
+    out = torch.empty(5, 12, 64)
+    assert rotate(qk, cos, sin, out=out, scratch=torch.empty(5, 12, 64)) is out and torch.equal(out, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1536, 13, 8, 1])
+def test_silu_gating_is_float64s_in_place_or_not(n):
+    gate = torch.cat([_randn(4, n) * 10, torch.full((1, n), -100.0)])  # a row far below zero: no overflow
+    up = _randn(5, n, seed=5)
+    ref = F.silu(gate.double()) * up.double()
+    y = row_kernels.silu_mul(gate, up)
+    assert torch.isfinite(y).all() and _rel(y[:4], ref[:4]) < 1e-6 and y[4].abs().max() < 1e-30
+    assert torch.equal(torch.cat([row_kernels.silu_mul(gate[i : i + 1], up[i : i + 1]) for i in range(5)]), y)
+    inplace = gate.clone()
+    assert row_kernels.silu_mul(inplace, up, out=inplace) is inplace and torch.equal(inplace, y)
+
+
+# -- the stack ------------------------------------------------------------------------------------
+
+
+def _runner(folder, packs):
+    cfg = ModelConfig.from_file(folder)
+    return cfg, ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs))
+
+
+def _cache(cfg):
+    return KVCache(cfg, PROMPT_LEN + STEPS + 1, device=CPU, compute_dtype=torch.float32)
+
+
+def _steps(runner, cfg, stack: bool) -> list[torch.Tensor]:
+    """STEPS greedy-free steps (fixed tokens) through the lean step, with the C stack or without."""
+
+    def run():
+        decoder = runner.eager_decoder
+        decoder._buffers()
+        kept = decoder._local.stack
+        assert kept is not None
+        decoder._local.stack = kept if stack else None
+        try:
+            cache = _cache(cfg)
+            runner.forward(_randn(PROMPT_LEN).abs().mul(100).long() % cfg.vocab_size, 0, cache)
+            return [runner.forward(torch.tensor([3 + i]), PROMPT_LEN + i, cache) for i in range(STEPS)]
+        finally:
+            decoder._local.stack = kept
+
+    return model_thread().call(run)
+
+
+@needs_kernel
+@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", "q8_0"])
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-tied", "mistral"])
+def test_the_c_stack_gives_the_python_blocks_logits_bit_for_bit(tiny_models, packs, name):
+    cfg, runner = _runner(tiny_models[name][0], packs)
+    assert LayerStack.serves(runner.model)
+    for ours, python in zip(_steps(runner, cfg, True), _steps(runner, cfg, False), strict=True):
+        assert torch.equal(ours, python)
+
+
+@needs_kernel
+@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels"])
+def test_a_row_alone_in_the_c_stack_is_that_row_in_a_batched_step(tiny_models, packs):
+    cfg, runner = _runner(tiny_models["llama-gqa"][0], packs)
+    ids = _randn(PROMPT_LEN).abs().mul(100).long() % cfg.vocab_size
+    alone, others = _cache(cfg), [_cache(cfg) for _ in range(3)]
+    for cache in (alone, *others):
+        runner.forward(ids, 0, cache)
+    want = runner.forward(torch.tensor([7]), PROMPT_LEN, alone)  # the lean step, through the C stack
+    for got in runner.forward_rows([Row((7,), PROMPT_LEN, c, True) for c in others]):
+        assert torch.equal(got, want)
+
+
+@needs_kernel
+def test_the_stack_serves_llama_shaped_blocks_in_panels_only(tiny_models):
+    folder = tiny_models["llama-gqa"][0]
+    assert not LayerStack.serves(_runner(folder, None)[1].model)  # dense operands
+    for name in ("qwen2", "qwen3"):  # q/k/v bias; per-head q/k norms
+        assert not LayerStack.serves(_runner(tiny_models[name][0], "fp16-panels")[1].model)
