@@ -2,7 +2,7 @@
 
 Four sources make one library: `panel_rows.c` (the projections over weight panels,
 `panel_kernels`), `attention_rows.c` (decode attention read in place, `attention_rows`),
-`row_ops.c` (RMSNorm, the rotary embedding and SiLU-gating over a step's rows, `row_kernels`)
+`row_ops.c` (RMSNorm, the rotary embedding and SiLU-gating over a step's rows, `ops.c_rms_norm` and its neighbours)
 and `decode_layers.c` (every block of a one-token step in one call, `eager_step.LayerStack`).
 They are built with the system compiler into the user cache (`library`), about two seconds,
 keyed by the sources, the compiler and its flags, and written atomically, so processes that

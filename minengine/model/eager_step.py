@@ -112,7 +112,7 @@ class LayerStack:
 
     From Python a block is some 35 operations and ctypes calls of several microseconds each here
     (20-25% of a one-row step over fp16 panels); the C stack calls the same kernels the Python
-    block calls (panels, `row_kernels`' norm, rotation and gating, the slot attention) on the same
+    block calls (panels, `ops`' C norm, rotation and gating, the slot attention) on the same
     buffers in the same order, so its residual stream is the Python block's bit for bit. It
     serves models whose blocks are that shape in panels on the CPU (`serves`); the arguments are
     built once per scratch, and a step sets only its pointers.

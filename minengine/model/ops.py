@@ -1,4 +1,5 @@
-"""The small operations every path through the model shares: RMSNorm and the two attentions.
+"""The small operations every path through the model shares: RMSNorm, the two attentions, and
+the C calls that stand in for a block's row operations on the CPU.
 
 Decode runs a few hundred of these per step, each costing more in dispatch than in
 arithmetic, so each is written with as few dispatches as its arithmetic allows, and takes an
@@ -10,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minengine.model import row_kernels
 from minengine.model.attention_rows import attend_one, serves
+from minengine.model.cpu_kernels import library
 
 _HAS_GQA_SDPA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -39,7 +40,7 @@ class RMSNorm:
     in float32 the two casts are skipped, since they would return x itself yet cost a call
     each, and in a decode step every call costs microseconds (`eager_step`). Its constants are
     made once, with the weight. On the CPU in float32 it is one C call instead
-    (`row_kernels.rms_norm`: the same formula, the sum of squares in another order).
+    (`c_rms_norm`: the same formula, the sum of squares in another order).
     """
 
     __slots__ = ("weight", "eps", "count", "wide", "eps_value")
@@ -53,7 +54,7 @@ class RMSNorm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.wide:
-            y = row_kernels.rms_norm(x, self.weight, self.eps_value)
+            y = c_rms_norm(x, self.weight, self.eps_value)
             if y is not None:
                 return y
         xf = x if self.wide else x.float()
@@ -133,3 +134,78 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale:
 def heads_first(x: torch.Tensor) -> torch.Tensor:
     """[T, heads, d] -> [1, heads, T, d] (a view), the cache's order."""
     return x.transpose(0, 1).unsqueeze(0)
+
+
+# -- RMSNorm, the rotation and SiLU-gating in one C call each (`row_ops.c`) ------------------------
+# `RMSNorm`, `rope.rotate` and the MLP call these first on the CPU in float32 and keep torch's
+# operations wherever they answer None (another device or dtype, a layout they do not take, no
+# kernel built). Every CPU float32 path through the model (the lean decode step and its C stack
+# `decode_layers.c`, a shared step, a prompt) goes through them, so a row's norm and gating are
+# the same bits on each; the rotation is torch's bit for bit (`row_ops.c` says why).
+
+_F32 = torch.float32
+
+
+def _rows(t: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(T, H, stride of T, stride of H) of a [T, d] or [T, H, d] tensor whose last dim is contiguous."""
+    if t.stride(-1) != 1:
+        return None
+    if t.dim() == 2:
+        return t.shape[0], 1, t.stride(0), 0
+    if t.dim() == 3:
+        return t.shape[0], t.shape[1], t.stride(0), t.stride(1)
+    return None
+
+
+def _serves(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Written out rather than over a generator: this runs a few times per layer of every step.
+    return a.dtype == _F32 and b.dtype == _F32 and a.is_cpu and b.is_cpu and library().lib is not None
+
+
+def c_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """`weight * (x * rsqrt(eps + mean(x^2)))` over x's last dim (weight [d]), a new contiguous
+    tensor; None where the kernel does not serve them."""
+    if weight.dim() != 1 or not _serves(x, weight) or not weight.is_contiguous():
+        return None  # a weight row per head (qwen3's q/k norms) stays torch's, on every path alike
+    shape = _rows(x)
+    if shape is None:
+        return None
+    T, H, st, sh = shape
+    d = x.shape[-1]
+    y = torch.empty(x.shape, dtype=_F32)
+    library().lib.rms_norm_rows(x.data_ptr(), T, H, d, st, sh, weight.data_ptr(), eps, y.data_ptr(), H * d, d)
+    return y
+
+
+def c_rotate(
+    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out: torch.Tensor | None
+) -> torch.Tensor | None:
+    """`rope.rotate` of x [T, heads, d] (into `out` when given, which must not overlap x); None
+    where the kernel does not serve them."""
+    if x.dim() != 3 or not _serves(x, cos) or signed_sin.dtype != _F32:
+        return None
+    T, H, d = x.shape
+    tables = all(t.stride(-1) == 1 and (T == 1 or t.stride(0) == d) and t.shape[0] == T for t in (cos, signed_sin))
+    shape = _rows(x)
+    y = torch.empty(x.shape, dtype=_F32) if out is None else out
+    into = _rows(y)
+    if shape is None or into is None or not tables or y.dtype != _F32:
+        return None
+    library().lib.rope_rows(
+        x.data_ptr(), T, H, d, shape[2], shape[3], cos.data_ptr(), signed_sin.data_ptr(), y.data_ptr(), into[2], into[3]
+    )
+    return y
+
+
+def c_silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """silu(gate) * up for [T, n] rows (into `out` when given, which may be gate); None where the
+    kernel does not serve them."""
+    if gate.dim() != 2 or not _serves(gate, up) or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        return None
+    y = torch.empty(gate.shape, dtype=_F32) if out is None else out
+    if y.stride(-1) != 1 or y.shape != gate.shape:
+        return None
+    T, n = gate.shape
+    strides = gate.stride(0), up.stride(0), y.stride(0)
+    library().lib.silu_mul_rows(gate.data_ptr(), up.data_ptr(), y.data_ptr(), T, n, *strides)
+    return y

@@ -11,7 +11,7 @@ import math
 import torch
 
 from minengine.config import ModelConfig
-from minengine.model import row_kernels
+from minengine.model.ops import c_rotate
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -106,7 +106,7 @@ def rotate(
     multiply-add rounds differently.) A decode step passes `out` and `scratch` (both shaped
     like x): the same three operations then write into them instead of allocating.
     """
-    y = row_kernels.rotate(x, cos, signed_sin, out)  # the same arithmetic in one C call, on the CPU in float32
+    y = c_rotate(x, cos, signed_sin, out)  # the same arithmetic in one C call, on the CPU in float32
     if y is not None:
         return y
     swapped = x.roll(x.shape[-1] // 2, dims=-1)

@@ -43,9 +43,9 @@ from minengine.checkpoint.weight_layout import (
 )
 from minengine.config import ModelConfig
 from minengine.kv.cache import KVCache
-from minengine.model import loader, row_kernels
+from minengine.model import loader
 from minengine.model.linear_kernels import EmbeddingRows, PackedLinear
-from minengine.model.ops import RMSNorm, attend, decode_attention, heads_first
+from minengine.model.ops import RMSNorm, attend, c_silu_mul, decode_attention, heads_first
 from minengine.model.panel_kernels import PanelLinear
 from minengine.model.rope import RotaryTable, rotate
 from minengine.progress import ProgressCallback
@@ -295,10 +295,10 @@ class Transformer:
         """The SiLU-gated MLP of `layer` on normalised h [T, hidden]: [T, hidden]."""
         if s is None:
             gate, up = project_chunks(h, layer.gate_up)
-            gated = row_kernels.silu_mul(gate, up)  # on the CPU in float32: the C stack's gating
+            gated = c_silu_mul(gate, up)  # on the CPU in float32: the C stack's gating
             return project(F.silu(gate).mul_(up) if gated is None else gated, layer.down)
         project_chunks(h, layer.gate_up, out=s.gate_up)
-        if row_kernels.silu_mul(s.gate, s.up, out=s.gate) is None:
+        if c_silu_mul(s.gate, s.up, out=s.gate) is None:
             F.silu(s.gate, inplace=True).mul_(s.up)
         project_chunks(s.gate, layer.down, out=s.down)
         return s.down_row

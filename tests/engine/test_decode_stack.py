@@ -1,4 +1,5 @@
-"""The C row operations (`row_kernels`) and the C stack of a one-token step (`eager_step.LayerStack`).
+"""The C row operations (`ops.c_rms_norm`, `c_rotate`, `c_silu_mul`) and the C stack of a one-token
+step (`eager_step.LayerStack`).
 
 References: float64 for RMSNorm and SiLU-gating (the C norm sums in another order than torch:
 within 1e-6 relative), torch's own `rotate` bit for bit for the rotation, and the Python block
@@ -14,11 +15,10 @@ import torch.nn.functional as F
 
 from minengine.config import ModelConfig
 from minengine.kv.cache import KVCache
-from minengine.model import row_kernels
 from minengine.model.batch_forward import Row
 from minengine.model.cpu_kernels import library
 from minengine.model.eager_step import LayerStack
-from minengine.model.ops import RMSNorm
+from minengine.model.ops import RMSNorm, c_rms_norm, c_rotate, c_silu_mul
 from minengine.model.rope import rotate
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
@@ -58,7 +58,7 @@ def test_rms_norm_rows_are_float64s_and_each_row_its_own(d):
 @needs_kernel
 def test_a_weight_per_head_keeps_torchs_norm():
     weight = _randn(4, 16)  # qwen3's q/k norms: one weight row per head
-    assert row_kernels.rms_norm(_randn(2, 4, 16), weight, 1e-6) is None
+    assert c_rms_norm(_randn(2, 4, 16), weight, 1e-6) is None
 
 
 @needs_kernel
@@ -68,7 +68,7 @@ def test_rotate_in_c_is_torchs_rotate_bit_for_bit():
     qkv = _randn(5, 15 * 64, seed=4)
     qk = qkv[:, : 12 * 64].view(5, 12, 64)  # q and k heads inside the fused output
     want = qk * cos + qk.roll(32, dims=-1) * sin  # rope.rotate's torch operations
-    assert torch.equal(row_kernels.rotate(qk, cos, sin, None), want)
+    assert torch.equal(c_rotate(qk, cos, sin, None), want)
     out = torch.empty(5, 12, 64)
     assert rotate(qk, cos, sin, out=out, scratch=torch.empty(5, 12, 64)) is out and torch.equal(out, want)
 
@@ -79,11 +79,11 @@ def test_silu_gating_is_float64s_in_place_or_not(n):
     gate = torch.cat([_randn(4, n) * 10, torch.full((1, n), -100.0)])  # a row far below zero: no overflow
     up = _randn(5, n, seed=5)
     ref = F.silu(gate.double()) * up.double()
-    y = row_kernels.silu_mul(gate, up)
+    y = c_silu_mul(gate, up)
     assert torch.isfinite(y).all() and _rel(y[:4], ref[:4]) < 1e-6 and y[4].abs().max() < 1e-30
-    assert torch.equal(torch.cat([row_kernels.silu_mul(gate[i : i + 1], up[i : i + 1]) for i in range(5)]), y)
+    assert torch.equal(torch.cat([c_silu_mul(gate[i : i + 1], up[i : i + 1]) for i in range(5)]), y)
     inplace = gate.clone()
-    assert row_kernels.silu_mul(inplace, up, out=inplace) is inplace and torch.equal(inplace, y)
+    assert c_silu_mul(inplace, up, out=inplace) is inplace and torch.equal(inplace, y)
 
 
 # -- the stack ------------------------------------------------------------------------------------
