@@ -122,6 +122,10 @@ class RowsKernel:
         """From now on the rows' queries are at `queries` among the q a layer hands in."""
         self._queries = torch.tensor(list(queries), dtype=torch.long)
 
+    def query_ids(self) -> int:
+        """The address of the rows' query indices (the C stack sets `args.q_at` itself)."""
+        return self._queries.data_ptr()
+
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store_k: torch.Tensor, store_v: torch.Tensor
     ) -> torch.Tensor:

@@ -27,6 +27,7 @@ from minengine.kv.block_pool import Segment
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.attention_rows import serves_store
+from minengine.model.eager_step import LayerStack
 from minengine.model.ops import attend, decode_attention, heads_first
 from minengine.model.pooled_rows import PooledRows, pooled_count
 from minengine.model.transformer import Transformer
@@ -161,6 +162,24 @@ class RowsAttention:
         return out[0].transpose(0, 1).reshape(nq, -1)
 
 
+def _stacked(
+    model: Transformer, rows: list[Row], attention: RowsAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> list[torch.Tensor | None] | None:
+    """A step of decode rows only, attended together by the C kernel in one pool segment, through
+    the C stack of every block (`eager_step.LayerStack`): the logits this function's Python blocks
+    give, bit for bit, without their per-layer dispatches. None where the stack does not serve it."""
+    if len(rows) < 2 or len(attention.pooled) != 1 or any(len(r.ids) != 1 or r.observer is not None for r in rows):
+        return None
+    group, chosen = attention.pooled[0]
+    stack = LayerStack.of(model) if len(chosen) == len(rows) and group.kernel is not None else None
+    if stack is None or not all(r.logits for r in rows):
+        return None
+    stack.rows(x, cos, sin, group.kernel, group.segment)
+    for cache, end in zip(group.caches, group.ends, strict=True):  # as `PooledRows` records each layer
+        cache.lengths[:] = [end] * len(cache.lengths)
+    return list(model.logits(x, per_position=True))
+
+
 def pooled_rows_count(segment: Segment, lengths: list[int]) -> int:
     """How many of a segment's decode rows, shortest first, attend together (`PooledRows`), given
     their context lengths: all of them where the C kernel reads the segment in place (it gathers
@@ -197,6 +216,9 @@ def forward_rows(model: Transformer, rows: list[Row]) -> list[torch.Tensor | Non
     cos = torch.cat([c for c, _ in tables]) if len(rows) > 1 else tables[0][0]
     sin = torch.cat([s for _, s in tables]) if len(rows) > 1 else tables[0][1]
     attention = RowsAttention(rows, model.dtype, model.cfg.num_key_value_heads, model.scale)
+    stacked = _stacked(model, rows, attention, x, cos, sin)
+    if stacked is not None:
+        return stacked
     # The rows whose last position's logits are wanted: only they go on past the last K/V write.
     ends, at = [], 0
     for r in rows:

@@ -1,4 +1,4 @@
-/* Every block of a one-token decode step in one call: the lean step's layers without Python.
+/* Every block of a decode step in one call: the lean step's layers, or a shared step's decode rows, without Python.
  *
  * Between its weight reads a decode step runs a dozen small operations per layer. From Python
  * each costs a dispatch or a ctypes call of several microseconds on this machine, together 20-25%
@@ -10,7 +10,9 @@
  *
  * It serves the Llama-shaped block: RMSNorm, fused q/k/v without bias or per-head norms, rotary
  * embedding over the whole head, attention, output, RMSNorm, SiLU-gated MLP. The Python side
- * (`eager_step.LayerStack`) decides when, and builds the arguments once per model.
+ * (`eager_step.LayerStack`) decides when, and builds the arguments once per model. Several rows
+ * (a shared step's decode rows, attended together in the block pool) run each product over all
+ * of them, as the Python batched step does, so each weight is read once a step.
  *
  * Built with the other sources by minengine/model/cpu_kernels.py.
  */
@@ -47,21 +49,26 @@ typedef struct {
 } LayerArgs;
 
 typedef struct {
-    long layers, hidden, heads, d, ff;  /* heads: query and KV heads, rotated together */
+    long rows, layers, hidden, heads, d, ff;  /* heads: query and KV heads, rotated together */
     float eps;
     int threads;
     const LayerArgs *layer;
-    float *x;                             /* [hidden], the residual stream, added to in place */
-    float *h, *qkv, *rotated, *o, *gate_up, *down;  /* the step's scratch (transformer.Scratch) */
-    const float *cos, *sin;               /* the position's rotary rows [d] (cos, signed sin) */
-    AttendArgs *attend;                   /* q, k, v, out in the scratch; kc, vc set per layer */
+    float *x;                             /* [rows, hidden], the residual stream, added to in place */
+    /* The step's scratch, row after row: h [hidden], qkv [qkv.panels * 8], rotated [heads * d],
+     * attended [attend->hq * d], o and down [hidden], gate_up [2 * ff], gated [ff] (may be
+     * gate_up for one row); xp room for the rows repacked (panel_rows.c, several rows). */
+    float *h, *qkv, *rotated, *attended, *o, *gate_up, *gated, *down, *xp;
+    const float *cos, *sin;               /* each row's rotary rows [rows, d] (cos, signed sin) */
+    AttendArgs *attend;                   /* its rows, shapes and positions; q, k, v, out and the
+                                           * cache's kc, vc are set here, per layer */
 } StackArgs;
 
-static void project(const Proj *p, const float *x, float *y, int threads) {
+static void project(const Proj *p, long rows, const float *x, float *xp, float *y, int threads) {
     long ldy = p->panels * 8;
-    if (p->kind == F32) f32_panels(x, 1, p->in, (float *)x, p->weights, p->panels, y, ldy, threads);
-    else if (p->kind == F16) f16_panels(x, 1, p->in, (float *)x, p->weights, p->panels, y, ldy, threads);
-    else q8_0_panels(x, 1, p->in, p->weights, p->scales, p->panels, y, ldy, threads);
+    if (rows == 1) xp = (float *)x;  /* one row is its own k-major layout */
+    if (p->kind == F32) f32_panels(x, rows, p->in, xp, p->weights, p->panels, y, ldy, threads);
+    else if (p->kind == F16) f16_panels(x, rows, p->in, xp, p->weights, p->panels, y, ldy, threads);
+    else q8_0_panels(x, rows, p->in, p->weights, p->scales, p->panels, y, ldy, threads);
 }
 
 static void add(float *x, const float *y, long n) {
@@ -69,21 +76,26 @@ static void add(float *x, const float *y, long n) {
 }
 
 void decode_layers(const StackArgs *a) {
-    long n = a->hidden;
+    long m = a->rows, n = a->hidden, d = a->d, hq = a->attend->hq;
+    long qkv_w = a->layer[0].qkv.panels * 8, rot_w = a->heads * d, ff = a->ff;
+    AttendArgs *at = a->attend;
+    at->q = a->rotated, at->q_rs = rot_w;  /* q and k rotated together, v as projected */
+    at->k = a->rotated + hq * d, at->k_rs = rot_w;
+    at->v = a->qkv + a->heads * d, at->v_rs = qkv_w;
+    at->out = a->attended, at->out_rs = hq * d;
     for (long i = 0; i < a->layers; i++) {
         const LayerArgs *l = a->layer + i;
-        rms_norm_rows(a->x, 1, 1, n, n, 0, l->input_norm, a->eps, a->h, n, 0);
-        project(&l->qkv, a->h, a->qkv, a->threads);
-        rope_rows(a->qkv, 1, a->heads, a->d, 0, a->d, a->cos, a->sin, a->rotated, 0, a->d);
-        a->attend->kc = l->kc;
-        a->attend->vc = l->vc;
-        attend_rows(a->attend);
-        project(&l->o, a->attend->out, a->o, a->threads);
-        add(a->x, a->o, n);
-        rms_norm_rows(a->x, 1, 1, n, n, 0, l->post_norm, a->eps, a->h, n, 0);
-        project(&l->gate_up, a->h, a->gate_up, a->threads);
-        silu_mul_rows(a->gate_up, a->gate_up + a->ff, a->gate_up, 1, a->ff, 0, 0, 0);
-        project(&l->down, a->gate_up, a->down, a->threads);
-        add(a->x, a->down, n);
+        rms_norm_rows(a->x, m, 1, n, n, 0, l->input_norm, a->eps, a->h, n, 0);
+        project(&l->qkv, m, a->h, a->xp, a->qkv, a->threads);
+        rope_rows(a->qkv, m, a->heads, d, qkv_w, d, a->cos, a->sin, a->rotated, rot_w, d);
+        at->kc = l->kc, at->vc = l->vc;
+        attend_rows(at);
+        project(&l->o, m, a->attended, a->xp, a->o, a->threads);
+        add(a->x, a->o, m * n);
+        rms_norm_rows(a->x, m, 1, n, n, 0, l->post_norm, a->eps, a->h, n, 0);
+        project(&l->gate_up, m, a->h, a->xp, a->gate_up, a->threads);
+        silu_mul_rows(a->gate_up, a->gate_up + ff, a->gated, m, ff, 2 * ff, 2 * ff, ff);
+        project(&l->down, m, a->gated, a->xp, a->down, a->threads);
+        add(a->x, a->down, m * n);
     }
 }

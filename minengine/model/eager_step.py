@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 
 import torch
 
+from minengine.kv.block_pool import Segment
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
-from minengine.model.attention_rows import SlotKernel
+from minengine.model.attention_rows import RowsKernel, SlotKernel
 from minengine.model.cpu_kernels import library
 from minengine.model.ops import decode_attention
 from minengine.model.panel_kernels import PanelLinear
@@ -56,9 +58,9 @@ class EagerDecoder:
         cos, sin = model.rope.lookup_signed(pos, 1)
         attention = SlotAttention(cache, pos, s, model.scale)
         x = model.embed_tokens(ids)  # [1, hidden], a fresh tensor: residuals are added in place
-        stack = self._local.stack if attention.kernel is not None else None
+        stack = LayerStack.of(model) if attention.kernel is not None else None
         if stack is not None:  # every block in one C call, the same arithmetic on the same buffers
-            stack.run(x, cos, sin, attention.kernel)
+            stack.step(x, cos, sin, attention.kernel, s)
         else:
             for i in range(len(model.layers)):
                 x = model.block(i, x, cos, sin, attention, s)
@@ -69,11 +71,11 @@ class EagerDecoder:
         s = getattr(self._local, "scratch", None)
         if s is None:
             s = self._local.scratch = Scratch.for_model(self.model)
-            self._local.stack = LayerStack(self.model, s) if LayerStack.serves(self.model) else None
         return s
 
 
 _KINDS = {"float32": 0, "fp16": 1, "q8_0": 2}  # decode_layers.c's enum
+_BUFFERS = ("h", "qkv", "rotated", "attended", "o", "gate_up", "gated", "down")  # StackArgs' scratch, in order
 
 
 class Proj(ctypes.Structure):
@@ -99,39 +101,49 @@ class LayerArgs(ctypes.Structure):
 class StackArgs(ctypes.Structure):
     """decode_layers.c's StackArgs."""
 
-    _fields_ = [("layers", ctypes.c_long), ("hidden", ctypes.c_long), ("heads", ctypes.c_long),
-                ("d", ctypes.c_long), ("ff", ctypes.c_long), ("eps", ctypes.c_float), ("threads", ctypes.c_int),
-                ("layer", ctypes.c_void_p), ("x", ctypes.c_void_p),
-                ("h", ctypes.c_void_p), ("qkv", ctypes.c_void_p), ("rotated", ctypes.c_void_p),
-                ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+    _fields_ = [("rows", ctypes.c_long), ("layers", ctypes.c_long), ("hidden", ctypes.c_long),
+                ("heads", ctypes.c_long), ("d", ctypes.c_long), ("ff", ctypes.c_long),
+                ("eps", ctypes.c_float), ("threads", ctypes.c_int), ("layer", ctypes.c_void_p), ("x", ctypes.c_void_p),
+                *((name, ctypes.c_void_p) for name in _BUFFERS), ("xp", ctypes.c_void_p),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("attend", ctypes.c_void_p)]  # fmt: skip
 
 
 class LayerStack:
-    """Every block of a one-token step in one call of `decode_layers.c`, over a `Scratch`.
+    """Every block of a decode step in one call of `decode_layers.c`: the lean step's one row, or a
+    shared step's decode rows attended together in the block pool.
 
     From Python a block is some 35 operations and ctypes calls of several microseconds each here
     (20-25% of a one-row step over fp16 panels); the C stack calls the same kernels the Python
-    block calls (panels, `ops`' C norm, rotation and gating, the slot attention) on the same
-    buffers in the same order, so its residual stream is the Python block's bit for bit. It
-    serves models whose blocks are that shape in panels on the CPU (`serves`); the arguments are
-    built once per scratch, and a step sets only its pointers.
+    block calls (panels, `ops`' C norm, rotation and gating, the attention kernel) on buffers laid
+    out as the Python block's, in the same order, so its residual stream is the Python block's bit
+    for bit. It serves models whose blocks are that shape in panels on the CPU (`serves`); the
+    weights' arguments are built once per model (`of`), and a step sets only its pointers.
     """
 
-    def __init__(self, model: Transformer, s: Scratch) -> None:
+    _made: weakref.WeakKeyDictionary[Transformer, LayerStack | None] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, model: Transformer) -> LayerStack | None:
+        """The model's stack, made on first use; None where `serves` says no."""
+        if model not in cls._made:
+            cls._made[model] = cls(model) if cls.serves(model) else None
+        return cls._made[model]
+
+    def __init__(self, model: Transformer) -> None:
         cfg = model.cfg
         self.layers = (LayerArgs * len(model.layers))()
         for args, layer in zip(self.layers, model.layers, strict=True):
             args.input_norm, args.post_norm = layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr()
             args.qkv, args.o = Proj.of(layer.qkv), Proj.of(layer.o)  # type: ignore[arg-type]
             args.gate_up, args.down = Proj.of(layer.gate_up), Proj.of(layer.down)  # type: ignore[arg-type]
-        self.h = torch.empty(cfg.hidden_size, dtype=torch.float32)  # the normalised residual
-        self.args = StackArgs(
-            layers=len(model.layers), hidden=cfg.hidden_size, heads=cfg.num_attention_heads + cfg.num_key_value_heads,
-            d=cfg.head_dim, ff=s.gate.shape[-1], eps=model.layers[0].input_norm.eps_value,
-            layer=ctypes.addressof(self.layers), h=self.h.data_ptr(), qkv=s.qkv.data_ptr(),
-            rotated=s.rotated.data_ptr(), o=s.o.data_ptr(), gate_up=s.gate_up.data_ptr(), down=s.down.data_ptr(),
-        )  # fmt: skip
+        first = model.layers[0]
+        self.hidden, self.d, self.ff = cfg.hidden_size, cfg.head_dim, first.down.in_features
+        self.hq, self.heads = cfg.num_attention_heads, cfg.num_attention_heads + cfg.num_key_value_heads
+        self.eps = first.input_norm.eps_value
+        # A row's scratch widths, in decode_layers.c's order (`_BUFFERS`), then the repacking room.
+        h, d = self.hidden, self.d
+        self.widths = (h, first.qkv.out_features, self.heads * d, self.hq * d, h, 2 * self.ff, self.ff, h)
+        self.widest = max(p.in_features for p in (first.qkv, first.o, first.gate_up, first.down))
         self._call = library().lib.decode_layers
 
     @staticmethod
@@ -152,13 +164,41 @@ class LayerStack:
                 return False
         return True
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: SlotKernel) -> None:
-        """Every block on x [1, hidden] (contiguous, added to in place) at the position `kernel` writes."""
-        a = self.args
-        a.x, a.cos, a.sin, a.threads = x.data_ptr(), cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
-        a.attend = ctypes.addressof(kernel.args)
+    def _args(self, rows: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> StackArgs:
+        return StackArgs(
+            rows=rows, layers=len(self.layers), hidden=self.hidden, heads=self.heads, d=self.d, ff=self.ff,
+            eps=self.eps, threads=torch.get_num_threads(), layer=ctypes.addressof(self.layers), x=x.data_ptr(),
+            cos=cos.data_ptr(), sin=sin.data_ptr(), attend=ctypes.addressof(attend),
+        )  # fmt: skip
+
+    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: SlotKernel, s: Scratch) -> None:
+        """Every block on one row x [1, hidden] (added to in place) at the position `kernel`
+        writes, in the scratch `s` the Python block would use."""
+        a = self._args(1, x, cos, sin, kernel.args)
+        h = torch.empty(self.hidden, dtype=torch.float32)  # the normalised residual
+        for name, t in zip(_BUFFERS, (h, s.qkv, s.rotated, s.attended, s.o, s.gate_up, s.gate, s.down), strict=True):
+            setattr(a, name, t.data_ptr())  # gated in place over the gate, as the Python block does
         for args, kc, vc in zip(self.layers, kernel.keys, kernel.values, strict=True):
             args.kc, args.vc = kc, vc
+        self._call(ctypes.addressof(a))
+
+    def rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: RowsKernel, store: Segment) -> None:
+        """Every block on the decode rows x [rows, hidden] (added to in place), attended by
+        `kernel` in the pool segment `store`; cos/sin [rows, 1, d] contiguous."""
+        m = x.shape[0]
+        a = self._args(m, x, cos, sin, kernel.args)
+        scratch = torch.empty(m * (sum(self.widths) + self.widest), dtype=torch.float32)
+        at = scratch.data_ptr()
+        for name, width in zip(_BUFFERS, self.widths, strict=True):
+            setattr(a, name, at)
+            at += m * width * 4
+        a.xp = at
+        k, v = store.k, store.v  # [layers, KV heads, positions, d]
+        attend = kernel.args
+        attend.hq, attend.hkv, attend.d = self.hq, k.shape[1], self.d
+        attend.q_at, attend.kc_hs, attend.vc_hs = kernel.query_ids(), k.stride(1), v.stride(1)
+        for i, args in enumerate(self.layers):
+            args.kc, args.vc = k[i].data_ptr(), v[i].data_ptr()
         self._call(ctypes.addressof(a))
 
 

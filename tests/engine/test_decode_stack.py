@@ -22,7 +22,6 @@ from minengine.model.ops import RMSNorm, c_rms_norm, c_rotate, c_silu_mul
 from minengine.model.rope import rotate
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
-from minengine.threads import model_thread
 
 CPU = torch.device("cpu")
 PROMPT_LEN, STEPS = 20, 6
@@ -98,38 +97,65 @@ def _cache(cfg):
     return KVCache(cfg, PROMPT_LEN + STEPS + 1, device=CPU, compute_dtype=torch.float32)
 
 
-def _steps(runner, cfg, stack: bool) -> list[torch.Tensor]:
-    """STEPS greedy-free steps (fixed tokens) through the lean step, with the C stack or without."""
-
-    def run():
-        decoder = runner.eager_decoder
-        decoder._buffers()
-        kept = decoder._local.stack
-        assert kept is not None
-        decoder._local.stack = kept if stack else None
-        try:
-            cache = _cache(cfg)
-            runner.forward(_randn(PROMPT_LEN).abs().mul(100).long() % cfg.vocab_size, 0, cache)
-            return [runner.forward(torch.tensor([3 + i]), PROMPT_LEN + i, cache) for i in range(STEPS)]
-        finally:
-            decoder._local.stack = kept
-
-    return model_thread().call(run)
+def _steps(runner, cfg, monkeypatch, stack: bool) -> list[torch.Tensor]:
+    """STEPS steps of fixed tokens through the lean step, with the C stack or the Python blocks."""
+    assert LayerStack.of(runner.model) is not None
+    with monkeypatch.context() as patch:
+        if not stack:
+            patch.setattr(LayerStack, "of", classmethod(lambda cls, model: None))
+        cache = _cache(cfg)
+        runner.forward(_randn(PROMPT_LEN).abs().mul(100).long() % cfg.vocab_size, 0, cache)
+        return [runner.forward(torch.tensor([3 + i]), PROMPT_LEN + i, cache) for i in range(STEPS)]
 
 
 @needs_kernel
 @pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", "q8_0"])
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-tied", "mistral"])
-def test_the_c_stack_gives_the_python_blocks_logits_bit_for_bit(tiny_models, packs, name):
+def test_the_c_stack_gives_the_python_blocks_logits_bit_for_bit(tiny_models, monkeypatch, packs, name):
     cfg, runner = _runner(tiny_models[name][0], packs)
     assert LayerStack.serves(runner.model)
-    for ours, python in zip(_steps(runner, cfg, True), _steps(runner, cfg, False), strict=True):
-        assert torch.equal(ours, python)
+    ours, python = _steps(runner, cfg, monkeypatch, True), _steps(runner, cfg, monkeypatch, False)
+    for a, b in zip(ours, python, strict=True):
+        assert torch.equal(a, b)
+
+
+def _pooled_steps(runner, cfg, pool, monkeypatch, stack: bool) -> list[list[torch.Tensor]]:
+    """STEPS shared steps of 3 decode rows in the block pool (prompts of different lengths)."""
+    with monkeypatch.context() as patch:
+        if not stack:
+            patch.setattr(LayerStack, "of", classmethod(lambda cls, model: None))
+        caches, starts = [], []
+        for i, n in enumerate((PROMPT_LEN, PROMPT_LEN + 5, PROMPT_LEN + 11)):
+            cache = runner.new_cache(n + STEPS + 1, pool=pool, owner=f"r{i}")
+            runner.forward(_randn(n, seed=i).abs().mul(100).long() % cfg.vocab_size, 0, cache)
+            caches.append(cache)
+            starts.append(n)
+        out = []
+        for step in range(STEPS):
+            pairs = enumerate(zip(caches, starts, strict=True))
+            rows = [Row((3 + step + i,), start + step, c, True) for i, (c, start) in pairs]
+            out.append(runner.forward_rows(rows))
+        for cache in caches:
+            cache.release()
+        return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", "q8_0"])
+def test_a_shared_steps_decode_rows_in_the_c_stack_are_the_python_blocks_bit_for_bit(tiny_models, monkeypatch, packs):
+    from minengine.kv.block_pool import BlockPool
+
+    cfg, runner = _runner(tiny_models["llama-gqa"][0], packs)
+    pool = BlockPool(64 << 20, CPU)
+    ours = _pooled_steps(runner, cfg, pool, monkeypatch, True)
+    python = _pooled_steps(runner, cfg, pool, monkeypatch, False)
+    for a, b in zip(ours, python, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @needs_kernel
 @pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels"])
-def test_a_row_alone_in_the_c_stack_is_that_row_in_a_batched_step(tiny_models, packs):
+def test_a_row_alone_in_the_c_stack_is_that_row_in_a_batched_step(tiny_models, packs):  # the Python blocks
     cfg, runner = _runner(tiny_models["llama-gqa"][0], packs)
     ids = _randn(PROMPT_LEN).abs().mul(100).long() % cfg.vocab_size
     alone, others = _cache(cfg), [_cache(cfg) for _ in range(3)]
