@@ -32,11 +32,11 @@ from minengine.model.panel_kernels import q8_0_refusal
 
 # Measured on the 2-core development machine (README, "Weight formats"; an AMD EPYC with AVX2
 # and no AVX-512): fp16 in reqscope's panel kernel keeps float32's greedy tokens (mean KL
-# 1.6e-6 nats), decodes 1.4-1.5x float32's tok/s, prefills no slower (a long prompt runs through
-# MKL's GEMM either way) and peaks at two thirds of float32's RSS (half the weight bytes, its
-# panels cached), so it comes first. FBGEMM's packed fp16 (where no C compiler built the panel
-# kernel) decoded only 1.2x and prefilled 5% slower, so `auto` does not take it; int8 and q8_0
-# decode faster but part from float32's greedy tokens.
+# 1.6e-6 nats), decodes 1.6x float32 panels' tok/s (2x the dense operands'), prefills as fast
+# (a long prompt runs through MKL's GEMM either way) and peaks at two thirds of float32's RSS
+# (half the weight bytes, its panels cached), so it comes first. FBGEMM's packed fp16 (where no
+# C compiler built the panel kernel) decoded only 1.2x and prefilled 5% slower, so `auto` does
+# not take it; int8 and q8_0 part from float32's greedy tokens.
 AUTO_CPU_ORDER: tuple[str, ...] = ("fp16", "float32")
 # float32's kernels on the same machine (README, "Weight formats" and "Many requests, one step"):
 # the panel kernel decodes one stream 1.1-1.25x as fast as the dense operands and 8 streams
