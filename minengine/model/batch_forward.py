@@ -29,6 +29,7 @@ from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.attention_rows import serves_store
 from minengine.model.eager_step import LayerStack
 from minengine.model.ops import attend, decode_attention, heads_first
+from minengine.model.panel_kernels import UNPACK_ROWS
 from minengine.model.pooled_rows import PooledRows, pooled_count
 from minengine.model.transformer import Transformer
 from minengine.threads import OneThread
@@ -168,7 +169,9 @@ def _stacked(
     """A step of decode rows only, attended together by the C kernel in one pool segment, through
     the C stack of every block (`eager_step.LayerStack`): the logits this function's Python blocks
     give, bit for bit, without their per-layer dispatches. None where the stack does not serve it."""
-    if len(rows) < 2 or len(attention.pooled) != 1 or any(len(r.ids) != 1 or r.observer is not None for r in rows):
+    if not 2 <= len(rows) < UNPACK_ROWS or len(attention.pooled) != 1:
+        return None  # (from UNPACK_ROWS rows the Python blocks' products are MKL's, not the panels')
+    if any(len(r.ids) != 1 or r.observer is not None for r in rows):
         return None
     group, chosen = attention.pooled[0]
     stack = LayerStack.of(model) if len(chosen) == len(rows) and group.kernel is not None else None
