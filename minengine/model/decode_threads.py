@@ -32,7 +32,10 @@ import torch
 from minengine import omp_env
 
 WINDOW_S = 0.2  # /proc/stat counts in 10 ms ticks: 0.2 s of 2 CPUs is 40 of them
-BUSY_CORES = 0.3  # others' use above this (in cores) means a core is wanted elsewhere
+# Others' use above this (in cores) means a core is wanted elsewhere. A busy neighbour is a whole
+# core (0.9-1.0 in /proc/stat); with nothing else running the 2-vCPU VM showed 0.0-0.33 (kernel
+# threads, steal), so 0.3 sent 44-66 of 128 steps to one thread on noise.
+BUSY_CORES = 0.5
 SLOW_FACTOR = 2.5  # a step this much slower than the best at full threads was not on free cores
 SLOW_FLOOR_S = 0.005  # ...and at least this much slower (short steps jitter by more than 2.5x)
 SLOW_RUN = 3  # slow steps in a row before backing off (one alone is a passing burst)

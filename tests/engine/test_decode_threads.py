@@ -37,7 +37,7 @@ def test_others_since_counts_what_this_process_did_not():
     assert omp_env.sample_machine() is None or omp_env.sample_machine().machine_busy > 0
 
 
-@pytest.mark.parametrize(("others", "expected"), [(0.0, 2), (0.1, 2), (0.9, 1)])
+@pytest.mark.parametrize(("others", "expected"), [(0.0, 2), (0.1, 2), (0.35, 2), (0.9, 1)])
 def test_one_thread_while_other_processes_want_a_core(monkeypatch, others, expected):
     machine = FakeMachine(others)
     monkeypatch.setattr(omp_env, "sample_machine", machine)
