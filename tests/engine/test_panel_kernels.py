@@ -202,27 +202,25 @@ def _kl(ref, other):
     return F.kl_div(F.log_softmax(other, -1), F.log_softmax(ref, -1), log_target=True, reduction="none").sum(-1)
 
 
+def _against_float32(folder, packs):
+    """A tiny model's logits at every prompt position: dense float32's, then under `packs`."""
+    cfg, dense = _runner(folder, None)
+    _, other = _runner(folder, packs)
+    ids = _prompt(cfg.vocab_size)
+    return tuple(r.model.forward(ids, 0, _cache(cfg), all_logits=True) for r in (dense, other))
+
+
 @needs_kernel
 @pytest.mark.parametrize("name", [s.name for s in SPECS])
 def test_q8_0_stays_near_float32_on_the_tiny_models(tiny_models, name):
-    folder, _ = tiny_models[name]
-    cfg, dense = _runner(folder, None)
-    _, q8 = _runner(folder, "q8_0")
-    ids = _prompt(cfg.vocab_size)
-    ref = dense.model.forward(ids, 0, _cache(cfg), all_logits=True)
-    ours = q8.model.forward(ids, 0, _cache(cfg), all_logits=True)
+    ref, ours = _against_float32(tiny_models[name][0], "q8_0")
     assert _kl(ref, ours).max() < 1e-3
 
 
 @needs_kernel
 @pytest.mark.parametrize("name", [s.name for s in SPECS])
 def test_fp16_panels_keep_float32s_greedy_tokens_on_the_tiny_models(tiny_models, name):
-    folder, _ = tiny_models[name]
-    cfg, dense = _runner(folder, None)
-    _, half = _runner(folder, "fp16-panels")
-    ids = _prompt(cfg.vocab_size)
-    ref = dense.model.forward(ids, 0, _cache(cfg), all_logits=True)
-    ours = half.model.forward(ids, 0, _cache(cfg), all_logits=True)
+    ref, ours = _against_float32(tiny_models[name][0], "fp16-panels")
     assert _kl(ref, ours).max() < 1e-5
     assert torch.equal(ref.argmax(-1), ours.argmax(-1))
 
