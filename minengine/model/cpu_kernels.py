@@ -29,6 +29,9 @@ SOURCES = tuple(
 )
 HEADERS = (Path(__file__).with_name("attention_rows.h"),)  # part of the build's key
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+# Where torch finds AVX-512 (F, BW, VL and DQ, its "AVX512" capability) the panel tiles take zmm
+# (`panel_rows.c`, __AVX512F__): the same bits, half the FMAs of a shared step.
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 _BUILD_TIMEOUT_S = 120
 
 
@@ -64,11 +67,16 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(cc: str, home: Path) -> Path:
+def isa_flags(capability: str) -> tuple[str, ...]:
+    """The build's flags for torch's CPU capability ("AVX2", "AVX512")."""
+    return FLAGS + (AVX512_FLAGS if capability.startswith("AVX512") else ())
+
+
+def _build(cc: str, home: Path, flags: tuple[str, ...]) -> Path:
     """Compile `SOURCES` into `home` (once per sources, compiler and flags), written atomically."""
     version = subprocess.run([cc, "-dumpversion"], capture_output=True, text=True, timeout=30).stdout
     sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(sources + "\0".join((cc, version, *FLAGS)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(sources + "\0".join((cc, version, *flags)).encode()).hexdigest()[:16]
     path = home / f"reqscope_kernels-{key}.so"
     if path.exists():
         return path
@@ -77,7 +85,7 @@ def _build(cc: str, home: Path) -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [cc, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
+            [cc, *flags, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
         )
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no message"])[0]
@@ -104,6 +112,6 @@ def library() -> KernelLibrary:
         why = "reqscope's CPU kernels are compiled here and no C compiler (cc) was found; install gcc"
         return KernelLibrary(None, why)
     try:
-        return KernelLibrary(ctypes.CDLL(str(_build(cc, kernels_home()))))
+        return KernelLibrary(ctypes.CDLL(str(_build(cc, kernels_home(), isa_flags(capability)))))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return KernelLibrary(None, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)

@@ -67,6 +67,65 @@ static inline __attribute__((always_inline)) void KIND##_##RT##x##NP(const float
 #define F32_TILE(RT, NP) TILE(f32, float, LOAD_F32, RT, NP)
 #define F16_TILE(RT, NP) TILE(f16, uint16_t, LOAD_F16, RT, NP)
 
+#ifdef __AVX512F__
+/* With AVX-512 a zmm holds two neighbouring panels' 8 columns at one k (the panels lie K * 8 apart:
+ * two loads and an insert), so a tile of RT rows x NP panels keeps RT * NP / 2 sums and spends
+ * half the FMAs and broadcasts on the same products. Each lane is still one FMA chain in k order,
+ * the AVX2 tiles' bits: a product is the same on either build (tests/engine/test_panel_kernels.py). */
+#define LOAD2_F32(P, at, gap)                                                                     \
+    _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps((P) + (at))), _mm256_loadu_ps((P) + (at) + (gap)), 1)
+#define LOAD2_F16(P, at, gap)                                                                     \
+    _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)((P) + (at)))), \
+                                            _mm_loadu_si128((const __m128i *)((P) + (at) + (gap))), 1))
+#define WIDE_TILE(KIND, WT, LOAD2, RT, NP)                                                        \
+static inline __attribute__((always_inline)) void KIND##_w##RT##x##NP(const float *x, long K, const WT *P, float *y, long ldy) { \
+    __m512 a[RT][NP / 2];                                                                        \
+    for (int r = 0; r < RT; r++)                                                                 \
+        for (int v = 0; v < NP / 2; v++) a[r][v] = _mm512_setzero_ps();                          \
+    for (long k = 0; k < K; k++) {                                                               \
+        __m512 w[NP / 2];                                                                        \
+        for (int v = 0; v < NP / 2; v++) {                                                       \
+            PREFETCH(RT, P + (2 * v * K + k) * PW, PW * (long)sizeof(WT))                        \
+            PREFETCH(RT, P + ((2 * v + 1) * K + k) * PW, PW * (long)sizeof(WT))                  \
+            w[v] = LOAD2(P, (2 * v * K + k) * PW, K * PW);                                       \
+        }                                                                                        \
+        for (int r = 0; r < RT; r++) {                                                           \
+            __m512 b = _mm512_set1_ps(x[k * RT + r]);                                            \
+            for (int v = 0; v < NP / 2; v++) a[r][v] = _mm512_fmadd_ps(b, w[v], a[r][v]);        \
+        }                                                                                        \
+    }                                                                                            \
+    for (int r = 0; r < RT; r++)                                                                 \
+        for (int v = 0; v < NP / 2; v++) {                                                       \
+            _mm256_storeu_ps(y + r * ldy + 2 * v * PW, _mm512_castps512_ps256(a[r][v]));         \
+            _mm256_storeu_ps(y + r * ldy + (2 * v + 1) * PW, _mm512_extractf32x8_ps(a[r][v], 1)); \
+        }                                                                                        \
+}
+#define WIDE_TILES(KIND, WT, LOAD2)                                                               \
+    WIDE_TILE(KIND, WT, LOAD2, 1, 4) WIDE_TILE(KIND, WT, LOAD2, 2, 4) WIDE_TILE(KIND, WT, LOAD2, 3, 4)       \
+    WIDE_TILE(KIND, WT, LOAD2, 4, 4) WIDE_TILE(KIND, WT, LOAD2, 5, 4) WIDE_TILE(KIND, WT, LOAD2, 6, 4)       \
+    WIDE_TILE(KIND, WT, LOAD2, 7, 4) WIDE_TILE(KIND, WT, LOAD2, 8, 4)
+WIDE_TILES(f32, float, LOAD2_F32)
+WIDE_TILES(f16, uint16_t, LOAD2_F16)
+WIDE_TILE(f16, uint16_t, LOAD2_F16, 1, 8)
+/* A whole group of GP panels in one wide tile, whatever its rows (up to 8 x 2 zmm sums). */
+#define WIDE_GROUP(KIND)                                                                          \
+    if (n == GP) {                                                                               \
+        switch (rows) {                                                                          \
+            case 1: KIND##_w1x4(xr, K, FLOAT_ARGS(0), yr, ldy); break;                           \
+            case 2: KIND##_w2x4(xr, K, FLOAT_ARGS(0), yr, ldy); break;                           \
+            case 3: KIND##_w3x4(xr, K, FLOAT_ARGS(0), yr, ldy); break;                           \
+            case 4: KIND##_w4x4(xr, K, FLOAT_ARGS(0), yr, ldy); break;                           \
+            case 5: KIND##_w5x4(xr, K, FLOAT_ARGS(0), yr, ldy); break;                           \
+            case 6: KIND##_w6x4(xr, K, FLOAT_ARGS(0), yr, ldy); break;                           \
+            case 7: KIND##_w7x4(xr, K, FLOAT_ARGS(0), yr, ldy); break;                           \
+            default: KIND##_w8x4(xr, K, FLOAT_ARGS(0), yr, ldy); break;                          \
+        }                                                                                        \
+        p = n;                                                                                   \
+    }
+#else
+#define WIDE_GROUP(KIND)
+#endif
+
 /* The same over q8_0 panels: each weight vector dequantized once per k, shared by the rows. */
 #define Q8_TILE(RT, NP)                                                                          \
 static inline void q8_##RT##x##NP(const float *x, long K, const int8_t *Q, const float *S, float *y, long ldy) { \
@@ -103,12 +162,13 @@ Q8_TILE(1, 1) Q8_TILE(2, 1) Q8_TILE(3, 1) Q8_TILE(4, 1)
 Q8_TILE(5, 1) Q8_TILE(6, 1) Q8_TILE(7, 1) Q8_TILE(8, 1)
 
 /* Rows [r, end) (at most 8 a pass) against panels [p, p + n) of one group (n <= GP). */
-#define GROUP_ROWS(KIND, ARGS, N2, N4)                                                             \
+#define GROUP_ROWS(KIND, ARGS, N2, N4, WIDE)                                                             \
     for (long r = r0; r < end;) {                                                                \
         long rows = end - r < 8 ? end - r : 8;                                                   \
         const float *xr = x + r * K;                                                             \
         float *yr = y + r * ldy + p0 * PW;                                                       \
         long p = 0;                                                                              \
+        WIDE(KIND)                                                                               \
         if (rows == 1) for (; p + 4 <= n; p += 4) KIND##_1x4(xr, K, ARGS(p), yr + p * PW, ldy);  \
         if (rows == 2) for (; p + N2 <= n; p += N2) KIND##_2x##N2(xr, K, ARGS(p), yr + p * PW, ldy); \
         if (rows == 3) for (; p + N4 <= n; p += N4) KIND##_3x##N4(xr, K, ARGS(p), yr + p * PW, ldy); \
@@ -139,6 +199,7 @@ static void pack_rows(const float *x, long M, long K, float *xp) {
     }
 }
 
+#define NO_WIDE(KIND)
 #define FLOAT_ARGS(p) (P + (p0 + (p)) * K * PW)
 #define Q8_ARGS(p) (Q + (p0 + (p)) * K * PW), (S + (p0 + (p)) * (K / QB) * PW)
 
@@ -153,7 +214,7 @@ static void pack_rows(const float *x, long M, long K, float *xp) {
         _Pragma("omp for schedule(static)")                                                      \
         for (long g = 0; g < groups; g++) {                                                      \
             long p0 = g * GP, n = panels - p0 < GP ? panels - p0 : GP;                           \
-            GROUP_ROWS(KIND, FLOAT_ARGS, 4, 2)                                                     \
+            GROUP_ROWS(KIND, FLOAT_ARGS, 4, 2, WIDE_GROUP)                                                   \
         }                                                                                        \
     }
 
@@ -175,7 +236,11 @@ void f16_panels(const float *x, long M, long K, float *xp, const uint16_t *P, lo
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (long g = 0; g < groups; g++) {
             long p = g * 8;
+#ifdef __AVX512F__
+            if (p + 8 <= panels) f16_w1x8(x, K, P + p * K * PW, y + p * PW, ldy);
+#else
             if (p + 8 <= panels) f16_1x8(x, K, P + p * K * PW, y + p * PW, ldy);
+#endif
             else for (; p < panels; p++) f16_1x1(x, K, P + p * K * PW, y + p * PW, ldy);
         }
         return;
@@ -193,7 +258,7 @@ void q8_0_panels(const float *x, long M, long K, const int8_t *Q, const float *S
 #pragma omp for schedule(static)
         for (long g = 0; g < groups; g++) {
             long p0 = g * GP, n = panels - p0 < GP ? panels - p0 : GP;
-            GROUP_ROWS(q8, Q8_ARGS, 2, 1)  /* q8_0's scales take registers: narrower tiles */
+            GROUP_ROWS(q8, Q8_ARGS, 2, 1, NO_WIDE)  /* q8_0's scales take registers: narrower tiles */
         }
     }
 }

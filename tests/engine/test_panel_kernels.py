@@ -144,6 +144,24 @@ def test_a_rows_product_is_the_same_bits_whatever_rows_and_threads_share_the_cal
         torch.set_num_threads(threads)
 
 
+@needs_kernel
+@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"), reason="no AVX-512 here")
+@pytest.mark.parametrize("fmt", ["float32", "fp16"])
+def test_the_avx512_tiles_give_the_avx2_builds_bits(fmt, tmp_path):
+    import ctypes
+
+    avx2 = KernelLibrary(ctypes.CDLL(str(cpu_kernels._build(cpu_kernels._compiler(), tmp_path, cpu_kernels.FLAGS))))
+    for shape in [(960, 576), (576, 1536), (100, 64)]:
+        panel = PanelLinear(fmt, _weight(shape), 1)
+        x = _x(70, shape[1])
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 70):
+            wide = panel.linear(x[:rows])
+            panel._lib = avx2.lib
+            narrow = panel.linear(x[:rows])
+            panel._lib = library().lib
+            assert torch.equal(wide, narrow), (shape, rows)
+
+
 def test_q8_0_refuses_inputs_not_in_blocks_of_32():
     with pytest.raises(ValueError, match="40 input features, not a whole number of q8_0's 32-input blocks"):
         PanelLinear("q8_0", _weight((64, 40)), 1)
