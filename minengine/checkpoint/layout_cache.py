@@ -40,7 +40,7 @@ from minengine.progress import BYTES, ProgressCallback, Stage
 FORMAT_VERSION = 2
 CACHE_DIR = ".minengine"
 DISABLE_ENV = "REQSCOPE_LAYOUT_CACHE"
-_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8"}
+_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.uint8: "U8"}
 _TRANSPOSED = "transposed"  # metadata: names stored as their last two dims swapped
 _WEIGHTS = "weights"  # metadata: the weight format the operands were built for
 _PANELS = "panels"  # metadata: operands stored as panels (`PanelLinear`), each [format, out_features, chunks]

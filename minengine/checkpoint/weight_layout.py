@@ -25,6 +25,7 @@ from minengine.model.panel_kernels import PANEL_PACKS, PanelLinear
 
 # A projection's operand: a dense [chunks, in, out/chunks] tensor, or a packed or panel kernel's weight.
 Operand = torch.Tensor | PackedLinear | PanelLinear
+HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # the vocabulary head, its own or the tied embedding
 # The token embedding: a dense [vocab, hidden] table, rows in a packed format's storage, or None
 # when a tied head's dense operand serves the lookups.
 Embedding = torch.Tensor | EmbeddingRows | None
@@ -88,8 +89,8 @@ class CheckpointReader:
     The pages of the memory-mapped file that each copy was read from are given back at once,
     so loading never holds the weights twice. With a packed format (`packs`, "fp16", "int8",
     "bf16"), projections are packed and the embedding kept at the format's width; with a panel
-    format (`PANEL_PACKS`: "q8_0", "float32-panels") they are laid out in panels, and a tied
-    embedding is read from the head's panels.
+    format (`PANEL_PACKS`: "q8_0", "q4_1", "float32-panels", "fp16-panels") they are laid out in
+    panels (q4_1's head in q8_0's), and a tied embedding is read from the head's panels.
     """
 
     def __init__(self, sd: dict[str, torch.Tensor], packs: str | None = None) -> None:
@@ -119,7 +120,10 @@ class CheckpointReader:
         weights = [self.sd[n] for n in names]
         if self.packs in PANEL_PACKS:
             stacked = torch.cat(weights) if len(weights) > 1 else weights[0]
-            return self._consumed(names, PanelLinear(PANEL_PACKS[self.packs], stacked, chunks or 1))
+            fmt = PANEL_PACKS[self.packs]
+            if fmt == "q4_1" and names[0] in HEAD_NAMES:
+                fmt = "q8_0"  # as a Q4_1 GGUF keeps its vocabulary matrix: every logit reads it, 8 bits
+            return self._consumed(names, PanelLinear(fmt, stacked, chunks or 1))
         if self.packs is not None and self.dense.isdisjoint(names):
             stacked = torch.cat(weights) if len(weights) > 1 else weights[0]
             return self._consumed(names, PackedLinear(self.packs, stacked, chunks or 1))

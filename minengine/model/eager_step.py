@@ -74,7 +74,7 @@ class EagerDecoder:
         return s
 
 
-_KINDS = {"float32": 0, "fp16": 1, "q8_0": 2}  # decode_layers.c's enum
+_KINDS = {"float32": 0, "fp16": 1, "q8_0": 2, "q4_1": 3}  # decode_layers.c's enum
 _BUFFERS = ("h", "qkv", "rotated", "attended", "o", "gate_up", "gated", "down")  # StackArgs' scratch, in order
 
 

@@ -13,7 +13,11 @@ Three storages (`PanelLinear.format`):
 - `fp16`: the values rounded to IEEE half precision, half the bytes, converted back exactly in
   registers (F16C): float32 arithmetic on the rounded weights;
 - `q8_0`: llama.cpp's Q8_0 blocks (int8 weights, one scale per 32 inputs of a column, float32
-  here), a quarter of the bytes, dequantized in registers: activations stay float32.
+  here), a quarter of the bytes, dequantized in registers: activations stay float32;
+- `q4_1`: llama.cpp's Q4_1 blocks (4-bit weights, an fp16 scale and minimum per 32 inputs of a
+  column), 0.625 bytes a weight, dequantized in registers to exactly gguf's float32 values: a
+  checkpoint converted from a Q4_1 GGUF is held losslessly and multiplied as float32 panels
+  multiply it, bit for bit.
 
 Prompt chunks run through it too (rows in passes of 8, a block of 64 rows in L2 while the panels
 pass): a 64-token chunk, the CPU's default step budget beside decoding sequences, takes what
@@ -45,7 +49,8 @@ UNPACK_ROWS = 256
 UNPACK_MAX_ELEMENTS = 8 << 20
 _scratch = threading.local()
 # A reader's `packs` for each panel storage (float32 is also a oneDNN kernel's `packs`, so it is named apart).
-PANEL_PACKS = {"q8_0": "q8_0", "float32-panels": "float32", "fp16-panels": "fp16"}
+PANEL_PACKS = {"q8_0": "q8_0", "q4_1": "q4_1", "float32-panels": "float32", "fp16-panels": "fp16"}
+BLOCK_FORMATS = ("q8_0", "q4_1")  # the panel storages in blocks of Q8_BLOCK inputs
 
 
 def _panels(weight: torch.Tensor) -> torch.Tensor:
@@ -79,10 +84,13 @@ class PanelLinear:
         self._lib = lib
         panels = _panels(weight.float())
         self.scales: torch.Tensor | None = None
-        if fmt == "q8_0":
-            why = q8_0_refusal("the weight", (out_features, in_features))
+        if fmt in BLOCK_FORMATS:
+            why = block_refusal(fmt, "the weight", (out_features, in_features))
             if why is not None:
                 raise ValueError(why)
+        if fmt == "q4_1":
+            self.panels, self.scales = _q4_1(panels)
+        elif fmt == "q8_0":
             blocks = panels.view(panels.shape[0], in_features // Q8_BLOCK, Q8_BLOCK, PANEL)
             scales = (blocks.abs().amax(dim=2) / 127).clamp_(min=1e-30)  # [panels, in/32, PANEL]
             self.panels = torch.round(blocks / scales[:, :, None]).to(torch.int8).view_as(panels).contiguous()
@@ -104,7 +112,8 @@ class PanelLinear:
         if lib is None:
             raise RuntimeError(f"no panel kernel: {library().why_not}")
         self = cls.__new__(cls)
-        self.format, self.in_features, self.out_features, self.chunks = fmt, panels.shape[1], out_features, chunks
+        inputs = panels.shape[1] * (2 if fmt == "q4_1" else 1)  # q4_1 holds two inputs a byte
+        self.format, self.in_features, self.out_features, self.chunks = fmt, inputs, out_features, chunks
         self.panels, self.scales, self._lib = panels, scales, lib
         self._count_bytes()
         return self
@@ -114,7 +123,7 @@ class PanelLinear:
         return {"panels": self.panels} | ({} if self.scales is None else {"scales": self.scales})
 
     def _count_bytes(self) -> None:
-        scale_bytes = 0 if self.scales is None else self.scales.numel() * 4
+        scale_bytes = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
         self.stored_bytes = self.panels.numel() * self.panels.element_size() + scale_bytes
         self.read_bytes = self.stored_bytes  # a step reads every panel whole (padding is under 8 columns)
 
@@ -143,7 +152,8 @@ class PanelLinear:
                 width, threads,
             )  # fmt: skip
         else:
-            lib.q8_0_panels(
+            kernel = lib.q4_1_panels if self.format == "q4_1" else lib.q8_0_panels
+            kernel(
                 x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), self.scales.data_ptr(), panels,
                 y.data_ptr(), width, threads,
             )  # fmt: skip
@@ -164,22 +174,54 @@ class PanelLinear:
         if self.scales is None:
             view.copy_(self.panels.transpose(1, 2))
         else:
-            scales = self.scales.repeat_interleave(Q8_BLOCK, dim=1)  # [panels, in, PANEL]
-            torch.mul(self.panels.transpose(1, 2), scales.transpose(1, 2), out=view)
+            view.copy_(self.dequantized().transpose(1, 2))
         return scratch[: self.out_features * width].view(self.out_features, width)
+
+    def dequantized(self, panels: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        """The weights of `panels` (all by default) as float32 [n, in, PANEL], the values the kernel multiplies by."""
+        if self.format == "q4_1":
+            return _q4_1_values(self.panels[panels], self.scales[panels])
+        values = self.panels[panels].float()
+        if self.scales is None:
+            return values
+        n = values.shape[0]
+        return values.view(n, -1, Q8_BLOCK, PANEL).mul_(self.scales[panels][:, :, None, :]).view(n, -1, PANEL)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows (output features) `ids` [T], float32 [T, in]: a tied embedding's lookup."""
         panel, column = ids // PANEL, ids % PANEL
-        picked = self.panels[panel, :, column].float()  # [T, in]
-        if self.scales is None:
-            return picked
-        scales = self.scales[panel, :, column]  # [T, in/32]
-        return picked.view(len(ids), -1, Q8_BLOCK).mul_(scales[:, :, None]).view(len(ids), -1)
+        if self.format != "q4_1":  # one column of each picked panel, never the panel whole
+            picked = self.panels[panel, :, column].float()  # [T, in]
+            if self.scales is None:
+                return picked
+            scales = self.scales[panel, :, column]  # [T, in/32]
+            return picked.view(len(ids), -1, Q8_BLOCK).mul_(scales[:, :, None]).view(len(ids), -1)
+        return self.dequantized(panel)[torch.arange(len(ids)), :, column]
 
 
-def q8_0_refusal(name: str, shape: tuple[int, int]) -> str | None:
-    """Why q8_0's blocks cannot hold the [out, in] weight `name` (inputs not in blocks of 32), or None."""
+def block_refusal(fmt: str, name: str, shape: tuple[int, int]) -> str | None:
+    """Why `fmt`'s blocks (q8_0, q4_1) cannot hold the [out, in] weight `name` (inputs not in blocks of 32), or None."""
     if shape[1] % Q8_BLOCK:
-        return f"{name} has {shape[1]} input features, not a whole number of q8_0's {Q8_BLOCK}-input blocks"
+        return f"{name} has {shape[1]} input features, not a whole number of {fmt}'s {Q8_BLOCK}-input blocks"
     return None
+
+
+def _q4_1(panels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 panels [n, in, PANEL] as Q4_1 blocks: nibble pairs [n, in/2, PANEL] (k even low, odd high) and
+    fp16 [n, in/32, 2 * PANEL] (scales, then minimums), llama.cpp's quantizer: d = (max - min) / 15, m = min."""
+    n, in_features, _ = panels.shape
+    blocks = panels.view(n, in_features // Q8_BLOCK, Q8_BLOCK, PANEL)
+    low, high = blocks.amin(dim=2), blocks.amax(dim=2)
+    d, m = ((high - low) / 15).half(), low.half()
+    step = torch.where(d > 0, d.float(), torch.ones_like(low))  # a constant block: q = 0 everywhere
+    q = torch.round((blocks - m.float()[:, :, None]) / step[:, :, None]).clamp_(0, 15).to(torch.uint8)
+    q = q.view(n, in_features // 2, 2, PANEL)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous(), torch.cat([d, m], dim=2).contiguous()
+
+
+def _q4_1_values(nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks back to float32 [n, in, PANEL]: q * d + m, as the kernel and gguf compute them."""
+    n, pairs, _ = nibbles.shape
+    q = torch.stack([nibbles & 15, nibbles >> 4], dim=2).view(n, pairs * 2 // Q8_BLOCK, Q8_BLOCK, PANEL).float()
+    d, m = dm[:, :, None, :PANEL].float(), dm[:, :, None, PANEL:].float()
+    return (q * d + m).view(n, pairs * 2, PANEL)

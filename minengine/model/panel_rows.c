@@ -19,6 +19,12 @@
  * Q8_0 blocks, with a float32 scale): a quarter of float32's bytes. Each weight vector is
  * dequantized once per k and shared by every row, so the activations stay float32.
  *
+ * q4_1 panels hold llama.cpp's Q4_1 blocks: per 32 inputs and column a 4-bit q, an fp16 scale d
+ * and an fp16 minimum m, the weight q * d + m: 0.625 bytes a weight. q * d needs at most 15
+ * significant bits, so one FMA gives gguf's dequantized float32 exactly (it computes q * d, then
+ * + m): where a checkpoint came from a Q4_1 GGUF, these tiles multiply by its very float32
+ * weights, in float32 panels' order, and give their bits.
+ *
  * Built by minengine/model/cpu_kernels.py with -O3 -mavx2 -mfma -mf16c -fopenmp; OpenMP is the
  * runtime torch already loaded (same soname), and the thread count is the caller's.
  */
@@ -122,8 +128,60 @@ WIDE_TILE(f16, uint16_t, LOAD2_F16, 1, 8)
         }                                                                                        \
         p = n;                                                                                   \
     }
+/* q4_1 in zmm: a pair of panels' 8 bytes at one k-pair, their scales and minimums side by side. */
+#define WIDE_Q4_TILE(RT)                                                                         \
+static inline void q4_w##RT##x4(const float *x, long K, const uint8_t *Q, const uint16_t *DM, float *y, long ldy) { \
+    __m512 a[RT][2];                                                                             \
+    const __m512i low = _mm512_set1_epi32(15);                                                   \
+    for (int r = 0; r < RT; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();                        \
+    for (long kb = 0; kb < K; kb += QB) {                                                        \
+        __m512 d[2], m[2];                                                                       \
+        for (int v = 0; v < 2; v++) {                                                            \
+            const uint16_t *dm = DM + (2 * v * (K / QB) + kb / QB) * 2 * PW;                     \
+            d[v] = LOAD2_F16(dm, 0, (K / QB) * 2 * PW), m[v] = LOAD2_F16(dm, PW, (K / QB) * 2 * PW); \
+        }                                                                                        \
+        for (long k = kb; k < kb + QB; k += 2) {                                                 \
+            __m512 w0[2], w1[2];                                                                 \
+            for (int v = 0; v < 2; v++) {                                                        \
+                const uint8_t *q0 = Q + (2 * v * K + k) * 4;                                     \
+                __m128i qq = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)q0),            \
+                                                _mm_loadl_epi64((const __m128i *)(q0 + K * 4))); \
+                __m512i q = _mm512_cvtepu8_epi32(qq);                                            \
+                w0[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d[v], m[v]); \
+                w1[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d[v], m[v]);  \
+            }                                                                                    \
+            for (int r = 0; r < RT; r++) {                                                       \
+                __m512 b0 = _mm512_set1_ps(x[r * K + k]), b1 = _mm512_set1_ps(x[r * K + k + 1]); \
+                for (int v = 0; v < 2; v++) a[r][v] = _mm512_fmadd_ps(b0, w0[v], a[r][v]);      \
+                for (int v = 0; v < 2; v++) a[r][v] = _mm512_fmadd_ps(b1, w1[v], a[r][v]);      \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    for (int r = 0; r < RT; r++)                                                                 \
+        for (int v = 0; v < 2; v++) {                                                            \
+            _mm256_storeu_ps(y + r * ldy + 2 * v * PW, _mm512_castps512_ps256(a[r][v]));         \
+            _mm256_storeu_ps(y + r * ldy + (2 * v + 1) * PW, _mm512_extractf32x8_ps(a[r][v], 1)); \
+        }                                                                                        \
+}
+WIDE_Q4_TILE(1) WIDE_Q4_TILE(2) WIDE_Q4_TILE(3) WIDE_Q4_TILE(4)
+WIDE_Q4_TILE(5) WIDE_Q4_TILE(6) WIDE_Q4_TILE(7) WIDE_Q4_TILE(8)
+#define WIDE_Q4_GROUP(KIND)                                                                       \
+    if (n == GP) {                                                                               \
+        switch (rows) {                                                                          \
+            case 1: q4_w1x4(xr, K, Q4_ARGS(0), yr, ldy); break;                                  \
+            case 2: q4_w2x4(xr, K, Q4_ARGS(0), yr, ldy); break;                                  \
+            case 3: q4_w3x4(xr, K, Q4_ARGS(0), yr, ldy); break;                                  \
+            case 4: q4_w4x4(xr, K, Q4_ARGS(0), yr, ldy); break;                                  \
+            case 5: q4_w5x4(xr, K, Q4_ARGS(0), yr, ldy); break;                                  \
+            case 6: q4_w6x4(xr, K, Q4_ARGS(0), yr, ldy); break;                                  \
+            case 7: q4_w7x4(xr, K, Q4_ARGS(0), yr, ldy); break;                                  \
+            default: q4_w8x4(xr, K, Q4_ARGS(0), yr, ldy); break;                                 \
+        }                                                                                        \
+        p = n;                                                                                   \
+    }
 #else
 #define WIDE_GROUP(KIND)
+#define WIDE_Q4_GROUP(KIND)
 #endif
 
 /* The same over q8_0 panels: each weight vector dequantized once per k, shared by the rows. */
@@ -151,6 +209,39 @@ static inline void q8_##RT##x##NP(const float *x, long K, const int8_t *Q, const
         for (int p = 0; p < NP; p++) _mm256_storeu_ps(y + r * ldy + p * PW, a[r][p]);            \
 }
 
+/* The same over q4_1 panels. Q [panels][K/2][8] bytes: byte c of pair j holds column c at
+ * k = 2j (low nibble) and 2j + 1 (high); DM [panels][K/32][16] fp16: the block's 8 scales, then
+ * its 8 minimums. Each pair of weight vectors is dequantized once per k and shared by the rows. */
+#define Q4_TILE(RT, NP)                                                                          \
+static inline void q4_##RT##x##NP(const float *x, long K, const uint8_t *Q, const uint16_t *DM, float *y, long ldy) { \
+    __m256 a[RT][NP];                                                                            \
+    const __m256i low = _mm256_set1_epi32(15);                                                   \
+    for (int r = 0; r < RT; r++)                                                                 \
+        for (int p = 0; p < NP; p++) a[r][p] = _mm256_setzero_ps();                              \
+    for (long kb = 0; kb < K; kb += QB) {                                                        \
+        __m256 d[NP], m[NP];                                                                     \
+        for (int p = 0; p < NP; p++) {                                                           \
+            const uint16_t *dm = DM + (p * (K / QB) + kb / QB) * 2 * PW;                         \
+            d[p] = LOAD_F16(dm, 0), m[p] = LOAD_F16(dm, PW);                                     \
+        }                                                                                        \
+        for (long k = kb; k < kb + QB; k += 2) {                                                 \
+            __m256 w0[NP], w1[NP];                                                               \
+            for (int p = 0; p < NP; p++) {                                                       \
+                __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(Q + (p * K + k) * 4))); \
+                w0[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), d[p], m[p]);  \
+                w1[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d[p], m[p]);   \
+            }                                                                                    \
+            for (int r = 0; r < RT; r++) {                                                       \
+                __m256 b0 = _mm256_broadcast_ss(x + r * K + k), b1 = _mm256_broadcast_ss(x + r * K + k + 1); \
+                for (int p = 0; p < NP; p++) a[r][p] = _mm256_fmadd_ps(b0, w0[p], a[r][p]);      \
+                for (int p = 0; p < NP; p++) a[r][p] = _mm256_fmadd_ps(b1, w1[p], a[r][p]);      \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    for (int r = 0; r < RT; r++)                                                                 \
+        for (int p = 0; p < NP; p++) _mm256_storeu_ps(y + r * ldy + p * PW, a[r][p]);            \
+}
+
 F32_TILE(1, 4) F32_TILE(2, 4) F32_TILE(3, 2) F32_TILE(4, 2)
 F32_TILE(1, 1) F32_TILE(2, 1) F32_TILE(3, 1) F32_TILE(4, 1)
 F32_TILE(5, 1) F32_TILE(6, 1) F32_TILE(7, 1) F32_TILE(8, 1)
@@ -160,6 +251,9 @@ F16_TILE(5, 1) F16_TILE(6, 1) F16_TILE(7, 1) F16_TILE(8, 1)
 Q8_TILE(1, 4) Q8_TILE(2, 2)
 Q8_TILE(1, 1) Q8_TILE(2, 1) Q8_TILE(3, 1) Q8_TILE(4, 1)
 Q8_TILE(5, 1) Q8_TILE(6, 1) Q8_TILE(7, 1) Q8_TILE(8, 1)
+Q4_TILE(1, 4) Q4_TILE(2, 2)
+Q4_TILE(1, 1) Q4_TILE(2, 1) Q4_TILE(3, 1) Q4_TILE(4, 1)
+Q4_TILE(5, 1) Q4_TILE(6, 1) Q4_TILE(7, 1) Q4_TILE(8, 1)
 
 /* Rows [r, end) (at most 8 a pass) against panels [p, p + n) of one group (n <= GP). */
 #define GROUP_ROWS(KIND, ARGS, N2, N4, WIDE)                                                             \
@@ -201,6 +295,7 @@ static void pack_rows(const float *x, long M, long K, float *xp) {
 
 #define NO_WIDE(KIND)
 #define FLOAT_ARGS(p) (P + (p0 + (p)) * K * PW)
+#define Q4_ARGS(p) (Q + (p0 + (p)) * K * PW / 2), (DM + (p0 + (p)) * (K / QB) * 2 * PW)
 #define Q8_ARGS(p) (Q + (p0 + (p)) * K * PW), (S + (p0 + (p)) * (K / QB) * PW)
 
 /* The float32 and fp16 products: the rows repacked, then blocks of RB rows against every group. */
@@ -259,6 +354,21 @@ void q8_0_panels(const float *x, long M, long K, const int8_t *Q, const float *S
         for (long g = 0; g < groups; g++) {
             long p0 = g * GP, n = panels - p0 < GP ? panels - p0 : GP;
             GROUP_ROWS(q8, Q8_ARGS, 2, 1, NO_WIDE)  /* q8_0's scales take registers: narrower tiles */
+        }
+    }
+}
+
+/* Q [panels][K/2][8] nibble pairs; DM [panels][K/32][16] fp16 scales and minimums; K a multiple of 32. */
+void q4_1_panels(const float *x, long M, long K, const uint8_t *Q, const uint16_t *DM, long panels, float *y,
+                 long ldy, int threads) {
+    long groups = (panels + GP - 1) / GP;
+#pragma omp parallel num_threads(threads)
+    for (long r0 = 0; r0 < M; r0 += RB) {
+        long end = M - r0 < RB ? M : r0 + RB;
+#pragma omp for schedule(static)
+        for (long g = 0; g < groups; g++) {
+            long p0 = g * GP, n = panels - p0 < GP ? panels - p0 : GP;
+            GROUP_ROWS(q4, Q4_ARGS, 2, 1, WIDE_Q4_GROUP)
         }
     }
 }

@@ -28,7 +28,7 @@ from minengine.dtype_names import WEIGHT_FORMATS
 from minengine.errors import Mention, ReqscopeError, Setting
 from minengine.model.cpu_kernels import library
 from minengine.model.linear_kernels import available, int8_refusal
-from minengine.model.panel_kernels import q8_0_refusal
+from minengine.model.panel_kernels import BLOCK_FORMATS, block_refusal
 
 # Measured on the 2-core development machine (README, "Weight formats"; an AMD EPYC with AVX2
 # and no AVX-512): fp16 in reqscope's panel kernel keeps float32's greedy tokens (mean KL
@@ -166,7 +166,7 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> Weig
                 " or ",
                 Mention(Setting.WEIGHTS, own),
             )
-        if name in ("int8", "q8_0"):
+        if name in ("int8", *BLOCK_FORMATS):
             raise WeightFormatError(
                 f"{name} weights have no {device.type} kernel here; use ",
                 Mention(Setting.WEIGHTS, own),
@@ -180,7 +180,7 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> Weig
         )
     if name == "fp16":
         return _fp16("asked for")
-    if name == "q8_0":
+    if name in BLOCK_FORMATS:
         panels = library()
         if panels.lib is None:
             raise WeightFormatError(
@@ -207,11 +207,12 @@ def _dtype(dtype: torch.dtype) -> str:
 
 def refuse_shapes(choice: WeightChoice, cfg: ModelConfig) -> None:
     """Raise before anything is loaded when the chosen kernel cannot hold one of `cfg`'s projections."""
-    if not (choice.packed and choice.format in ("int8", "q8_0")):
+    if not (choice.packed and choice.format in ("int8", *BLOCK_FORMATS)):
         return
-    refusal = int8_refusal if choice.format == "int8" else q8_0_refusal
     for name, shape in expected_shapes(cfg).items():
-        why = refusal(name, shape) if len(shape) == 2 else None
+        if len(shape) != 2:
+            continue
+        why = int8_refusal(name, shape) if choice.format == "int8" else block_refusal(choice.format, name, shape)
         if why is not None:
             raise WeightFormatError(
                 f"{choice.format} weights cannot hold this model: {why}; use ",

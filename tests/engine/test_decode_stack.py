@@ -109,7 +109,7 @@ def _steps(runner, cfg, monkeypatch, stack: bool) -> list[torch.Tensor]:
 
 
 @needs_kernel
-@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", "q8_0"])
+@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", "q8_0", "q4_1"])
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-tied", "mistral"])
 def test_the_c_stack_gives_the_python_blocks_logits_bit_for_bit(tiny_models, monkeypatch, packs, name):
     cfg, runner = _runner(tiny_models[name][0], packs)
@@ -141,7 +141,7 @@ def _pooled_steps(runner, cfg, pool, monkeypatch, stack: bool) -> list[list[torc
 
 
 @needs_kernel
-@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", "q8_0"])
+@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", "q8_0", "q4_1"])
 def test_a_shared_steps_decode_rows_in_the_c_stack_are_the_python_blocks_bit_for_bit(tiny_models, monkeypatch, packs):
     from minengine.kv.block_pool import BlockPool
 

@@ -1,9 +1,10 @@
-"""reqscope's panel kernel (float32, fp16 and q8_0 panels): products against float64, a row's bits
-whatever rows share its call, Q8_0's blocks, the model under each storage, choosing it, and falling back.
+"""reqscope's panel kernel (float32, fp16, q8_0 and q4_1 panels): products against float64, a row's bits
+whatever rows share its call, Q8_0's and Q4_1's blocks, the model under each storage, choosing it, and falling back.
 
 Tolerances: a float32 panel product is one float32 FMA chain per output, within 1e-6 relative
 of float64 (fp16's: of float64's product of the half-rounded weights); q8_0 rounds each weight
-to 8 bits within its block of 32 (relative error of a product about 0.5%, bound 1%). The tiny
+to 8 bits within its block of 32 (relative error of a product about 0.5%, bound 1%); q4_1 to 4
+bits (a weight's error about 8%), but weights that came from Q4_1 blocks it holds exactly. The tiny
 models' logits under float32 panels stay within transformers' 1e-4, as the dense operands' do.
 """
 
@@ -21,7 +22,7 @@ from minengine.engine.engine import Engine
 from minengine.kv.cache import KVCache
 from minengine.model import cpu_kernels, weight_format
 from minengine.model.cpu_kernels import KernelLibrary, library
-from minengine.model.panel_kernels import PANEL, Q8_BLOCK, UNPACK_MAX_ELEMENTS, UNPACK_ROWS, PanelLinear
+from minengine.model.panel_kernels import PANEL, Q8_BLOCK, UNPACK_MAX_ELEMENTS, UNPACK_ROWS, PanelLinear, block_refusal
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.model.weight_format import FLOAT32_KERNEL_ENV, WeightFormatError, resolve_weights
@@ -106,15 +107,56 @@ def test_q8_0_panels_hold_q8_0s_blocks_and_multiply_by_them(shape):
         assert _rel(y, x.double() @ w.double().t()) < 1e-2  # and near float32's
 
 
+def _q4_1_reference(w: torch.Tensor) -> torch.Tensor:
+    """Q4_1 as llama.cpp defines it, written independently: per 32 inputs of a row, d = (max - min) / 15
+    and m = min, both stored in fp16, q = round((w - m) / d) in 0..15, dequantized q * d + m."""
+    out, k = w.shape
+    blocks = w.view(out, k // Q8_BLOCK, Q8_BLOCK)
+    low, high = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+    d, m = ((high - low) / 15).half().float(), low.half().float()
+    q = torch.round((blocks - m) / d).clamp(0, 15)
+    return (q * d + m).view(out, k)
+
+
 @needs_kernel
-@pytest.mark.parametrize("fmt", ["float32", "fp16", "q8_0"])
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % Q8_BLOCK == 0])
+def test_q4_1_panels_hold_q4_1s_blocks_and_multiply_by_them(shape):
+    w = _weight(shape)
+    panel = PanelLinear("q4_1", w, 1)
+    ids = torch.arange(shape[0])
+    stored = panel.rows(ids)
+    assert torch.equal(stored, _q4_1_reference(w))
+    panels = -(-shape[0] // PANEL)
+    assert panel.stored_bytes == panels * PANEL * shape[1] * (0.5 + 4 / Q8_BLOCK)  # 4 bits + fp16 d and m per 32
+    for rows in ROWS:
+        x = _x(rows, shape[1])
+        y = panel.linear(x)
+        assert _rel(y, x.double() @ stored.double().t()) < 1e-6  # the product of the stored weights
+        assert _rel(y, x.double() @ w.double().t()) < 0.15  # 4 bits: near float32's, not close
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % Q8_BLOCK == 0])
+def test_weights_from_q4_1_blocks_are_held_exactly_and_give_float32_panels_bits(shape):
+    """A checkpoint converted from a Q4_1 GGUF holds gguf's dequantized float32: q4_1 panels keep
+    those very values and multiply by them in float32 panels' order."""
+    w = _q4_1_reference(_weight(shape))
+    q4, f32 = PanelLinear("q4_1", w, 1), PanelLinear("float32", w, 1)
+    assert torch.equal(q4.rows(torch.arange(shape[0])), w)
+    for rows in ROWS:
+        x = _x(rows, shape[1])
+        assert torch.equal(q4.linear(x), f32.linear(x)), rows
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["float32", "fp16", "q8_0", "q4_1"])
 @pytest.mark.parametrize("shape", [(960, 576), (100, 64), (49152, 576)])
 def test_a_long_prompt_chunk_multiplies_the_weight_laid_back_out(fmt, shape):
     """From UNPACK_ROWS rows the product is MKL's over the stored weight laid out densely (the
     vocabulary head, too large for the scratch, keeps the panel tiles): the same product either way."""
     w = _weight(shape)
     panel = PanelLinear(fmt, w, 1)
-    stored = panel.rows(torch.arange(shape[0]))  # the weight as stored (fp16's converted, q8_0's dequantized)
+    stored = panel.rows(torch.arange(shape[0]))  # as stored: fp16 converted, q8_0 and q4_1 dequantized
     for rows in (UNPACK_ROWS - 1, UNPACK_ROWS, 300):
         x = _x(rows, shape[1])
         y = panel.linear(x)
@@ -128,8 +170,8 @@ def test_a_long_prompt_chunk_multiplies_the_weight_laid_back_out(fmt, shape):
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", ["float32", "fp16", "q8_0"])
-@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (100, 64)])
+@pytest.mark.parametrize("fmt", ["float32", "fp16", "q8_0", "q4_1"])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (96, 64)])
 def test_a_rows_product_is_the_same_bits_whatever_rows_and_threads_share_the_call(fmt, shape):
     panel = PanelLinear(fmt, _weight(shape), 1)
     x = _x(70, shape[1])
@@ -146,12 +188,12 @@ def test_a_rows_product_is_the_same_bits_whatever_rows_and_threads_share_the_cal
 
 @needs_kernel
 @pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"), reason="no AVX-512 here")
-@pytest.mark.parametrize("fmt", ["float32", "fp16"])
+@pytest.mark.parametrize("fmt", ["float32", "fp16", "q8_0", "q4_1"])
 def test_the_avx512_tiles_give_the_avx2_builds_bits(fmt, tmp_path):
     import ctypes
 
     avx2 = KernelLibrary(ctypes.CDLL(str(cpu_kernels._build(cpu_kernels._compiler(), tmp_path, cpu_kernels.FLAGS))))
-    for shape in [(960, 576), (576, 1536), (100, 64)]:
+    for shape in [(960, 576), (576, 1536), (96, 64)]:
         panel = PanelLinear(fmt, _weight(shape), 1)
         x = _x(70, shape[1])
         for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 70):
@@ -162,9 +204,11 @@ def test_the_avx512_tiles_give_the_avx2_builds_bits(fmt, tmp_path):
             assert torch.equal(wide, narrow), (shape, rows)
 
 
-def test_q8_0_refuses_inputs_not_in_blocks_of_32():
-    with pytest.raises(ValueError, match="40 input features, not a whole number of q8_0's 32-input blocks"):
-        PanelLinear("q8_0", _weight((64, 40)), 1)
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_block_formats_refuse_inputs_not_in_blocks_of_32(fmt):
+    with pytest.raises(ValueError, match=f"40 input features, not a whole number of {fmt}'s 32-input blocks"):
+        PanelLinear(fmt, _weight((64, 40)), 1)
+    assert block_refusal(fmt, "w", (64, 64)) is None
 
 
 # -- building the kernel --------------------------------------------------------------------------
@@ -235,6 +279,44 @@ def test_q8_0_stays_near_float32_on_the_tiny_models(tiny_models, name):
     assert _kl(ref, ours).max() < 1e-3
 
 
+def _through_gguf_blocks(folder, into):
+    """A copy of a model folder whose weights went through Q4_1 (the layers' projections) and Q8_0 (the
+    embedding and head), as a checkpoint converted from a Q4_1 GGUF holds them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, into)
+    for path in into.glob("*.safetensors"):
+        sd = load_file(path)
+        for name, w in sd.items():
+            if w.dim() == 2 and "embed" not in name and "lm_head" not in name:
+                sd[name] = _q4_1_reference(w)
+            elif w.dim() == 2:  # Q8_0 with GGUF's fp16 scale
+                blocks = w.view(w.shape[0], -1, Q8_BLOCK)
+                d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+                sd[name] = (torch.round(blocks / d).clamp(-127, 127) * d).view_as(w)
+        save_file(sd, path, metadata={"format": "pt"})
+    return into
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-tied", "qwen2"])
+def test_q4_1_runs_a_q4_1_checkpoint_with_float32_panels_logits(tiny_models, tmp_path, monkeypatch, name):
+    monkeypatch.setenv(layout_cache.DISABLE_ENV, "0")
+    folder = _through_gguf_blocks(tiny_models[name][0], tmp_path / name)
+    cfg, f32 = _runner(folder, "float32-panels")
+    _, q4 = _runner(folder, "q4_1")
+    assert q4.model.layers[0].qkv.format == "q4_1" and q4.model.lm_head.format == "q8_0"  # the head 8 bits, as GGUF
+    assert q4.model.weight_bytes < 0.3 * f32.model.weight_bytes
+    ids = _prompt(cfg.vocab_size)
+    caches = _cache(cfg), _cache(cfg)
+    assert torch.equal(q4.forward(ids, 0, caches[0]), f32.forward(ids, 0, caches[1]))
+    token = torch.tensor([5])
+    for pos in range(PROMPT_LEN, PROMPT_LEN + 4):
+        assert torch.equal(q4.forward(token, pos, caches[0]), f32.forward(token, pos, caches[1]))
+
+
 @needs_kernel
 @pytest.mark.parametrize("name", [s.name for s in SPECS])
 def test_fp16_panels_keep_float32s_greedy_tokens_on_the_tiny_models(tiny_models, name):
@@ -244,7 +326,7 @@ def test_fp16_panels_keep_float32s_greedy_tokens_on_the_tiny_models(tiny_models,
 
 
 @needs_kernel
-@pytest.mark.parametrize("packs", ["q8_0", "float32-panels", "fp16-panels"])
+@pytest.mark.parametrize("packs", ["q8_0", "float32-panels", "fp16-panels", "q4_1"])
 def test_the_lean_step_and_a_batched_step_give_the_general_paths_logits(tiny_models, packs):
     from minengine.model.batch_forward import Row
 
@@ -266,7 +348,7 @@ def test_the_lean_step_and_a_batched_step_give_the_general_paths_logits(tiny_mod
 
 
 @needs_kernel
-@pytest.mark.parametrize("packs", ["q8_0", "float32-panels", "fp16-panels"])
+@pytest.mark.parametrize("packs", ["q8_0", "float32-panels", "fp16-panels", "q4_1"])
 def test_one_copy_the_tied_heads_panels_serve_the_lookups(tiny_models, packs):
     cfg, runner = _runner(tiny_models["llama-mha-tied"][0], packs)
     model = runner.model
@@ -280,7 +362,7 @@ def test_one_copy_the_tied_heads_panels_serve_the_lookups(tiny_models, packs):
     elif packs == "fp16-panels":
         assert torch.equal(rows, dense.model.embed_tokens(ids).half().float())
         assert model.weight_bytes < 0.55 * dense.model.weight_bytes  # half of float32's, held once
-    else:
+    else:  # q8_0, and q4_1's head (8 bits, as a Q4_1 GGUF keeps it)
         torch.testing.assert_close(rows, dense.model.embed_tokens(ids), rtol=0.01, atol=2e-3)
         assert model.weight_bytes < 0.3 * dense.model.weight_bytes  # about 9/32 of float32's, held once
 
@@ -338,7 +420,7 @@ def test_q8_0_refuses_a_model_whose_inputs_are_not_in_blocks_of_32(tiny_models, 
 
 
 @needs_kernel
-@pytest.mark.parametrize("packs", ["q8_0", "float32-panels", "fp16-panels"])
+@pytest.mark.parametrize("packs", ["q8_0", "float32-panels", "fp16-panels", "q4_1"])
 def test_a_panel_layout_is_cached_beside_the_dense_one_and_mapped_back(tiny_models, tmp_path, monkeypatch, packs):
     import shutil
 

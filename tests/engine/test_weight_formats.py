@@ -131,8 +131,10 @@ def test_the_bytes_counted_are_the_bytes_stored(fmt, shape):
     finally:
         gc.enable()
     packed = kept[0]
-    # malloc's slack: a few small bookkeeping allocations (up to ~3 KiB measured), 1% on large ones
-    assert abs(grown - packed.stored_bytes) <= 4096 + packed.stored_bytes // 100, (grown, packed.stored_bytes)
+    # malloc's slack: a few small bookkeeping allocations (up to ~3 KiB measured with AVX2; FBGEMM's
+    # AVX-512 int8 path adds 7-17 KiB beside a small weight, measured on a Xeon), 1% on large ones
+    slack = 20 << 10 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 4096
+    assert abs(grown - packed.stored_bytes) <= slack + packed.stored_bytes // 100, (grown, packed.stored_bytes)
     out, k = shape
     elem = {"fp16": 2, "int8": 1}[fmt]
     assert k * out * elem <= packed.read_bytes <= packed.stored_bytes
