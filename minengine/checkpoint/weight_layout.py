@@ -90,7 +90,8 @@ class CheckpointReader:
     so loading never holds the weights twice. With a packed format (`packs`, "fp16", "int8",
     "bf16"), projections are packed and the embedding kept at the format's width; with a panel
     format (`PANEL_PACKS`: "q8_0", "q4_1", "float32-panels", "fp16-panels") they are laid out in
-    panels (q4_1's head in q8_0's), and a tied embedding is read from the head's panels.
+    panels (q4_1's head in q8_0's; under "q4_1-exact" a projection its blocks would round in
+    fp16's), and a tied embedding is read from the head's panels.
     """
 
     def __init__(self, sd: dict[str, torch.Tensor], packs: str | None = None) -> None:
@@ -123,7 +124,10 @@ class CheckpointReader:
             fmt = PANEL_PACKS[self.packs]
             if fmt == "q4_1" and names[0] in HEAD_NAMES:
                 fmt = "q8_0"  # as a Q4_1 GGUF keeps its vocabulary matrix: every logit reads it, 8 bits
-            return self._consumed(names, PanelLinear(fmt, stacked, chunks or 1))
+            made = PanelLinear(fmt, stacked, chunks or 1)
+            if self.packs == "q4_1-exact" and not made.holds(stacked):
+                made = PanelLinear("fp16", stacked, chunks or 1)  # its blocks would round this one
+            return self._consumed(names, made)
         if self.packs is not None and self.dense.isdisjoint(names):
             stacked = torch.cat(weights) if len(weights) > 1 else weights[0]
             return self._consumed(names, PackedLinear(self.packs, stacked, chunks or 1))

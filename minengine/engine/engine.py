@@ -106,7 +106,7 @@ class Engine:
         if dtype == "auto":
             dtype = compute_dtype_for(weights, self.device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.weights = resolve_weights(weights, self.device, self.dtype)
+        self.weights = resolve_weights(weights, self.device, self.dtype, self.model_dir)
         refuse_shapes(self.weights, self.cfg)
         self.tokenizer = ModelTokenizer(self.model_dir)
         # On the thread every step will run on (`threads.model_thread`): one OpenMP team for both.

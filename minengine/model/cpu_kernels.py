@@ -46,14 +46,15 @@ class KernelLibrary:
             lib.f16_panels.argtypes = lib.f32_panels.argtypes
             lib.q8_0_panels.argtypes = [ptr, c_long, c_long, ptr, ptr, c_long, ptr, c_long, c_int]
             lib.q4_1_panels.argtypes = lib.q8_0_panels.argtypes
+            lib.q4_1_unpack.argtypes = [ptr, ptr, c_long, c_long, ptr, c_int]  # Q, DM, panels, K, out, threads
             lib.attend_rows.argtypes = [ptr]  # an AttendArgs (attention_rows.AttendArgs)
             rows = [ptr, c_long, c_long, c_long, c_long, c_long]  # x, T, H, d, stride of T, stride of H
             lib.rms_norm_rows.argtypes = [*rows, ptr, ctypes.c_float, ptr, c_long, c_long]  # weight, eps, y, strides
             lib.rope_rows.argtypes = [*rows, ptr, ptr, ptr, c_long, c_long]  # cos, signed sin, y, strides
             lib.silu_mul_rows.argtypes = [ptr, ptr, ptr, c_long, c_long, c_long, c_long, c_long]
             lib.decode_layers.argtypes = [ptr]  # a StackArgs (eager_step.StackArgs)
-            for name in ("f32_panels", "f16_panels", "q8_0_panels", "q4_1_panels", "attend_rows", "rms_norm_rows",
-                         "rope_rows", "silu_mul_rows", "decode_layers"):  # fmt: skip
+            for name in ("f32_panels", "f16_panels", "q8_0_panels", "q4_1_panels", "q4_1_unpack", "attend_rows",
+                         "rms_norm_rows", "rope_rows", "silu_mul_rows", "decode_layers"):  # fmt: skip
                 getattr(lib, name).restype = None
 
 

@@ -49,7 +49,9 @@ UNPACK_ROWS = 256
 UNPACK_MAX_ELEMENTS = 8 << 20
 _scratch = threading.local()
 # A reader's `packs` for each panel storage (float32 is also a oneDNN kernel's `packs`, so it is named apart).
-PANEL_PACKS = {"q8_0": "q8_0", "q4_1": "q4_1", "float32-panels": "float32", "fp16-panels": "fp16"}
+PANEL_PACKS = {"q8_0": "q8_0", "q4_1": "q4_1", "q4_1-exact": "q4_1", "float32-panels": "float32", "fp16-panels": "fp16"}
+# "q4_1-exact" (auto's, for a checkpoint of Q4_1 blocks): q4_1 where its blocks hold a projection exactly, fp16 where
+# they would round it (`CheckpointReader.projection`).
 BLOCK_FORMATS = ("q8_0", "q4_1")  # the panel storages in blocks of Q8_BLOCK inputs
 
 
@@ -171,7 +173,10 @@ class PanelLinear:
         if scratch is None or scratch.numel() < need:
             scratch = _scratch.buffer = torch.empty(need, dtype=torch.float32)
         view = scratch[:need].view(panels, PANEL, width)
-        if self.scales is None:
+        if self.format == "q4_1":  # in C: torch's unpacking took 10% of a long prompt's prefill
+            q, dm, threads = self.panels.data_ptr(), self.scales.data_ptr(), torch.get_num_threads()
+            self._lib.q4_1_unpack(q, dm, panels, width, scratch.data_ptr(), threads)
+        elif self.scales is None:
             view.copy_(self.panels.transpose(1, 2))
         else:
             view.copy_(self.dequantized().transpose(1, 2))
@@ -186,6 +191,10 @@ class PanelLinear:
             return values
         n = values.shape[0]
         return values.view(n, -1, Q8_BLOCK, PANEL).mul_(self.scales[panels][:, :, None, :]).view(n, -1, PANEL)
+
+    def holds(self, weight: torch.Tensor) -> bool:
+        """Whether the stored values are the float32 [out, in] `weight` exactly (no rounding)."""
+        return torch.equal(self.dequantized(), _panels(weight.float()))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows (output features) `ids` [T], float32 [T, in]: a tied embedding's lookup."""

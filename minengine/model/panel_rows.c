@@ -372,3 +372,24 @@ void q4_1_panels(const float *x, long M, long K, const uint8_t *Q, const uint16_
         }
     }
 }
+
+/* q4_1 panels laid back out as a dense float32 [panels * 8, K] matrix (row n the weights of output n),
+ * for MKL's GEMM over a long prompt chunk (panel_kernels.UNPACK_ROWS): the values the tiles multiply by. */
+void q4_1_unpack(const uint8_t *Q, const uint16_t *DM, long panels, long K, float *out, int threads) {
+    const __m256i low = _mm256_set1_epi32(15);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long p = 0; p < panels; p++) {
+        float block[QB][PW];
+        for (long kb = 0; kb < K; kb += QB) {
+            const uint16_t *dm = DM + (p * (K / QB) + kb / QB) * 2 * PW;
+            __m256 d = LOAD_F16(dm, 0), m = LOAD_F16(dm, PW);
+            for (long j = 0; j < QB; j += 2) {
+                __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(Q + (p * K + kb + j) * 4)));
+                _mm256_storeu_ps(block[j], _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), d, m));
+                _mm256_storeu_ps(block[j + 1], _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d, m));
+            }
+            for (long c = 0; c < PW; c++)
+                for (long j = 0; j < QB; j++) out[(p * PW + c) * K + kb + j] = block[j][c];
+        }
+    }
+}

@@ -9,8 +9,8 @@ machine lacks leaves the run dense, and its reason says why). The kernel is one 
 which lives in the process, never mixes them; the reason, and with it the trace header, names
 the packed one. `auto` takes `AUTO_CPU_ORDER`'s first format that this torch and CPU run: the
 fastest whose greedy tokens on the benchmark prompts matched float32's and whose logits stayed
-within `AUTO_MAX_KL` of them (the README gives the measurement and its command): fp16 in the
-panel kernel, else float32. Elsewhere the
+within `AUTO_MAX_KL` of them (the README gives the measurement and its command): q4_1 for a
+checkpoint of Q4_1 blocks (held exactly), else fp16 in the panel kernel, else float32. Elsewhere the
 weights are stored in the compute dtype, so a format names that dtype (fp16 is float16, bf16 is
 bfloat16); one that differs from the dtype asked for, or int8, is refused.
 """
@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
-from minengine.checkpoint.weights import expected_shapes
+from minengine.checkpoint.weight_layout import HEAD_NAMES
+from minengine.checkpoint.weights import checkpoint_files, expected_shapes
 from minengine.config import ModelConfig
 from minengine.dtype_names import WEIGHT_FORMATS
 from minengine.errors import Mention, ReqscopeError, Setting
 from minengine.model.cpu_kernels import library
 from minengine.model.linear_kernels import available, int8_refusal
-from minengine.model.panel_kernels import BLOCK_FORMATS, block_refusal
+from minengine.model.panel_kernels import BLOCK_FORMATS, Q8_BLOCK, PanelLinear, block_refusal
 
 # Measured on the 2-core development machine (README, "Weight formats"; an AMD EPYC with AVX2
 # and no AVX-512): fp16 in reqscope's panel kernel keeps float32's greedy tokens (mean KL
@@ -37,7 +40,13 @@ from minengine.model.panel_kernels import BLOCK_FORMATS, block_refusal
 # (half the weight bytes, its panels cached), so it comes first. FBGEMM's packed fp16 (where no
 # C compiler built the panel kernel) decoded only 1.2x and prefilled 5% slower, so `auto` does
 # not take it; int8 and q8_0 part from float32's greedy tokens.
-AUTO_CPU_ORDER: tuple[str, ...] = ("fp16", "float32")
+#
+# q4_1 comes before them where the checkpoint's weights are Q4_1's blocks already (its head
+# Q8_0's), as in a model converted from a Q4_1 GGUF, the default model included (`q4_1_holds`):
+# the panels then hold float32's very values, so the logits are float32 panels' bits, at 98
+# MiB read a step against fp16's 261 (README, "Weight formats": 1.3x fp16's decode). On any other
+# checkpoint q4_1 would round the weights, and auto never takes it.
+AUTO_CPU_ORDER: tuple[str, ...] = ("q4_1", "fp16", "float32")
 # float32's kernels on the same machine (README, "Weight formats" and "Many requests, one step"):
 # the panel kernel decodes one stream 1.1-1.25x as fast as the dense operands and 8 streams
 # 1.6-1.8x (its products stream each weight once for up to 8 rows, the same bits whatever rows
@@ -65,12 +74,15 @@ class WeightChoice:
     why: str
     packed: bool = False  # a packed CPU kernel holds the projections (else dense operands in the compute dtype)
     panels: bool = False  # reqscope's panel kernel holds them (`panel_kernels`), not one of torch's
+    exact: bool = False  # q4_1 taken by auto for a checkpoint of Q4_1 blocks: fp16 where a projection's would round
 
     @property
     def packs(self) -> str | None:
         """What the checkpoint reader is told to pack into: None for dense operands."""
         if not self.packed:
             return None
+        if self.exact:
+            return f"{self.format}-exact"
         return f"{self.format}-panels" if self.panels and self.format in ("float32", "fp16") else self.format
 
     @property
@@ -128,8 +140,32 @@ def compute_dtype_for(name: str, device: torch.device) -> str:
     return "auto"
 
 
-def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> WeightChoice:
-    """The format for `name` ("auto" or one of `WEIGHT_FORMATS`) on `device` with compute `dtype`."""
+def q4_1_holds(model_dir: Path) -> bool:
+    """Whether the checkpoint in `model_dir` is Q4_1's blocks: its first layer's projections held exactly by
+    q4_1, and its head's first rows by q8_0 (a Q4_1 GGUF's own). A probe of a few MiB; the load then checks
+    every projection (`CheckpointReader.projection`, "q4_1-exact")."""
+    prefix = "model.layers.0."
+    names = [prefix + f"self_attn.{p}_proj.weight" for p in "qkvo"] + [prefix + f"mlp.{p}_proj.weight" for p in
+                                                                        ("gate", "up", "down")]  # fmt: skip
+    try:
+        found: dict[str, torch.Tensor] = {}
+        for path in checkpoint_files(model_dir):
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if name in names:
+                        found[name] = handle.get_tensor(name)
+                    elif name in HEAD_NAMES and "head" not in found:
+                        found["head"] = handle.get_slice(name)[:256]
+    except (OSError, ValueError, ReqscopeError, SafetensorError):
+        return False
+    if len(found) != len(names) + 1 or any(t.dim() != 2 or t.shape[1] % Q8_BLOCK for t in found.values()):
+        return False
+    return all(PanelLinear("q8_0" if name == "head" else "q4_1", t.float(), 1).holds(t) for name, t in found.items())
+
+
+def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, model_dir: Path | None = None) -> WeightChoice:
+    """The format for `name` ("auto" or one of `WEIGHT_FORMATS`) on `device` with compute `dtype`; `auto` looks
+    at the checkpoint in `model_dir`, where given, for weights q4_1 holds exactly."""
     own = DTYPE_FORMAT.get(dtype, "float32")
     if name != "auto" and name not in WEIGHT_FORMATS:
         raise WeightFormatError(
@@ -147,6 +183,13 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> Weig
                 note = f" ({'; '.join(skipped)})" if skipped else ""
                 return _float32(f"auto: no packed format pays here{note}")
             why = "auto: the fastest measured that keeps float32's greedy tokens"
+            if fmt == "q4_1":
+                if library().lib is None:
+                    skipped.append(f"q4_1: {library().why_not}")
+                elif model_dir is not None and q4_1_holds(model_dir):
+                    why = "auto: the checkpoint's weights are Q4_1 blocks, held exactly (float32's logits)"
+                    return _chosen("q4_1", f"{why}, through reqscope's panel kernel", True, True, exact=True)
+                continue
             if fmt in ("fp16", "q8_0"):  # measured in the panel kernel only
                 if library().lib is not None:
                     return _chosen(fmt, f"{why}, through reqscope's panel kernel", True, True)

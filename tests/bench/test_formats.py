@@ -26,7 +26,7 @@ from reqscope.bench.roofline import decode_bytes_per_step
 from reqscope.bench.runner import BenchConfig, _engine, _long_prefills, fair_contenders
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-PACKED = ("fp16", "bf16", "int8", "q8_0")
+PACKED = ("fp16", "bf16", "int8", "q8_0", "q4_1")
 
 
 def _runs_here(fmt: str) -> bool:

@@ -318,6 +318,40 @@ def test_q4_1_runs_a_q4_1_checkpoint_with_float32_panels_logits(tiny_models, tmp
 
 
 @needs_kernel
+def test_auto_takes_q4_1_only_for_a_checkpoint_of_q4_1_blocks(chatty_tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(layout_cache.DISABLE_ENV, "0")
+    random = chatty_tiny_dir
+    blocks = _through_gguf_blocks(random, tmp_path / "blocks")
+    assert not weight_format.q4_1_holds(random) and weight_format.q4_1_holds(blocks)
+    assert Engine(random, device="cpu", weights="auto").weights.format == "fp16"
+    engine = Engine(blocks, device="cpu", weights="auto")
+    choice = engine.weights
+    assert (choice.format, choice.packs) == ("q4_1", "q4_1-exact") and "Q4_1 blocks, held exactly" in choice.why
+    layer = engine.model.layers[0]
+    assert {layer.qkv.format, layer.down.format, engine.model.lm_head.format} == {"q4_1", "q8_0"}
+    cfg, f32 = _runner(blocks, "float32-panels")
+    ids = _prompt(cfg.vocab_size)
+    assert torch.equal(ModelRunner(engine.model).forward(ids, 0, _cache(cfg)), f32.forward(ids, 0, _cache(cfg)))
+
+
+@needs_kernel
+def test_under_auto_a_projection_q4_1_would_round_is_kept_in_fp16(chatty_tiny_dir, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.setenv(layout_cache.DISABLE_ENV, "0")
+    folder = _through_gguf_blocks(chatty_tiny_dir, tmp_path / "mixed")
+    (path,) = folder.glob("*.safetensors")
+    sd = load_file(path)
+    sd["model.layers.1.mlp.down_proj.weight"] = _weight(tuple(sd["model.layers.1.mlp.down_proj.weight"].shape))
+    save_file(sd, path, metadata={"format": "pt"})
+    assert weight_format.q4_1_holds(folder)  # the probe reads the first layer only
+    model = Engine(folder, device="cpu", weights="auto").model
+    assert [layer.down.format for layer in model.layers] == ["q4_1", "fp16"]
+    assert model.layers[1].down.holds(sd["model.layers.1.mlp.down_proj.weight"].half().float())
+    assert Engine(folder, device="cpu", weights="q4_1").model.layers[1].down.format == "q4_1"  # asked for: rounded
+
+
+@needs_kernel
 @pytest.mark.parametrize("name", [s.name for s in SPECS])
 def test_fp16_panels_keep_float32s_greedy_tokens_on_the_tiny_models(tiny_models, name):
     ref, ours = _against_float32(tiny_models[name][0], "fp16-panels")

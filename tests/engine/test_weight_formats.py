@@ -159,14 +159,14 @@ def test_a_model_counts_its_packed_bytes(tiny_models, fmt):
 def test_auto_takes_the_measured_format_on_the_cpu(monkeypatch):
     choice = resolve_weights("auto", CPU, torch.float32)
     kernel = library().lib is not None
-    assert AUTO_CPU_ORDER == ("fp16", "float32")
+    assert AUTO_CPU_ORDER == ("q4_1", "fp16", "float32")  # q4_1 only for a checkpoint of its blocks
     assert (choice.format, choice.panels) == (("fp16", True) if kernel else ("float32", False))
     assert choice.why.startswith("auto: ")
     monkeypatch.setattr(weight_format, "library", lambda: KernelLibrary(None, "no C compiler (cc) was found"))
     choice = resolve_weights("auto", CPU, torch.float32)  # not FBGEMM's fp16: it did not pay
     assert choice.format == "float32" and not choice.packed
     none = "no C compiler (cc) was found"
-    assert choice.why == f"auto: no packed format pays here (fp16: {none}); dense, since {none}"
+    assert choice.why == f"auto: no packed format pays here (q4_1: {none}; fp16: {none}); dense, since {none}"
     assert resolve_weights("int8", CPU, torch.float32).why == "asked for"
 
 
