@@ -15,10 +15,11 @@ MODEL_HELP = "model folder (default: the pulled SmolLM2-135M-Instruct)"
 DTYPE_HELP = "weights and compute (half = float16)"
 WEIGHTS_HELP = (
     "the projections' storage, in llama.cpp's and vLLM's short names: float32, fp16, bf16, int8 (per-channel, "
-    "activations quantized too), q8_0 (llama.cpp's blocks of 32); on the CPU, around float32 compute, float32, "
-    "fp16 and q8_0 run in reqscope's panel kernel (built once with the system C compiler; FBGEMM's fp16 without "
-    "one) and bf16/int8 in torch's packed kernels, elsewhere the compute dtype's own (default auto: the fastest "
-    "format measured to keep float32's greedy tokens, fp16 on the CPU)"
+    "activations quantized too), q8_0 and q4_1 (llama.cpp's blocks of 32, q4_1's head in q8_0); on the CPU, "
+    "around float32 compute, float32, fp16, q8_0 and q4_1 run in reqscope's panel kernel (built once with the "
+    "system C compiler; FBGEMM's fp16 without one) and bf16/int8 in torch's packed kernels, elsewhere the compute "
+    "dtype's own (default auto: on the CPU q4_1 for a checkpoint of Q4_1 blocks, which it holds exactly, as the "
+    "default model's, else fp16, the fastest measured to keep float32's greedy tokens)"
 )
 
 

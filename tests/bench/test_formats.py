@@ -105,4 +105,4 @@ def test_an_unknown_format_is_one_line_and_fails_fast(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip().splitlines() == ["bench: error: --formats got q4; give all, none or some of "
-                                                "float32, fp16, bf16, int8, q8_0"]  # fmt: skip
+                                                "float32, fp16, bf16, int8, q8_0, q4_1"]  # fmt: skip

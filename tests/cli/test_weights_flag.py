@@ -14,7 +14,7 @@ from reqscope import cli
 
 @pytest.mark.parametrize("verb", ["run", "serve", "bench", "calibrate", "web"])
 def test_every_verb_that_opens_an_engine_takes_the_flag(verb):
-    assert "--weights {auto,float32,fp16,bf16,int8,q8_0}" in cli.build_parser(verb).format_help()
+    assert "--weights {auto,float32,fp16,bf16,int8,q8_0,q4_1}" in cli.build_parser(verb).format_help()
 
 
 def test_json_and_plain_say_which_format_ran_and_why(chatty_tiny_dir, capsys, monkeypatch):

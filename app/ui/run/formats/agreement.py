@@ -31,8 +31,9 @@ class StepAgreement:
 
 def step_agreement(index: int, baseline_logits: torch.Tensor, other_logits: torch.Tensor) -> StepAgreement:
     """Compare two formats' next-token logits for one step (any shape ending in the vocabulary)."""
-    a = torch.log_softmax(baseline_logits.detach().float().reshape(-1), dim=-1)
-    b = torch.log_softmax(other_logits.detach().float().reshape(-1), dim=-1)
+    # float64: in float32 each log-probability carries ~1e-6 of rounding, as large as fp16's whole KL
+    a = torch.log_softmax(baseline_logits.detach().double().reshape(-1), dim=-1)
+    b = torch.log_softmax(other_logits.detach().double().reshape(-1), dim=-1)
     kl = float((a.exp() * (a - b)).sum())
     return StepAgreement(index, int(a.argmax()), int(b.argmax()), max(kl, 0.0))
 
