@@ -163,25 +163,58 @@ static inline void q4_w##RT##x4(const float *x, long K, const uint8_t *Q, const 
             _mm256_storeu_ps(y + r * ldy + (2 * v + 1) * PW, _mm512_extractf32x8_ps(a[r][v], 1)); \
         }                                                                                        \
 }
+/* q8_0 in zmm: a pair of panels' 8 int8 at one k, their scales side by side. */
+#define WIDE_Q8_TILE(RT)                                                                         \
+static inline void q8_w##RT##x4(const float *x, long K, const int8_t *Q, const float *S, float *y, long ldy) { \
+    __m512 a[RT][2];                                                                             \
+    for (int r = 0; r < RT; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();                        \
+    for (long kb = 0; kb < K; kb += QB) {                                                        \
+        __m512 s[2];                                                                             \
+        for (int v = 0; v < 2; v++) s[v] = LOAD2_F32(S, (2 * v * (K / QB) + kb / QB) * PW, (K / QB) * PW); \
+        for (long k = kb; k < kb + QB; k++) {                                                    \
+            __m512 w[2];                                                                         \
+            for (int v = 0; v < 2; v++) {                                                        \
+                const int8_t *q0 = Q + (2 * v * K + k) * PW;                                     \
+                __m128i qq = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)q0),            \
+                                                _mm_loadl_epi64((const __m128i *)(q0 + K * PW))); \
+                w[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qq)), s[v]);        \
+            }                                                                                    \
+            for (int r = 0; r < RT; r++) {                                                       \
+                __m512 b = _mm512_set1_ps(x[r * K + k]);                                         \
+                for (int v = 0; v < 2; v++) a[r][v] = _mm512_fmadd_ps(b, w[v], a[r][v]);        \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    for (int r = 0; r < RT; r++)                                                                 \
+        for (int v = 0; v < 2; v++) {                                                            \
+            _mm256_storeu_ps(y + r * ldy + 2 * v * PW, _mm512_castps512_ps256(a[r][v]));         \
+            _mm256_storeu_ps(y + r * ldy + (2 * v + 1) * PW, _mm512_extractf32x8_ps(a[r][v], 1)); \
+        }                                                                                        \
+}
+WIDE_Q8_TILE(1) WIDE_Q8_TILE(2) WIDE_Q8_TILE(3) WIDE_Q8_TILE(4)
+WIDE_Q8_TILE(5) WIDE_Q8_TILE(6) WIDE_Q8_TILE(7) WIDE_Q8_TILE(8)
 WIDE_Q4_TILE(1) WIDE_Q4_TILE(2) WIDE_Q4_TILE(3) WIDE_Q4_TILE(4)
 WIDE_Q4_TILE(5) WIDE_Q4_TILE(6) WIDE_Q4_TILE(7) WIDE_Q4_TILE(8)
-#define WIDE_Q4_GROUP(KIND)                                                                       \
+#define WIDE_BLOCK_GROUP(KIND, ARGS)                                                              \
     if (n == GP) {                                                                               \
         switch (rows) {                                                                          \
-            case 1: q4_w1x4(xr, K, Q4_ARGS(0), yr, ldy); break;                                  \
-            case 2: q4_w2x4(xr, K, Q4_ARGS(0), yr, ldy); break;                                  \
-            case 3: q4_w3x4(xr, K, Q4_ARGS(0), yr, ldy); break;                                  \
-            case 4: q4_w4x4(xr, K, Q4_ARGS(0), yr, ldy); break;                                  \
-            case 5: q4_w5x4(xr, K, Q4_ARGS(0), yr, ldy); break;                                  \
-            case 6: q4_w6x4(xr, K, Q4_ARGS(0), yr, ldy); break;                                  \
-            case 7: q4_w7x4(xr, K, Q4_ARGS(0), yr, ldy); break;                                  \
-            default: q4_w8x4(xr, K, Q4_ARGS(0), yr, ldy); break;                                 \
+            case 1: KIND##_w1x4(xr, K, ARGS(0), yr, ldy); break;                                 \
+            case 2: KIND##_w2x4(xr, K, ARGS(0), yr, ldy); break;                                 \
+            case 3: KIND##_w3x4(xr, K, ARGS(0), yr, ldy); break;                                 \
+            case 4: KIND##_w4x4(xr, K, ARGS(0), yr, ldy); break;                                 \
+            case 5: KIND##_w5x4(xr, K, ARGS(0), yr, ldy); break;                                 \
+            case 6: KIND##_w6x4(xr, K, ARGS(0), yr, ldy); break;                                 \
+            case 7: KIND##_w7x4(xr, K, ARGS(0), yr, ldy); break;                                 \
+            default: KIND##_w8x4(xr, K, ARGS(0), yr, ldy); break;                                \
         }                                                                                        \
         p = n;                                                                                   \
     }
+#define WIDE_Q4_GROUP(KIND) WIDE_BLOCK_GROUP(q4, Q4_ARGS)
+#define WIDE_Q8_GROUP(KIND) WIDE_BLOCK_GROUP(q8, Q8_ARGS)
 #else
 #define WIDE_GROUP(KIND)
 #define WIDE_Q4_GROUP(KIND)
+#define WIDE_Q8_GROUP(KIND)
 #endif
 
 /* The same over q8_0 panels: each weight vector dequantized once per k, shared by the rows. */
@@ -293,7 +326,6 @@ static void pack_rows(const float *x, long M, long K, float *xp) {
     }
 }
 
-#define NO_WIDE(KIND)
 #define FLOAT_ARGS(p) (P + (p0 + (p)) * K * PW)
 #define Q4_ARGS(p) (Q + (p0 + (p)) * K * PW / 2), (DM + (p0 + (p)) * (K / QB) * 2 * PW)
 #define Q8_ARGS(p) (Q + (p0 + (p)) * K * PW), (S + (p0 + (p)) * (K / QB) * PW)
@@ -353,7 +385,7 @@ void q8_0_panels(const float *x, long M, long K, const int8_t *Q, const float *S
 #pragma omp for schedule(static)
         for (long g = 0; g < groups; g++) {
             long p0 = g * GP, n = panels - p0 < GP ? panels - p0 : GP;
-            GROUP_ROWS(q8, Q8_ARGS, 2, 1, NO_WIDE)  /* q8_0's scales take registers: narrower tiles */
+            GROUP_ROWS(q8, Q8_ARGS, 2, 1, WIDE_Q8_GROUP)  /* q8_0's scales take registers: narrower tiles */
         }
     }
 }
