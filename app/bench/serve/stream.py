@@ -75,18 +75,29 @@ class RequestOutcome:
         return self.error is None
 
 
+_SENDS = 4  # tries of a request whose connection failed before any byte of a response
+
+
 async def send_request(session: aiohttp.ClientSession, target: RequestTarget, prompt: BenchPrompt) -> RequestOutcome:
     """Send `prompt` and read its stream to the end; failures come back as an outcome, never raised."""
     reading = _Reading()
     send = _now_ms()
-    try:
-        async with session.post(target.url, json=target.body(prompt), headers=dict(target.headers)) as resp:
-            if resp.status != 200:
-                reading.error = f"HTTP {resp.status}: {body_error(await resp.text())}"
-            else:
-                await reading.stream(resp)
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        reading.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    for attempt in range(_SENDS):
+        try:
+            async with session.post(target.url, json=target.body(prompt), headers=dict(target.headers)) as resp:
+                if resp.status != 200:
+                    reading.error = f"HTTP {resp.status}: {body_error(await resp.text())}"
+                else:
+                    await reading.stream(resp)
+        except aiohttp.ClientConnectionError as exc:
+            # A pooled connection the server had closed (llama-server ends one after 5 requests) fails
+            # before a byte comes back: sent again, with the first send's clock (the pool may hold more).
+            if attempt < _SENDS - 1 and not reading.times_ms:
+                continue
+            reading.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            reading.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+        break
     return reading.outcome(prompt, send)
 
 
