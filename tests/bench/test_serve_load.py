@@ -40,7 +40,7 @@ SLACK_MS = 60.0  # loopback, a shared 2-core machine and the event loop's own ti
 class Fake:
     """What a fake server saw, and how it answers request number n (counted from 0)."""
 
-    fail: dict[int, str] = field(default_factory=dict)  # n -> "http" | "close" | "sse-error"
+    fail: dict[int, str] = field(default_factory=dict)  # n -> "http" | "close" | "sse-error" | "drop"
     bodies: list[dict] = field(default_factory=list)
     in_flight: int = 0
     most_in_flight: int = 0
@@ -62,6 +62,9 @@ def _fake_app(fake: Fake) -> web.Application:
         fake.bodies.append(body)
         fake.client_ports.add(request.transport.get_extra_info("peername")[1])
         how = fake.fail.get(n)
+        if how == "drop":  # the connection closed before any answer, as a server ends a kept-alive one
+            request.transport.close()
+            return web.Response()
         if how == "http":
             return web.json_response({"error": {"message": f"request {n} refused", "type": "server_error"}}, status=503)
         fake.in_flight += 1
@@ -224,6 +227,20 @@ def test_failed_requests_are_counted_with_the_first_error(capsys, tokenizer_dir)
     assert "Failed requests:                         3" in out
     assert "First error: HTTP 503: request 1 refused" in out
     assert "Total generated tokens:                  15" in out  # only the successful requests count
+
+
+def test_a_connection_closed_before_any_answer_is_sent_again(capsys, tokenizer_dir):
+    fake = Fake(fail={1: "drop", 3: "drop", 4: "drop", 5: "drop", 6: "drop"})
+    with fake_server(fake) as url:
+        code, out, _ = bench_serve(
+            capsys, "--base-url", url, "--model", "m", "--tokenizer", str(tokenizer_dir), "--num-prompts", "3",
+            "--max-concurrency", "1", *SMALL, "--json",
+        )  # fmt: skip
+    result = json.loads(out)
+    assert code == 0 and result["completed"] == 2 and result["failed"] == 1
+    # request 0; request 1 dropped, then sent again (2); request 2 dropped on all four tries (3-6)
+    assert len(fake.bodies) == 7 and fake.bodies[1] == fake.bodies[2] and fake.bodies[3] == fake.bodies[6]
+    assert "ServerDisconnectedError" in result["errors"][2] and result["errors"][:2] == ["", ""]
 
 
 def test_the_errors_say_what_happened_to_each_request(capsys, tokenizer_dir):
