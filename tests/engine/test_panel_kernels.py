@@ -432,20 +432,22 @@ def test_without_the_kernel_q8_0_is_refused_and_float32_stays_dense(monkeypatch)
         assert "FBGEMM's packed fp16, since no C compiler" in choice.why
 
 
-def test_q8_0_on_cuda_is_refused():
-    with pytest.raises(WeightFormatError):
-        resolve_weights("q8_0", torch.device("cuda"), torch.float16)
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_block_formats_on_cuda_are_refused(fmt):
+    with pytest.raises(WeightFormatError, match=f"{fmt} weights have no cuda kernel here"):
+        resolve_weights(fmt, torch.device("cuda"), torch.float16)
 
 
 @needs_kernel
-def test_q8_0_refuses_a_model_whose_inputs_are_not_in_blocks_of_32(tiny_models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_block_formats_refuse_a_model_whose_inputs_are_not_in_blocks_of_32(tiny_models, tmp_path, monkeypatch, fmt):
     folder = tmp_path / "odd"
     spec = TinySpec("odd", "llama", {"hidden_size": 40, "num_attention_heads": 2, "num_key_value_heads": 1,
                                      "intermediate_size": 64, "num_hidden_layers": 1})  # fmt: skip
     build_tiny_with_tokenizer(spec, folder, tiny_models["llama-gqa"][0])
     monkeypatch.setenv(layout_cache.DISABLE_ENV, "1")
-    with pytest.raises(WeightFormatError, match="has 40 input features, not a whole number of q8_0") as info:
-        Engine(folder, device="cpu", weights="q8_0")
+    with pytest.raises(WeightFormatError, match=f"has 40 input features, not a whole number of {fmt}") as info:
+        Engine(folder, device="cpu", weights=fmt)
     assert "\n" not in str(info.value)
     assert not (folder / layout_cache.CACHE_DIR).exists()
 
