@@ -113,21 +113,6 @@ static inline __attribute__((always_inline)) void KIND##_w##RT##x##NP(const floa
 WIDE_TILES(f32, float, LOAD2_F32)
 WIDE_TILES(f16, uint16_t, LOAD2_F16)
 WIDE_TILE(f16, uint16_t, LOAD2_F16, 1, 8)
-/* A whole group of GP panels in one wide tile, whatever its rows (up to 8 x 2 zmm sums). */
-#define WIDE_GROUP(KIND)                                                                          \
-    if (n == GP) {                                                                               \
-        switch (rows) {                                                                          \
-            case 1: KIND##_w1x4(xr, K, FLOAT_ARGS(0), yr, ldy); break;                           \
-            case 2: KIND##_w2x4(xr, K, FLOAT_ARGS(0), yr, ldy); break;                           \
-            case 3: KIND##_w3x4(xr, K, FLOAT_ARGS(0), yr, ldy); break;                           \
-            case 4: KIND##_w4x4(xr, K, FLOAT_ARGS(0), yr, ldy); break;                           \
-            case 5: KIND##_w5x4(xr, K, FLOAT_ARGS(0), yr, ldy); break;                           \
-            case 6: KIND##_w6x4(xr, K, FLOAT_ARGS(0), yr, ldy); break;                           \
-            case 7: KIND##_w7x4(xr, K, FLOAT_ARGS(0), yr, ldy); break;                           \
-            default: KIND##_w8x4(xr, K, FLOAT_ARGS(0), yr, ldy); break;                          \
-        }                                                                                        \
-        p = n;                                                                                   \
-    }
 /* q4_1 in zmm: a pair of panels' 8 bytes at one k-pair, their scales and minimums side by side. */
 #define WIDE_Q4_TILE(RT)                                                                         \
 static inline void q4_w##RT##x4(const float *x, long K, const uint8_t *Q, const uint16_t *DM, float *y, long ldy) { \
@@ -195,6 +180,7 @@ WIDE_Q8_TILE(1) WIDE_Q8_TILE(2) WIDE_Q8_TILE(3) WIDE_Q8_TILE(4)
 WIDE_Q8_TILE(5) WIDE_Q8_TILE(6) WIDE_Q8_TILE(7) WIDE_Q8_TILE(8)
 WIDE_Q4_TILE(1) WIDE_Q4_TILE(2) WIDE_Q4_TILE(3) WIDE_Q4_TILE(4)
 WIDE_Q4_TILE(5) WIDE_Q4_TILE(6) WIDE_Q4_TILE(7) WIDE_Q4_TILE(8)
+/* A whole group of GP panels in one wide tile, whatever its rows (up to 8 x 2 zmm sums). */
 #define WIDE_BLOCK_GROUP(KIND, ARGS)                                                              \
     if (n == GP) {                                                                               \
         switch (rows) {                                                                          \
@@ -209,6 +195,7 @@ WIDE_Q4_TILE(5) WIDE_Q4_TILE(6) WIDE_Q4_TILE(7) WIDE_Q4_TILE(8)
         }                                                                                        \
         p = n;                                                                                   \
     }
+#define WIDE_GROUP(KIND) WIDE_BLOCK_GROUP(KIND, FLOAT_ARGS)
 #define WIDE_Q4_GROUP(KIND) WIDE_BLOCK_GROUP(q4, Q4_ARGS)
 #define WIDE_Q8_GROUP(KIND) WIDE_BLOCK_GROUP(q8, Q8_ARGS)
 #else

@@ -144,9 +144,8 @@ def q4_1_holds(model_dir: Path) -> bool:
     """Whether the checkpoint in `model_dir` is Q4_1's blocks: its first layer's projections held exactly by
     q4_1, and its head's first rows by q8_0 (a Q4_1 GGUF's own). A probe of a few MiB; the load then checks
     every projection (`CheckpointReader.projection`, "q4_1-exact")."""
-    prefix = "model.layers.0."
-    names = [prefix + f"self_attn.{p}_proj.weight" for p in "qkvo"] + [prefix + f"mlp.{p}_proj.weight" for p in
-                                                                        ("gate", "up", "down")]  # fmt: skip
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkvo"]
+    names += [f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     try:
         found: dict[str, torch.Tensor] = {}
         for path in checkpoint_files(model_dir):
