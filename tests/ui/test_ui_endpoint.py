@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import time
 
 import pytest
 from aiohttp import web
@@ -174,7 +175,16 @@ async def test_kv_panel_says_the_endpoint_hides_the_cache_and_computes_it_from_c
         assert f"{held * mha / MIB:9.3f} MiB" in text  # the same tokens with MHA: q/kv times more
 
 
-async def test_cancel_closes_the_stream_and_the_server_stops_decoding(served):
+async def test_cancel_closes_the_stream_and_the_server_stops_decoding(served, monkeypatch):
+    # The tiny model streams 1,500 tokens in about 2 s, which a loaded machine's app can take to
+    # read its first chunks: each step is made to last 10 ms, so the cancel lands mid-stream.
+    runner, forward_rows = served.engine.steps.runner, served.engine.steps.runner.forward_rows
+
+    def slow(rows):
+        time.sleep(0.01)
+        return forward_rows(rows)
+
+    monkeypatch.setattr(runner, "forward_rows", slow)
     app = endpoint_app(served, settings=settings(max_tokens=LONG))
     async with app.run_test(size=SMALL) as pilot:
         await wait_for(pilot, lambda: len(app.view.chunks) >= 3 or app.view.done, timeout=60)
