@@ -25,7 +25,8 @@
  * + m): where a checkpoint came from a Q4_1 GGUF, these tiles multiply by its very float32
  * weights, in float32 panels' order, and give their bits.
  *
- * Built by minengine/model/cpu_kernels.py with -O3 -mavx2 -mfma -mf16c -fopenmp; OpenMP is the
+ * Built by minengine/model/cpu_kernels.py with -O3 -mavx2 -mfma -mf16c -fopenmp, and the AVX-512
+ * flags where torch finds AVX-512 (the tiles then take zmm, below: the same bits); OpenMP is the
  * runtime torch already loaded (same soname), and the thread count is the caller's.
  */
 #include <immintrin.h>
