@@ -84,6 +84,16 @@ static inline __attribute__((always_inline)) void KIND##_##RT##x##NP(const float
 #define LOAD2_F16(P, at, gap)                                                                     \
     _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)((P) + (at)))), \
                                             _mm_loadu_si128((const __m128i *)((P) + (at) + (gap))), 1))
+/* 8 bytes at Q and 8 at Q + gap (a pair of panels' block-format weights at one k) as one 128-bit vector. */
+#define LOAD2_BYTES(Q, gap)                                                                       \
+    _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(Q)), _mm_loadl_epi64((const __m128i *)((Q) + (gap))))
+/* A wide tile's RT x NV zmm sums back into 2 * NV panels of y's rows (two 8-column stores each). */
+#define STORE_WIDE(RT, NV)                                                                        \
+    for (int r = 0; r < RT; r++)                                                                 \
+        for (int v = 0; v < NV; v++) {                                                           \
+            _mm256_storeu_ps(y + r * ldy + 2 * v * PW, _mm512_castps512_ps256(a[r][v]));         \
+            _mm256_storeu_ps(y + r * ldy + (2 * v + 1) * PW, _mm512_extractf32x8_ps(a[r][v], 1)); \
+        }
 #define WIDE_TILE(KIND, WT, LOAD2, RT, NP)                                                        \
 static inline __attribute__((always_inline)) void KIND##_w##RT##x##NP(const float *x, long K, const WT *P, float *y, long ldy) { \
     __m512 a[RT][NP / 2];                                                                        \
@@ -101,11 +111,7 @@ static inline __attribute__((always_inline)) void KIND##_w##RT##x##NP(const floa
             for (int v = 0; v < NP / 2; v++) a[r][v] = _mm512_fmadd_ps(b, w[v], a[r][v]);        \
         }                                                                                        \
     }                                                                                            \
-    for (int r = 0; r < RT; r++)                                                                 \
-        for (int v = 0; v < NP / 2; v++) {                                                       \
-            _mm256_storeu_ps(y + r * ldy + 2 * v * PW, _mm512_castps512_ps256(a[r][v]));         \
-            _mm256_storeu_ps(y + r * ldy + (2 * v + 1) * PW, _mm512_extractf32x8_ps(a[r][v], 1)); \
-        }                                                                                        \
+    STORE_WIDE(RT, NP / 2)                                                                       \
 }
 #define WIDE_TILES(KIND, WT, LOAD2)                                                               \
     WIDE_TILE(KIND, WT, LOAD2, 1, 4) WIDE_TILE(KIND, WT, LOAD2, 2, 4) WIDE_TILE(KIND, WT, LOAD2, 3, 4)       \
@@ -129,9 +135,7 @@ static inline void q4_w##RT##x4(const float *x, long K, const uint8_t *Q, const 
         for (long k = kb; k < kb + QB; k += 2) {                                                 \
             __m512 w0[2], w1[2];                                                                 \
             for (int v = 0; v < 2; v++) {                                                        \
-                const uint8_t *q0 = Q + (2 * v * K + k) * 4;                                     \
-                __m128i qq = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)q0),            \
-                                                _mm_loadl_epi64((const __m128i *)(q0 + K * 4))); \
+                __m128i qq = LOAD2_BYTES(Q + (2 * v * K + k) * 4, K * 4);                        \
                 __m512i q = _mm512_cvtepu8_epi32(qq);                                            \
                 w0[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d[v], m[v]); \
                 w1[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d[v], m[v]);  \
@@ -143,11 +147,7 @@ static inline void q4_w##RT##x4(const float *x, long K, const uint8_t *Q, const 
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \
-    for (int r = 0; r < RT; r++)                                                                 \
-        for (int v = 0; v < 2; v++) {                                                            \
-            _mm256_storeu_ps(y + r * ldy + 2 * v * PW, _mm512_castps512_ps256(a[r][v]));         \
-            _mm256_storeu_ps(y + r * ldy + (2 * v + 1) * PW, _mm512_extractf32x8_ps(a[r][v], 1)); \
-        }                                                                                        \
+    STORE_WIDE(RT, 2)                                                                            \
 }
 /* q8_0 in zmm: a pair of panels' 8 int8 at one k, their scales side by side. */
 #define WIDE_Q8_TILE(RT)                                                                         \
@@ -160,9 +160,7 @@ static inline void q8_w##RT##x4(const float *x, long K, const int8_t *Q, const f
         for (long k = kb; k < kb + QB; k++) {                                                    \
             __m512 w[2];                                                                         \
             for (int v = 0; v < 2; v++) {                                                        \
-                const int8_t *q0 = Q + (2 * v * K + k) * PW;                                     \
-                __m128i qq = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)q0),            \
-                                                _mm_loadl_epi64((const __m128i *)(q0 + K * PW))); \
+                __m128i qq = LOAD2_BYTES(Q + (2 * v * K + k) * PW, K * PW);                      \
                 w[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qq)), s[v]);        \
             }                                                                                    \
             for (int r = 0; r < RT; r++) {                                                       \
@@ -171,11 +169,7 @@ static inline void q8_w##RT##x4(const float *x, long K, const int8_t *Q, const f
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \
-    for (int r = 0; r < RT; r++)                                                                 \
-        for (int v = 0; v < 2; v++) {                                                            \
-            _mm256_storeu_ps(y + r * ldy + 2 * v * PW, _mm512_castps512_ps256(a[r][v]));         \
-            _mm256_storeu_ps(y + r * ldy + (2 * v + 1) * PW, _mm512_extractf32x8_ps(a[r][v], 1)); \
-        }                                                                                        \
+    STORE_WIDE(RT, 2)                                                                            \
 }
 WIDE_Q8_TILE(1) WIDE_Q8_TILE(2) WIDE_Q8_TILE(3) WIDE_Q8_TILE(4)
 WIDE_Q8_TILE(5) WIDE_Q8_TILE(6) WIDE_Q8_TILE(7) WIDE_Q8_TILE(8)
