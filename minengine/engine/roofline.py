@@ -101,8 +101,13 @@ class RooflineSummary:
 
 def kv_read_bytes(kv: KVUsage) -> int:
     """K/V bytes a decode step reads when the cache holds `kv` (the positions it attended over)."""
-    payload = kv_bytes(kv.layers, kv.stored_heads, kv.head_dim, DTYPE_BYTES[kv.dtype], kv.tokens)
-    scales = 2 * kv.layers * kv.stored_heads * FP8_SCALE_BYTES * kv.tokens if kv.dtype == FP8_DTYPE else 0
+    return kv_position_bytes(kv) * kv.tokens
+
+
+def kv_position_bytes(kv: KVUsage) -> int:
+    """K/V bytes one cached position adds to a decode step's read, all layers (FP8's scales too)."""
+    payload = kv_bytes(kv.layers, kv.stored_heads, kv.head_dim, DTYPE_BYTES[kv.dtype], 1)
+    scales = 2 * kv.layers * kv.stored_heads * FP8_SCALE_BYTES if kv.dtype == FP8_DTYPE else 0
     return payload + scales
 
 

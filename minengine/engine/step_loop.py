@@ -34,6 +34,7 @@ preempts an older member: it waits for room.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import statistics
 import threading
@@ -46,7 +47,7 @@ import torch
 
 from minengine.device import synchronize
 from minengine.engine.batch_facts import BatchStep, PrefillChunk
-from minengine.engine.roofline import StepBytes, step_bytes
+from minengine.engine.roofline import StepBytes, kv_position_bytes
 from minengine.errors import Mention, RequestError, Setting
 from minengine.kv.block_pool import PoolExhausted
 from minengine.kv.cache import KVCache
@@ -147,6 +148,7 @@ class _Work:
     error: BaseException | None = None
     chunks: list[PrefillChunk] = field(default_factory=list)
     finished: bool = False
+    ready: threading.Event = field(default_factory=threading.Event)  # set with `finished`; its consumer waits on it
     observer: RowObserver | None = None  # shown its last position inside the step that ends it (inspection)
     summarize: int | None = None  # top candidates its logits' summary keeps (`logit_summary`); None: none
     summary: LogitSummary | None = None
@@ -196,6 +198,12 @@ class Member:
     def leave(self) -> None:
         """The request is done with the loop (whatever the ending)."""
         self.loop._leave(self)
+
+    @functools.cached_property
+    def position_bytes(self) -> int:
+        """K/V bytes each of its cached positions adds to a decode step's read (its cache's layout
+        and storage decide it, once: the cache's whole `usage` took 20-30 us a row and step)."""
+        return kv_position_bytes(self.cache.usage())
 
 
 class StepLoop:
@@ -272,17 +280,19 @@ class StepLoop:
             if member.preempted is not None:
                 work.error, member.preempted = member.preempted, None
                 work.finished = True
+                work.ready.set()
                 return
             self._pending.append(work)
-            self._cond.notify_all()
+            self._cond.notify_all()  # the model thread may be gathering the step's sequences
             if steps.here():  # a caller on the model thread itself: it runs the steps, for everyone
                 self._drive(until=work)
                 return
-            while not work.finished:
-                if not self._driving:
-                    self._driving = True
-                    steps.submit(self._drive_all)
-                self._cond.wait()
+            if not self._driving:  # a drive runs until nothing is pending, so one queued now serves this work
+                self._driving = True
+                steps.submit(self._drive_all)
+        # Each consumer waits on its own work's event: on the loop's condition every step's end and
+        # every hand-in woke all 8 consumers of a shared step to find their work not yet done.
+        work.ready.wait()
 
     def _drive_all(self) -> None:
         """On the model thread: run steps while any member has work pending."""
@@ -393,9 +403,10 @@ class StepLoop:
         """A shared step's read: the weights once, and the K/V every decode row attended over."""
         kv = positions = 0
         for work, _ in plan:
-            if work.member.decoding:
-                read = step_bytes(0, work.member.cache.usage())
-                kv, positions = kv + read.kv, positions + read.positions
+            member = work.member
+            if member.decoding:
+                tokens = member.cache.tokens
+                kv, positions = kv + member.position_bytes * tokens, positions + tokens
         return StepBytes(self.weight_bytes, kv, positions)
 
     @staticmethod
@@ -419,6 +430,7 @@ class StepLoop:
     def _finish(self, work: _Work) -> None:
         self._pending.remove(work)
         work.finished = True
+        work.ready.set()
 
     def _step(self, plan: list[tuple[_Work, int]], waiting: int, members: list[Member]) -> None:
         """Run one step outside the lock, then hand each work its part of the result."""

@@ -233,6 +233,8 @@ class BlockPool:
         self._prefix_only_bytes = 0  # blocks only the prefix cache holds
         self._shared_blocks = 0  # blocks with two holders or more
         self._committed_bytes = 0  # every segment's bytes
+        # References taken or dropped so far: who shares a cache's blocks (`sharing`) changes only with it.
+        self.changes = 0
 
     # -- counters -------------------------------------------------------------------------------
 
@@ -457,6 +459,7 @@ class BlockPool:
         return dropped > 0
 
     def _ref(self, store: BlockStore, b: int, owner: str) -> None:
+        self.changes += 1
         nb = store.fmt.nbytes
         refs, in_prefix = store.refs[b], store.prefix[b]
         requests = refs - in_prefix
@@ -483,6 +486,7 @@ class BlockPool:
 
     def _unref(self, store: BlockStore, b: int, owner: str) -> bool:
         """Drop one reference of `owner`'s; whether the block is free now."""
+        self.changes += 1
         nb = store.fmt.nbytes
         refs, in_prefix = store.refs[b], store.prefix[b]
         if refs <= 0 or (owner == PREFIX and not in_prefix) or (owner != PREFIX and refs - in_prefix <= 0):

@@ -42,7 +42,8 @@ class Freed:
     nbytes: int
 
 
-_NO_VIEWS: tuple[tuple[list[torch.Tensor], ...], tuple[list[torch.Tensor], ...]] = (([], [], [], []), ([], []))
+_Views = tuple[tuple[list[torch.Tensor], ...], tuple[list[torch.Tensor], ...]]
+_NO_VIEWS: _Views = (([], [], [], []), ([], []))
 
 
 @dataclass(frozen=True)
@@ -93,12 +94,14 @@ class PagedKVCache:
         self.expect_blocks = blocks_for(expect_tokens, block_size)
         self.lengths = [0] * cfg.num_hidden_layers
         self.blocks: list[int] = []  # the block table: block i holds positions [i*block_size, (i+1)*block_size)
+        self._usage: tuple[tuple, KVUsage] | None = None  # the last `usage`, and what it was made from
         self.attached = 0  # leading blocks shared in from the prefix cache
         self.contiguous = True  # the table is one run of consecutive blocks
         self._runs: list[Run] = []
         # Over the one run of a contiguous table: per layer K, V (and FP8 scales) [1, heads, capacity, d],
-        # and K, V [heads, capacity, d] for the lean step.
-        self._views, self._head_views = _NO_VIEWS
+        # and K, V [heads, capacity, d] for the lean step; made when first wanted after the table
+        # changes (`_run_views`), since a shared step's C kernel reads the table, not the views.
+        self._views_made: _Views | None = _NO_VIEWS
 
     # -- the block table --------------------------------------------------------------------------
 
@@ -137,10 +140,17 @@ class PagedKVCache:
         self.contiguous = self.contiguous and all(b + 1 == c for b, c in zip(chain, chain[1:], strict=False))
         self.blocks.extend(new)
         self._runs = self._make_runs()
-        self._views, self._head_views = self._view_run(self._runs[0]) if self.contiguous else _NO_VIEWS
+        self._views_made = None
+
+    def _run_views(self) -> _Views:
+        """The views over the table's one run (none for a table of several), made on first use:
+        30 layers' worth took 0.1-0.2 ms each time a block was added, 8 requests' blocks a step."""
+        if self._views_made is None:
+            self._views_made = self._view_run(self._runs[0]) if self.contiguous else _NO_VIEWS
+        return self._views_made
 
     @torch.inference_mode(False)
-    def _view_run(self, run: Run) -> tuple[tuple[list[torch.Tensor], ...], tuple[list[torch.Tensor], ...]]:
+    def _view_run(self, run: Run) -> _Views:
         """Per-layer views of one run, [1, heads, tokens, d] and [heads, tokens, d]: normal views
         of the segment's normal tensors, even when made in a forward pass (see `Segment`)."""
         views: tuple[list[torch.Tensor], ...] = ([], [], [], [])
@@ -178,7 +188,7 @@ class PagedKVCache:
         """Per-layer K and V over the held blocks, [heads, capacity, head_dim] (one run only)."""
         if not self.contiguous:
             raise ValueError("a table of several runs has no single view; read it through update")
-        return self._head_views
+        return self._run_views()[1]
 
     def note_written(self, end: int) -> None:
         """Record that every layer now holds positions [0, end), written in place through `head_views`."""
@@ -223,7 +233,7 @@ class PagedKVCache:
 
     def _write(self, layer: int, start: int, end: int, parts: tuple[torch.Tensor, ...]) -> None:
         if self.contiguous:
-            for view, x in zip(self._views, parts, strict=False):
+            for view, x in zip(self._run_views()[0], parts, strict=False):
                 view[layer].narrow(2, start, end - start).copy_(x)
             return
         for run in self._runs:
@@ -236,7 +246,8 @@ class PagedKVCache:
     def _read(self, layer: int, end: int, n: int) -> list[torch.Tensor]:
         """The first `n` of K, V, K scales, V scales for positions [0, end), [1, heads, end, ...] each."""
         if self.contiguous:
-            return [self._views[j][layer].narrow(2, 0, end) for j in range(n)]
+            views = self._run_views()[0]
+            return [views[j][layer].narrow(2, 0, end) for j in range(n)]
         out = []
         for j in range(n):
             pieces = [
@@ -285,14 +296,23 @@ class PagedKVCache:
 
     def usage(self) -> KVUsage:
         """Bytes held now: logical (per token, the seeds' formula), physical (the blocks really held,
-        a shared one in full), and those blocks by who else holds them (`sharing`)."""
+        a shared one in full), and those blocks by who else holds them (`sharing`).
+
+        Kept until the cache or the pool's references change: a decode step asks for it several
+        times (the step's read, the request's token), 8 requests a step, and building it took
+        11-30 us a time.
+        """
+        lengths = tuple(self.lengths)
+        key = (lengths, len(self.blocks), self.pool.changes)
+        if self._usage is not None and self._usage[0] == key:
+            return self._usage[1]
         cfg, fmt = self.cfg, self.format
         per_token = kv_bytes_per_token(cfg.num_hidden_layers, self.heads, cfg.head_dim, self.storage_dtype.itemsize)
         per_layer_token = per_token // cfg.num_hidden_layers
         layer_block_bytes = fmt.nbytes // cfg.num_hidden_layers
         physical = len(self.blocks) * fmt.nbytes
-        tokens = self.tokens
-        return KVUsage(
+        tokens = max(lengths) if lengths else 0
+        usage = KVUsage(
             layout=self.layout,
             dtype=str(self.storage_dtype).removeprefix("torch."),
             tokens=tokens,
@@ -302,14 +322,16 @@ class PagedKVCache:
             stored_heads=self.heads,
             head_dim=cfg.head_dim,
             bytes_per_token=per_token,
-            logical_bytes=sum(per_layer_token * n for n in self.lengths),
+            logical_bytes=per_layer_token * sum(lengths),
             physical_bytes=physical,
             reserved_bytes=physical,  # nothing is held beyond the blocks
-            per_layer_tokens=tuple(self.lengths),
-            per_layer_logical_bytes=tuple(per_layer_token * n for n in self.lengths),
+            per_layer_tokens=lengths,
+            per_layer_logical_bytes=tuple(map(per_layer_token.__mul__, lengths)),
             per_layer_physical_bytes=(layer_block_bytes * len(self.blocks),) * cfg.num_hidden_layers,
             sharing=self.sharing(),
         )
+        self._usage = (key, usage)
+        return usage
 
     def sharing(self) -> BlockSharing:
         """This cache's blocks: its own, shared with other requests, shared with the prefix cache only."""
@@ -320,6 +342,6 @@ class PagedKVCache:
         returned = self.pool.free(self.format, self.blocks, self.owner) if self.blocks else 0
         self.pool.unclaim(self.format, self.owner)
         self.blocks, self.attached, self.contiguous = [], 0, True
-        self._runs, (self._views, self._head_views) = [], _NO_VIEWS
+        self._runs, self._views_made = [], _NO_VIEWS
         self.lengths = [0] * self.cfg.num_hidden_layers
         return Freed(returned, returned * self.format.nbytes)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from minengine.model.cpu_kernels import library
@@ -102,14 +103,12 @@ class RowsKernel:
         threads: int,
     ) -> None:
         self.rows = len(positions)
-        flat = [p for row in positions for p in row]
-        ends, at = [], 0
-        for row in positions:
-            at += len(row)
-            ends.append(at)
-        # The index arrays live as long as the kernel does: the C side reads them by address.
-        self._pos = torch.tensor(flat, dtype=torch.long)
-        self._ends = torch.tensor(ends, dtype=torch.long)
+        # The index arrays live as long as the kernel does: the C side reads them by address. Made
+        # with numpy: a step of 8 rows lists a thousand positions or more, and Python's lists
+        # took 0.2 ms of every step to build them.
+        rows = [np.asarray(row, dtype=np.int64) for row in positions]
+        self._pos = torch.from_numpy(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64))
+        self._ends = torch.from_numpy(np.cumsum([len(row) for row in rows], dtype=np.int64))
         self._slots = torch.tensor(list(slots), dtype=torch.long)
         self._tokens = torch.tensor(list(tokens), dtype=torch.long)
         self.queries(queries)

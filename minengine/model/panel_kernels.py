@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -204,6 +205,15 @@ class PanelLinear:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows (output features) `ids` [T], float32 [T, in]: a tied embedding's lookup."""
+        if self.format != "q4_1" and self.panels.device.type == "cpu":
+            # One column of each picked panel, never the panel whole, gathered by numpy: torch's
+            # five indexing and conversion operations took 0.2 ms of an 8-row step, numpy's 0.03.
+            panel, column = np.divmod(ids.numpy(), PANEL)
+            picked = self.panels.numpy()[panel, :, column].astype(np.float32)  # [T, in]
+            if self.scales is not None:  # float32 products, as torch's multiply makes them
+                scales = self.scales.numpy()[panel, :, column]  # [T, in/32]
+                picked = (picked.reshape(len(ids), -1, Q8_BLOCK) * scales[:, :, None]).reshape(len(ids), -1)
+            return torch.from_numpy(picked)
         panel, column = ids // PANEL, ids % PANEL
         if self.format != "q4_1":  # one column of each picked panel, never the panel whole
             picked = self.panels[panel, :, column].float()  # [T, in]

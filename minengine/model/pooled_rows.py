@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from minengine.kv.block_pool import Segment
@@ -103,19 +104,21 @@ class PooledRows:
         self.tokens = _Take(tokens, device)
         self.queries = _Take(queries, device)
         slots: list[int] = []  # each row's new position in the segment
-        table: list[list[int]] = []  # each row's positions in the segment, in order
+        table: list[np.ndarray] = []  # each row's positions in the segment, in order
         for cache, end in zip(self.caches, self.ends, strict=True):
             runs = cache.runs(end)
             if any(run.segment is not segment for run in runs):
                 raise ValueError("every row's blocks must lie in the segment attended")
             slots.append(runs[-1].local + end - 1 - runs[-1].start)
-            table.append([p for run in runs for p in range(run.local, run.local + run.tokens)])
+            spans = [np.arange(run.local, run.local + run.tokens) for run in runs]
+            table.append(spans[0] if len(spans) == 1 else np.concatenate(spans))
         # The C kernel reads each row's positions where they lie: no gather, no padding.
         self.kernel = RowsKernel(table, slots, tokens, queries, scale, threads) if serves_store(segment.k) else None
         if self.kernel is not None:
             return
         # Padding reads the row's first position: written, so finite, and masked out.
-        positions = [p for row, end in zip(table, self.ends, strict=True) for p in row + [row[0]] * (longest - end)]
+        padded = [row.tolist() + [int(row[0])] * (longest - end) for row, end in zip(table, self.ends, strict=True)]
+        positions = [p for row in padded for p in row]
         self.slots = torch.tensor(slots, device=device)
         self.positions = torch.tensor(positions, device=device)
         self.mask = None

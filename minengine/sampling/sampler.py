@@ -25,6 +25,18 @@ from minengine.threads import OneThread
 
 DrawMethod = Literal["inverse_cdf", "multinomial"]
 
+
+def argmax_id(logits: torch.Tensor) -> int:
+    """The id of the first largest logit, a NaN counting as the largest (torch.argmax's answer).
+
+    On the CPU numpy's vectorised argmax gives it: torch's reduction took 40 us over a 49,152-entry
+    row against numpy's 4 (one thread, 2-core AMD EPYC), and 8 requests decoding together each
+    take one between two shared steps.
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return int(logits.numpy().argmax())
+    return int(torch.argmax(logits))
+
 # -- sampling ------------------------------------------------------------------------------------
 
 
@@ -88,7 +100,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor) -> int:
         if self.params.greedy:
-            return int(torch.argmax(logits))
+            return argmax_id(logits)
         final = run_chain(logits, self.params).final
         return self._draw(final, *final_distribution(final))[0]
 
