@@ -180,7 +180,7 @@ class BackgroundLoad:
     def _slot(self, slot: int, stop: threading.Event) -> None:
         n = 0
         while not stop.is_set():
-            session = self.engine.start(self.request(slot, n))
+            session = self.engine.start(self.request(slot, n), steered=False)  # no one steers background load
             with self._lock:
                 self.sent += 1
                 self._sessions[slot] = session

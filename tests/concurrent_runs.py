@@ -15,14 +15,15 @@ def run_all(
     requests: list[GenerationRequest],
     timeout_s: float = 300,
     prepare: Callable[[RequestSession], None] | None = None,
+    steered: bool = True,
 ) -> list[list]:
     """Every request's events, the requests started together (a barrier) on threads of their own;
-    `prepare` is handed each session before it runs."""
+    `prepare` is handed each session before it runs; `steered=False` runs them as a server does."""
     events: list[list] = [[] for _ in requests]
     start = threading.Barrier(len(requests))
 
     def run(i: int) -> None:
-        session = engine.start(requests[i])
+        session = engine.start(requests[i], steered=steered)
         if prepare is not None:
             prepare(session)
         start.wait()

@@ -83,7 +83,8 @@ class EngineRun:
         on_exit: Callable[[], None] | None = None,
         on_preempt: Callable[[PreemptEvent], None] | None = None,
     ) -> None:
-        self.session = engine.start(request, timeline)
+        # A server never holds or steers a step: the engine samples each token in the step itself.
+        self.session = engine.start(request, timeline, steered=False)
         self.timeline = timeline
         self._probe = None if top_logprobs is None else LogprobProbe(top_logprobs, engine.tokenizer.piece)
         self._on_end = on_end

@@ -168,9 +168,13 @@ class Engine:
             block_size=block_size,
         )
 
-    def start(self, request: GenerationRequest, timeline: Timeline | None = None) -> RequestSession:
-        """A session for `request`; iterate it to run the request."""
-        return RequestSession(self, request, timeline)
+    def start(
+        self, request: GenerationRequest, timeline: Timeline | None = None, *, steered: bool = True
+    ) -> RequestSession:
+        """A session for `request`; iterate it to run the request. `steered=False` for a consumer
+        that never holds, forces or changes a step (a server): the engine then samples each token
+        in the step and goes on without waiting for the consumer (`minengine.engine.run_ahead`)."""
+        return RequestSession(self, request, timeline, steered=steered)
 
     def generate(self, request: GenerationRequest) -> Iterator[Event]:
         """Run `request` to completion, yielding every event."""

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from minengine.device import synchronize
-from minengine.engine.batch_facts import BatchSummary, PreemptEvent, PrefillChunk
+from minengine.engine.batch_facts import BatchStep, BatchSummary, PreemptEvent, PrefillChunk
 from minengine.engine.events import (
     AdmitEvent,
     DoneEvent,
@@ -68,6 +68,15 @@ from minengine.engine.events import (
 from minengine.engine.metrics import request_metrics, without_held
 from minengine.engine.request import GenerationRequest, validate
 from minengine.engine.roofline import StepBytes, step_bytes
+from minengine.engine.run_ahead import (
+    Ahead,
+    Chosen,
+    Decoded,
+    RequestChooser,
+    length_reached,
+    min_tokens_mask,
+    stops_at,
+)
 from minengine.engine.scheduler import Admission, Scheduler
 from minengine.engine.step_loop import Member, Preempted, StepCancelled, StepLoop
 from minengine.engine.timeline import STAGE_SPANS, Timeline
@@ -142,6 +151,8 @@ class DecodeState:
     step_held_ns: int = 0  # the session's held time when that step began: a hold within it is not its time
     weight_bytes: int = 0  # weight bytes a decode step reads (the model's, for this request's steps)
     previous_t: float | None = None  # t_ms of the previous token, for the next one's ITL
+    batch: BatchStep | None = None  # the shared step behind the waiting logits (None: prefill made them)
+    kv_lengths: tuple[int, ...] | None = None  # the cache's positions right after that step, when it ran ahead
     held_totals: list[float] = field(default_factory=list)  # ms held in all, as of each generated token
 
     @property
@@ -216,9 +227,20 @@ class Reached:
 class RequestSession:
     """Iterate to run the request; control it between events."""
 
-    def __init__(self, engine: EngineHandle, request: GenerationRequest, timeline: Timeline | None = None):
+    def __init__(
+        self,
+        engine: EngineHandle,
+        request: GenerationRequest,
+        timeline: Timeline | None = None,
+        *,
+        steered: bool = True,
+    ):
+        """`steered=False`: the consumer never steers the run between steps (no holding, forcing,
+        changing the sampler or inspecting), so the engine samples each token in the step and goes
+        on without waiting for the consumer (`minengine.engine.run_ahead`), as a server runs a request."""
         self.engine = engine
         self.request = request
+        self.steered = steered
         self.timeline = timeline or Timeline()
         if self.timeline.time_of("client_send") is None:
             self.timeline.mark("client_send", "request created")
@@ -234,6 +256,8 @@ class RequestSession:
         self._member: Member | None = None  # its place in the step loop, from the prefix cache stage on
         self._capture = StepCapture(request.kv_layout, engine.tokenizer.piece)  # what `inspect` asks
         self._held_step: tuple[int, int] | None = None  # (token fed, its position) behind the waiting logits
+        self._ahead: Ahead | None = None  # the run ahead the step loop posts this request's tokens to (unsteered)
+        self._chooser: RequestChooser | None = None
 
     # -- control, from the consumer (or, for cancel, any thread) -----------------------------
 
@@ -253,14 +277,21 @@ class RequestSession:
         if self._member is not None:
             self._member.away = True  # the step loop goes on without it until it hands in work again
 
+    def _steering(self, what: str) -> None:
+        if not self.steered:
+            raise RequestError(f"this request runs unsteered (the engine samples each token as it steps), so it "
+                               f"cannot {what}; start it with steered=True")
+
     def force_next(self, token_id: int) -> None:
         """Make the next step commit `token_id` instead of sampling."""
+        self._steering("force a token")
         if not 0 <= token_id < self.engine.cfg.vocab_size:
             raise RequestError(f"token id {token_id} is outside the vocabulary (0..{self.engine.cfg.vocab_size - 1})")
         self._forced = token_id
 
     def update_sampling(self, params: SamplingParams) -> None:
         """Use `params` from the next step on (validated first)."""
+        self._steering("change its sampling parameters")
         params.validate()
         self.sampling = params
         if self._sampler is not None:
@@ -270,6 +301,8 @@ class RequestSession:
         """Capture what `ask` asks inside each step from the next one on (a visible panel, a flag);
         `inspect.ask.NOTHING` stops it, and decode takes its uncaptured path again. Each captured
         step's records come on its TokenEvent (`inspection`)."""
+        if ask.anything:
+            self._steering("be inspected inside its steps")
         self._capture.ask = ask
 
     def inspect_step(self, ask: InspectAsk = FULL_VIEW, token: int | None = None) -> StepInspection | None:
@@ -515,6 +548,7 @@ class RequestSession:
         # them while paused after prefill.
         self._sampler = Sampler(self.sampling, self.engine.device)
         state.weight_bytes = self.engine.runner.model.decode_weight_bytes  # once: it sums every tensor
+        chosen: Chosen | None = None  # what the step chose from `logits`, when the engine samples (unsteered)
         while True:
             self.pending_logits = logits
             self._held_step = (state.fed[-1], len(state.fed) - 1)
@@ -523,7 +557,10 @@ class RequestSession:
             if self.cancelled.is_set():
                 finish = "cancelled"
                 break
-            token, trace, forced = self._sample(self._min_tokens_mask(logits, len(state.generated)))
+            if chosen is None:
+                token, trace, forced = self._sample(self._min_tokens_mask(logits, len(state.generated)))
+            else:
+                token, trace, forced = chosen.token, chosen.trace, False
             self.pending_logits = None
             inspection = self._inspection(logits, token)
             event, finish = self._stream(token, trace, forced, cache, state, inspection)
@@ -531,14 +568,64 @@ class RequestSession:
             finish = finish or self._stop_after_step(state)
             if finish is not None:
                 break
-            self._start_step(state)
-            logits, _ = yield from self._forward_or_recompute((token,), state.pos, state)
+            if self.steered:
+                self._start_step(state)
+                logits, _ = yield from self._forward_or_recompute((token,), state.pos, state)
+                state.batch = self._member.last_step if self._member is not None else None
+            else:
+                decoded = yield from self._run_ahead(token, state)
+                if decoded is None:  # the loop stopped feeding it: cancelled meanwhile
+                    finish = "cancelled"
+                    break
+                logits, chosen = decoded.logits, decoded.chosen
             state.pos += 1
         if finish != "stop_sequence":
             # Nothing after a stop string is shown; any other ending releases the text still
             # held back (a possible stop-string start, an incomplete character).
             state.text_parts.append(state.stopper.flush() + state.detok.flush())
         return finish
+
+    def _run_ahead(self, token: int, state: DecodeState) -> Generator[Event, None, Decoded | None]:
+        """Unsteered decode: the next step the engine ran ahead for this request (starting the run
+        ahead with `token` the first time), its facts noted on `state`; None when the loop stopped
+        feeding it. Preempted, the request says so with a `PreemptEvent` and runs ahead again from
+        position 0 with every token it had fed, then `token` (recompute)."""
+        member = self._member
+        assert member is not None
+        if self._ahead is None:
+            self._chooser = RequestChooser(
+                self.request, self._sampler, self.engine.tokenizer.eos_ids, self.engine.tokenizer.piece,
+                self.engine.cfg.max_position_embeddings, len(state.generated),
+            )  # fmt: skip
+            self._ahead = member.run_ahead((token,), state.pos, self._chooser)
+            unconfirmed: tuple[int, ...] | None = (token,)  # fed by the run ahead, its step not yet seen
+        else:
+            unconfirmed = None
+        while True:
+            try:
+                decoded = member.decoded(self._ahead)
+                break
+            except Preempted as preempted:
+                # Everything fed so far, then what the preempted work would have fed: the run
+                # ahead's start (itself a recompute, when preempted again before its first step) or `token`.
+                ids = (*state.fed, *(unconfirmed or (token,)))
+                unconfirmed = ids
+                del state.fed[:]
+                yield PreemptEvent(
+                    preempted.reason,
+                    preempted.blocks_freed,
+                    preempted.bytes_freed,
+                    tokens_to_recompute=len(ids),
+                    t_ms=self.timeline.now_ms(),
+                )
+                assert self._chooser is not None
+                self._ahead = member.run_ahead(ids, 0, self._chooser)
+        if decoded is None:
+            return None
+        state.fed.extend(decoded.fed)
+        state.step_start, state.step_held_ns = decoded.handed_in, self._held_ns
+        state.batch, state.kv_lengths = decoded.step, decoded.kv_lengths
+        return decoded
 
     def _inspection(self, logits: torch.Tensor, token: int) -> StepInspection | None:
         """The captured step's records, if this step was captured: its lens runs the head over
@@ -590,7 +677,7 @@ class RequestSession:
         req, count = self.request, len(state.generated)
         eos = token in tok.eos_ids
         # Before min_tokens a stop token can only be a forced one: sampling masks them out.
-        stops = ((eos and not req.ignore_eos) or token in req.stop_token_ids) and count >= req.min_tokens
+        stops = stops_at(req, tok.eos_ids, token, count)
         text = "" if eos or stops else state.detok.push(token)  # EOS, and the stop token that ends, add no text
         if count > req.min_tokens:
             visible, stop_hit = state.stopper.push(text)
@@ -603,7 +690,7 @@ class RequestSession:
                 state.first_visible_index = index
                 tl.mark("first_visible_token", f"token {index + 1}", t_ms=t)
             state.last_visible = (index, t)
-        state.peak = cache.usage()
+        state.peak = cache.usage(state.kv_lengths)
         event = TokenEvent(
             index=index,
             token_id=token,
@@ -617,7 +704,7 @@ class RequestSession:
             forced=forced,
             held_ms=self._held_since_previous(state),
             bytes_read=self._bytes_read(index, state),
-            batch=self._member.last_step if index and self._member is not None else None,
+            batch=state.batch if index else None,
             inspection=inspection,
         )
         state.previous_t = t
@@ -628,28 +715,18 @@ class RequestSession:
         it, else this request's weights and K/V; None for token 0, which prefill produced."""
         if not index:
             return None
-        shared = self._member.last_step if self._member is not None else None
+        shared = state.batch
         if shared is not None and shared.sequences > 1 and shared.bytes_read is not None:
             return shared.bytes_read
         return step_bytes(state.weight_bytes, state.peak)
 
     def _min_tokens_mask(self, logits: torch.Tensor, generated: int) -> torch.Tensor:
-        """`logits`, with EOS and stop_token_ids masked to -inf while fewer than min_tokens are out.
-
-        A copy: the waiting logits (what the consumer previews, what logprobs report) stay the
-        model's own, as vLLM reports logprobs before its logits processors.
-        """
-        req = self.request
-        if generated >= req.min_tokens:
-            return logits
-        ending = sorted(self.engine.tokenizer.eos_ids | set(req.stop_token_ids))
-        masked = logits.clone()
-        masked[..., torch.tensor(ending, device=logits.device, dtype=torch.long)] = float("-inf")
-        return masked
+        """`logits` as sampling sees them after `generated` tokens (`run_ahead.min_tokens_mask`)."""
+        return min_tokens_mask(logits, self.request, self.engine.tokenizer.eos_ids, generated)
 
     def _stop_after_step(self, state: DecodeState) -> str | None:
         """Why decode ends after a token that did not end it itself: "length", "cancelled" or None."""
-        if len(state.generated) >= self.request.max_tokens or state.pos + 1 >= self.engine.cfg.max_position_embeddings:
+        if length_reached(self.request, len(state.generated), state.pos, self.engine.cfg.max_position_embeddings):
             return "length"
         if self.cancelled.is_set():
             return "cancelled"

@@ -48,6 +48,7 @@ import torch
 from minengine.device import synchronize
 from minengine.engine.batch_facts import BatchStep, PrefillChunk
 from minengine.engine.roofline import StepBytes, kv_position_bytes
+from minengine.engine.run_ahead import Ahead, Chosen, Decoded, TokenChooser
 from minengine.errors import Mention, RequestError, Setting
 from minengine.kv.block_pool import PoolExhausted
 from minengine.kv.cache import KVCache
@@ -152,6 +153,8 @@ class _Work:
     observer: RowObserver | None = None  # shown its last position inside the step that ends it (inspection)
     summarize: int | None = None  # top candidates its logits' summary keeps (`logit_summary`); None: none
     summary: LogitSummary | None = None
+    ahead: Ahead | None = None  # its member runs ahead: the step chooses its next token and feeds it back
+    handed_in: float = field(default_factory=time.perf_counter)
 
     @property
     def left(self) -> int:
@@ -175,6 +178,7 @@ class Member:
         self.preempted: Preempted | None = None  # taken back while it had no work in the loop
         self.last_step: BatchStep | None = None
         self.summary: LogitSummary | None = None  # of the logits the last forward returned, when asked
+        self.ahead: Ahead | None = None  # the loop runs it ahead of its consumer (`run_ahead`)
 
     def forward(
         self, ids: tuple[int, ...], start: int, observer: RowObserver | None = None, summarize: int | None = None
@@ -195,8 +199,23 @@ class Member:
         self.summary = work.summary
         return work.logits, work.chunks
 
+    def run_ahead(self, ids: tuple[int, ...], start: int, chooser: TokenChooser) -> Ahead:
+        """Hand in `ids` at positions from `start`, and go on without the consumer
+        (`minengine.engine.run_ahead`): after each of its steps the loop chooses the next token
+        with `chooser` on the model thread, posts a `Decoded` to the returned `Ahead` and feeds
+        the token back at the next position, until the chooser says it is the last, the request
+        is cancelled (None is posted then), or it leaves. Preempted, it posts `Preempted` and
+        stops: the consumer runs ahead again from position 0 with everything it had fed."""
+        self.away = False
+        return self.loop._run_ahead(self, ids, start, chooser)
+
+    def decoded(self, ahead: Ahead) -> Decoded | None:
+        """The next step `ahead` ran (None: it stopped); raises what ended it (`Preempted`, a failed step)."""
+        return self.loop._take(ahead)
+
     def leave(self) -> None:
-        """The request is done with the loop (whatever the ending)."""
+        """The request is done with the loop (whatever the ending): work it still had in the loop
+        is dropped, and a step running it is waited for before the cache can go back."""
         self.loop._leave(self)
 
     @functools.cached_property
@@ -240,6 +259,8 @@ class StepLoop:
         self._last_step_s = 0.0  # the last step's forward, which `_gather` waits a fraction of
         self._cond = threading.Condition()
         self._driving = False  # a drive of the steps is queued on, or running on, the model thread
+        self._in_step: set[Member] = set()  # the members of the step running now (outside the lock)
+        self._holding: list[Ahead] = []  # runs ahead with items held until the next step computes (`Ahead.hold`)
 
     # -- members -------------------------------------------------------------------------------
 
@@ -252,6 +273,11 @@ class StepLoop:
 
     def _leave(self, member: Member) -> None:
         with self._cond:
+            member.ahead = None  # first: the step running now feeds it nothing more
+            while member in self._in_step:  # the step writes its K/V: the cache goes back after it
+                self._cond.wait()
+            for work in [w for w in self._pending if w.member is member]:
+                self._finish(work)  # a run ahead's next token: no one will read it
             if member in self._members:
                 self._members.remove(member)
             self._last_served.discard(member)
@@ -282,50 +308,98 @@ class StepLoop:
                 work.finished = True
                 work.ready.set()
                 return
-            self._pending.append(work)
-            self._cond.notify_all()  # the model thread may be gathering the step's sequences
+            self._hand_in(work)
             if steps.here():  # a caller on the model thread itself: it runs the steps, for everyone
-                self._drive(until=work)
+                self._drive(lambda: work.finished)
+                self._drive_later()
                 return
-            if not self._driving:  # a drive runs until nothing is pending, so one queued now serves this work
-                self._driving = True
-                steps.submit(self._drive_all)
         # Each consumer waits on its own work's event: on the loop's condition every step's end and
         # every hand-in woke all 8 consumers of a shared step to find their work not yet done.
         work.ready.wait()
+
+    def _hand_in(self, work: _Work) -> None:
+        """Under the lock: queue `work`, and a drive of the steps unless one is queued or runs (or
+        the caller is the model thread, which drives them itself)."""
+        self._pending.append(work)
+        self._cond.notify_all()  # the model thread may be gathering the step's sequences
+        if not model_thread().here():
+            self._drive_later()
+
+    def _drive_later(self) -> None:
+        """Under the lock: queue a drive on the model thread for work pending and not driven. A drive
+        runs until nothing is pending, so one queued serves every work handed in before it ends."""
+        if self._pending and not self._driving:
+            self._driving = True
+            model_thread().submit(self._drive_all)
+
+    def _run_ahead(self, member: Member, ids: tuple[int, ...], start: int, chooser: TokenChooser) -> Ahead:
+        ahead = Ahead(chooser)
+        with self._cond:
+            if member.preempted is not None:  # taken back meanwhile: its positions are gone
+                ahead.post(member.preempted)
+                member.preempted = None
+                return ahead
+            member.ahead = ahead
+            self._hand_in(_Work(member, ids, start, summarize=chooser.summarize, ahead=ahead))
+        return ahead
+
+    def _take(self, ahead: Ahead) -> Decoded | None:
+        """The next item of `ahead`, waited for; on the model thread, by running the steps until one comes."""
+        if model_thread().here() and not ahead.ready():
+            with self._cond:
+                self._drive(ahead.ready)
+                self._drive_later()
+        return ahead.take()
 
     def _drive_all(self) -> None:
         """On the model thread: run steps while any member has work pending."""
         with self._cond:
             try:
-                self._drive(until=None)
+                self._drive(lambda: not self._pending)
             except BaseException as exc:  # a fault outside a step's forward: fail the work, never hang it
                 for work in list(self._pending):
                     work.error = exc
                     self._finish(work)
                 raise
             finally:
+                self._release()
                 self._driving = False
                 self._cond.notify_all()
 
-    def _drive(self, until: _Work | None) -> None:
-        """Under the lock, on the model thread: plan and run steps until `until` is done (None:
-        until no work is pending). Only this thread runs steps, so two never overlap."""
-        while (not until.finished) if until is not None else bool(self._pending):
+    def _drive(self, done: Callable[[], bool]) -> None:
+        """Under the lock, on the model thread: plan and run steps until `done()`. Only this thread
+        runs steps, so two never overlap."""
+        while not done():
             self._gather()
             plan = self._room_for(self._plan())
             if not plan:
+                self._release()
                 if self._pending:
                     self._cond.wait(0.05)  # all of it waits for blocks: until someone leaves or hands in work
                 continue
             waiting, members = self.waiting(), list(self._members)
+            self._in_step = {w.member for w, _ in plan}
             self._cond.release()
             try:
                 with torch.inference_mode():
                     self._step(plan, waiting, members)
             finally:
                 self._cond.acquire()
+                self._in_step = set()
             self._cond.notify_all()
+        self._release()
+
+    def _hold(self, ahead: Ahead, item: Decoded | BaseException | None) -> None:
+        """On the model thread: post `item` to `ahead` when the next step's compute begins (`Ahead` says why)."""
+        if not ahead.holds:
+            self._holding.append(ahead)
+        ahead.hold(item)
+
+    def _release(self) -> None:
+        """On the model thread: hand over every item held (the step's compute begins, or no step follows)."""
+        for ahead in self._holding:
+            ahead.release()
+        self._holding.clear()
 
     def _gather(self) -> None:
         """Under the lock: give the sequences the last step served a moment to hand in their next token."""
@@ -431,6 +505,10 @@ class StepLoop:
         self._pending.remove(work)
         work.finished = True
         work.ready.set()
+        if work.ahead is not None and work.error is not None:  # the run ahead ends with it
+            self._hold(work.ahead, work.error)
+            if work.member.ahead is work.ahead:
+                work.member.ahead = None
 
     def _step(self, plan: list[tuple[_Work, int]], waiting: int, members: list[Member]) -> None:
         """Run one step outside the lock, then hand each work its part of the result."""
@@ -441,12 +519,13 @@ class StepLoop:
         error: BaseException | None = None
         logits: list[torch.Tensor | None] = []
         try:
-            logits = self.runner.forward_rows(rows)
+            logits = self.runner.forward_rows(rows, computing=self._release)
             synchronize(self.runner.device)
         except Exception as exc:  # the step failed: every request in it fails with the same error
             error = exc
         step_ms = (time.perf_counter() - start) * 1000
         summaries = self._summaries(plan, logits) if error is None else {}
+        chosen = self._choose(plan, logits, summaries) if error is None else {}
         self._last_step_s = step_ms / 1000 if len(plan) > 1 else 0.0  # a lone sequence has no one to wait for
         decode = sum(n for w, n in plan if w.member.decoding)
         read = self._step_bytes(plan) if len(plan) > 1 and error is None else None
@@ -455,7 +534,7 @@ class StepLoop:
             self._solo_ms.append(step_ms)
         self.steps_run += 1
         with self._cond:
-            self._last_served = {w.member for w, _ in plan}
+            handed_in = time.perf_counter()
             for i, (work, n) in enumerate(plan):
                 member = work.member
                 facts = BatchStep(
@@ -483,5 +562,46 @@ class StepLoop:
                     work.summary = summaries.get(i)
                     member.decoding = True
                     self._finish(work)
+                    if work.ahead is not None and member.ahead is work.ahead:
+                        self._go_on(work, chosen[i], facts, handed_in)
+            # The sequences the next step waits a moment for (`_gather`): a run ahead has handed its
+            # next token in already, or has ended.
+            self._last_served = {w.member for w, _ in plan if w.ahead is None}
             self._cond.notify_all()
+
+    @staticmethod
+    def _choose(
+        plan: list[tuple[_Work, int]], logits: list[torch.Tensor | None], summaries: dict[int, LogitSummary]
+    ) -> dict[int, Chosen | Exception]:
+        """Outside the lock: the next token of every row that runs ahead and finished its work in
+        this step, by its chooser (a failure is that request's alone)."""
+        out: dict[int, Chosen | Exception] = {}
+        for i, (work, n) in enumerate(plan):
+            ahead, row = work.ahead, logits[i]
+            if ahead is None or work.done + n != len(work.ids) or work.member.ahead is not ahead or row is None:
+                continue
+            try:
+                out[i] = ahead.chooser.choose(row, summaries.get(i), work.start + len(work.ids) - 1)
+            except Exception as exc:  # e.g. logits with no finite maximum
+                out[i] = exc
+        return out
+
+    def _go_on(self, work: _Work, chosen: Chosen | Exception, facts: BatchStep, handed_in: float) -> None:
+        """Under the lock: post what the step gave a run ahead, and hand its next token in at once,
+        unless the token ends the request or it was cancelled."""
+        member, ahead = work.member, work.ahead
+        assert ahead is not None and work.logits is not None
+        if isinstance(chosen, Exception):
+            self._hold(ahead, chosen)
+            member.ahead = None
+            return
+        kv = tuple(member.cache.lengths)
+        self._hold(ahead, Decoded(work.ids, work.start, work.logits, chosen, facts, kv, work.handed_in))
+        if chosen.last or member.cancelled.is_set():
+            self._hold(ahead, None)
+            member.ahead = None
+            return
+        at = work.start + len(work.ids)
+        following = _Work(member, (chosen.token,), at, summarize=work.summarize, ahead=ahead, handed_in=handed_in)
+        self._pending.append(following)
 

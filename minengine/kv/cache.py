@@ -290,17 +290,19 @@ class KVCache:
         """Positions held (the most any layer holds)."""
         return max(self.lengths) if self.lengths else 0
 
-    def usage(self) -> KVUsage:
-        """Bytes held now: logical (per token) and physical (whole blocks)."""
+    def usage(self, lengths: tuple[int, ...] | None = None) -> KVUsage:
+        """Bytes held now: logical (per token) and physical (whole blocks); with `lengths` (per
+        layer, as the cache held them after a step), as of then."""
+        lengths = tuple(self.lengths) if lengths is None else lengths
         cfg = self.cfg
         elem = torch.empty((), dtype=self.storage_dtype).element_size()
         per_token = kv_bytes_per_token(cfg.num_hidden_layers, self.heads, cfg.head_dim, elem)
         per_layer_token = per_token // cfg.num_hidden_layers
         scale_per_layer_token = 2 * self.heads * 4 if self.quantized else 0
-        blocks = sum(blocks_for(n, self.block_size) for n in self.lengths)
+        blocks = sum(blocks_for(n, self.block_size) for n in lengths)
         physical = blocks * self.block_size * (per_layer_token + scale_per_layer_token)
         reserved = self.capacity * cfg.num_hidden_layers * (per_layer_token + scale_per_layer_token)
-        tokens = self.tokens
+        tokens = max(lengths) if lengths else 0
         layer_block_bytes = self.block_size * (per_layer_token + scale_per_layer_token)
         return KVUsage(
             layout=self.layout,
@@ -312,12 +314,12 @@ class KVCache:
             stored_heads=self.heads,
             head_dim=cfg.head_dim,
             bytes_per_token=per_token,
-            logical_bytes=sum(per_layer_token * n for n in self.lengths),
+            logical_bytes=sum(per_layer_token * n for n in lengths),
             physical_bytes=physical,
             reserved_bytes=0 if not self._k else reserved,
-            per_layer_tokens=tuple(self.lengths),
-            per_layer_logical_bytes=tuple(per_layer_token * n for n in self.lengths),
-            per_layer_physical_bytes=tuple(layer_block_bytes * blocks_for(n, self.block_size) for n in self.lengths),
+            per_layer_tokens=lengths,
+            per_layer_logical_bytes=tuple(per_layer_token * n for n in lengths),
+            per_layer_physical_bytes=tuple(layer_block_bytes * blocks_for(n, self.block_size) for n in lengths),
         )
 
     def release(self) -> None:

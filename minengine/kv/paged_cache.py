@@ -294,24 +294,28 @@ class PagedKVCache:
         held = self.valid_tokens if tokens is None else min(tokens, self.valid_tokens)
         return self.blocks[: held // self.block_size]
 
-    def usage(self) -> KVUsage:
+    def usage(self, lengths: tuple[int, ...] | None = None) -> KVUsage:
         """Bytes held now: logical (per token, the seeds' formula), physical (the blocks really held,
-        a shared one in full), and those blocks by who else holds them (`sharing`).
+        a shared one in full), and those blocks by who else holds them (`sharing`). With `lengths`
+        (per layer, as the cache held them after a step), as of then: the blocks those positions
+        take, though the table may have grown since (a request the loop runs ahead).
 
         Kept until the cache or the pool's references change: a decode step asks for it several
         times (the step's read, the request's token), 8 requests a step, and building it took
         11-30 us a time.
         """
-        lengths = tuple(self.lengths)
-        key = (lengths, len(self.blocks), self.pool.changes)
-        if self._usage is not None and self._usage[0] == key:
-            return self._usage[1]
+        lengths = tuple(self.lengths) if lengths is None else lengths
+        tokens = max(lengths) if lengths else 0
+        held = self.blocks if lengths is None else self.blocks[: blocks_for(tokens, self.block_size)]
+        key = (lengths, len(held), self.pool.changes)
+        memo = self._usage  # read once: the model thread may replace it meanwhile
+        if memo is not None and memo[0] == key:
+            return memo[1]
         cfg, fmt = self.cfg, self.format
         per_token = kv_bytes_per_token(cfg.num_hidden_layers, self.heads, cfg.head_dim, self.storage_dtype.itemsize)
         per_layer_token = per_token // cfg.num_hidden_layers
         layer_block_bytes = fmt.nbytes // cfg.num_hidden_layers
-        physical = len(self.blocks) * fmt.nbytes
-        tokens = max(lengths) if lengths else 0
+        physical = len(held) * fmt.nbytes
         usage = KVUsage(
             layout=self.layout,
             dtype=str(self.storage_dtype).removeprefix("torch."),
@@ -327,8 +331,8 @@ class PagedKVCache:
             reserved_bytes=physical,  # nothing is held beyond the blocks
             per_layer_tokens=lengths,
             per_layer_logical_bytes=tuple(map(per_layer_token.__mul__, lengths)),
-            per_layer_physical_bytes=(layer_block_bytes * len(self.blocks),) * cfg.num_hidden_layers,
-            sharing=self.sharing(),
+            per_layer_physical_bytes=(layer_block_bytes * len(held),) * cfg.num_hidden_layers,
+            sharing=self.pool.sharing(self.format, held),
         )
         self._usage = (key, usage)
         return usage

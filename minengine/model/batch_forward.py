@@ -18,6 +18,7 @@ flip a near-tie under greedy decoding (tests/engine/test_batching.py measures ho
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -208,9 +209,12 @@ def _pool_segment(row: Row) -> Segment | None:
 
 
 @torch.inference_mode()
-def forward_rows(model: Transformer, rows: list[Row]) -> list[torch.Tensor | None]:
+def forward_rows(
+    model: Transformer, rows: list[Row], computing: Callable[[], object] | None = None
+) -> list[torch.Tensor | None]:
     """Run every row's tokens through `model` in one pass; each row's next-token logits [vocab]
-    (float32), or None for a row that asked for none (a prompt chunk before the last)."""
+    (float32), or None for a row that asked for none (a prompt chunk before the last).
+    `computing` is called once the inputs are laid out, before the blocks run."""
     if not rows:
         return []
     ids = torch.tensor([t for r in rows for t in r.ids], device=model.device)
@@ -219,6 +223,8 @@ def forward_rows(model: Transformer, rows: list[Row]) -> list[torch.Tensor | Non
     cos = torch.cat([c for c, _ in tables]) if len(rows) > 1 else tables[0][0]
     sin = torch.cat([s for _, s in tables]) if len(rows) > 1 else tables[0][1]
     attention = RowsAttention(rows, model.dtype, model.cfg.num_key_value_heads, model.scale)
+    if computing is not None:
+        computing()
     stacked = _stacked(model, rows, attention, x, cos, sin)
     if stacked is not None:
         return stacked

@@ -22,6 +22,8 @@ with two, every parallel region waits for a sleeping worker (`threads.ModelThrea
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from minengine.kv.block_pool import BlockPool
@@ -127,21 +129,25 @@ class ModelRunner:
                     return self.eager_decoder.step(ids, start, cache)
             return self.model.forward(ids, start, cache, all_logits=all_logits)
 
-    def forward_rows(self, rows: list[Row]) -> list[torch.Tensor | None]:
+    def forward_rows(self, rows: list[Row], computing: Callable[[], object] | None = None) -> list[torch.Tensor | None]:
         """One step over several sequences' rows (`batch_forward`); each row's logits or None.
 
         A step of one row that wants its logits is an ordinary `forward`, so a request alone
         decodes through the lean single-token steps as before; an observed row (inspection)
         takes this general path, whose attention hands the observer its operands. On the model
-        thread, as `forward`."""
+        thread, as `forward`. `computing` is called once the step's inputs are laid out, as its
+        compute begins."""
         steps = model_thread()
         if not steps.here():
-            return steps.call(self.forward_rows, rows)
+            return steps.call(self.forward_rows, rows, computing)
         for row in rows:  # blocks first: lean rows write in place, and a full pool fails before any compute
             if isinstance(row.cache, PagedKVCache):
                 row.cache.make_room(row.start + len(row.ids))
         if len(rows) == 1 and rows[0].logits and rows[0].observer is None:
             row = rows[0]
-            return [self.forward(torch.tensor(row.ids, device=self.device), row.start, row.cache)]
+            ids = torch.tensor(row.ids, device=self.device)
+            if computing is not None:
+                computing()
+            return [self.forward(ids, row.start, row.cache)]
         with self.step_threads.step(False):
-            return forward_rows(self.model, rows)
+            return forward_rows(self.model, rows, computing)

@@ -87,7 +87,7 @@ class _Preempted:
 
 def test_preemptions_are_counted_in_metrics_as_they_happen(engine, monkeypatch):
     start = engine.start
-    monkeypatch.setattr(engine, "start", lambda request, timeline=None: _Preempted(start(request, timeline), 2))
+    monkeypatch.setattr(engine, "start", lambda req, timeline=None, **kw: _Preempted(start(req, timeline, **kw), 2))
     with serving(engine) as served:
         assert one(scrape(served), "reqscope:num_preemptions_total") == 0  # the series exists from the start
         resp = raw_request(served.url, "POST", CHAT, chat_body(max_tokens=4, temperature=0, stream=True), authorized())

@@ -180,9 +180,9 @@ async def test_cancel_closes_the_stream_and_the_server_stops_decoding(served, mo
     # read its first chunks: each step is made to last 10 ms, so the cancel lands mid-stream.
     runner, forward_rows = served.engine.steps.runner, served.engine.steps.runner.forward_rows
 
-    def slow(rows):
+    def slow(rows, computing=None):
         time.sleep(0.01)
-        return forward_rows(rows)
+        return forward_rows(rows, computing)
 
     monkeypatch.setattr(runner, "forward_rows", slow)
     app = endpoint_app(served, settings=settings(max_tokens=LONG))
