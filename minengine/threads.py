@@ -75,6 +75,10 @@ class ModelThread:
         """Whether the calling thread is this one."""
         return threading.current_thread() is self._thread
 
+    def others_waiting(self) -> bool:
+        """Whether work is queued behind what the thread runs now."""
+        return not self._queue.empty()
+
     def submit(self, fn: Callable[..., T], /, *args: object) -> Future[T]:
         """Queue `fn(*args)` on the thread; its future carries the result or the exception."""
         if self._closed:

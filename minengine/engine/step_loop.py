@@ -23,6 +23,13 @@ the last one served a moment (`gather_s`) to hand in their next token, so that s
 decoding together stay in the same steps instead of drifting into alternate ones; a sequence
 marked `away` (held) is not waited for.
 
+A request no one steers (a server's) runs ahead instead (`Member.run_ahead`,
+`minengine.engine.run_ahead`): the step that finishes its work also chooses its next token, on
+the model thread, and hands it in at once, so the loop never waits for that request's consumer;
+what each step gave it is posted to its `Ahead` as the next step's compute begins. It leaves the
+loop whenever its consumer is done (a stop string), and a step still running it is waited for
+first, so its blocks never go back while a step writes them.
+
 Each step is described to every member it served as a `BatchStep` (minengine.engine.batch_facts).
 
 Before a step runs, every paged cache in it gets the blocks its tokens need (`_room_for`). When
@@ -352,10 +359,14 @@ class StepLoop:
         return ahead.take()
 
     def _drive_all(self) -> None:
-        """On the model thread: run steps while any member has work pending."""
+        """On the model thread: run steps while any member has work pending, and no other model
+        work waits: requests that run ahead always have work pending, so a drive steps aside
+        between two steps for what else was queued on the thread (a step's inspection, a load)
+        and queues itself again behind it."""
+        steps = model_thread()
         with self._cond:
             try:
-                self._drive(lambda: not self._pending)
+                self._drive(lambda: not self._pending or steps.others_waiting())
             except BaseException as exc:  # a fault outside a step's forward: fail the work, never hang it
                 for work in list(self._pending):
                     work.error = exc
@@ -364,6 +375,7 @@ class StepLoop:
             finally:
                 self._release()
                 self._driving = False
+                self._drive_later()
                 self._cond.notify_all()
 
     def _drive(self, done: Callable[[], bool]) -> None:
