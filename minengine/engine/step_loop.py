@@ -156,7 +156,7 @@ class _Work:
     error: BaseException | None = None
     chunks: list[PrefillChunk] = field(default_factory=list)
     finished: bool = False
-    ready: threading.Event = field(default_factory=threading.Event)  # set with `finished`; its consumer waits on it
+    ready: threading.Event | None = None  # set with `finished`, for a consumer that waits on it (not a run ahead's)
     observer: RowObserver | None = None  # shown its last position inside the step that ends it (inspection)
     summarize: int | None = None  # top candidates its logits' summary keeps (`logit_summary`); None: none
     summary: LogitSummary | None = None
@@ -198,7 +198,7 @@ class Member:
         trace, with every other row that asks, into `summary`."""
         self.away = False
         self.summary = None
-        work = _Work(self, ids, start, observer=observer, summarize=summarize)
+        work = _Work(self, ids, start, observer=observer, summarize=summarize, ready=threading.Event())
         self.loop._run_until_done(work)  # ends at once with `Preempted` if it was taken back meanwhile
         if work.error is not None:
             raise work.error
@@ -312,8 +312,7 @@ class StepLoop:
             member = work.member
             if member.preempted is not None:
                 work.error, member.preempted = member.preempted, None
-                work.finished = True
-                work.ready.set()
+                self._finish(work, pending=False)
                 return
             self._hand_in(work)
             if steps.here():  # a caller on the model thread itself: it runs the steps, for everyone
@@ -322,6 +321,7 @@ class StepLoop:
                 return
         # Each consumer waits on its own work's event: on the loop's condition every step's end and
         # every hand-in woke all 8 consumers of a shared step to find their work not yet done.
+        assert work.ready is not None
         work.ready.wait()
 
     def _hand_in(self, work: _Work) -> None:
@@ -513,10 +513,12 @@ class StepLoop:
                 out[i] = summary
         return out
 
-    def _finish(self, work: _Work) -> None:
-        self._pending.remove(work)
+    def _finish(self, work: _Work, pending: bool = True) -> None:
+        if pending:
+            self._pending.remove(work)
         work.finished = True
-        work.ready.set()
+        if work.ready is not None:
+            work.ready.set()
         if work.ahead is not None and work.error is not None:  # the run ahead ends with it
             self._hold(work.ahead, work.error)
             if work.member.ahead is work.ahead:
