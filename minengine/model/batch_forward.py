@@ -165,7 +165,13 @@ class RowsAttention:
 
 
 def _stacked(
-    model: Transformer, rows: list[Row], attention: RowsAttention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    model: Transformer,
+    rows: list[Row],
+    attention: RowsAttention,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    computing: Callable[[], object] | None,
 ) -> list[torch.Tensor | None] | None:
     """A step of decode rows only, attended together by the C kernel in one pool segment, through
     the C stack of every block (`eager_step.LayerStack`): the logits this function's Python blocks
@@ -178,7 +184,7 @@ def _stacked(
     stack = LayerStack.of(model) if len(chosen) == len(rows) and group.kernel is not None else None
     if stack is None or not all(r.logits for r in rows):
         return None
-    stack.rows(x, cos, sin, group.kernel, group.segment)
+    stack.rows(x, cos, sin, group.kernel, group.segment, computing)
     for cache, end in zip(group.caches, group.ends, strict=True):  # as `PooledRows` records each layer
         cache.lengths[:] = [end] * len(cache.lengths)
     return list(model.logits(x, per_position=True))
@@ -223,11 +229,11 @@ def forward_rows(
     cos = torch.cat([c for c, _ in tables]) if len(rows) > 1 else tables[0][0]
     sin = torch.cat([s for _, s in tables]) if len(rows) > 1 else tables[0][1]
     attention = RowsAttention(rows, model.dtype, model.cfg.num_key_value_heads, model.scale)
-    if computing is not None:
-        computing()
-    stacked = _stacked(model, rows, attention, x, cos, sin)
+    stacked = _stacked(model, rows, attention, x, cos, sin, computing)
     if stacked is not None:
         return stacked
+    if computing is not None:
+        computing()
     # The rows whose last position's logits are wanted: only they go on past the last K/V write.
     ends, at = [], 0
     for r in rows:

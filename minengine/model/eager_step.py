@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -145,6 +146,10 @@ class LayerStack:
         self.widths = (h, first.qkv.out_features, self.heads * d, self.hq * d, h, 2 * self.ff, self.ff, h)
         self.widest = max(p.in_features for p in (first.qkv, first.o, first.gate_up, first.down))
         self._call = library().lib.decode_layers
+        # A shared step's buffers, kept from step to step (only the model thread runs steps): a
+        # row count's scratch, and the pool segment the layers' cache pointers point into.
+        self._scratch: dict[int, torch.Tensor] = {}
+        self._pointed: tuple[int, int, int, int] | None = None
 
     @staticmethod
     def serves(model: Transformer) -> bool:
@@ -180,14 +185,32 @@ class LayerStack:
             setattr(a, name, t.data_ptr())  # gated in place over the gate, as the Python block does
         for args, kc, vc in zip(self.layers, kernel.keys, kernel.values, strict=True):
             args.kc, args.vc = kc, vc
+        self._pointed = None  # the layers point into this request's own cache now
         self._call(ctypes.addressof(a))
 
-    def rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: RowsKernel, store: Segment) -> None:
+    def rows(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kernel: RowsKernel,
+        store: Segment,
+        computing: Callable[[], object] | None = None,
+    ) -> None:
         """Every block on the decode rows x [rows, hidden] (added to in place), attended by
-        `kernel` in the pool segment `store`; cos/sin [rows, 1, d] contiguous."""
+        `kernel` in the pool segment `store`; cos/sin [rows, 1, d] contiguous. `computing` is
+        called just before the C call.
+
+        What Python does here runs cold (the step before has streamed the weights through every
+        cache) and, in a shared step, beside the threads of requests woken meanwhile: pointing 30
+        layers at the segment by indexing its tensors, and a fresh scratch, took 1.2 ms of an 8-row
+        step with 8 consumers awake. So the layers' pointers change only with the segment and the
+        scratch is kept per row count."""
         m = x.shape[0]
         a = self._args(m, x, cos, sin, kernel.args)
-        scratch = torch.empty(m * (sum(self.widths) + self.widest), dtype=torch.float32)
+        scratch = self._scratch.get(m)
+        if scratch is None:
+            scratch = self._scratch[m] = torch.empty(m * (sum(self.widths) + self.widest), dtype=torch.float32)
         at = scratch.data_ptr()
         for name, width in zip(_BUFFERS, self.widths, strict=True):
             setattr(a, name, at)
@@ -197,8 +220,14 @@ class LayerStack:
         attend = kernel.args
         attend.hq, attend.hkv, attend.d = self.hq, k.shape[1], self.d
         attend.q_at, attend.kc_hs, attend.vc_hs = kernel.query_ids(), k.stride(1), v.stride(1)
-        for i, args in enumerate(self.layers):
-            args.kc, args.vc = k[i].data_ptr(), v[i].data_ptr()
+        pointed = (k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size(), v.stride(0) * v.element_size())
+        if pointed != self._pointed:
+            kp, vp, k_step, v_step = pointed
+            for i, args in enumerate(self.layers):
+                args.kc, args.vc = kp + i * k_step, vp + i * v_step
+            self._pointed = pointed
+        if computing is not None:
+            computing()
         self._call(ctypes.addressof(a))
 
 
