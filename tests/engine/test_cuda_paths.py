@@ -241,3 +241,30 @@ def test_batched_steps_keep_each_sequence_s_greedy_tokens(tiny_models, name, dev
     prompts = [_prompt(runner.model.cfg.vocab_size, n).to(device) for n in (20, 7, 33)]
     alone = [_decode(runner, p, NEW_TOKENS)[1] for p in prompts]
     assert _batched_greedy(runner, prompts, NEW_TOKENS) == alone
+
+
+@pytest.mark.parametrize(("device", "dtype", "capture"), _device_cases())
+def test_unsteered_requests_together_keep_their_tokens_alone(chatty_tiny_dir, device, dtype, capture):
+    """Requests the engine samples in the step (as `reqscope serve` runs them), together on the
+    device (CUDA graphs for a lone request there), get the tokens each gets steered and alone."""
+    from concurrent_runs import run_all
+
+    from minengine.engine.engine import Engine
+    from minengine.engine.events import DoneEvent
+    from minengine.engine.request import GenerationRequest
+    from minengine.sampling.params import SamplingParams
+
+    engine = Engine(chatty_tiny_dir, device=device.type, dtype=str(dtype).removeprefix("torch."),
+                    kv_budget_bytes=64 << 20, prefix_cache=False, cuda_graph=capture)  # fmt: skip
+    requests = [
+        GenerationRequest.from_prompt(prompt, sampling=sampling, max_tokens=NEW_TOKENS, ignore_eos=True)
+        for prompt, sampling in (
+            ("Tell me about Kyoto", SamplingParams(temperature=0.0)),
+            ("What is a KV cache?", SamplingParams(temperature=0.8, top_k=40, seed=5)),
+            ("Name three hotels in Osaka", SamplingParams(temperature=0.0)),
+        )
+    ]
+    alone = [next(e for e in engine.start(r) if isinstance(e, DoneEvent)).result.token_ids for r in requests]
+    together = run_all(engine, requests, steered=False)
+    assert [events[-1].result.token_ids for events in together] == alone
+    assert engine.pool.held_bytes == 0 and engine.steps.running == 0
