@@ -577,7 +577,7 @@ class StepLoop:
                     member.decoding = True
                     self._finish(work)
                     if work.ahead is not None and member.ahead is work.ahead:
-                        self._go_on(work, chosen[i], facts, handed_in)
+                        self._go_on(work, chosen.get(i), facts, handed_in)
             # The sequences the next step waits a moment for (`_gather`): a run ahead has handed its
             # next token in already, or has ended.
             self._last_served = {w.member for w, _ in plan if w.ahead is None}
@@ -600,12 +600,12 @@ class StepLoop:
                 out[i] = exc
         return out
 
-    def _go_on(self, work: _Work, chosen: Chosen | Exception, facts: BatchStep, handed_in: float) -> None:
+    def _go_on(self, work: _Work, chosen: Chosen | Exception | None, facts: BatchStep, handed_in: float) -> None:
         """Under the lock: post what the step gave a run ahead, and hand its next token in at once,
-        unless the token ends the request or it was cancelled."""
+        unless the token ends the request or it was cancelled (None: nothing was chosen, it stops)."""
         member, ahead = work.member, work.ahead
         assert ahead is not None and work.logits is not None
-        if isinstance(chosen, Exception):
+        if chosen is None or isinstance(chosen, Exception):
             self._hold(ahead, chosen)
             member.ahead = None
             return
