@@ -56,6 +56,23 @@ static inline float hmax(__m256 a) {
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
+/* hsum of each of 8 vectors, as one vector [hsum(a[0]), ..., hsum(a[7])]: the same additions in
+ * the same order as hsum's (lane l + lane l+4, then 0+2 and 1+3, then 0+1), so the same bits, in
+ * 12 operations instead of 8 dependent chains of 5. */
+static inline __m256 hsum8(const __m256 *a) {
+    __m256 b[4];
+    for (int p = 0; p < 4; p++)
+        b[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
+    __m256 c0 = _mm256_add_ps(_mm256_shuffle_ps(b[0], b[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm256_shuffle_ps(b[0], b[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 c1 = _mm256_add_ps(_mm256_shuffle_ps(b[2], b[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm256_shuffle_ps(b[2], b[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 r = _mm256_add_ps(_mm256_shuffle_ps(c0, c1, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm256_shuffle_ps(c0, c1, _MM_SHUFFLE(3, 1, 3, 1)));  /* [0 2 4 6 | 1 3 5 7] */
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* a . b over d: 8 lanes at a time when d allows (then the lanes summed in a fixed order). */
 static inline float dot(const float *a, const float *b, long d) {
     if ((d & 7) == 0) {
@@ -68,10 +85,23 @@ static inline float dot(const float *a, const float *b, long d) {
     return s;
 }
 
-/* out[j] = inv * sum_i p[i] * v(i)[j] over j in [0, d): 4 vectors at a time where they fit. */
+/* out[j] = inv * sum_i p[i] * v(i)[j] over j in [0, d): 8 vectors at a time where they fit, then 4.
+ * Each output is one FMA chain over i in order however many are computed together; 8 at once keep
+ * both FMA pipes busy where 4 chains left them waiting on each FMA's latency. */
 static void weigh(const float *p, long len, const float *vh, const long *pos, long d, float inv, float *out) {
     long j = 0;
     if ((d & 7) == 0) {
+        for (; j + 64 <= d; j += 64) {
+            __m256 acc[8];
+            for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+            for (long i = 0; i < len; i++) {
+                const float *v = vh + (pos ? pos[i] : i) * d + j;
+                __m256 w = _mm256_broadcast_ss(p + i);
+                for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * t), acc[t]);
+            }
+            __m256 s = _mm256_set1_ps(inv);
+            for (int t = 0; t < 8; t++) _mm256_storeu_ps(out + j + 8 * t, _mm256_mul_ps(acc[t], s));
+        }
         for (; j + 32 <= d; j += 32) {
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (long i = 0; i < len; i++) {
@@ -115,7 +145,25 @@ static void attend_unit(const AttendArgs *a, long r, long h, float *s, long padd
     }
     const long *pos = a->pos ? a->pos + first : NULL;
     const float *q = a->q + (a->q_at ? a->q_at[r] : r) * a->q_rs + h * groups * d;
-    for (long i = 0; i < len; i++) {
+    long i = 0;
+    if ((d & 7) == 0) {  /* 8 positions at a time: 8 independent chains, one reduction (hsum8) */
+        const __m256 scale = _mm256_set1_ps(a->scale);
+        for (; i + 8 <= len; i += 8) {
+            const float *k8[8];
+            for (int t = 0; t < 8; t++) k8[t] = kh + (pos ? pos[i + t] : i + t) * d;
+            for (long g = 0; g < groups; g++) {
+                const float *qg = q + g * d;
+                __m256 acc[8];
+                for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+                for (long c = 0; c < d; c += 8) {
+                    __m256 qv = _mm256_loadu_ps(qg + c);
+                    for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k8[t] + c), acc[t]);
+                }
+                _mm256_storeu_ps(s + g * padded + i, _mm256_mul_ps(hsum8(acc), scale));
+            }
+        }
+    }
+    for (; i < len; i++) {
         const float *k = kh + (pos ? pos[i] : i) * d;
         for (long g = 0; g < groups; g++) s[g * padded + i] = dot(q + g * d, k, d) * a->scale;
     }
