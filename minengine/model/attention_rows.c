@@ -196,7 +196,10 @@ void attend_rows(const AttendArgs *a) {
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         float *s = malloc(sizeof(float) * groups * (padded ? padded : 8));
-#pragma omp for schedule(static)
+        /* Units taken as threads free up: rows of a shared step differ in length several times over,
+         * and a static split left one thread with the long ones. A unit's arithmetic is the same
+         * on any thread. */
+#pragma omp for schedule(dynamic, 1)
         for (long u = 0; u < units; u++) attend_unit(a, u / a->hkv, u % a->hkv, s, padded);
         free(s);
     }
