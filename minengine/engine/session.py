@@ -425,25 +425,32 @@ class RequestSession:
     def _admit(
         self, ids: tuple[int, ...], releases: ExitStack
     ) -> Generator[Event, None, tuple[Admitted, PrefixHit | None]]:
-        """Admission: size the worst-case KV, look the prompt up in the prefix cache, wait for
-        the scheduler to admit it once its prompt's blocks (beyond the hit) fit in the pool;
-        return what was admitted, and the prefix cache's hit.
+        """Admission: size the worst-case KV, wait for the scheduler to admit it once its prompt's
+        blocks (beyond what the prefix cache holds of it) fit in the pool, then look the prompt
+        up in the prefix cache; return what was admitted, and the prefix cache's hit.
 
-        The lookup comes first, as in vLLM's scheduler: it makes the hit most recently used, so
-        the kept blocks this admission evicts to make room are others. The hit goes on apart
-        from the record: it holds the kept blocks until the next stage has copied them.
+        A request waiting in the queue holds nothing in the pool: holding its hit's blocks there,
+        a dozen queued requests once pinned 44 of a 48-block pool, so neither the head of the
+        queue nor any running request could ever get a block (the load suite's small pool hung in
+        1 run of 15). The lookup comes right after admission, before the request allocates
+        anything, so it still makes the hit most recently used and the kept blocks the request's
+        own allocations evict are others; the hit goes on apart from the record and holds its
+        blocks until the next stage has taken them.
         """
         eng, req = self.engine, self.request
         prompt_tokens = len(ids)
         kv = kv_sizing(eng.cfg, eng.dtype, req, prompt_tokens)
-        prefix, hit = None, None
+        prefix = None
         if eng.prefix_cache is not None:
             prefix = PrefixPlan(eng.prefix_cache, eng.kv_identity(req.kv_layout, kv.storage, req.block_size))
-            hit = prefix.pool.lookup(ids, prefix.identity, holder=f"{req.request_id} (prefix hit)")
-            releases.callback(hit.release)
         cfg, heads = eng.cfg, stored_kv_heads(req.kv_layout, eng.cfg.num_attention_heads, eng.cfg.num_key_value_heads)
         blocks = BlockFormat(cfg.num_hidden_layers, heads, cfg.head_dim, req.block_size, kv.storage)
-        first_blocks = blocks_for(prompt_tokens, req.block_size) - (hit.blocks if hit is not None else 0)
+        prompt_blocks = blocks_for(prompt_tokens, req.block_size)
+
+        def fits() -> bool:  # its prompt's blocks, less the hit's blocks running requests hold already
+            shared = prefix.pool.shared_prefix_blocks(ids, prefix.identity) if prefix is not None else 0
+            return eng.pool.can_allocate(blocks, prompt_blocks - shared)
+
         admission = eng.scheduler.admit(
             req.request_id,
             prompt_tokens=prompt_tokens,
@@ -451,9 +458,13 @@ class RequestSession:
             context_limit=eng.cfg.max_position_embeddings,
             kv_bytes=kv.reserved_bytes,  # what it could grow to: refused if even the whole budget is less
             cancelled=self.cancelled,
-            fits=lambda: eng.pool.can_allocate(blocks, first_blocks),  # it waits for its prompt's blocks
+            fits=fits,  # it waits for its prompt's blocks
         )
         releases.callback(eng.scheduler.release, admission)
+        hit = None
+        if prefix is not None:
+            hit = prefix.pool.lookup(ids, prefix.identity, holder=f"{req.request_id} (prefix hit)")
+            releases.callback(hit.release)
         yield self._stage("scheduler_admit", f"queue {admission.queue_ms:.1f} ms")
         yield AdmitEvent(
             prompt_tokens,

@@ -330,6 +330,13 @@ class BlockPool:
             within = self.budget_bytes - self._held_bytes + self._prefix_only_bytes >= blocks * fmt.nbytes
             return within and store.free_blocks + store.prefix_only_blocks + room // fmt.nbytes >= blocks
 
+    def held_by_requests(self, fmt: BlockFormat, blocks: Sequence[int]) -> int:
+        """How many of `blocks` some request holds (the rest, held by the prefix cache alone,
+        `can_allocate` already counts as room it may evict)."""
+        store = self.store(fmt)
+        with self._lock:
+            return sum(1 for b in blocks if store.refs[b] > store.prefix[b])
+
     # -- allocation -----------------------------------------------------------------------------
 
     def allocate(

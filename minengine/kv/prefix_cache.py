@@ -187,6 +187,21 @@ class PrefixCache:
                 self.pool.share(kept[0][0], [b for _, b in kept], holder)
         return PrefixHit(identity, usable, kept, (time.perf_counter() - start) * 1000, self.pool, holder)
 
+    def shared_prefix_blocks(self, ids: Sequence[int], identity: KVIdentity) -> int:
+        """Of the blocks `lookup` would hit now, those a request holds too, touching nothing and
+        holding nothing: what a request waiting for admission asks, again and again, of blocks it
+        must not pin. A hit block only the cache holds saves it nothing there, because
+        `BlockPool.can_allocate` already counts that block as room it could evict."""
+        usable = (len(ids) - 1) // identity.block_size
+        kept: list[tuple[BlockFormat, int]] = []
+        with self._lock:
+            for h in block_hashes(ids, identity, usable):
+                block = self._blocks.get(h)
+                if block is None:
+                    break
+                kept.append(block)
+            return self.pool.held_by_requests(kept[0][0], [b for _, b in kept]) if kept else 0
+
     def fresh_blocks(self, cache: KVCache | PagedKVCache, tokens: Sequence[int], identity: KVIdentity) -> FreshBlocks:
         """The full blocks `cache` holds for `tokens` (its positions' ids, in order) not kept yet.
 

@@ -7,6 +7,9 @@ block (holders, and whether the prefix cache is one), and per holder (`held_by`)
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -14,7 +17,7 @@ from minengine.config import ModelConfig
 from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, PrefillEvent, PrefixCacheEvent, TokenEvent
 from minengine.engine.request import GenerationRequest
-from minengine.kv.block_pool import BlockFormat, BlockPool
+from minengine.kv.block_pool import PREFIX, BlockFormat, BlockPool
 from minengine.kv.cache import KVCache
 from minengine.kv.usage import BlockSharing
 from minengine.sampling.params import SamplingParams
@@ -131,6 +134,37 @@ def test_two_requests_sharing_a_prefix_count_it_as_shared_with_requests(engine):
         assert event.kv.sharing.with_requests == 0 and event.kv.sharing.with_prefix == hit
         assert event.kv.sharing.blocks == event.kv.blocks
     assert engine.pool.request_bytes == 0  # every request's blocks back (the prefix cache keeps its own)
+
+
+def test_a_request_waiting_for_admission_holds_none_of_its_hit(chatty_tiny_dir):
+    """Queued requests used to hold their prefix hits' blocks while they waited: a dozen of them
+    once pinned most of a small pool, and nothing could run. The hit is taken once admitted."""
+    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=256 << 20, max_num_seqs=1)
+    fmt = block_format(engine)
+    run(engine, request("warm"))
+    session = engine.start(request("running", max_tokens=3))
+    running = iter(session)
+    next(e for e in running if isinstance(e, TokenEvent))
+    session.hold()  # holding the only running slot
+    kept = holders_per_block(engine.pool, fmt)
+
+    waited: list = []
+    waiting = threading.Thread(target=lambda: waited.extend(engine.start(request("waiting"))), daemon=True)
+    waiting.start()
+    deadline = time.monotonic() + 30
+    while engine.scheduler.waiting < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert engine.scheduler.waiting == 1
+    time.sleep(0.1)  # it asks whether it fits, again and again, while it waits
+    assert holders_per_block(engine.pool, fmt) == kept
+    assert set(engine.pool.holders()) == {PREFIX, "running"}
+
+    list(running)
+    waiting.join(timeout=60)
+    assert isinstance(waited[-1], DoneEvent) and waited[-1].result.error is None
+    hits = [e.blocks_hit for e in waited if isinstance(e, PrefixCacheEvent)]
+    assert hits and hits[0] >= 3  # admitted, it still shares what the prefix cache kept
+    assert engine.pool.request_bytes == 0
 
 
 def test_a_cache_outside_the_pool_has_no_split(chatty_tiny_dir):
