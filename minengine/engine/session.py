@@ -258,7 +258,6 @@ class RequestSession:
         self._held_step: tuple[int, int] | None = None  # (token fed, its position) behind the waiting logits
         self._ahead: Ahead | None = None  # the run ahead the step loop posts this request's tokens to (unsteered)
         self._chooser: RequestChooser | None = None
-        self._arrival = engine.steps.arrive()  # on its way in until its prompt is handed in (`StepLoop.arrive`)
 
     # -- control, from the consumer (or, for cancel, any thread) -----------------------------
 
@@ -363,7 +362,6 @@ class RequestSession:
         finish, error = "error", None
         reached = Reached()
         releases = ExitStack()  # what the stages hold, given back in reverse however the request ends
-        releases.callback(self._arrival.done)
         try:
             yield from self._gateway()
             prompt = yield from self._template()
@@ -495,7 +493,7 @@ class RequestSession:
         releases.callback(cache.release)
         if admitted.prefix is not None:  # registered after the release: runs before it
             releases.callback(self._keep_blocks, cache, ids, state, admitted)
-        member = self.engine.steps.join(cache, self.cancelled, admitted.admission.kv_bytes, self._arrival)
+        member = self.engine.steps.join(cache, self.cancelled, admitted.admission.kv_bytes)
         releases.callback(member.leave)  # first of all: no step may touch the cache once it is given back
         self._member = member
         copy_ms = 0.0

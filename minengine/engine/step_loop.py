@@ -18,14 +18,10 @@ its own, and with two teams on a 2-core machine every region waits for a sleepin
 loader's. So a consumer hands its work in and, when no drive of the steps is queued, queues
 one; a caller already on the model thread runs the steps itself. A session whose consumer
 holds it (a person stepping the explorer) has no work in the loop, so the others go on without
-it. Before a step the loop gives the sequences the last one served a moment (`gather_s`) to
-hand in their next token, so that sequences decoding together stay in the same steps instead of
-drifting into alternate ones; a sequence marked `away` (held) is not waited for. While nothing
-decodes, a step also waits for requests on their way in (`arrive`: made, their template, tokens
-and admission running, nothing handed in yet), each up to a moment (`arrival_s`) after it
-arrived, so that requests sent together prefill together: the first of 8 streams started at once
-used to prefill alone while the others tokenized, and the rest then came in 64-token chunks
-beside it, their first tokens up to 400 ms apart.
+it. Before a step the loop gives the sequences
+the last one served a moment (`gather_s`) to hand in their next token, so that sequences
+decoding together stay in the same steps instead of drifting into alternate ones; a sequence
+marked `away` (held) is not waited for.
 
 A request no one steers (a server's) runs ahead instead (`Member.run_ahead`,
 `minengine.engine.run_ahead`): the step that finishes its work also chooses its next token, on
@@ -76,25 +72,6 @@ _SOLO_HISTORY = 16  # solo decode steps the loop remembers for `BatchStep.solo_s
 # (at least `gather_s`): 8 greedy streams on the 2-core development machine ran in steps of 6.3
 # sequences on average with a fixed 4 ms, their consumers still sampling when the step began.
 GATHER_STEP_FRACTION = 0.25
-# How long a step that nothing decodes in waits for requests on their way in (`StepLoop.arrive`):
-# 8 requests started together on the 2-core development machine handed their prompts in within
-# a few milliseconds of each other (each renders its template and tokenizes on its own thread,
-# under the GIL), against a first prefill step of 80-300 ms.
-ARRIVAL_WAIT_S = 0.025
-
-
-class Arrival:
-    """A request on its way into the loop (`StepLoop.arrive`), awaited until its first work is
-    handed in, it ends before that (`done`), or `arrival_s` has passed since it arrived."""
-
-    def __init__(self, loop: StepLoop) -> None:
-        self._loop = loop
-        self.at = time.monotonic()
-
-    def done(self) -> None:
-        """It is in (or will never be): steps stop waiting for it."""
-        with self._loop._cond:
-            self._loop._arrived(self)
 
 
 class StepCancelled(Exception):
@@ -194,12 +171,8 @@ class _Work:
 class Member:
     """One running request's place in the loop: its cache, and the steps it ran in."""
 
-    def __init__(
-        self, loop: StepLoop, cache: KVCache, order: int, cancelled: threading.Event, reserved: int,
-        arrival: Arrival | None = None,
-    ) -> None:
+    def __init__(self, loop: StepLoop, cache: KVCache, order: int, cancelled: threading.Event, reserved: int) -> None:
         self.loop = loop
-        self.arrival = arrival  # counted until its first work is handed in
         self.cache = cache
         self.order = order  # join order: earlier members are served first
         self.cancelled = cancelled
@@ -270,13 +243,11 @@ class StepLoop:
         waiting: Callable[[], int] = lambda: 0,
         pool: Callable[[Member, list[Member]], PoolUsage] | None = None,
         gather_s: float = 0.004,
-        arrival_s: float = ARRIVAL_WAIT_S,
         weight_bytes: int = 0,
     ) -> None:
         """`waiting` counts requests in the admission queue; `pool` reports the KV budget as one
         member sees it beside the others. `gather_s`: how long a step waits for the sequences
-        the last one served; `arrival_s`: how long a step nothing decodes in waits for requests on
-        their way in (`arrive`). `weight_bytes`: what a step reads of the weights (for the roofline of
+        the last one served. `weight_bytes`: what a step reads of the weights (for the roofline of
         a shared step)."""
         limits.check()
         self.runner = runner
@@ -284,8 +255,6 @@ class StepLoop:
         self.waiting = waiting
         self.pool = pool or (lambda m, _: PoolUsage(m.reserved_bytes, m.reserved_bytes, 0, 0))
         self.gather_s = gather_s
-        self.arrival_s = arrival_s
-        self._arrivals: set[Arrival] = set()  # requests on their way in (`arrive`), not in yet
         self.weight_bytes = weight_bytes
         self.steps_run = 0
         self.preemptions = 0  # since the start, every member's
@@ -302,42 +271,10 @@ class StepLoop:
 
     # -- members -------------------------------------------------------------------------------
 
-    def arrive(self) -> Arrival:
-        """A request on its way in (made; its template, tokens and admission to run): a step that
-        nothing decodes in waits for it, up to `arrival_s` after now. It is in when it joins with
-        the `Arrival` and hands its first work in, or calls `Arrival.done` (it ended first). The
-        wait is bounded from its arrival, so a request made and never run holds no step for long."""
+    def join(self, cache: KVCache, cancelled: threading.Event, reserved_bytes: int = 0) -> Member:
+        """A new running request over `cache`; `cancelled` stops its chunked prefill between steps."""
         with self._cond:
-            arrival = Arrival(self)
-            self._arrivals.add(arrival)
-            return arrival
-
-    @property
-    def arriving(self) -> int:
-        """Requests on their way in that a step would still wait for."""
-        with self._cond:
-            self._awaited(time.monotonic())
-            return len(self._arrivals)
-
-    def _arrived(self, arrival: Arrival) -> None:
-        """Under the lock: `arrival` is awaited no more."""
-        if arrival in self._arrivals:
-            self._arrivals.discard(arrival)
-            self._cond.notify_all()  # a step may be waiting for it
-
-    def _awaited(self, now: float) -> float:
-        """Under the lock: until when a step waits for the requests on their way in (in the past
-        when none is; those arrived `arrival_s` ago or more are forgotten)."""
-        self._arrivals = {a for a in self._arrivals if a.at + self.arrival_s > now}
-        return max((a.at for a in self._arrivals), default=now - self.arrival_s) + self.arrival_s
-
-    def join(
-        self, cache: KVCache, cancelled: threading.Event, reserved_bytes: int = 0, arrival: Arrival | None = None
-    ) -> Member:
-        """A new running request over `cache`; `cancelled` stops its chunked prefill between steps.
-        `arrival` (from `arrive`) stops counting when its first work is handed in."""
-        with self._cond:
-            member = Member(self, cache, next(self._order), cancelled, reserved_bytes, arrival)
+            member = Member(self, cache, next(self._order), cancelled, reserved_bytes)
             self._members.append(member)
             return member
 
@@ -391,9 +328,6 @@ class StepLoop:
         """Under the lock: queue `work`, and a drive of the steps unless one is queued or runs (or
         the caller is the model thread, which drives them itself)."""
         self._pending.append(work)
-        if work.member.arrival is not None:
-            self._arrived(work.member.arrival)
-            work.member.arrival = None
         self._cond.notify_all()  # the model thread may be gathering the step's sequences
         if not model_thread().here():
             self._drive_later()
@@ -480,26 +414,18 @@ class StepLoop:
         self._holding.clear()
 
     def _gather(self) -> None:
-        """Under the lock: give the sequences the last step served a moment to hand in their next
-        token, and, when nothing decodes, requests on their way in a moment to hand in their prompt."""
+        """Under the lock: give the sequences the last step served a moment to hand in their next token."""
         # A sequence that misses this step waits out all of it, so waiting a fraction of a step for
         # it costs the others less than splitting the batch; with one-token steps of a few
         # milliseconds (a GPU) the fixed floor is the wait.
-        now = time.monotonic()
-        deadline = now + max(self.gather_s, GATHER_STEP_FRACTION * self._last_step_s)
-        # No one's decode waits on a prefill step; a prompt that misses it waits out all of it, then
-        # comes in chunks beside the others' decode. A lone request has handed its work in, so it
-        # waits for no one.
-        idle = not any(m.decoding for m in self._members)
+        deadline = time.monotonic() + max(self.gather_s, GATHER_STEP_FRACTION * self._last_step_s)
         while True:
             pending = {w.member for w in self._pending}
             missing = [m for m in self._last_served if m not in pending and not m.away and m in self._members]
-            now = time.monotonic()
-            until = (deadline if missing else now, self._awaited(now) if idle else now)
-            left = [t - now for t in until if t > now]
-            if not left:
+            left = deadline - time.monotonic()
+            if not missing or left <= 0:
                 return
-            self._cond.wait(min(left))
+            self._cond.wait(left)
 
     def _plan(self) -> list[tuple[_Work, int]]:
         """Under the lock: the step's work and how many tokens of each, within the limits."""

@@ -8,7 +8,6 @@ of the batch, cancellation between prompt chunks, bad limits).
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -153,63 +152,6 @@ def test_concurrent_sessions_share_steps_and_keep_their_tokens(chatty_tiny_dir):
             assert token.bytes_read.weights == engine.model.decode_weight_bytes
             assert token.bytes_read.kv > own_kv if token.batch.decode_tokens > 1 else token.bytes_read.kv == own_kv
     assert engine.scheduler.running == 0 and engine.steps.running == 0 and engine.scheduler.held_bytes == 0
-
-
-@pytest.mark.parametrize("steered", [True, False])
-def test_requests_sent_together_prefill_in_one_step(chatty_tiny_dir, steered):
-    """While nothing decodes, a step waits for requests on their way in: sent together, their
-    prompts share the first step, instead of the first prompt running alone while the others
-    render and tokenize, and the rest coming in later. (The wait is long here so that a busy
-    machine cannot make it miss; it ends as soon as the last prompt is in.)"""
-    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False)
-    engine.steps.arrival_s = 30.0
-    together = run_all(engine, [_request(p) for p in PROMPTS], steered=steered)
-    firsts = [next(e for e in evs if isinstance(e, PrefillEvent)).chunks[0].step for evs in together]
-    assert len({f.step for f in firsts}) == 1 and firsts[0].sequences == len(PROMPTS)
-    assert firsts[0].prefill_tokens == sum(next(e for e in evs if isinstance(e, PrefillEvent)).prompt_tokens
-                                           for evs in together)  # fmt: skip
-    assert engine.steps.arriving == 0
-
-
-def test_a_request_alone_waits_for_no_arrival(chatty_tiny_dir):
-    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False)
-    engine.steps.arrival_s = 30.0
-    start = time.monotonic()
-    result = next(e for e in engine.start(_request(PROMPTS[0])) if isinstance(e, DoneEvent)).result
-    assert result.finish_reason == "length" and time.monotonic() - start < 15  # no step waited out 30 s
-    assert engine.steps.arriving == 0
-
-
-def test_a_request_that_ends_before_its_prompt_runs_is_no_longer_awaited(chatty_tiny_dir):
-    """Refused, failed, cancelled in the queue, or dropped by its consumer half way in: none of
-    them leaves a step waiting for it."""
-    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, max_num_seqs=1)
-    too_long = GenerationRequest.from_prompt("Kyoto " * 3000, sampling=GREEDY, max_tokens=4)
-    assert list(engine.start(too_long))[-1].result.finish_reason == "error"
-    bad = GenerationRequest.from_prompt("Kyoto", sampling=GREEDY, max_tokens=4, stop_token_ids=(10**9,))
-    assert list(engine.start(bad))[-1].result.finish_reason == "error"
-    dropped = iter(engine.start(_request(PROMPTS[0])))
-    next(dropped)  # on its way in: its template and tokens run next
-    assert engine.steps.arriving == 1
-    dropped.close()
-    assert engine.steps.arriving == 0
-    running = engine.start(_request(PROMPTS[1], max_tokens=400))
-    events = iter(running)
-    while not isinstance(next(events), TokenEvent):
-        pass
-    running.hold()  # holding the only slot: the next request waits in the queue
-    queued = engine.start(_request(PROMPTS[2]))
-    ended: list = []
-    waiter = threading.Thread(target=lambda: ended.extend(queued))
-    waiter.start()
-    while engine.scheduler.waiting < 1:
-        time.sleep(0.005)
-    queued.cancel()
-    waiter.join(timeout=60)
-    assert ended[-1].result.finish_reason == "cancelled"
-    running.cancel()
-    list(events)
-    assert engine.steps.arriving == 0 and engine.steps.running == 0
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_within_the_step_budget(chatty_tiny_dir):
