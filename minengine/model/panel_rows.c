@@ -87,20 +87,21 @@ static inline __attribute__((always_inline)) void KIND##_##RT##x##NP(const float
 /* 8 bytes at Q and 8 at Q + gap (a pair of panels' block-format weights at one k) as one 128-bit vector. */
 #define LOAD2_BYTES(Q, gap)                                                                       \
     _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(Q)), _mm_loadl_epi64((const __m128i *)((Q) + (gap))))
-/* A block-format wide tile of several rows asks, at each block of QB inputs, for its 4 panels'
- * weights (BYTES_PER_K bytes a panel per input) and their scales SCALE_BYTES a panel per block,
- * BLOCKS_AHEAD blocks ahead: streamed from memory at 8 rows a step, the hardware prefetcher fell
- * behind the 8 streams of a tile (4 panels' weights and scales). A sweep of the model's q4_1
- * matrices at 8 rows on 2 threads, the 2-core AMD EPYC with AVX-512: 6.5-7.0 -> 5.6-5.8 ms
- * (2, 4, 8 and 16 blocks ahead tried, T0 and NTA; 8 with T0 kept). One row streams fast enough without. */
+/* A block-format wide tile asks, at each block of QB inputs, for its 4 panels' weights
+ * (BYTES_PER_K bytes a panel per input) and their scales SCALE_BYTES a panel per block,
+ * BLOCKS_AHEAD blocks ahead: the hardware prefetcher falls behind the 8 streams of a tile (4
+ * panels' weights and scales). A sweep of the model's q4_1 matrices at 8 rows on 2 threads, the
+ * 2-core AMD EPYC with AVX-512: 6.5-7.0 -> 5.6-5.8 ms (2, 4, 8 and 16 blocks ahead tried, T0 and
+ * NTA; 8 with T0 kept). One row: on that EPYC it streamed fast enough without; on the 2-vCPU
+ * Xeon a one-row step's q4_1 projections took 5.2-5.4 -> 4.6-4.9 ms with it (an instrumented
+ * decode_layers.c, 2 x 2 alternated runs of 128 steps), so every tile asks. */
 #define BLOCKS_AHEAD 8
-#define PREFETCH_BLOCKS(RT, W, BYTES_PER_K, S, SCALE_BYTES)                                      \
-    if ((RT) > 1)                                                                                \
-        for (int p = 0; p < 4; p++) {                                                            \
-            const char *w_ = (const char *)(W) + (p * K + kb + BLOCKS_AHEAD * QB) * (BYTES_PER_K); \
-            for (long at = 0; at < QB * (BYTES_PER_K); at += 64) _mm_prefetch(w_ + at, _MM_HINT_T0); \
-            _mm_prefetch((const char *)(S) + (p * (K / QB) + kb / QB + BLOCKS_AHEAD) * (SCALE_BYTES), _MM_HINT_T0); \
-        }
+#define PREFETCH_BLOCKS(W, BYTES_PER_K, S, SCALE_BYTES)                                           \
+    for (int p = 0; p < 4; p++) {                                                                \
+        const char *w_ = (const char *)(W) + (p * K + kb + BLOCKS_AHEAD * QB) * (BYTES_PER_K);   \
+        for (long at = 0; at < QB * (BYTES_PER_K); at += 64) _mm_prefetch(w_ + at, _MM_HINT_T0); \
+        _mm_prefetch((const char *)(S) + (p * (K / QB) + kb / QB + BLOCKS_AHEAD) * (SCALE_BYTES), _MM_HINT_T0); \
+    }
 /* A wide tile's RT x NV zmm sums back into 2 * NV panels of y's rows (two 8-column stores each). */
 #define STORE_WIDE(RT, NV)                                                                        \
     for (int r = 0; r < RT; r++)                                                                 \
@@ -142,7 +143,7 @@ static inline void q4_w##RT##x4(const float *x, long K, const uint8_t *Q, const 
     for (int r = 0; r < RT; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();                        \
     for (long kb = 0; kb < K; kb += QB) {                                                        \
         __m512 d[2], m[2];                                                                       \
-        PREFETCH_BLOCKS(RT, Q, 4, DM, 2 * PW * 2)                                                \
+        PREFETCH_BLOCKS(Q, 4, DM, 2 * PW * 2)                                                \
         for (int v = 0; v < 2; v++) {                                                            \
             const uint16_t *dm = DM + (2 * v * (K / QB) + kb / QB) * 2 * PW;                     \
             d[v] = LOAD2_F16(dm, 0, (K / QB) * 2 * PW), m[v] = LOAD2_F16(dm, PW, (K / QB) * 2 * PW); \
@@ -171,7 +172,7 @@ static inline void q8_w##RT##x4(const float *x, long K, const int8_t *Q, const f
     for (int r = 0; r < RT; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();                        \
     for (long kb = 0; kb < K; kb += QB) {                                                        \
         __m512 s[2];                                                                             \
-        PREFETCH_BLOCKS(RT, Q, PW, S, PW * 4)                                                    \
+        PREFETCH_BLOCKS(Q, PW, S, PW * 4)                                                    \
         for (int v = 0; v < 2; v++) s[v] = LOAD2_F32(S, (2 * v * (K / QB) + kb / QB) * PW, (K / QB) * PW); \
         for (long k = kb; k < kb + QB; k++) {                                                    \
             __m512 w[2];                                                                         \
