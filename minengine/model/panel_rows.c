@@ -94,8 +94,11 @@ static inline __attribute__((always_inline)) void KIND##_##RT##x##NP(const float
  * 2-core AMD EPYC with AVX-512: 6.5-7.0 -> 5.6-5.8 ms (2, 4, 8 and 16 blocks ahead tried, T0 and
  * NTA; 8 with T0 kept). One row: on that EPYC it streamed fast enough without; on the 2-vCPU
  * Xeon a one-row step's q4_1 projections took 5.2-5.4 -> 4.6-4.9 ms with it (an instrumented
- * decode_layers.c, 2 x 2 alternated runs of 128 steps), so every tile asks. */
-#define BLOCKS_AHEAD 8
+ * decode_layers.c, 2 x 2 alternated runs of 128 steps), so every tile asks. On that Xeon 16
+ * blocks ahead served the q8_0 head better than 8 (a standalone C harness, its 49152 x 576 over
+ * 4 copies cycled: 8 rows 2.51-2.60 -> 2.25-2.30 ms, one row 1.32-1.43 -> 1.19-1.22 ms; 4 and 32
+ * tried), q4_1's matrices the same either way. */
+#define BLOCKS_AHEAD 16
 #define PREFETCH_BLOCKS(W, BYTES_PER_K, S, SCALE_BYTES)                                           \
     for (int p = 0; p < 4; p++) {                                                                \
         const char *w_ = (const char *)(W) + (p * K + kb + BLOCKS_AHEAD * QB) * (BYTES_PER_K);   \
