@@ -446,9 +446,10 @@ class RequestSession:
         cfg, heads = eng.cfg, stored_kv_heads(req.kv_layout, eng.cfg.num_attention_heads, eng.cfg.num_key_value_heads)
         blocks = BlockFormat(cfg.num_hidden_layers, heads, cfg.head_dim, req.block_size, kv.storage)
         prompt_blocks = blocks_for(prompt_tokens, req.block_size)
+        hashes = prefix.pool.prompt_hashes(ids, prefix.identity) if prefix is not None else []
 
         def fits() -> bool:  # its prompt's blocks, less the hit's blocks running requests hold already
-            shared = prefix.pool.shared_prefix_blocks(ids, prefix.identity) if prefix is not None else 0
+            shared = prefix.pool.shared_prefix_blocks(hashes) if prefix is not None else 0
             return eng.pool.can_allocate(blocks, prompt_blocks - shared)
 
         admission = eng.scheduler.admit(

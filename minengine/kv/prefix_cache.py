@@ -173,34 +173,39 @@ class PrefixCache:
         """The longest kept prefix of the prompt `ids`, in whole blocks; the hit becomes most
         recently used. With a `holder` the hit holds its blocks under that name until released."""
         start = time.perf_counter()
-        usable = (len(ids) - 1) // identity.block_size  # the last prompt token is always computed
-        hashes = block_hashes(ids, identity, usable)
-        kept: list[tuple[BlockFormat, int]] = []
+        hashes = self.prompt_hashes(ids, identity)
         with self._lock:
-            for h in hashes:
-                block = self._blocks.get(h)
-                if block is None:
-                    break
-                kept.append(block)
+            kept = self._kept(hashes)
             self._touch(hashes[: len(kept)])
             if holder is not None and kept:
                 self.pool.share(kept[0][0], [b for _, b in kept], holder)
-        return PrefixHit(identity, usable, kept, (time.perf_counter() - start) * 1000, self.pool, holder)
+        return PrefixHit(identity, len(hashes), kept, (time.perf_counter() - start) * 1000, self.pool, holder)
 
-    def shared_prefix_blocks(self, ids: Sequence[int], identity: KVIdentity) -> int:
-        """Of the blocks `lookup` would hit now, those a request holds too, touching nothing and
-        holding nothing: what a request waiting for admission asks, again and again, of blocks it
-        must not pin. A hit block only the cache holds saves it nothing there, because
-        `BlockPool.can_allocate` already counts that block as room it could evict."""
-        usable = (len(ids) - 1) // identity.block_size
-        kept: list[tuple[BlockFormat, int]] = []
+    @staticmethod
+    def prompt_hashes(ids: Sequence[int], identity: KVIdentity) -> list[bytes]:
+        """The hashes of the prompt's blocks a lookup may hit: its full blocks, short of the last
+        token (always computed, so its logits exist)."""
+        return block_hashes(ids, identity, (len(ids) - 1) // identity.block_size)
+
+    def shared_prefix_blocks(self, hashes: Sequence[bytes]) -> int:
+        """Of the blocks a lookup of the prompt with these `prompt_hashes` would hit now, those a
+        request holds too, touching nothing and holding nothing: what a request waiting for
+        admission asks, again and again, of blocks it must not pin. A hit block only the cache
+        holds saves it nothing there, because `BlockPool.can_allocate` already counts that block
+        as room it could evict."""
         with self._lock:
-            for h in block_hashes(ids, identity, usable):
-                block = self._blocks.get(h)
-                if block is None:
-                    break
-                kept.append(block)
+            kept = self._kept(hashes)
             return self.pool.held_by_requests(kept[0][0], [b for _, b in kept]) if kept else 0
+
+    def _kept(self, hashes: Sequence[bytes]) -> list[tuple[BlockFormat, int]]:
+        """Under the lock: the kept blocks of the longest run of `hashes` from the first."""
+        kept: list[tuple[BlockFormat, int]] = []
+        for h in hashes:
+            block = self._blocks.get(h)
+            if block is None:
+                break
+            kept.append(block)
+        return kept
 
     def fresh_blocks(self, cache: KVCache | PagedKVCache, tokens: Sequence[int], identity: KVIdentity) -> FreshBlocks:
         """The full blocks `cache` holds for `tokens` (its positions' ids, in order) not kept yet.
