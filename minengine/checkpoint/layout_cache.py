@@ -37,7 +37,7 @@ from minengine.model.panel_kernels import PANEL_PACKS, PanelLinear
 from minengine.model.weight_format import DTYPE_FORMAT
 from minengine.progress import BYTES, ProgressCallback, Stage
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: q4_1 panels stored as one stream of groups (panel_kernels.Q4_GROUP)
 CACHE_DIR = ".minengine"
 DISABLE_ENV = "REQSCOPE_LAYOUT_CACHE"
 _DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.uint8: "U8"}

@@ -147,8 +147,8 @@ static inline void prefetch_positions(const float *kh, const float *vh, const lo
     for (long t = from; t < to; t++) {
         const char *k = (const char *)(kh + (pos ? pos[t] : t) * d), *v = (const char *)(vh + (pos ? pos[t] : t) * d);
         for (long b = 0; b < d * (long)sizeof(float); b += 64) {
-            _mm_prefetch(k + b, _MM_HINT_T0);
-            _mm_prefetch(v + b, _MM_HINT_T0);
+            _mm_prefetch(k + b, _MM_HINT_T1);
+            _mm_prefetch(v + b, _MM_HINT_T1);
         }
     }
 }

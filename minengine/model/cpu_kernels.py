@@ -45,8 +45,8 @@ class KernelLibrary:
             lib.f32_panels.argtypes = [ptr, c_long, c_long, ptr, ptr, c_long, ptr, c_long, c_int]
             lib.f16_panels.argtypes = lib.f32_panels.argtypes
             lib.q8_0_panels.argtypes = [ptr, c_long, c_long, ptr, ptr, c_long, ptr, c_long, c_int]
-            lib.q4_1_panels.argtypes = lib.q8_0_panels.argtypes
-            lib.q4_1_unpack.argtypes = [ptr, ptr, c_long, c_long, ptr, c_int]  # Q, DM, panels, K, out, threads
+            lib.q4_1_panels.argtypes = [ptr, c_long, c_long, ptr, c_long, ptr, c_long, c_int]  # its groups, no scales
+            lib.q4_1_unpack.argtypes = [ptr, c_long, c_long, ptr, c_int]  # Q, panels, K, out, threads
             lib.attend_rows.argtypes = [ptr]  # an AttendArgs (attention_rows.AttendArgs)
             rows = [ptr, c_long, c_long, c_long, c_long, c_long]  # x, T, H, d, stride of T, stride of H
             lib.rms_norm_rows.argtypes = [*rows, ptr, ctypes.c_float, ptr, c_long, c_long]  # weight, eps, y, strides

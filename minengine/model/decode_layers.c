@@ -27,8 +27,7 @@ void f16_panels(const float *x, long M, long K, float *xp, const uint16_t *P, lo
                 int threads);
 void q8_0_panels(const float *x, long M, long K, const int8_t *Q, const float *S, long panels, float *y, long ldy,
                  int threads);
-void q4_1_panels(const float *x, long M, long K, const uint8_t *Q, const uint16_t *DM, long panels, float *y,
-                 long ldy, int threads);
+void q4_1_panels(const float *x, long M, long K, const uint8_t *Q, long panels, float *y, long ldy, int threads);
 void rms_norm_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *w, float eps,
                    float *y, long syt, long syh);
 void rope_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *cos_t, const float *sin_t,
@@ -41,7 +40,7 @@ enum { F32 = 0, F16 = 1, Q8_0 = 2, Q4_1 = 3 };
 typedef struct {
     long kind, in, panels;
     const void *weights;
-    const void *scales;  /* q8_0's float32 scales, q4_1's fp16 scales and minimums */
+    const void *scales;  /* q8_0's float32 scales (q4_1's are in its groups) */
 } Proj;
 
 typedef struct {
@@ -71,7 +70,7 @@ static void project(const Proj *p, long rows, const float *x, float *xp, float *
     if (p->kind == F32) f32_panels(x, rows, p->in, xp, p->weights, p->panels, y, ldy, threads);
     else if (p->kind == F16) f16_panels(x, rows, p->in, xp, p->weights, p->panels, y, ldy, threads);
     else if (p->kind == Q8_0) q8_0_panels(x, rows, p->in, p->weights, p->scales, p->panels, y, ldy, threads);
-    else q4_1_panels(x, rows, p->in, p->weights, p->scales, p->panels, y, ldy, threads);
+    else q4_1_panels(x, rows, p->in, p->weights, p->panels, y, ldy, threads);
 }
 
 static void add(float *x, const float *y, long n) {

@@ -88,7 +88,7 @@ class Proj(ctypes.Structure):
     @classmethod
     def of(cls, p: PanelLinear) -> Proj:
         scales = 0 if p.scales is None else p.scales.data_ptr()
-        return cls(_KINDS[p.format], p.in_features, p.panels.shape[0], p.panels.data_ptr(), scales)
+        return cls(_KINDS[p.format], p.in_features, p.panel_count, p.panels.data_ptr(), scales)
 
 
 class LayerArgs(ctypes.Structure):
@@ -160,7 +160,7 @@ class LayerStack:
         eps = model.layers[0].input_norm.eps_value
         for layer in model.layers:
             projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
-            if not all(isinstance(p, PanelLinear) and p.out_features == p.panels.shape[0] * 8 for p in projections):
+            if not all(isinstance(p, PanelLinear) and p.out_features == p.panel_count * 8 for p in projections):
                 return False
             norms = (layer.input_norm, layer.post_norm)
             if any(n.eps_value != eps or n.weight.dim() != 1 for n in norms):

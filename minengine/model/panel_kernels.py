@@ -17,7 +17,9 @@ Three storages (`PanelLinear.format`):
 - `q4_1`: llama.cpp's Q4_1 blocks (4-bit weights, an fp16 scale and minimum per 32 inputs of a
   column), 0.625 bytes a weight, dequantized in registers to exactly gguf's float32 values: a
   checkpoint converted from a Q4_1 GGUF is held losslessly and multiplied as float32 panels
-  multiply it, bit for bit.
+  multiply it, bit for bit. Its storage is one byte stream (`panels`, no `scales`): groups of
+  `Q4_GROUP` panels, block by block, each block the group's scales, minimums and nibbles
+  (panel_rows.c's Q4_1 LAYOUT), so a tile reads one stream where it read eight.
 
 Prompt chunks run through it too (rows in passes of 8, a block of 64 rows in L2 while the panels
 pass): a 64-token chunk, the CPU's default step budget beside decoding sequences, takes what
@@ -55,6 +57,8 @@ PANEL_PACKS = {"q8_0": "q8_0", "q4_1": "q4_1", "q4_1-exact": "q4_1", "float32-pa
 # "q4_1-exact" (auto's, for a checkpoint of Q4_1 blocks): q4_1 where its blocks hold a projection exactly, fp16 where
 # they would round it (`CheckpointReader.projection`).
 BLOCK_FORMATS = ("q8_0", "q4_1")  # the panel storages in blocks of Q8_BLOCK inputs
+Q4_GROUP = 4  # q4_1 panels per group, as panel_rows.c's GP
+Q4_PANEL_BLOCK = 2 * PANEL * 2 + Q8_BLOCK // 2 * PANEL  # a panel's bytes per block: fp16 d and m, 16 x 8 nibble pairs
 
 
 def _panels(weight: torch.Tensor) -> torch.Tensor:
@@ -99,8 +103,15 @@ class PanelLinear:
         for row in range(0, out_features, step):
             values, scales = _store(fmt, _panels(weight[row : row + step].float()))
             if row == 0:  # the whole storage, filled part by part
-                self.panels = values.new_empty((count, *values.shape[1:]))
+                if fmt == "q4_1":  # one stream of groups; LAYOUT_PANELS is a whole number of them
+                    self.panels = values.new_empty(count * in_features * Q4_PANEL_BLOCK // Q8_BLOCK)
+                else:
+                    self.panels = values.new_empty((count, *values.shape[1:]))
                 self.scales = None if scales is None else scales.new_empty((count, *scales.shape[1:]))
+            if fmt == "q4_1":
+                first = row // PANEL * in_features * Q4_PANEL_BLOCK // Q8_BLOCK
+                self.panels[first : first + values.numel()] = values
+                continue
             at = slice(row // PANEL, row // PANEL + values.shape[0])
             self.panels[at] = values
             if scales is not None:
@@ -116,7 +127,10 @@ class PanelLinear:
         if lib is None:
             raise RuntimeError(f"no panel kernel: {library().why_not}")
         self = cls.__new__(cls)
-        inputs = panels.shape[1] * (2 if fmt == "q4_1" else 1)  # q4_1 holds two inputs a byte
+        if fmt == "q4_1":  # one stream of groups: Q4_PANEL_BLOCK bytes a panel per Q8_BLOCK inputs
+            inputs = panels.numel() * Q8_BLOCK // (Q4_PANEL_BLOCK * -(-out_features // PANEL))
+        else:
+            inputs = panels.shape[1]
         self.format, self.in_features, self.out_features, self.chunks = fmt, inputs, out_features, chunks
         self.panels, self.scales, self._lib = panels, scales, lib
         self._count_bytes()
@@ -132,6 +146,11 @@ class PanelLinear:
         self.read_bytes = self.stored_bytes  # a step reads every panel whole (padding is under 8 columns)
 
     @property
+    def panel_count(self) -> int:
+        """Panels of PANEL output columns (the last padded with zero columns)."""
+        return -(-self.out_features // PANEL)
+
+    @property
     def shape(self) -> tuple[int, int, int]:
         """The dense operand's shape, [chunks, in, out/chunks]."""
         return (self.chunks, self.in_features, self.out_features // self.chunks)
@@ -140,7 +159,7 @@ class PanelLinear:
         """x [T, in] (float32) times the weight: [T, out], float32 (into `out`, a contiguous
         [T, out] buffer, when given: a decode step's scratch)."""
         x = x.contiguous()
-        rows, panels = x.shape[0], self.panels.shape[0]
+        rows, panels = x.shape[0], self.panel_count
         if rows >= UNPACK_ROWS and panels * PANEL * self.in_features <= UNPACK_MAX_ELEMENTS:
             y = F.linear(x, self._unpacked())  # a long prompt chunk: MKL's GEMM over the weight laid back out
             return y if out is None else out.copy_(y)
@@ -148,7 +167,11 @@ class PanelLinear:
         direct = out is not None and width == self.out_features and out.is_contiguous()
         y = out if direct else torch.empty(rows, width, dtype=torch.float32)
         lib, threads = self._lib, torch.get_num_threads()
-        if self.scales is None:
+        if self.format == "q4_1":
+            lib.q4_1_panels(
+                x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), panels, y.data_ptr(), width, threads
+            )
+        elif self.scales is None:
             packed = x if rows == 1 else torch.empty_like(x)  # the kernel's room to lay the rows out k-major
             kernel = lib.f32_panels if self.format == "float32" else lib.f16_panels
             kernel(
@@ -156,8 +179,7 @@ class PanelLinear:
                 width, threads,
             )  # fmt: skip
         else:
-            kernel = lib.q4_1_panels if self.format == "q4_1" else lib.q8_0_panels
-            kernel(
+            lib.q8_0_panels(
                 x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), self.scales.data_ptr(), panels,
                 y.data_ptr(), width, threads,
             )  # fmt: skip
@@ -169,15 +191,14 @@ class PanelLinear:
     def _unpacked(self) -> torch.Tensor:
         """The weight as a dense [out, in] float32 matrix (fp16's converted, q8_0's dequantized), in this thread's
         scratch: valid until its next unpacking."""
-        panels, width = self.panels.shape[0], self.in_features
+        panels, width = self.panel_count, self.in_features
         need = panels * PANEL * width
         scratch = getattr(_scratch, "buffer", None)
         if scratch is None or scratch.numel() < need:
             scratch = _scratch.buffer = torch.empty(need, dtype=torch.float32)
         view = scratch[:need].view(panels, PANEL, width)
         if self.format == "q4_1":  # in C: torch's unpacking took 10% of a long prompt's prefill
-            q, dm, threads = self.panels.data_ptr(), self.scales.data_ptr(), torch.get_num_threads()
-            self._lib.q4_1_unpack(q, dm, panels, width, scratch.data_ptr(), threads)
+            self._lib.q4_1_unpack(self.panels.data_ptr(), panels, width, scratch.data_ptr(), torch.get_num_threads())
         elif self.scales is None:
             view.copy_(self.panels.transpose(1, 2))
         else:
@@ -187,12 +208,30 @@ class PanelLinear:
     def dequantized(self, panels: torch.Tensor | slice = slice(None)) -> torch.Tensor:
         """The weights of `panels` (all by default) as float32 [n, in, PANEL], the values the kernel multiplies by."""
         if self.format == "q4_1":
-            return _q4_1_values(self.panels[panels], self.scales[panels])
+            return _q4_1_values(*self._q4_1_blocks(panels))
         values = self.panels[panels].float()
         if self.scales is None:
             return values
         n = values.shape[0]
         return values.view(n, -1, Q8_BLOCK, PANEL).mul_(self.scales[panels][:, :, None, :]).view(n, -1, PANEL)
+
+    def _q4_1_blocks(self, panels: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """q4_1's nibble pairs [n, in/2, PANEL] and scales with minimums [n, in/32, 2 * PANEL] of `panels`,
+        out of the groups that hold them (a range of panels: only its groups)."""
+        count, k = self.panel_count, self.in_features
+        if not isinstance(panels, slice):  # a few picked panels (a tied embedding's rows): each one's group only
+            picked = [self._q4_1_blocks(slice(p, p + 1)) for p in panels.reshape(-1).tolist()]
+            shape = tuple(panels.shape)
+            nibbles = torch.cat([n for n, _ in picked]) if picked else torch.empty(0, k // 2, PANEL, dtype=torch.uint8)
+            dm = torch.cat([d for _, d in picked]) if picked else torch.empty(0, k // Q8_BLOCK, 2 * PANEL).half()
+            return nibbles.view(*shape, *nibbles.shape[1:]), dm.view(*shape, *dm.shape[1:])
+        start, stop, step = panels.indices(count)
+        first = start // Q4_GROUP * Q4_GROUP
+        end = min(-(-stop // Q4_GROUP) * Q4_GROUP, count) if stop > start else first
+        per_panel = k * Q4_PANEL_BLOCK // Q8_BLOCK
+        nibbles, dm = _q4_1_ungrouped(self.panels[first * per_panel : end * per_panel], end - first, k)
+        picked = slice(start - first, stop - first, step)
+        return nibbles[picked], dm[picked]
 
     def holds(self, weight: torch.Tensor) -> bool:
         """Whether the stored values are the float32 [out, in] `weight` exactly (no rounding)."""
@@ -232,9 +271,9 @@ def block_refusal(fmt: str, name: str, shape: tuple[int, int]) -> str | None:
 
 
 def _store(fmt: str, panels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Float32 panels [n, in, PANEL] in `fmt`'s storage: its values, and q8_0's scales or q4_1's scales and minimums."""
+    """Float32 panels [n, in, PANEL] in `fmt`'s storage: its values, and q8_0's scales (q4_1's are in its groups)."""
     if fmt == "q4_1":
-        return _q4_1(panels)
+        return _q4_1_grouped(*_q4_1(panels)), None
     if fmt == "q8_0":
         blocks = panels.view(panels.shape[0], -1, Q8_BLOCK, PANEL)
         scales = (blocks.abs().amax(dim=2) / 127).clamp_(min=1e-30)  # [n, in/32, PANEL]
@@ -253,6 +292,36 @@ def _q4_1(panels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.round((blocks - m.float()[:, :, None]) / step[:, :, None]).clamp_(0, 15).to(torch.uint8)
     q = q.view(n, in_features // 2, 2, PANEL)
     return (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous(), torch.cat([d, m], dim=2).contiguous()
+
+
+def _q4_1_grouped(nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks of n panels (`_q4_1`'s) as panel_rows.c's one stream: groups of Q4_GROUP panels (the last may
+    hold fewer), block after block, each block the group's scales, its minimums, then its 16 input pairs."""
+    n, pairs, _ = nibbles.shape
+    blocks = pairs * 2 // Q8_BLOCK
+    parts = []
+    for first in range(0, n, Q4_GROUP):
+        gp = min(Q4_GROUP, n - first)
+        d = dm[first : first + gp, :, :PANEL].transpose(0, 1)  # [blocks, gp, PANEL]
+        m = dm[first : first + gp, :, PANEL:].transpose(0, 1)
+        scales = torch.cat([d.reshape(blocks, -1), m.reshape(blocks, -1)], dim=1).contiguous().view(torch.uint8)
+        q = nibbles[first : first + gp].view(gp, blocks, Q8_BLOCK // 2, PANEL).permute(1, 2, 0, 3)
+        parts.append(torch.cat([scales, q.reshape(blocks, -1)], dim=1).reshape(-1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+
+
+def _q4_1_ungrouped(stream: torch.Tensor, n: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_q4_1_grouped`'s stream of n panels back to nibble pairs [n, in/2, PANEL] and fp16 [n, in/32, 2 * PANEL]."""
+    blocks, nibbles, dm, at = in_features // Q8_BLOCK, [], [], 0
+    for first in range(0, n, Q4_GROUP):
+        gp = min(Q4_GROUP, n - first)
+        group = stream[at : at + gp * blocks * Q4_PANEL_BLOCK].view(blocks, gp * Q4_PANEL_BLOCK)
+        at += gp * blocks * Q4_PANEL_BLOCK
+        scales = group[:, : gp * 2 * PANEL * 2].contiguous().view(torch.float16).view(blocks, 2, gp, PANEL)
+        dm.append(torch.cat([scales[:, 0], scales[:, 1]], dim=2).transpose(0, 1))  # [gp, blocks, 2 * PANEL]
+        q = group[:, gp * 2 * PANEL * 2 :].reshape(blocks, Q8_BLOCK // 2, gp, PANEL).permute(2, 0, 1, 3)
+        nibbles.append(q.reshape(gp, blocks * Q8_BLOCK // 2, PANEL))
+    return torch.cat(nibbles).contiguous(), torch.cat(dm).contiguous()
 
 
 def _q4_1_values(nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,9 @@
  * and an fp16 minimum m, the weight q * d + m: 0.625 bytes a weight. q * d needs at most 15
  * significant bits, so one FMA gives gguf's dequantized float32 exactly (it computes q * d, then
  * + m): where a checkpoint came from a Q4_1 GGUF, these tiles multiply by its very float32
- * weights, in float32 panels' order, and give their bits.
+ * weights, in float32 panels' order, and give their bits. A group of GP panels is one stream,
+ * block after block (Q4_1 LAYOUT below): a tile reading 4 panels' weights and scales from 8
+ * places at once kept a one-row step's products at 12 GB/s where the 2 cores read 27-41 GB/s.
  *
  * Built by minengine/model/cpu_kernels.py with -O3 -mavx2 -mfma -mf16c -fopenmp, and the AVX-512
  * flags where torch finds AVX-512 (the tiles then take zmm, below: the same bits); OpenMP is the
@@ -36,6 +38,18 @@
 #define GP 4    /* panels per group: the unit of work a thread takes */
 #define RB 64   /* rows per block: a block of x stays in L2 while every panel passes over it */
 #define QB 32   /* inputs per q8_0 scale */
+
+/* Q4_1 LAYOUT. Panels in groups of GP (the last group may hold fewer, gp), each group one run of
+ * blocks of QB inputs, a block of a group of gp panels gp * Q4_PANEL_BLOCK bytes:
+ *   gp x 8 fp16 scales d (panel after panel), gp x 8 fp16 minimums m, then the block's 16 input
+ *   pairs, each gp x 8 bytes (panel after panel): byte c of a panel's 8 holds its column c at the
+ *   pair's even input (low nibble) and odd one (high).
+ * Every group before the last is whole, so group g starts g * GP * (K / QB) * Q4_PANEL_BLOCK bytes in. */
+#define Q4_PANEL_BLOCK (2 * PW * 2 + QB / 2 * PW)  /* 160 bytes: a panel's d, m and 32 x 8 nibbles */
+#define Q4_GROUP(Q, g, K) ((Q) + (g) * GP * ((K) / QB) * Q4_PANEL_BLOCK)
+#define Q4_BLOCK(G, gp, kb) ((G) + ((kb) / QB) * (gp) * Q4_PANEL_BLOCK)
+/* Panel j's 8 bytes of input pair i (inputs 2i, 2i + 1 of the block) in block blk of gp panels. */
+#define Q4_PAIR(blk, gp, i2, j) ((blk) + (gp) * 2 * PW * 2 + ((i2) / 2) * (gp) * PW + (j) * PW)
 #define PF_BYTES 2048  /* how far ahead of its panel a float32 tile of several rows prefetches */
 
 /* A float32 tile of several rows computes for a while on each cache line of its panel, and the
@@ -138,24 +152,29 @@ static inline __attribute__((always_inline)) void KIND##_w##RT##x##NP(const floa
 WIDE_TILES(f32, float, LOAD2_F32)
 WIDE_TILES(f16, uint16_t, LOAD2_F16)
 WIDE_TILE(f16, uint16_t, LOAD2_F16, 1, 8)
-/* q4_1 in zmm: a pair of panels' 8 bytes at one k-pair, their scales and minimums side by side. */
+/* q4_1 in zmm: a whole group (gp == GP), a pair of panels' 8 bytes a k-pair side by side in one load,
+ * their scales and minimums too; the group's next blocks asked for BLOCKS_AHEAD ahead (one stream). */
 #define WIDE_Q4_TILE(RT)                                                                         \
-static inline void q4_w##RT##x4(const float *x, long K, const uint8_t *Q, const uint16_t *DM, float *y, long ldy) { \
+static inline void q4_w##RT##x4(const float *x, long K, const uint8_t *G, long gp, long j0, float *y, long ldy) { \
     __m512 a[RT][2];                                                                             \
     const __m512i low = _mm512_set1_epi32(15);                                                   \
+    (void)gp, (void)j0;                                                                          \
     for (int r = 0; r < RT; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();                        \
     for (long kb = 0; kb < K; kb += QB) {                                                        \
+        const uint8_t *blk = Q4_BLOCK(G, GP, kb);                                                \
+        if (kb + BLOCKS_AHEAD * QB < K)                                                          \
+            for (int at = 0; at < GP * Q4_PANEL_BLOCK; at += 64)                                 \
+                _mm_prefetch((const char *)blk + BLOCKS_AHEAD * GP * Q4_PANEL_BLOCK + at, _MM_HINT_T0); \
+        const uint16_t *dm = (const uint16_t *)blk;                                              \
         __m512 d[2], m[2];                                                                       \
-        PREFETCH_BLOCKS(Q, 4, DM, 2 * PW * 2)                                                \
         for (int v = 0; v < 2; v++) {                                                            \
-            const uint16_t *dm = DM + (2 * v * (K / QB) + kb / QB) * 2 * PW;                     \
-            d[v] = LOAD2_F16(dm, 0, (K / QB) * 2 * PW), m[v] = LOAD2_F16(dm, PW, (K / QB) * 2 * PW); \
+            d[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dm + 2 * v * PW)));      \
+            m[v] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dm + (GP + 2 * v) * PW))); \
         }                                                                                        \
         for (long k = kb; k < kb + QB; k += 2) {                                                 \
             __m512 w0[2], w1[2];                                                                 \
             for (int v = 0; v < 2; v++) {                                                        \
-                __m128i qq = LOAD2_BYTES(Q + (2 * v * K + k) * 4, K * 4);                        \
-                __m512i q = _mm512_cvtepu8_epi32(qq);                                            \
+                __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)Q4_PAIR(blk, GP, k - kb, 2 * v))); \
                 w0[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d[v], m[v]); \
                 w1[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d[v], m[v]);  \
             }                                                                                    \
@@ -244,25 +263,23 @@ static inline void q8_##RT##x##NP(const float *x, long K, const int8_t *Q, const
         for (int p = 0; p < NP; p++) _mm256_storeu_ps(y + r * ldy + p * PW, a[r][p]);            \
 }
 
-/* The same over q4_1 panels. Q [panels][K/2][8] bytes: byte c of pair j holds column c at
- * k = 2j (low nibble) and 2j + 1 (high); DM [panels][K/32][16] fp16: the block's 8 scales, then
- * its 8 minimums. Each pair of weight vectors is dequantized once per k and shared by the rows. */
+/* The same over q4_1 panels: NP panels from j0 of a group of gp (Q4_1 LAYOUT). Each pair of weight
+ * vectors is dequantized once per k and shared by the rows. */
 #define Q4_TILE(RT, NP)                                                                          \
-static inline void q4_##RT##x##NP(const float *x, long K, const uint8_t *Q, const uint16_t *DM, float *y, long ldy) { \
+static inline void q4_##RT##x##NP(const float *x, long K, const uint8_t *G, long gp, long j0, float *y, long ldy) { \
     __m256 a[RT][NP];                                                                            \
     const __m256i low = _mm256_set1_epi32(15);                                                   \
     for (int r = 0; r < RT; r++)                                                                 \
         for (int p = 0; p < NP; p++) a[r][p] = _mm256_setzero_ps();                              \
     for (long kb = 0; kb < K; kb += QB) {                                                        \
+        const uint8_t *blk = Q4_BLOCK(G, gp, kb);                                                \
+        const uint16_t *dm = (const uint16_t *)blk;                                              \
         __m256 d[NP], m[NP];                                                                     \
-        for (int p = 0; p < NP; p++) {                                                           \
-            const uint16_t *dm = DM + (p * (K / QB) + kb / QB) * 2 * PW;                         \
-            d[p] = LOAD_F16(dm, 0), m[p] = LOAD_F16(dm, PW);                                     \
-        }                                                                                        \
+        for (int p = 0; p < NP; p++) d[p] = LOAD_F16(dm, (j0 + p) * PW), m[p] = LOAD_F16(dm, (gp + j0 + p) * PW); \
         for (long k = kb; k < kb + QB; k += 2) {                                                 \
             __m256 w0[NP], w1[NP];                                                               \
             for (int p = 0; p < NP; p++) {                                                       \
-                __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(Q + (p * K + k) * 4))); \
+                __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)Q4_PAIR(blk, gp, k - kb, j0 + p))); \
                 w0[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), d[p], m[p]);  \
                 w1[p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d[p], m[p]);   \
             }                                                                                    \
@@ -329,7 +346,7 @@ static void pack_rows(const float *x, long M, long K, float *xp) {
 }
 
 #define FLOAT_ARGS(p) (P + (p0 + (p)) * K * PW)
-#define Q4_ARGS(p) (Q + (p0 + (p)) * K * PW / 2), (DM + (p0 + (p)) * (K / QB) * 2 * PW)
+#define Q4_ARGS(p) Q4_GROUP(Q, g, K), n, (p)
 #define Q8_ARGS(p) (Q + (p0 + (p)) * K * PW), (S + (p0 + (p)) * (K / QB) * PW)
 
 /* The float32 and fp16 products: the rows repacked, then blocks of RB rows against every group. */
@@ -392,9 +409,8 @@ void q8_0_panels(const float *x, long M, long K, const int8_t *Q, const float *S
     }
 }
 
-/* Q [panels][K/2][8] nibble pairs; DM [panels][K/32][16] fp16 scales and minimums; K a multiple of 32. */
-void q4_1_panels(const float *x, long M, long K, const uint8_t *Q, const uint16_t *DM, long panels, float *y,
-                 long ldy, int threads) {
+/* Q: the panels' Q4_1 groups (Q4_1 LAYOUT); K a multiple of 32. */
+void q4_1_panels(const float *x, long M, long K, const uint8_t *Q, long panels, float *y, long ldy, int threads) {
     long groups = (panels + GP - 1) / GP;
 #pragma omp parallel num_threads(threads)
     for (long r0 = 0; r0 < M; r0 += RB) {
@@ -409,21 +425,24 @@ void q4_1_panels(const float *x, long M, long K, const uint8_t *Q, const uint16_
 
 /* q4_1 panels laid back out as a dense float32 [panels * 8, K] matrix (row n the weights of output n),
  * for MKL's GEMM over a long prompt chunk (panel_kernels.UNPACK_ROWS): the values the tiles multiply by. */
-void q4_1_unpack(const uint8_t *Q, const uint16_t *DM, long panels, long K, float *out, int threads) {
+void q4_1_unpack(const uint8_t *Q, long panels, long K, float *out, int threads) {
     const __m256i low = _mm256_set1_epi32(15);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long p = 0; p < panels; p++) {
+        long g = p / GP, j = p % GP, gp = panels - g * GP < GP ? panels - g * GP : GP;
+        const uint8_t *G = Q4_GROUP(Q, g, K);
         float block[QB][PW];
         for (long kb = 0; kb < K; kb += QB) {
-            const uint16_t *dm = DM + (p * (K / QB) + kb / QB) * 2 * PW;
-            __m256 d = LOAD_F16(dm, 0), m = LOAD_F16(dm, PW);
-            for (long j = 0; j < QB; j += 2) {
-                __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(Q + (p * K + kb + j) * 4)));
-                _mm256_storeu_ps(block[j], _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), d, m));
-                _mm256_storeu_ps(block[j + 1], _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d, m));
+            const uint8_t *blk = Q4_BLOCK(G, gp, kb);
+            const uint16_t *dm = (const uint16_t *)blk;
+            __m256 d = LOAD_F16(dm, j * PW), m = LOAD_F16(dm, (gp + j) * PW);
+            for (long i = 0; i < QB; i += 2) {
+                __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)Q4_PAIR(blk, gp, i, j)));
+                _mm256_storeu_ps(block[i], _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, low)), d, m));
+                _mm256_storeu_ps(block[i + 1], _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), d, m));
             }
             for (long c = 0; c < PW; c++)
-                for (long j = 0; j < QB; j++) out[(p * PW + c) * K + kb + j] = block[j][c];
+                for (long i = 0; i < QB; i++) out[(p * PW + c) * K + kb + i] = block[i][c];
         }
     }
 }
