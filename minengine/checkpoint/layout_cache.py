@@ -11,7 +11,7 @@ copy-on-write, so nothing done in memory can reach the file.
 The key covers everything the layout depends on: the checkpoint files (name, size, mtime),
 config.json, the dtype, the weight format, the CPU thread count (it sets the column chunks) and
 this file format's version. Dense formats are cached, and reqscope's panel formats (a panel
-operand is stored as its panels and scales, named in the file's metadata, and built back around
+operand is stored as its panels, scales inside, named in the file's metadata, and built back around
 the mapped tensors); FBGEMM's and oneDNN's packed weights are opaque and are not. A file names
 its format, and one made for another is rebuilt, never read. A folder keeps one dense layout and
 one of each panel format (its name carries the format); a missing, stale or
@@ -37,7 +37,7 @@ from minengine.model.panel_kernels import PANEL_PACKS, PanelLinear
 from minengine.model.weight_format import DTYPE_FORMAT
 from minengine.progress import BYTES, ProgressCallback, Stage
 
-FORMAT_VERSION = 3  # 3: q4_1 panels stored as one stream of groups (panel_kernels.Q4_GROUP)
+FORMAT_VERSION = 3  # 3: q8_0 and q4_1 panels stored as one stream of groups (panel_kernels.GROUP)
 CACHE_DIR = ".minengine"
 DISABLE_ENV = "REQSCOPE_LAYOUT_CACHE"
 _DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.uint8: "U8"}
@@ -45,7 +45,7 @@ _TRANSPOSED = "transposed"  # metadata: names stored as their last two dims swap
 _WEIGHTS = "weights"  # metadata: the weight format the operands were built for
 _PANELS = "panels"  # metadata: operands stored as panels (`PanelLinear`), each [format, out_features, chunks]
 _PAD = "__pad"
-_PART = "#"  # a panel operand's tensors are stored as "<operand>#panels" and "<operand>#scales"
+_PART = "#"  # a panel operand's tensors are stored as "<operand>#<part>" (`PanelLinear.tensors`: "panels")
 # Every tensor starts on a cache line, as torch's own allocations do: MKL's kernels pick their
 # code path, and with it the rounding of a sum, by the operands' alignment, so a mapped layout
 # aligned differently from a built one would give slightly different logits.
@@ -126,9 +126,7 @@ class CachedLayout:
         name = _projection_name(names)
         if name in self.panels:
             fmt, out_features, stored_chunks = self.panels[name]
-            parts = {part: self.tensors[f"{name}{_PART}{part}"] for part in ("panels", "scales")
-                     if f"{name}{_PART}{part}" in self.tensors}  # fmt: skip
-            return PanelLinear.stored(fmt, parts["panels"], parts.get("scales"), out_features, stored_chunks)
+            return PanelLinear.stored(fmt, self.tensors[f"{name}{_PART}panels"], out_features, stored_chunks)
         return self.tensors[name]
 
     def embedding(self, name: str, *, tied: bool) -> torch.Tensor | None:

@@ -44,8 +44,9 @@ class KernelLibrary:
             c_long, c_int, ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
             lib.f32_panels.argtypes = [ptr, c_long, c_long, ptr, ptr, c_long, ptr, c_long, c_int]
             lib.f16_panels.argtypes = lib.f32_panels.argtypes
-            lib.q8_0_panels.argtypes = [ptr, c_long, c_long, ptr, ptr, c_long, ptr, c_long, c_int]
-            lib.q4_1_panels.argtypes = [ptr, c_long, c_long, ptr, c_long, ptr, c_long, c_int]  # its groups, no scales
+            # q8_0 and q4_1: x, M, K, the groups (scales inside), panels, y, ldy, threads
+            lib.q8_0_panels.argtypes = [ptr, c_long, c_long, ptr, c_long, ptr, c_long, c_int]
+            lib.q4_1_panels.argtypes = lib.q8_0_panels.argtypes
             lib.q4_1_unpack.argtypes = [ptr, c_long, c_long, ptr, c_int]  # Q, panels, K, out, threads
             lib.attend_rows.argtypes = [ptr]  # an AttendArgs (attention_rows.AttendArgs)
             rows = [ptr, c_long, c_long, c_long, c_long, c_long]  # x, T, H, d, stride of T, stride of H

@@ -25,8 +25,7 @@ void f32_panels(const float *x, long M, long K, float *xp, const float *P, long 
                 int threads);
 void f16_panels(const float *x, long M, long K, float *xp, const uint16_t *P, long panels, float *y, long ldy,
                 int threads);
-void q8_0_panels(const float *x, long M, long K, const int8_t *Q, const float *S, long panels, float *y, long ldy,
-                 int threads);
+void q8_0_panels(const float *x, long M, long K, const uint8_t *Q, long panels, float *y, long ldy, int threads);
 void q4_1_panels(const float *x, long M, long K, const uint8_t *Q, long panels, float *y, long ldy, int threads);
 void rms_norm_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *w, float eps,
                    float *y, long syt, long syh);
@@ -39,8 +38,7 @@ enum { F32 = 0, F16 = 1, Q8_0 = 2, Q4_1 = 3 };
 /* One projection's panels (panel_kernels.PanelLinear): out a whole number of panels. */
 typedef struct {
     long kind, in, panels;
-    const void *weights;
-    const void *scales;  /* q8_0's float32 scales (q4_1's are in its groups) */
+    const void *weights;  /* float32 or fp16 panels; q8_0's and q4_1's groups (their scales inside) */
 } Proj;
 
 typedef struct {
@@ -69,7 +67,7 @@ static void project(const Proj *p, long rows, const float *x, float *xp, float *
     if (rows == 1) xp = (float *)x;  /* one row is its own k-major layout */
     if (p->kind == F32) f32_panels(x, rows, p->in, xp, p->weights, p->panels, y, ldy, threads);
     else if (p->kind == F16) f16_panels(x, rows, p->in, xp, p->weights, p->panels, y, ldy, threads);
-    else if (p->kind == Q8_0) q8_0_panels(x, rows, p->in, p->weights, p->scales, p->panels, y, ldy, threads);
+    else if (p->kind == Q8_0) q8_0_panels(x, rows, p->in, p->weights, p->panels, y, ldy, threads);
     else q4_1_panels(x, rows, p->in, p->weights, p->panels, y, ldy, threads);
 }
 

@@ -83,12 +83,11 @@ class Proj(ctypes.Structure):
     """decode_layers.c's Proj: one projection's panels."""
 
     _fields_ = [("kind", ctypes.c_long), ("inputs", ctypes.c_long), ("panels", ctypes.c_long),
-                ("weights", ctypes.c_void_p), ("scales", ctypes.c_void_p)]  # fmt: skip
+                ("weights", ctypes.c_void_p)]  # fmt: skip
 
     @classmethod
     def of(cls, p: PanelLinear) -> Proj:
-        scales = 0 if p.scales is None else p.scales.data_ptr()
-        return cls(_KINDS[p.format], p.in_features, p.panel_count, p.panels.data_ptr(), scales)
+        return cls(_KINDS[p.format], p.in_features, p.panel_count, p.panels.data_ptr())
 
 
 class LayerArgs(ctypes.Structure):

@@ -17,9 +17,11 @@ Three storages (`PanelLinear.format`):
 - `q4_1`: llama.cpp's Q4_1 blocks (4-bit weights, an fp16 scale and minimum per 32 inputs of a
   column), 0.625 bytes a weight, dequantized in registers to exactly gguf's float32 values: a
   checkpoint converted from a Q4_1 GGUF is held losslessly and multiplied as float32 panels
-  multiply it, bit for bit. Its storage is one byte stream (`panels`, no `scales`): groups of
-  `Q4_GROUP` panels, block by block, each block the group's scales, minimums and nibbles
-  (panel_rows.c's Q4_1 LAYOUT), so a tile reads one stream where it read eight.
+  multiply it, bit for bit.
+
+q8_0 and q4_1 store one byte stream each (`panels`, no `scales`): groups of `GROUP` panels, block
+by block, each block the group's scales (and minimums) then its weights (panel_rows.c's Q4_1 and
+Q8_0 LAYOUT), so a tile reads one stream where it read eight.
 
 Prompt chunks run through it too (rows in passes of 8, a block of 64 rows in L2 while the panels
 pass): a 64-token chunk, the CPU's default step budget beside decoding sequences, takes what
@@ -57,8 +59,12 @@ PANEL_PACKS = {"q8_0": "q8_0", "q4_1": "q4_1", "q4_1-exact": "q4_1", "float32-pa
 # "q4_1-exact" (auto's, for a checkpoint of Q4_1 blocks): q4_1 where its blocks hold a projection exactly, fp16 where
 # they would round it (`CheckpointReader.projection`).
 BLOCK_FORMATS = ("q8_0", "q4_1")  # the panel storages in blocks of Q8_BLOCK inputs
-Q4_GROUP = 4  # q4_1 panels per group, as panel_rows.c's GP
-Q4_PANEL_BLOCK = 2 * PANEL * 2 + Q8_BLOCK // 2 * PANEL  # a panel's bytes per block: fp16 d and m, 16 x 8 nibble pairs
+GROUP = 4  # q8_0 and q4_1 panels per group (one stream of blocks), as panel_rows.c's GP
+# A panel's bytes per block of Q8_BLOCK inputs: q4_1's fp16 d and m and 16 x 8 nibble pairs, q8_0's float32
+# scales and 32 x 8 int8 (panel_rows.c's Q4_1 and Q8_0 LAYOUT).
+Q4_PANEL_BLOCK = 2 * PANEL * 2 + Q8_BLOCK // 2 * PANEL
+Q8_PANEL_BLOCK = PANEL * 4 + Q8_BLOCK * PANEL
+BLOCK_BYTES = {"q4_1": Q4_PANEL_BLOCK, "q8_0": Q8_PANEL_BLOCK}
 
 
 def _panels(weight: torch.Tensor) -> torch.Tensor:
@@ -79,7 +85,7 @@ class PanelLinear:
     """
 
     __slots__ = (
-        "format", "panels", "scales", "in_features", "out_features", "chunks", "stored_bytes", "read_bytes", "_lib"
+        "format", "panels", "in_features", "out_features", "chunks", "stored_bytes", "read_bytes", "_lib"
     )
 
     def __init__(self, fmt: str, weight: torch.Tensor, chunks: int) -> None:
@@ -98,51 +104,43 @@ class PanelLinear:
         why = block_refusal(fmt, "the weight", (out_features, in_features)) if fmt in BLOCK_FORMATS else None
         if why is not None:
             raise ValueError(why)
-        self.scales: torch.Tensor | None = None
         count, step = -(-out_features // PANEL), LAYOUT_PANELS * PANEL
         for row in range(0, out_features, step):
-            values, scales = _store(fmt, _panels(weight[row : row + step].float()))
-            if row == 0:  # the whole storage, filled part by part
-                if fmt == "q4_1":  # one stream of groups; LAYOUT_PANELS is a whole number of them
-                    self.panels = values.new_empty(count * in_features * Q4_PANEL_BLOCK // Q8_BLOCK)
-                else:
-                    self.panels = values.new_empty((count, *values.shape[1:]))
-                self.scales = None if scales is None else scales.new_empty((count, *scales.shape[1:]))
-            if fmt == "q4_1":
-                first = row // PANEL * in_features * Q4_PANEL_BLOCK // Q8_BLOCK
+            values = _store(fmt, _panels(weight[row : row + step].float()))
+            if fmt in BLOCK_FORMATS:  # one stream of groups; LAYOUT_PANELS is a whole number of them
+                per_panel = in_features * BLOCK_BYTES[fmt] // Q8_BLOCK
+                if row == 0:
+                    self.panels = values.new_empty(count * per_panel)
+                first = row // PANEL * per_panel
                 self.panels[first : first + values.numel()] = values
                 continue
-            at = slice(row // PANEL, row // PANEL + values.shape[0])
-            self.panels[at] = values
-            if scales is not None:
-                self.scales[at] = scales
+            if row == 0:  # the whole storage, filled part by part
+                self.panels = values.new_empty((count, *values.shape[1:]))
+            self.panels[row // PANEL : row // PANEL + values.shape[0]] = values
         self._count_bytes()
 
     @classmethod
-    def stored(
-        cls, fmt: str, panels: torch.Tensor, scales: torch.Tensor | None, out_features: int, chunks: int
-    ) -> PanelLinear:
+    def stored(cls, fmt: str, panels: torch.Tensor, out_features: int, chunks: int) -> PanelLinear:
         """A projection from panels laid out before (`tensors`; a layout cache maps them back)."""
         lib = library().lib
         if lib is None:
             raise RuntimeError(f"no panel kernel: {library().why_not}")
         self = cls.__new__(cls)
-        if fmt == "q4_1":  # one stream of groups: Q4_PANEL_BLOCK bytes a panel per Q8_BLOCK inputs
-            inputs = panels.numel() * Q8_BLOCK // (Q4_PANEL_BLOCK * -(-out_features // PANEL))
+        if fmt in BLOCK_FORMATS:  # one stream of groups: BLOCK_BYTES a panel per Q8_BLOCK inputs
+            inputs = panels.numel() * Q8_BLOCK // (BLOCK_BYTES[fmt] * -(-out_features // PANEL))
         else:
             inputs = panels.shape[1]
         self.format, self.in_features, self.out_features, self.chunks = fmt, inputs, out_features, chunks
-        self.panels, self.scales, self._lib = panels, scales, lib
+        self.panels, self._lib = panels, lib
         self._count_bytes()
         return self
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """What `stored` builds it back from: the panels, and q8_0's scales."""
-        return {"panels": self.panels} | ({} if self.scales is None else {"scales": self.scales})
+        """What `stored` builds it back from: the panels (a block format's scales are inside)."""
+        return {"panels": self.panels}
 
     def _count_bytes(self) -> None:
-        scale_bytes = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
-        self.stored_bytes = self.panels.numel() * self.panels.element_size() + scale_bytes
+        self.stored_bytes = self.panels.numel() * self.panels.element_size()
         self.read_bytes = self.stored_bytes  # a step reads every panel whole (padding is under 8 columns)
 
     @property
@@ -167,21 +165,15 @@ class PanelLinear:
         direct = out is not None and width == self.out_features and out.is_contiguous()
         y = out if direct else torch.empty(rows, width, dtype=torch.float32)
         lib, threads = self._lib, torch.get_num_threads()
-        if self.format == "q4_1":
-            lib.q4_1_panels(
-                x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), panels, y.data_ptr(), width, threads
-            )
-        elif self.scales is None:
+        if self.format in BLOCK_FORMATS:
+            kernel = lib.q4_1_panels if self.format == "q4_1" else lib.q8_0_panels
+            kernel(x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), panels, y.data_ptr(), width, threads)
+        else:
             packed = x if rows == 1 else torch.empty_like(x)  # the kernel's room to lay the rows out k-major
             kernel = lib.f32_panels if self.format == "float32" else lib.f16_panels
             kernel(
                 x.data_ptr(), rows, self.in_features, packed.data_ptr(), self.panels.data_ptr(), panels, y.data_ptr(),
                 width, threads,
-            )  # fmt: skip
-        else:
-            lib.q8_0_panels(
-                x.data_ptr(), rows, self.in_features, self.panels.data_ptr(), self.scales.data_ptr(), panels,
-                y.data_ptr(), width, threads,
             )  # fmt: skip
         if direct:
             return y
@@ -199,39 +191,40 @@ class PanelLinear:
         view = scratch[:need].view(panels, PANEL, width)
         if self.format == "q4_1":  # in C: torch's unpacking took 10% of a long prompt's prefill
             self._lib.q4_1_unpack(self.panels.data_ptr(), panels, width, scratch.data_ptr(), torch.get_num_threads())
-        elif self.scales is None:
-            view.copy_(self.panels.transpose(1, 2))
-        else:
+        elif self.format == "q8_0":
             view.copy_(self.dequantized().transpose(1, 2))
+        else:
+            view.copy_(self.panels.transpose(1, 2))
         return scratch[: self.out_features * width].view(self.out_features, width)
 
     def dequantized(self, panels: torch.Tensor | slice = slice(None)) -> torch.Tensor:
         """The weights of `panels` (all by default) as float32 [n, in, PANEL], the values the kernel multiplies by."""
         if self.format == "q4_1":
-            return _q4_1_values(*self._q4_1_blocks(panels))
-        values = self.panels[panels].float()
-        if self.scales is None:
-            return values
-        n = values.shape[0]
-        return values.view(n, -1, Q8_BLOCK, PANEL).mul_(self.scales[panels][:, :, None, :]).view(n, -1, PANEL)
+            return _q4_1_values(*self._blocks(panels))
+        if self.format == "q8_0":
+            q, scales = self._blocks(panels)
+            n = q.shape[0]
+            return q.float().view(n, -1, Q8_BLOCK, PANEL).mul_(scales[:, :, None, :]).view(n, -1, PANEL)
+        return self.panels[panels].float()
 
-    def _q4_1_blocks(self, panels: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """q4_1's nibble pairs [n, in/2, PANEL] and scales with minimums [n, in/32, 2 * PANEL] of `panels`,
-        out of the groups that hold them (a range of panels: only its groups)."""
+    def _blocks(self, panels: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block storage of `panels` panel by panel, out of the groups that hold them (a range of panels:
+        only its groups): q4_1's nibble pairs [n, in/2, PANEL] and fp16 scales with minimums [n, in/32, 2 * PANEL],
+        q8_0's int8 [n, in, PANEL] and float32 scales [n, in/32, PANEL]."""
         count, k = self.panel_count, self.in_features
         if not isinstance(panels, slice):  # a few picked panels (a tied embedding's rows): each one's group only
-            picked = [self._q4_1_blocks(slice(p, p + 1)) for p in panels.reshape(-1).tolist()]
-            shape = tuple(panels.shape)
-            nibbles = torch.cat([n for n, _ in picked]) if picked else torch.empty(0, k // 2, PANEL, dtype=torch.uint8)
-            dm = torch.cat([d for _, d in picked]) if picked else torch.empty(0, k // Q8_BLOCK, 2 * PANEL).half()
-            return nibbles.view(*shape, *nibbles.shape[1:]), dm.view(*shape, *dm.shape[1:])
+            ids = panels.reshape(-1).tolist()
+            picked = [self._blocks(slice(p, p + 1)) for p in ids] or [self._blocks(slice(0, 0))]
+            values, scales = (torch.cat([part[i] for part in picked]) for i in (0, 1))
+            return values.view(*panels.shape, *values.shape[1:]), scales.view(*panels.shape, *scales.shape[1:])
         start, stop, step = panels.indices(count)
-        first = start // Q4_GROUP * Q4_GROUP
-        end = min(-(-stop // Q4_GROUP) * Q4_GROUP, count) if stop > start else first
-        per_panel = k * Q4_PANEL_BLOCK // Q8_BLOCK
-        nibbles, dm = _q4_1_ungrouped(self.panels[first * per_panel : end * per_panel], end - first, k)
+        first = start // GROUP * GROUP
+        end = min(-(-stop // GROUP) * GROUP, count) if stop > start else first
+        per_panel = k * BLOCK_BYTES[self.format] // Q8_BLOCK
+        ungrouped = _q4_1_ungrouped if self.format == "q4_1" else _q8_0_ungrouped
+        values, scales = ungrouped(self.panels[first * per_panel : end * per_panel], end - first, k)
         picked = slice(start - first, stop - first, step)
-        return nibbles[picked], dm[picked]
+        return values[picked], scales[picked]
 
     def holds(self, weight: torch.Tensor) -> bool:
         """Whether the stored values are the float32 [out, in] `weight` exactly (no rounding)."""
@@ -244,22 +237,16 @@ class PanelLinear:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The weight's rows (output features) `ids` [T], float32 [T, in]: a tied embedding's lookup."""
-        if self.format != "q4_1" and self.panels.device.type == "cpu":
-            # One column of each picked panel, never the panel whole, gathered by numpy: torch's
-            # five indexing and conversion operations took 0.2 ms of an 8-row step, numpy's 0.03.
+        # One column of each picked panel, never the panel whole, gathered by numpy: torch's five
+        # indexing and conversion operations took 0.2 ms of an 8-row step, numpy's 0.03.
+        if self.format in ("float32", "fp16"):
             panel, column = np.divmod(ids.numpy(), PANEL)
-            picked = self.panels.numpy()[panel, :, column].astype(np.float32)  # [T, in]
-            if self.scales is not None:  # float32 products, as torch's multiply makes them
-                scales = self.scales.numpy()[panel, :, column]  # [T, in/32]
-                picked = (picked.reshape(len(ids), -1, Q8_BLOCK) * scales[:, :, None]).reshape(len(ids), -1)
-            return torch.from_numpy(picked)
+            return torch.from_numpy(self.panels.numpy()[panel, :, column].astype(np.float32))  # [T, in]
+        if self.format == "q8_0":
+            picked = _q8_0_rows(self.panels.numpy(), self.panel_count, self.in_features, ids.numpy())
+            if picked is not None:
+                return torch.from_numpy(picked)
         panel, column = ids // PANEL, ids % PANEL
-        if self.format != "q4_1":  # one column of each picked panel, never the panel whole
-            picked = self.panels[panel, :, column].float()  # [T, in]
-            if self.scales is None:
-                return picked
-            scales = self.scales[panel, :, column]  # [T, in/32]
-            return picked.view(len(ids), -1, Q8_BLOCK).mul_(scales[:, :, None]).view(len(ids), -1)
         return self.dequantized(panel)[torch.arange(len(ids)), :, column]
 
 
@@ -270,15 +257,15 @@ def block_refusal(fmt: str, name: str, shape: tuple[int, int]) -> str | None:
     return None
 
 
-def _store(fmt: str, panels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Float32 panels [n, in, PANEL] in `fmt`'s storage: its values, and q8_0's scales (q4_1's are in its groups)."""
+def _store(fmt: str, panels: torch.Tensor) -> torch.Tensor:
+    """Float32 panels [n, in, PANEL] in `fmt`'s storage (q8_0's and q4_1's: one stream of groups, scales inside)."""
     if fmt == "q4_1":
-        return _q4_1_grouped(*_q4_1(panels)), None
+        return _q4_1_grouped(*_q4_1(panels))
     if fmt == "q8_0":
         blocks = panels.view(panels.shape[0], -1, Q8_BLOCK, PANEL)
         scales = (blocks.abs().amax(dim=2) / 127).clamp_(min=1e-30)  # [n, in/32, PANEL]
-        return torch.round(blocks / scales[:, :, None]).to(torch.int8).view_as(panels), scales
-    return (panels.half() if fmt == "fp16" else panels), None
+        return _q8_0_grouped(torch.round(blocks / scales[:, :, None]).to(torch.int8).view_as(panels), scales)
+    return panels.half() if fmt == "fp16" else panels
 
 
 def _q4_1(panels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,13 +282,13 @@ def _q4_1(panels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _q4_1_grouped(nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    """Q4_1 blocks of n panels (`_q4_1`'s) as panel_rows.c's one stream: groups of Q4_GROUP panels (the last may
+    """Q4_1 blocks of n panels (`_q4_1`'s) as panel_rows.c's one stream: groups of GROUP panels (the last may
     hold fewer), block after block, each block the group's scales, its minimums, then its 16 input pairs."""
     n, pairs, _ = nibbles.shape
     blocks = pairs * 2 // Q8_BLOCK
     parts = []
-    for first in range(0, n, Q4_GROUP):
-        gp = min(Q4_GROUP, n - first)
+    for first in range(0, n, GROUP):
+        gp = min(GROUP, n - first)
         d = dm[first : first + gp, :, :PANEL].transpose(0, 1)  # [blocks, gp, PANEL]
         m = dm[first : first + gp, :, PANEL:].transpose(0, 1)
         scales = torch.cat([d.reshape(blocks, -1), m.reshape(blocks, -1)], dim=1).contiguous().view(torch.uint8)
@@ -313,8 +300,8 @@ def _q4_1_grouped(nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
 def _q4_1_ungrouped(stream: torch.Tensor, n: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`_q4_1_grouped`'s stream of n panels back to nibble pairs [n, in/2, PANEL] and fp16 [n, in/32, 2 * PANEL]."""
     blocks, nibbles, dm, at = in_features // Q8_BLOCK, [], [], 0
-    for first in range(0, n, Q4_GROUP):
-        gp = min(Q4_GROUP, n - first)
+    for first in range(0, n, GROUP):
+        gp = min(GROUP, n - first)
         group = stream[at : at + gp * blocks * Q4_PANEL_BLOCK].view(blocks, gp * Q4_PANEL_BLOCK)
         at += gp * blocks * Q4_PANEL_BLOCK
         scales = group[:, : gp * 2 * PANEL * 2].contiguous().view(torch.float16).view(blocks, 2, gp, PANEL)
@@ -322,6 +309,52 @@ def _q4_1_ungrouped(stream: torch.Tensor, n: int, in_features: int) -> tuple[tor
         q = group[:, gp * 2 * PANEL * 2 :].reshape(blocks, Q8_BLOCK // 2, gp, PANEL).permute(2, 0, 1, 3)
         nibbles.append(q.reshape(gp, blocks * Q8_BLOCK // 2, PANEL))
     return torch.cat(nibbles).contiguous(), torch.cat(dm).contiguous()
+
+
+def _q8_0_grouped(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks of n panels, int8 [n, in, PANEL] and float32 scales [n, in/32, PANEL], as panel_rows.c's one
+    stream: groups of GROUP panels (the last may hold fewer), block after block, each block the group's scales,
+    then its 32 inputs."""
+    n, in_features, _ = q.shape
+    blocks = in_features // Q8_BLOCK
+    parts = []
+    for first in range(0, n, GROUP):
+        gp = min(GROUP, n - first)
+        s = scales[first : first + gp].transpose(0, 1).contiguous().view(torch.uint8).reshape(blocks, -1)
+        w = q[first : first + gp].view(gp, blocks, Q8_BLOCK, PANEL).permute(1, 2, 0, 3).contiguous()
+        parts.append(torch.cat([s, w.view(torch.uint8).reshape(blocks, -1)], dim=1).reshape(-1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+
+
+def _q8_0_ungrouped(stream: torch.Tensor, n: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_q8_0_grouped`'s stream of n panels back to int8 [n, in, PANEL] and float32 scales [n, in/32, PANEL]."""
+    blocks, q, scales, at = in_features // Q8_BLOCK, [], [], 0
+    for first in range(0, n, GROUP):
+        gp = min(GROUP, n - first)
+        group = stream[at : at + gp * blocks * Q8_PANEL_BLOCK].view(blocks, gp * Q8_PANEL_BLOCK)
+        at += gp * blocks * Q8_PANEL_BLOCK
+        s = group[:, : gp * PANEL * 4].contiguous().view(torch.float32)
+        scales.append(s.view(blocks, gp, PANEL).transpose(0, 1))
+        w = group[:, gp * PANEL * 4 :].contiguous().view(torch.int8).view(blocks, Q8_BLOCK, gp, PANEL)
+        q.append(w.permute(2, 0, 1, 3).reshape(gp, in_features, PANEL))
+    if not q:
+        return torch.empty(0, in_features, PANEL, dtype=torch.int8), torch.empty(0, blocks, PANEL)
+    return torch.cat(q).contiguous(), torch.cat(scales).contiguous()
+
+
+def _q8_0_rows(stream: np.ndarray, n: int, in_features: int, ids: np.ndarray) -> np.ndarray | None:
+    """Rows `ids` (output features) of q8_0's stream of n panels as float32 [T, in], read in place by numpy; None
+    where one lies in a last group of fewer than GROUP panels (`dequantized` serves those)."""
+    panel, column = np.divmod(ids, PANEL)
+    group, j = np.divmod(panel, GROUP)
+    whole, blocks = n // GROUP, in_features // Q8_BLOCK
+    if len(ids) == 0 or group.max() >= whole:
+        return None
+    groups = stream[: whole * GROUP * blocks * Q8_PANEL_BLOCK].reshape(whole, blocks, GROUP * Q8_PANEL_BLOCK)
+    scales = groups[:, :, : GROUP * PANEL * 4].view(np.float32).reshape(whole, blocks, GROUP, PANEL)
+    q = groups[:, :, GROUP * PANEL * 4 :].view(np.int8).reshape(whole, blocks, Q8_BLOCK, GROUP, PANEL)
+    picked = q[group, :, :, j, column].astype(np.float32)  # [T, blocks, Q8_BLOCK]
+    return (picked * scales[group, :, j, column][:, :, None]).reshape(len(ids), -1)  # float32, as torch's multiply
 
 
 def _q4_1_values(nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:

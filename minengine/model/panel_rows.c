@@ -17,7 +17,8 @@
  *
  * q8_0 panels hold int8 weights and one float32 scale per 32 inputs and column (llama.cpp's
  * Q8_0 blocks, with a float32 scale): a quarter of float32's bytes. Each weight vector is
- * dequantized once per k and shared by every row, so the activations stay float32.
+ * dequantized once per k and shared by every row, so the activations stay float32. Like q4_1's,
+ * a group of GP panels is one stream (Q8_0 LAYOUT below).
  *
  * q4_1 panels hold llama.cpp's Q4_1 blocks: per 32 inputs and column a 4-bit q, an fp16 scale d
  * and an fp16 minimum m, the weight q * d + m: 0.625 bytes a weight. q * d needs at most 15
@@ -26,6 +27,7 @@
  * weights, in float32 panels' order, and give their bits. A group of GP panels is one stream,
  * block after block (Q4_1 LAYOUT below): a tile reading 4 panels' weights and scales from 8
  * places at once kept a one-row step's products at 12 GB/s where the 2 cores read 27-41 GB/s.
+ * A block-format product takes the groups alone (their scales are inside).
  *
  * Built by minengine/model/cpu_kernels.py with -O3 -mavx2 -mfma -mf16c -fopenmp, and the AVX-512
  * flags where torch finds AVX-512 (the tiles then take zmm, below: the same bits); OpenMP is the
@@ -48,6 +50,13 @@
 #define Q4_PANEL_BLOCK (2 * PW * 2 + QB / 2 * PW)  /* 160 bytes: a panel's d, m and 32 x 8 nibbles */
 #define Q4_GROUP(Q, g, K) ((Q) + (g) * GP * ((K) / QB) * Q4_PANEL_BLOCK)
 #define Q4_BLOCK(G, gp, kb) ((G) + ((kb) / QB) * (gp) * Q4_PANEL_BLOCK)
+/* Q8_0 LAYOUT, the same way: a block of a group of gp panels is gp x 8 float32 scales (panel after
+ * panel), then its 32 inputs, each gp x 8 int8 (panel after panel): gp * Q8_PANEL_BLOCK bytes. */
+#define Q8_PANEL_BLOCK (PW * 4 + QB * PW)  /* 288 bytes: a panel's 8 scales and 32 x 8 weights */
+#define Q8_GROUP(Q, g, K) ((Q) + (g) * GP * ((K) / QB) * Q8_PANEL_BLOCK)
+#define Q8_BLOCK(G, gp, kb) ((G) + ((kb) / QB) * (gp) * Q8_PANEL_BLOCK)
+/* Panel j's 8 weights at input i of block blk of gp panels. */
+#define Q8_AT(blk, gp, i, j) ((const int8_t *)(blk) + (gp) * PW * 4 + (i) * (gp) * PW + (j) * PW)
 /* Panel j's 8 bytes of input pair i (inputs 2i, 2i + 1 of the block) in block blk of gp panels. */
 #define Q4_PAIR(blk, gp, i2, j) ((blk) + (gp) * 2 * PW * 2 + ((i2) / 2) * (gp) * PW + (j) * PW)
 #define PF_BYTES 2048  /* how far ahead of its panel a float32 tile of several rows prefetches */
@@ -98,27 +107,19 @@ static inline __attribute__((always_inline)) void KIND##_##RT##x##NP(const float
 #define LOAD2_F16(P, at, gap)                                                                     \
     _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)((P) + (at)))), \
                                             _mm_loadu_si128((const __m128i *)((P) + (at) + (gap))), 1))
-/* 8 bytes at Q and 8 at Q + gap (a pair of panels' block-format weights at one k) as one 128-bit vector. */
-#define LOAD2_BYTES(Q, gap)                                                                       \
-    _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(Q)), _mm_loadl_epi64((const __m128i *)((Q) + (gap))))
-/* A block-format wide tile asks, at each block of QB inputs, for its 4 panels' weights
- * (BYTES_PER_K bytes a panel per input) and their scales SCALE_BYTES a panel per block,
- * BLOCKS_AHEAD blocks ahead: the hardware prefetcher falls behind the 8 streams of a tile (4
- * panels' weights and scales). A sweep of the model's q4_1 matrices at 8 rows on 2 threads, the
- * 2-core AMD EPYC with AVX-512: 6.5-7.0 -> 5.6-5.8 ms (2, 4, 8 and 16 blocks ahead tried, T0 and
- * NTA; 8 with T0 kept). One row: on that EPYC it streamed fast enough without; on the 2-vCPU
- * Xeon a one-row step's q4_1 projections took 5.2-5.4 -> 4.6-4.9 ms with it (an instrumented
- * decode_layers.c, 2 x 2 alternated runs of 128 steps), so every tile asks. On that Xeon 16
- * blocks ahead served the q8_0 head better than 8 (a standalone C harness, its 49152 x 576 over
- * 4 copies cycled: 8 rows 2.51-2.60 -> 2.25-2.30 ms, one row 1.32-1.43 -> 1.19-1.22 ms; 4 and 32
- * tried), q4_1's matrices the same either way. */
+/* A block-format wide tile asks, at each block of QB inputs, for its group's block BLOCKS_AHEAD
+ * blocks ahead (one stream: Q4_1 and Q8_0 LAYOUT). When a group's 4 panels and their scales lay
+ * apart (8 streams a tile), the hardware prefetcher fell behind them: 8 blocks ahead took a sweep
+ * of the model's q4_1 matrices at 8 rows from 6.5-7.0 to 5.6-5.8 ms on the 2-core AMD EPYC, and
+ * on the 2-vCPU Xeon 16 served the q8_0 head better than 8 (8 rows 2.51-2.60 -> 2.25-2.30 ms, one
+ * row 1.32-1.43 -> 1.19-1.22 ms). One stream a group then left the tiles less to wait for (a
+ * one-row step on the 2-core Zen 4 EPYC 7.8 -> 6.2 ms); 8 and 16 blocks ahead, T0 and T1,
+ * measured alike there (a C harness, within its noise). */
 #define BLOCKS_AHEAD 16
-#define PREFETCH_BLOCKS(W, BYTES_PER_K, S, SCALE_BYTES)                                           \
-    for (int p = 0; p < 4; p++) {                                                                \
-        const char *w_ = (const char *)(W) + (p * K + kb + BLOCKS_AHEAD * QB) * (BYTES_PER_K);   \
-        for (long at = 0; at < QB * (BYTES_PER_K); at += 64) _mm_prefetch(w_ + at, _MM_HINT_T0); \
-        _mm_prefetch((const char *)(S) + (p * (K / QB) + kb / QB + BLOCKS_AHEAD) * (SCALE_BYTES), _MM_HINT_T0); \
-    }
+#define PREFETCH_GROUP(blk, BLOCK_BYTES)                                                          \
+    if (kb + BLOCKS_AHEAD * QB < K)                                                              \
+        for (int at = 0; at < GP * (BLOCK_BYTES); at += 64)                                      \
+            _mm_prefetch((const char *)(blk) + BLOCKS_AHEAD * GP * (BLOCK_BYTES) + at, _MM_HINT_T0);
 /* A wide tile's RT x NV zmm sums back into 2 * NV panels of y's rows (two 8-column stores each). */
 #define STORE_WIDE(RT, NV)                                                                        \
     for (int r = 0; r < RT; r++)                                                                 \
@@ -162,9 +163,7 @@ static inline void q4_w##RT##x4(const float *x, long K, const uint8_t *G, long g
     for (int r = 0; r < RT; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();                        \
     for (long kb = 0; kb < K; kb += QB) {                                                        \
         const uint8_t *blk = Q4_BLOCK(G, GP, kb);                                                \
-        if (kb + BLOCKS_AHEAD * QB < K)                                                          \
-            for (int at = 0; at < GP * Q4_PANEL_BLOCK; at += 64)                                 \
-                _mm_prefetch((const char *)blk + BLOCKS_AHEAD * GP * Q4_PANEL_BLOCK + at, _MM_HINT_T0); \
+        PREFETCH_GROUP(blk, Q4_PANEL_BLOCK)                                                      \
         const uint16_t *dm = (const uint16_t *)blk;                                              \
         __m512 d[2], m[2];                                                                       \
         for (int v = 0; v < 2; v++) {                                                            \
@@ -187,19 +186,22 @@ static inline void q4_w##RT##x4(const float *x, long K, const uint8_t *G, long g
     }                                                                                            \
     STORE_WIDE(RT, 2)                                                                            \
 }
-/* q8_0 in zmm: a pair of panels' 8 int8 at one k, their scales side by side. */
+/* q8_0 in zmm: a whole group (gp == GP), a pair of panels' 8 int8 at one k in one load, their scales
+ * side by side; the group's next blocks asked for BLOCKS_AHEAD ahead (one stream). */
 #define WIDE_Q8_TILE(RT)                                                                         \
-static inline void q8_w##RT##x4(const float *x, long K, const int8_t *Q, const float *S, float *y, long ldy) { \
+static inline void q8_w##RT##x4(const float *x, long K, const uint8_t *G, long gp, long j0, float *y, long ldy) { \
     __m512 a[RT][2];                                                                             \
+    (void)gp, (void)j0;                                                                          \
     for (int r = 0; r < RT; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();                        \
     for (long kb = 0; kb < K; kb += QB) {                                                        \
+        const uint8_t *blk = Q8_BLOCK(G, GP, kb);                                                \
+        PREFETCH_GROUP(blk, Q8_PANEL_BLOCK)                                                      \
         __m512 s[2];                                                                             \
-        PREFETCH_BLOCKS(Q, PW, S, PW * 4)                                                    \
-        for (int v = 0; v < 2; v++) s[v] = LOAD2_F32(S, (2 * v * (K / QB) + kb / QB) * PW, (K / QB) * PW); \
+        for (int v = 0; v < 2; v++) s[v] = _mm512_loadu_ps((const float *)blk + 2 * v * PW);     \
         for (long k = kb; k < kb + QB; k++) {                                                    \
             __m512 w[2];                                                                         \
             for (int v = 0; v < 2; v++) {                                                        \
-                __m128i qq = LOAD2_BYTES(Q + (2 * v * K + k) * PW, K * PW);                      \
+                __m128i qq = _mm_loadu_si128((const __m128i *)Q8_AT(blk, GP, k - kb, 2 * v));    \
                 w[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qq)), s[v]);        \
             }                                                                                    \
             for (int r = 0; r < RT; r++) {                                                       \
@@ -238,19 +240,21 @@ WIDE_Q4_TILE(5) WIDE_Q4_TILE(6) WIDE_Q4_TILE(7) WIDE_Q4_TILE(8)
 #define WIDE_Q8_GROUP(KIND)
 #endif
 
-/* The same over q8_0 panels: each weight vector dequantized once per k, shared by the rows. */
+/* The same over q8_0 panels: NP panels from j0 of a group of gp (Q8_0 LAYOUT), each weight vector
+ * dequantized once per k and shared by the rows. */
 #define Q8_TILE(RT, NP)                                                                          \
-static inline void q8_##RT##x##NP(const float *x, long K, const int8_t *Q, const float *S, float *y, long ldy) { \
+static inline void q8_##RT##x##NP(const float *x, long K, const uint8_t *G, long gp, long j0, float *y, long ldy) { \
     __m256 a[RT][NP];                                                                            \
     for (int r = 0; r < RT; r++)                                                                 \
         for (int p = 0; p < NP; p++) a[r][p] = _mm256_setzero_ps();                              \
     for (long kb = 0; kb < K; kb += QB) {                                                        \
+        const uint8_t *blk = Q8_BLOCK(G, gp, kb);                                                \
         __m256 s[NP];                                                                            \
-        for (int p = 0; p < NP; p++) s[p] = _mm256_loadu_ps(S + (p * (K / QB) + kb / QB) * PW);  \
+        for (int p = 0; p < NP; p++) s[p] = _mm256_loadu_ps((const float *)blk + (j0 + p) * PW); \
         for (long k = kb; k < kb + QB; k++) {                                                    \
             __m256 w[NP];                                                                        \
             for (int p = 0; p < NP; p++) {                                                       \
-                __m128i q = _mm_loadl_epi64((const __m128i *)(Q + (p * K + k) * PW));            \
+                __m128i q = _mm_loadl_epi64((const __m128i *)Q8_AT(blk, gp, k - kb, j0 + p));    \
                 w[p] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s[p]);         \
             }                                                                                    \
             for (int r = 0; r < RT; r++) {                                                       \
@@ -347,7 +351,7 @@ static void pack_rows(const float *x, long M, long K, float *xp) {
 
 #define FLOAT_ARGS(p) (P + (p0 + (p)) * K * PW)
 #define Q4_ARGS(p) Q4_GROUP(Q, g, K), n, (p)
-#define Q8_ARGS(p) (Q + (p0 + (p)) * K * PW), (S + (p0 + (p)) * (K / QB) * PW)
+#define Q8_ARGS(p) Q8_GROUP(Q, g, K), n, (p)
 
 /* The float32 and fp16 products: the rows repacked, then blocks of RB rows against every group. */
 #define FLOAT_PANELS(KIND)                                                                       \
@@ -394,9 +398,8 @@ void f16_panels(const float *x, long M, long K, float *xp, const uint16_t *P, lo
     FLOAT_PANELS(f16)
 }
 
-/* Q [panels][K][8] int8; S [panels][K/32][8] float32; K a multiple of 32. */
-void q8_0_panels(const float *x, long M, long K, const int8_t *Q, const float *S, long panels, float *y, long ldy,
-                 int threads) {
+/* Q: the panels' Q8_0 groups (Q8_0 LAYOUT); K a multiple of 32. */
+void q8_0_panels(const float *x, long M, long K, const uint8_t *Q, long panels, float *y, long ldy, int threads) {
     long groups = (panels + GP - 1) / GP;
 #pragma omp parallel num_threads(threads)
     for (long r0 = 0; r0 < M; r0 += RB) {
