@@ -105,10 +105,10 @@ class PanelLinear:
         if why is not None:
             raise ValueError(why)
         count, step = -(-out_features // PANEL), LAYOUT_PANELS * PANEL
+        per_panel = in_features * BLOCK_BYTES.get(fmt, 0) // Q8_BLOCK  # a block format's bytes a panel
         for row in range(0, out_features, step):
             values = _store(fmt, _panels(weight[row : row + step].float()))
             if fmt in BLOCK_FORMATS:  # one stream of groups; LAYOUT_PANELS is a whole number of them
-                per_panel = in_features * BLOCK_BYTES[fmt] // Q8_BLOCK
                 if row == 0:
                     self.panels = values.new_empty(count * per_panel)
                 first = row // PANEL * per_panel
@@ -281,65 +281,70 @@ def _q4_1(panels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (q[:, :, 0] | (q[:, :, 1] << 4)).contiguous(), torch.cat([d, m], dim=2).contiguous()
 
 
-def _q4_1_grouped(nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    """Q4_1 blocks of n panels (`_q4_1`'s) as panel_rows.c's one stream: groups of GROUP panels (the last may
-    hold fewer), block after block, each block the group's scales, its minimums, then its 16 input pairs."""
-    n, pairs, _ = nibbles.shape
-    blocks = pairs * 2 // Q8_BLOCK
+def _grouped(scales: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """A block format's n panels, `scales` [S, n, blocks, PANEL] (S kinds of scale) and one-byte `weights`
+    [n, blocks, R, PANEL], as panel_rows.c's one stream: groups of GROUP panels (the last may hold fewer), block
+    after block, each block the group's scales kind by kind, panel after panel, then its R weight rows, each
+    panel after panel."""
+    n, blocks = weights.shape[:2]
     parts = []
     for first in range(0, n, GROUP):
+        group = slice(first, first + GROUP)
+        s = scales[:, group].permute(2, 0, 1, 3).contiguous().view(torch.uint8).reshape(blocks, -1)
+        w = weights[group].permute(1, 2, 0, 3).contiguous().view(torch.uint8).reshape(blocks, -1)
+        parts.append(torch.cat([s, w], dim=1).reshape(-1))
+    return torch.cat(parts)
+
+
+def _ungrouped(
+    stream: torch.Tensor, n: int, blocks: int, scales: tuple[int, torch.dtype], weights: tuple[int, torch.dtype]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_grouped`'s stream of n panels back to its scales [S, n, blocks, PANEL] and weights [n, blocks, R, PANEL],
+    given (S, the scales' dtype) and (R, the weights' one-byte dtype)."""
+    (kinds, scale_dtype), (rows, weight_dtype) = scales, weights
+    scale_bytes = kinds * PANEL * scale_dtype.itemsize
+    at, out_scales, out_weights = 0, [], []
+    for first in range(0, n, GROUP):
         gp = min(GROUP, n - first)
-        d = dm[first : first + gp, :, :PANEL].transpose(0, 1)  # [blocks, gp, PANEL]
-        m = dm[first : first + gp, :, PANEL:].transpose(0, 1)
-        scales = torch.cat([d.reshape(blocks, -1), m.reshape(blocks, -1)], dim=1).contiguous().view(torch.uint8)
-        q = nibbles[first : first + gp].view(gp, blocks, Q8_BLOCK // 2, PANEL).permute(1, 2, 0, 3)
-        parts.append(torch.cat([scales, q.reshape(blocks, -1)], dim=1).reshape(-1))
-    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+        group = stream[at : at + gp * blocks * (scale_bytes + rows * PANEL)].view(blocks, -1)
+        at += group.numel()
+        s = group[:, : gp * scale_bytes].contiguous().view(scale_dtype).view(blocks, kinds, gp, PANEL)
+        w = group[:, gp * scale_bytes :].contiguous().view(weight_dtype).view(blocks, rows, gp, PANEL)
+        out_scales.append(s.permute(1, 2, 0, 3))
+        out_weights.append(w.permute(2, 0, 1, 3))
+    if not out_weights:
+        empty = torch.empty(kinds, 0, blocks, PANEL, dtype=scale_dtype)
+        return empty, torch.empty(0, blocks, rows, PANEL, dtype=weight_dtype)
+    return torch.cat(out_scales, dim=1).contiguous(), torch.cat(out_weights).contiguous()
+
+
+def _q4_1_grouped(nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """Q4_1 blocks of n panels (`_q4_1`'s) as one stream (`_grouped`): each block the group's scales, its
+    minimums, then its 16 input pairs (panel_rows.c's Q4_1 LAYOUT)."""
+    n, pairs, _ = nibbles.shape
+    blocks = pairs * 2 // Q8_BLOCK
+    scales = dm.view(n, blocks, 2, PANEL).permute(2, 0, 1, 3)  # [d | m, n, blocks, PANEL]
+    return _grouped(scales, nibbles.view(n, blocks, Q8_BLOCK // 2, PANEL))
 
 
 def _q4_1_ungrouped(stream: torch.Tensor, n: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`_q4_1_grouped`'s stream of n panels back to nibble pairs [n, in/2, PANEL] and fp16 [n, in/32, 2 * PANEL]."""
-    blocks, nibbles, dm, at = in_features // Q8_BLOCK, [], [], 0
-    for first in range(0, n, GROUP):
-        gp = min(GROUP, n - first)
-        group = stream[at : at + gp * blocks * Q4_PANEL_BLOCK].view(blocks, gp * Q4_PANEL_BLOCK)
-        at += gp * blocks * Q4_PANEL_BLOCK
-        scales = group[:, : gp * 2 * PANEL * 2].contiguous().view(torch.float16).view(blocks, 2, gp, PANEL)
-        dm.append(torch.cat([scales[:, 0], scales[:, 1]], dim=2).transpose(0, 1))  # [gp, blocks, 2 * PANEL]
-        q = group[:, gp * 2 * PANEL * 2 :].reshape(blocks, Q8_BLOCK // 2, gp, PANEL).permute(2, 0, 1, 3)
-        nibbles.append(q.reshape(gp, blocks * Q8_BLOCK // 2, PANEL))
-    return torch.cat(nibbles).contiguous(), torch.cat(dm).contiguous()
+    blocks = in_features // Q8_BLOCK
+    scales, nibbles = _ungrouped(stream, n, blocks, (2, torch.float16), (Q8_BLOCK // 2, torch.uint8))
+    return nibbles.view(n, in_features // 2, PANEL), torch.cat([scales[0], scales[1]], dim=2)
 
 
 def _q8_0_grouped(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Q8_0 blocks of n panels, int8 [n, in, PANEL] and float32 scales [n, in/32, PANEL], as panel_rows.c's one
-    stream: groups of GROUP panels (the last may hold fewer), block after block, each block the group's scales,
-    then its 32 inputs."""
+    """Q8_0 blocks of n panels, int8 [n, in, PANEL] and float32 scales [n, in/32, PANEL], as one stream
+    (`_grouped`): each block the group's scales, then its 32 inputs (panel_rows.c's Q8_0 LAYOUT)."""
     n, in_features, _ = q.shape
-    blocks = in_features // Q8_BLOCK
-    parts = []
-    for first in range(0, n, GROUP):
-        gp = min(GROUP, n - first)
-        s = scales[first : first + gp].transpose(0, 1).contiguous().view(torch.uint8).reshape(blocks, -1)
-        w = q[first : first + gp].view(gp, blocks, Q8_BLOCK, PANEL).permute(1, 2, 0, 3).contiguous()
-        parts.append(torch.cat([s, w.view(torch.uint8).reshape(blocks, -1)], dim=1).reshape(-1))
-    return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+    return _grouped(scales[None], q.view(n, in_features // Q8_BLOCK, Q8_BLOCK, PANEL))
 
 
 def _q8_0_ungrouped(stream: torch.Tensor, n: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`_q8_0_grouped`'s stream of n panels back to int8 [n, in, PANEL] and float32 scales [n, in/32, PANEL]."""
-    blocks, q, scales, at = in_features // Q8_BLOCK, [], [], 0
-    for first in range(0, n, GROUP):
-        gp = min(GROUP, n - first)
-        group = stream[at : at + gp * blocks * Q8_PANEL_BLOCK].view(blocks, gp * Q8_PANEL_BLOCK)
-        at += gp * blocks * Q8_PANEL_BLOCK
-        s = group[:, : gp * PANEL * 4].contiguous().view(torch.float32)
-        scales.append(s.view(blocks, gp, PANEL).transpose(0, 1))
-        w = group[:, gp * PANEL * 4 :].contiguous().view(torch.int8).view(blocks, Q8_BLOCK, gp, PANEL)
-        q.append(w.permute(2, 0, 1, 3).reshape(gp, in_features, PANEL))
-    if not q:
-        return torch.empty(0, in_features, PANEL, dtype=torch.int8), torch.empty(0, blocks, PANEL)
-    return torch.cat(q).contiguous(), torch.cat(scales).contiguous()
+    scales, q = _ungrouped(stream, n, in_features // Q8_BLOCK, (1, torch.float32), (Q8_BLOCK, torch.int8))
+    return q.view(n, in_features, PANEL), scales[0]
 
 
 def _q8_0_rows(stream: np.ndarray, n: int, in_features: int, ids: np.ndarray) -> np.ndarray | None:
