@@ -67,6 +67,11 @@ Q8_PANEL_BLOCK = PANEL * 4 + Q8_BLOCK * PANEL
 BLOCK_BYTES = {"q4_1": Q4_PANEL_BLOCK, "q8_0": Q8_PANEL_BLOCK}
 
 
+def panel_bytes(fmt: str, in_features: int) -> int:
+    """A block format's bytes a panel (its scales inside) over `in_features` inputs."""
+    return in_features * BLOCK_BYTES[fmt] // Q8_BLOCK
+
+
 def _panels(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] float32 as [panels, in, PANEL], the last panel padded with zero columns."""
     out_features, in_features = weight.shape
@@ -105,7 +110,7 @@ class PanelLinear:
         if why is not None:
             raise ValueError(why)
         count, step = -(-out_features // PANEL), LAYOUT_PANELS * PANEL
-        per_panel = in_features * BLOCK_BYTES.get(fmt, 0) // Q8_BLOCK  # a block format's bytes a panel
+        per_panel = panel_bytes(fmt, in_features) if fmt in BLOCK_FORMATS else 0
         for row in range(0, out_features, step):
             values = _store(fmt, _panels(weight[row : row + step].float()))
             if fmt in BLOCK_FORMATS:  # one stream of groups; LAYOUT_PANELS is a whole number of them
@@ -220,7 +225,7 @@ class PanelLinear:
         start, stop, step = panels.indices(count)
         first = start // GROUP * GROUP
         end = min(-(-stop // GROUP) * GROUP, count) if stop > start else first
-        per_panel = k * BLOCK_BYTES[self.format] // Q8_BLOCK
+        per_panel = panel_bytes(self.format, k)
         ungrouped = _q4_1_ungrouped if self.format == "q4_1" else _q8_0_ungrouped
         values, scales = ungrouped(self.panels[first * per_panel : end * per_panel], end - first, k)
         picked = slice(start - first, stop - first, step)
