@@ -1,7 +1,8 @@
 """reqscope's C kernels for the CPU, compiled once per machine and loaded with ctypes.
 
-Four sources make one library: `panel_rows.c` (the projections over weight panels,
-`panel_kernels`), `attention_rows.c` (decode attention read in place, `attention_rows`),
+Five sources make one library: `panel_rows.c` (the projections over weight panels,
+`panel_kernels`), `dot8_rows.c` (the block formats' products with int8 activations, llama.cpp's
+arithmetic: `panel_kernels.activations`), `attention_rows.c` (decode attention read in place, `attention_rows`),
 `row_ops.c` (RMSNorm, the rotary embedding and SiLU-gating over a step's rows, `ops.c_rms_norm` and its neighbours)
 and `decode_layers.c` (every block of a one-token step in one call, `eager_step.LayerStack`).
 They are built with the system compiler into the user cache (`library`), about two seconds,
@@ -24,14 +25,16 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("panel_rows.c", "attention_rows.c", "row_ops.c", "decode_layers.c")
-)
-HEADERS = (Path(__file__).with_name("attention_rows.h"),)  # part of the build's key
+_C_FILES = ("panel_rows.c", "dot8_rows.c", "attention_rows.c", "row_ops.c", "decode_layers.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in _C_FILES)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("attention_rows.h", "block_layout.h"))  # in the key
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 # Where torch finds AVX-512 (F, BW, VL and DQ, its "AVX512" capability) the panel tiles take zmm
 # (`panel_rows.c`, __AVX512F__): the same bits, half the FMAs of a shared step.
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+# Where the CPU also has AVX-512 VNNI (Linux's "avx512_vnni" flag), int8 activations take its dot
+# products (`dot8_rows.c`); elsewhere they run a plain C reference and are not offered.
+VNNI_FLAGS = ("-mavx512vnni",)
 _BUILD_TIMEOUT_S = 120
 
 
@@ -48,6 +51,11 @@ class KernelLibrary:
             lib.q8_0_panels.argtypes = [ptr, c_long, c_long, ptr, c_long, ptr, c_long, c_int]
             lib.q4_1_panels.argtypes = lib.q8_0_panels.argtypes
             lib.q4_1_unpack.argtypes = [ptr, c_long, c_long, ptr, c_int]  # Q, panels, K, out, threads
+            lib.q4_1_dot8.argtypes = lib.q8_0_dot8.argtypes = lib.q8_0_panels.argtypes  # over the DOT8 copy
+            lib.q4_1_dot8_reference.argtypes = lib.q8_0_dot8_reference.argtypes = lib.q8_0_panels.argtypes[:-1]
+            lib.q4_1_dot8_pack.argtypes = lib.q8_0_dot8_pack.argtypes = lib.q4_1_unpack.argtypes  # Q, panels, K, V
+            lib.dot8_bytes.argtypes, lib.dot8_bytes.restype = [c_int, c_long, c_long], c_long
+            lib.dot8_native.argtypes, lib.dot8_native.restype = [], c_int
             lib.attend_rows.argtypes = [ptr]  # an AttendArgs (attention_rows.AttendArgs)
             rows = [ptr, c_long, c_long, c_long, c_long, c_long]  # x, T, H, d, stride of T, stride of H
             lib.rms_norm_rows.argtypes = [*rows, ptr, ctypes.c_float, ptr, c_long, c_long]  # weight, eps, y, strides
@@ -55,7 +63,8 @@ class KernelLibrary:
             lib.silu_mul_rows.argtypes = [ptr, ptr, ptr, c_long, c_long, c_long, c_long, c_long]
             lib.decode_layers.argtypes = [ptr]  # a StackArgs (eager_step.StackArgs)
             for name in ("f32_panels", "f16_panels", "q8_0_panels", "q4_1_panels", "q4_1_unpack", "attend_rows",
-                         "rms_norm_rows", "rope_rows", "silu_mul_rows", "decode_layers"):  # fmt: skip
+                         "rms_norm_rows", "rope_rows", "silu_mul_rows", "decode_layers", "q4_1_dot8", "q8_0_dot8",
+                         "q4_1_dot8_reference", "q8_0_dot8_reference", "q4_1_dot8_pack", "q8_0_dot8_pack"):  # fmt: skip
                 getattr(lib, name).restype = None
 
 
@@ -70,9 +79,24 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def isa_flags(capability: str) -> tuple[str, ...]:
-    """The build's flags for torch's CPU capability ("AVX2", "AVX512")."""
-    return FLAGS + (AVX512_FLAGS if capability.startswith("AVX512") else ())
+def isa_flags(capability: str, cpu_flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The build's flags for torch's CPU capability ("AVX2", "AVX512") and the CPU's own flags (/proc/cpuinfo's)."""
+    if not capability.startswith("AVX512"):
+        return FLAGS
+    vnni = "avx512_vnni" in (_cpu_flags() if cpu_flags is None else cpu_flags)
+    return FLAGS + AVX512_FLAGS + (VNNI_FLAGS if vnni else ())
+
+
+def _cpu_flags() -> frozenset[str]:
+    """The first CPU's flags in /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def _build(cc: str, home: Path, flags: tuple[str, ...]) -> Path:

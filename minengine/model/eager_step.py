@@ -76,6 +76,7 @@ class EagerDecoder:
 
 
 _KINDS = {"float32": 0, "fp16": 1, "q8_0": 2, "q4_1": 3}  # decode_layers.c's enum
+_DOT8_KINDS = {"q8_0": 4, "q4_1": 5}  # the same products with int8 activations, over the DOT8 copy
 _BUFFERS = ("h", "qkv", "rotated", "attended", "o", "gate_up", "gated", "down")  # StackArgs' scratch, in order
 
 
@@ -87,6 +88,8 @@ class Proj(ctypes.Structure):
 
     @classmethod
     def of(cls, p: PanelLinear) -> Proj:
+        if p.dot8 is not None:
+            return cls(_DOT8_KINDS[p.format], p.in_features, p.panel_count, p.dot8.data_ptr())
         return cls(_KINDS[p.format], p.in_features, p.panel_count, p.panels.data_ptr())
 
 

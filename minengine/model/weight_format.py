@@ -31,7 +31,15 @@ from minengine.dtype_names import WEIGHT_FORMATS
 from minengine.errors import Mention, ReqscopeError, Setting
 from minengine.model.cpu_kernels import library
 from minengine.model.linear_kernels import available, int8_refusal
-from minengine.model.panel_kernels import BLOCK_FORMATS, Q8_BLOCK, PanelLinear, block_refusal
+from minengine.model.panel_kernels import (
+    ACTIVATIONS_ENV,
+    BLOCK_FORMATS,
+    Q8_BLOCK,
+    PanelLinear,
+    activations,
+    activations_refusal,
+    block_refusal,
+)
 
 # Measured on the 2-core development machine (README, "Weight formats"; an AMD EPYC with AVX2
 # and no AVX-512): fp16 in reqscope's panel kernel keeps float32's greedy tokens (mean KL
@@ -133,6 +141,14 @@ def _fp16(why: str) -> WeightChoice:
     return _chosen("fp16", f"{why}; FBGEMM's packed fp16, since {panels.why_not}", True)
 
 
+def _block_why(why: str) -> str:
+    """`why` for a block format, naming int8 activations where they multiply (or why, asked for, they do not)."""
+    if activations() == "int8":
+        return f"{why}; int8 activations ({ACTIVATIONS_ENV}=int8: llama.cpp's arithmetic, not float32's logits)"
+    refused = activations_refusal()
+    return f"{why}; float32 activations, since {refused}" if refused else why
+
+
 def compute_dtype_for(name: str, device: torch.device) -> str:
     """The dtype name `auto` compute means once the weight format `name` is known: a CUDA format's own dtype."""
     if device.type != "cpu" and name in ("fp16", "bf16", "float32"):
@@ -186,8 +202,10 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, model_d
                 if library().lib is None:
                     skipped.append(f"q4_1: {library().why_not}")
                 elif model_dir is not None and q4_1_holds(model_dir):
-                    why = "auto: the checkpoint's weights are Q4_1 blocks, held exactly (float32's logits)"
-                    return _chosen("q4_1", f"{why}, through reqscope's panel kernel", True, True, exact=True)
+                    why = "auto: the checkpoint's weights are Q4_1 blocks, held exactly"
+                    why += " (float32's logits)" if activations() == "float32" else ""
+                    why = _block_why(f"{why}, through reqscope's panel kernel")
+                    return _chosen("q4_1", why, True, True, exact=True)
                 continue
             if fmt in ("fp16", "q8_0"):  # measured in the panel kernel only
                 if library().lib is not None:
@@ -231,7 +249,7 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, model_d
                 " or ",
                 Mention(Setting.WEIGHTS, "auto"),
             )
-        return _chosen(name, "asked for", True, True)
+        return _chosen(name, _block_why("asked for"), True, True)
     probe = available(name)
     if not probe.ok:
         raise WeightFormatError(
@@ -262,4 +280,3 @@ def refuse_shapes(choice: WeightChoice, cfg: ModelConfig) -> None:
                 " or ",
                 Mention(Setting.WEIGHTS, "float32"),
             )
-

@@ -19,6 +19,7 @@ from minengine.model.batch_forward import Row
 from minengine.model.cpu_kernels import library
 from minengine.model.eager_step import LayerStack
 from minengine.model.ops import RMSNorm, c_rms_norm, c_rotate, c_silu_mul
+from minengine.model.panel_kernels import ACTIVATIONS_ENV
 from minengine.model.rope import rotate
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
@@ -88,7 +89,18 @@ def test_silu_gating_is_float64s_in_place_or_not(n):
 # -- the stack ------------------------------------------------------------------------------------
 
 
-def _runner(folder, packs):
+needs_vnni = pytest.mark.skipif(
+    library().lib is None or not library().lib.dot8_native(), reason="int8 activations need AVX-512 VNNI"
+)
+INT8 = [pytest.param("q8_0+int8", marks=needs_vnni), pytest.param("q4_1+int8", marks=needs_vnni)]
+
+
+def _runner(folder, packs, monkeypatch=None):
+    """The model under `packs`; "FORMAT+int8" loads FORMAT with int8 activations (dot8_rows.c)."""
+    packs, _, acts = (packs or "").partition("+")
+    packs = packs or None
+    if acts:
+        monkeypatch.setenv(ACTIVATIONS_ENV, acts)
     cfg = ModelConfig.from_file(folder)
     return cfg, ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs))
 
@@ -109,10 +121,10 @@ def _steps(runner, cfg, monkeypatch, stack: bool) -> list[torch.Tensor]:
 
 
 @needs_kernel
-@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", "q8_0", "q4_1"])
+@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", "q8_0", "q4_1", *INT8])
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-tied", "mistral"])
 def test_the_c_stack_gives_the_python_blocks_logits_bit_for_bit(tiny_models, monkeypatch, packs, name):
-    cfg, runner = _runner(tiny_models[name][0], packs)
+    cfg, runner = _runner(tiny_models[name][0], packs, monkeypatch)
     assert LayerStack.serves(runner.model)
     ours, python = _steps(runner, cfg, monkeypatch, True), _steps(runner, cfg, monkeypatch, False)
     for a, b in zip(ours, python, strict=True):
@@ -141,11 +153,11 @@ def _pooled_steps(runner, cfg, pool, monkeypatch, stack: bool) -> list[list[torc
 
 
 @needs_kernel
-@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", "q8_0", "q4_1"])
+@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", "q8_0", "q4_1", *INT8])
 def test_a_shared_steps_decode_rows_in_the_c_stack_are_the_python_blocks_bit_for_bit(tiny_models, monkeypatch, packs):
     from minengine.kv.block_pool import BlockPool
 
-    cfg, runner = _runner(tiny_models["llama-gqa"][0], packs)
+    cfg, runner = _runner(tiny_models["llama-gqa"][0], packs, monkeypatch)
     pool = BlockPool(64 << 20, CPU)
     ours = _pooled_steps(runner, cfg, pool, monkeypatch, True)
     python = _pooled_steps(runner, cfg, pool, monkeypatch, False)
@@ -154,9 +166,9 @@ def test_a_shared_steps_decode_rows_in_the_c_stack_are_the_python_blocks_bit_for
 
 
 @needs_kernel
-@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels"])
-def test_a_row_alone_in_the_c_stack_is_that_row_in_a_batched_step(tiny_models, packs):  # the Python blocks
-    cfg, runner = _runner(tiny_models["llama-gqa"][0], packs)
+@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", *INT8])
+def test_a_row_alone_in_the_c_stack_is_that_row_in_a_batched_step(tiny_models, monkeypatch, packs):  # the Python blocks
+    cfg, runner = _runner(tiny_models["llama-gqa"][0], packs, monkeypatch)
     ids = _randn(PROMPT_LEN).abs().mul(100).long() % cfg.vocab_size
     alone, others = _cache(cfg), [_cache(cfg) for _ in range(3)]
     for cache in (alone, *others):

@@ -1,0 +1,338 @@
+/* Projections over q4_1 and q8_0 panels in llama.cpp's arithmetic: int8 activations, integer dot products.
+ *
+ * panel_rows.c multiplies the blocks' float32 weights by float32 rows: one FMA per weight and row.
+ * A shared step of 8 rows is then bound by the FMA pipes (on a Zen 4 EPYC an 8-row q4_1 step's
+ * products ran at 90-95% of their peak). Here each row is first rounded to int8, 32 inputs at a
+ * time with a scale of its own (llama.cpp's Q8_1 for q4_1 weights, Q8_0's for q8_0), and a
+ * block's 32 products of a column are one integer sum: AVX-512 VNNI's VPDPBUSD adds 4 byte
+ * products into each of 16 int32 lanes, 64 multiply-adds an instruction against an FMA's 16. The
+ * sums are exact, so the only rounding is the activations' own, then a block's two float terms:
+ *
+ *   y[r][c] = sum over blocks b, in order, of  fma(S, d[c] * dx[r], acc)  then  fma(m[c], sx[r], acc)
+ *
+ * with S the integer sum of q[c] * xq[r] over the block, dx the row's block scale, sx = dx * the
+ * sum of its xq (q4_1's minimum m; q8_0 has none). A row's result is that one chain whatever
+ * rows share the call: the same bits alone or in a batch. `*_dot8_reference` computes the same
+ * chain one column at a time in plain C, for builds without VNNI and for the tests.
+ *
+ * DOT8 LAYOUT: the panels' groups (block_layout.h) laid out again for the dot products, a group
+ * of GP panels (DW columns; the last group padded with zero columns) one run of blocks of QB
+ * inputs. A lane of VPDPBUSD is one column over 4 consecutive inputs, so a block holds, for each
+ * half v of the columns (16 each) and each quad of inputs, 16 x 4 bytes:
+ *   q4_1 (D4_BLOCK bytes): DW fp16 d, DW fp16 m, then per half v and quad pair j4 (0..3) 64 bytes,
+ *     byte 4l + t of them column 16v + l at input 4 j4 + t (low nibble) and 4 (j4 + 4) + t (high);
+ *   q8_0 (D8_BLOCK bytes): DW float32 d, then per half v and quad j (0..7) 64 bytes, byte 4l + t
+ *     column 16v + l at input 4j + t, stored + 128 (VPDPBUSD takes unsigned weights; a block's
+ *     sum then carries 128 times the row's, taken back out exactly).
+ *
+ * Built with the other sources by minengine/model/cpu_kernels.py; the VNNI tiles where the
+ * compiler was given -mavx512vnni (`dot8_native`).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "block_layout.h"
+
+#define DW (GP * PW)                      /* columns of a group: two zmm of int32 lanes */
+#define D4_BLOCK (DW * 2 * 2 + DW * QB / 2) /* 640 bytes */
+#define D8_BLOCK (DW * 4 + DW * QB)         /* 1152 bytes */
+#define D4_BITS(blk) ((blk) + DW * 2 * 2)
+#define D8_BITS(blk) ((blk) + DW * 4)
+#define DOT8_AHEAD 16 /* blocks a tile asks for ahead of the one it reads, as panel_rows.c's */
+
+/* A call's rows rounded to int8: q [M][K], per row and block its scale d, d * the sum of its q (s)
+ * and that sum (n). Kept per calling thread and grown as needed. */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int32_t *n;
+    long cap_q, cap_b;
+} Acts;
+
+static __thread Acts acts;
+
+static int reserve(long M, long K) {
+    long nq = M * K, nb = M * (K / QB);
+    if (nq > acts.cap_q) {
+        free(acts.q);
+        acts.q = aligned_alloc(64, (size_t)((nq + 63) / 64 * 64));
+        acts.cap_q = acts.q ? nq : 0;
+    }
+    if (nb > acts.cap_b) {
+        free(acts.d), free(acts.s), free(acts.n);
+        acts.d = malloc(sizeof(float) * nb), acts.s = malloc(sizeof(float) * nb);
+        acts.n = malloc(sizeof(int32_t) * nb);
+        acts.cap_b = acts.d && acts.s && acts.n ? nb : 0;
+    }
+    return acts.cap_q >= nq && acts.cap_b >= nb;
+}
+
+/* llama.cpp's quantize_row_q8_1: d = max |x| / 127 over the block, xq = x / d rounded to nearest
+ * (ties to even, the vector conversion's mode), s = d * sum(xq). AVX2, so every build rounds alike. */
+static void quantize_rows(const float *x, long M, long K) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    long blocks = K / QB;
+    for (long r = 0; r < M; r++)
+        for (long b = 0; b < blocks; b++) {
+            const float *xb = x + r * K + b * QB;
+            __m256 v[4], top = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i), top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
+            __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+            t4 = _mm_max_ss(t4, _mm_movehdup_ps(t4));
+            float amax = _mm_cvtss_f32(t4), d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+            __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+            int32_t n = _mm_cvtsi128_si32(t);
+            __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(acts.q + r * K + b * QB), _mm256_permutevar8x32_epi32(packed, order));
+            acts.d[r * blocks + b] = d, acts.s[r * blocks + b] = d * (float)n, acts.n[r * blocks + b] = n;
+        }
+}
+
+/* One column's q4_1 weight at input i of a DOT8 block, and q8_0's (unbiased). */
+static inline int d4_weight(const uint8_t *blk, int c, int i) {
+    int v = c / 16, l = c % 16, quad = i / 4, t = i % 4;
+    uint8_t byte = D4_BITS(blk)[v * 256 + (quad % 4) * 64 + 4 * l + t];
+    return quad < 4 ? byte & 15 : byte >> 4;
+}
+static inline int d8_weight(const uint8_t *blk, int c, int i) {
+    return (int)D8_BITS(blk)[(c / 16) * 512 + (i / 4) * 64 + 4 * (c % 16) + i % 4] - 128;
+}
+
+static inline float half(uint16_t h) { return _cvtsh_ss(h); }
+
+/* The reference: rows [r0, r0 + M) of a group's DW columns into t [M][DW], one column at a time. */
+static void d4_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) {
+    long blocks = K / QB;
+    for (long r = 0; r < M; r++)
+        for (int c = 0; c < DW; c++) {
+            float acc = 0.0f;
+            for (long b = 0; b < blocks; b++) {
+                const uint8_t *blk = G + b * D4_BLOCK;
+                const int8_t *xq = a->q + (r0 + r) * K + b * QB;
+                long row = (r0 + r) * blocks + b;
+                int32_t S = 0;
+                for (int i = 0; i < QB; i++) S += d4_weight(blk, c, i) * xq[i];
+                float d = half(((const uint16_t *)blk)[c]), m = half(((const uint16_t *)blk)[DW + c]);
+                float ds = d * a->d[row];
+                acc = fmaf((float)S, ds, acc);
+                acc = fmaf(m, a->s[row], acc);
+            }
+            t[r * DW + c] = acc;
+        }
+}
+static void d8_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) {
+    long blocks = K / QB;
+    for (long r = 0; r < M; r++)
+        for (int c = 0; c < DW; c++) {
+            float acc = 0.0f;
+            for (long b = 0; b < blocks; b++) {
+                const uint8_t *blk = G + b * D8_BLOCK;
+                const int8_t *xq = a->q + (r0 + r) * K + b * QB;
+                int32_t S = 0;
+                for (int i = 0; i < QB; i++) S += d8_weight(blk, c, i) * xq[i];
+                float ds = ((const float *)blk)[c] * a->d[(r0 + r) * blocks + b];
+                acc = fmaf((float)S, ds, acc);
+            }
+            t[r * DW + c] = acc;
+        }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define DOT8_NATIVE 1
+/* RT rows (at most 8) x a group's DW columns over the whole input: 2 x RT float sums in registers,
+ * each block's integer sums 4 rows at a time (8 x 2 int32 sums would not fit beside them). */
+#define D_TILE(NAME, BLOCK, WEIGHTS, FINISH)                                                      \
+static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, long r0, long K, const uint8_t *G, float *t) { \
+    long blocks = K / QB;                                                                        \
+    __m512 acc[8][2];                                                                            \
+    const __m512i low = _mm512_set1_epi8(15);                                                   \
+    (void)low;                                                                                   \
+    for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                    \
+    for (long b = 0; b < blocks; b++) {                                                          \
+        const uint8_t *blk = G + b * (BLOCK);                                                    \
+        for (int at = 0; at < (BLOCK); at += 64)                                                 \
+            _mm_prefetch((const char *)((uintptr_t)blk + DOT8_AHEAD * (BLOCK) + at), _MM_HINT_T0); \
+        for (int h = 0; h < RT; h += 4) {                                                        \
+            const int n = RT - h < 4 ? RT - h : 4;                                               \
+            __m512i s[4][2];                                                                     \
+            for (int r = 0; r < n; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();              \
+            WEIGHTS                                                                              \
+            for (int r = 0; r < n; r++) {                                                        \
+                long row = (r0 + h + r) * blocks + b;                                            \
+                __m512 dx = _mm512_set1_ps(a->d[row]);                                         \
+                FINISH                                                                           \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
+    for (int r = 0; r < RT; r++)                                                                 \
+        for (int v = 0; v < 2; v++) _mm512_storeu_ps(t + r * DW + 16 * v, acc[r][v]);            \
+}
+/* One quad of inputs (byte offset q of the block's row) into the n rows' sums. */
+#define DOT_QUAD(w0, w1, quad)                                                                   \
+    for (int r = 0; r < n; r++) {                                                                \
+        __m512i xq = _mm512_set1_epi32(*(const int32_t *)(a->q + (r0 + h + r) * K + b * QB + 4 * (quad))); \
+        s[r][0] = _mm512_dpbusd_epi32(s[r][0], w0, xq);                                          \
+        s[r][1] = _mm512_dpbusd_epi32(s[r][1], w1, xq);                                          \
+    }
+#define D4_WEIGHTS                                                                               \
+    for (int j4 = 0; j4 < 4; j4++) {                                                             \
+        __m512i v0 = _mm512_loadu_si512(D4_BITS(blk) + 64 * j4);                                  \
+        __m512i v1 = _mm512_loadu_si512(D4_BITS(blk) + 256 + 64 * j4);                            \
+        DOT_QUAD(_mm512_and_si512(v0, low), _mm512_and_si512(v1, low), j4)                       \
+        DOT_QUAD(_mm512_and_si512(_mm512_srli_epi16(v0, 4), low), _mm512_and_si512(_mm512_srli_epi16(v1, 4), low), j4 + 4) \
+    }
+#define D4_FINISH                                                                                \
+    __m512 sx = _mm512_set1_ps(a->s[row]);                                                     \
+    for (int v = 0; v < 2; v++) {                                                                \
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32 * v)));         \
+        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 2 * DW + 32 * v))); \
+        acc[h + r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][v]), _mm512_mul_ps(d, dx), acc[h + r][v]); \
+        acc[h + r][v] = _mm512_fmadd_ps(m, sx, acc[h + r][v]);                                  \
+    }
+#define D8_WEIGHTS                                                                               \
+    for (int j = 0; j < 8; j++)                                                                  \
+        DOT_QUAD(_mm512_loadu_si512(D8_BITS(blk) + 64 * j), _mm512_loadu_si512(D8_BITS(blk) + 512 + 64 * j), j)
+#define D8_FINISH                                                                                \
+    __m512i bias = _mm512_set1_epi32(128 * a->n[row]);                                         \
+    for (int v = 0; v < 2; v++) {                                                                \
+        __m512 d = _mm512_loadu_ps((const float *)blk + 16 * v);                                 \
+        __m512 S = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r][v], bias));                         \
+        acc[h + r][v] = _mm512_fmadd_ps(S, _mm512_mul_ps(d, dx), acc[h + r][v]);                \
+    }
+D_TILE(d4_tile, D4_BLOCK, D4_WEIGHTS, D4_FINISH)
+D_TILE(d8_tile, D8_BLOCK, D8_WEIGHTS, D8_FINISH)
+/* A constant row count for each call, so the loops over rows unroll. */
+#define D_ROWS(TILE)                                                                             \
+    static void TILE##_rows(const Acts *a, long RT, long r0, long K, const uint8_t *G, float *t) {             \
+        switch (RT) {                                                                            \
+            case 1: TILE(a, 1, r0, K, G, t); break;                                                 \
+            case 2: TILE(a, 2, r0, K, G, t); break;                                                 \
+            case 3: TILE(a, 3, r0, K, G, t); break;                                                 \
+            case 4: TILE(a, 4, r0, K, G, t); break;                                                 \
+            case 5: TILE(a, 5, r0, K, G, t); break;                                                 \
+            case 6: TILE(a, 6, r0, K, G, t); break;                                                 \
+            case 7: TILE(a, 7, r0, K, G, t); break;                                                 \
+            default: TILE(a, 8, r0, K, G, t); break;                                                \
+        }                                                                                        \
+    }
+D_ROWS(d4_tile)
+D_ROWS(d8_tile)
+#else
+#define DOT8_NATIVE 0
+#endif
+
+/* Whether the VNNI tiles were built (else the products run the reference, correct but slow). */
+int dot8_native(void) { return DOT8_NATIVE; }
+
+typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8_t *G, float *t);
+
+/* y [M, ldy] = x [M, K] times the DOT8 groups V of `panels` panels, block bytes `block`. The
+ * rows are rounded once, by the calling thread; then each group (its weights in L1 for every
+ * 8 rows) goes to a thread, in shrinking runs as panel_rows.c's block formats. */
+static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy,
+                        int threads, long block, GroupRows rows_of) {
+    if (!reserve(M, K)) return;
+    quantize_rows(x, M, K);
+    long groups = (panels + GP - 1) / GP, per_group = (K / QB) * block;
+    const Acts *a = &acts;  /* the caller's rows, read by every thread */
+#pragma omp parallel num_threads(threads)
+    {
+        float t[8 * DW];
+#pragma omp for schedule(guided)
+        for (long g = 0; g < groups; g++) {
+            long columns = (panels - g * GP < GP ? panels - g * GP : GP) * PW;
+            for (long r0 = 0; r0 < M; r0 += 8) {
+                long rows = M - r0 < 8 ? M - r0 : 8;
+                rows_of(a, rows, r0, K, V + g * per_group, t);
+                for (long r = 0; r < rows; r++) memcpy(y + (r0 + r) * ldy + g * DW, t + r * DW, sizeof(float) * columns);
+            }
+        }
+    }
+}
+
+/* x [M, K] (K a multiple of 32) times q4_1 panels in DOT8 LAYOUT (q4_1_dot8_pack): y rows of stride ldy. */
+void q4_1_dot8(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) {
+#if DOT8_NATIVE
+    dot8_panels(x, M, K, V, panels, y, ldy, threads, D4_BLOCK, d4_tile_rows);
+#else
+    dot8_panels(x, M, K, V, panels, y, ldy, threads, D4_BLOCK, d4_reference_rows);
+#endif
+}
+void q8_0_dot8(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) {
+#if DOT8_NATIVE
+    dot8_panels(x, M, K, V, panels, y, ldy, threads, D8_BLOCK, d8_tile_rows);
+#else
+    dot8_panels(x, M, K, V, panels, y, ldy, threads, D8_BLOCK, d8_reference_rows);
+#endif
+}
+/* The same products by the reference, one column at a time (the tests hold the tiles to it). */
+void q4_1_dot8_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
+    dot8_panels(x, M, K, V, panels, y, ldy, 1, D4_BLOCK, d4_reference_rows);
+}
+void q8_0_dot8_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
+    dot8_panels(x, M, K, V, panels, y, ldy, 1, D8_BLOCK, d8_reference_rows);
+}
+
+/* Bytes of the DOT8 copy of `panels` panels over K inputs. */
+long dot8_bytes(int q8, long panels, long K) {
+    return (panels + GP - 1) / GP * (K / QB) * (q8 ? D8_BLOCK : D4_BLOCK);
+}
+
+/* Q4_1 LAYOUT groups Q (block_layout.h) into DOT8 LAYOUT at V (dot8_bytes, zeroed here). */
+void q4_1_dot8_pack(const uint8_t *Q, long panels, long K, uint8_t *V, int threads) {
+    long groups = (panels + GP - 1) / GP, blocks = K / QB;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long g = 0; g < groups; g++) {
+        long gp = panels - g * GP < GP ? panels - g * GP : GP;
+        const uint8_t *G = Q4_GROUP(Q, g, K);
+        for (long b = 0; b < blocks; b++) {
+            const uint8_t *blk = Q4_BLOCK(G, gp, b * QB);
+            uint8_t *o = V + (g * blocks + b) * D4_BLOCK;
+            memset(o, 0, D4_BLOCK);
+            for (long j = 0; j < gp; j++)
+                for (int c = 0; c < PW; c++) {
+                    int col = j * PW + c, v = col / 16, l = col % 16;
+                    ((uint16_t *)o)[col] = ((const uint16_t *)blk)[j * PW + c];
+                    ((uint16_t *)o)[DW + col] = ((const uint16_t *)blk)[(gp + j) * PW + c];
+                    for (int i = 0; i < QB; i++) {
+                        uint8_t pair = Q4_PAIR(blk, gp, i & ~1, j)[c];
+                        int q = i & 1 ? pair >> 4 : pair & 15, quad = i / 4;
+                        D4_BITS(o)[v * 256 + (quad % 4) * 64 + 4 * l + i % 4] |= (uint8_t)(q << (quad < 4 ? 0 : 4));
+                    }
+                }
+        }
+    }
+}
+
+/* Q8_0 LAYOUT groups Q into DOT8 LAYOUT at V. */
+void q8_0_dot8_pack(const uint8_t *Q, long panels, long K, uint8_t *V, int threads) {
+    long groups = (panels + GP - 1) / GP, blocks = K / QB;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long g = 0; g < groups; g++) {
+        long gp = panels - g * GP < GP ? panels - g * GP : GP;
+        const uint8_t *G = Q8_GROUP(Q, g, K);
+        for (long b = 0; b < blocks; b++) {
+            const uint8_t *blk = Q8_BLOCK(G, gp, b * QB);
+            uint8_t *o = V + (g * blocks + b) * D8_BLOCK;
+            memset(o, 0, DW * 4);
+            memset(D8_BITS(o), 128, DW * QB);
+            for (long j = 0; j < gp; j++)
+                for (int c = 0; c < PW; c++) {
+                    int col = j * PW + c, v = col / 16, l = col % 16;
+                    ((float *)o)[col] = ((const float *)blk)[j * PW + c];
+                    for (int i = 0; i < QB; i++)
+                        D8_BITS(o)[v * 512 + (i / 4) * 64 + 4 * l + i % 4] = (uint8_t)(Q8_AT(blk, gp, i, j)[c] + 128);
+                }
+        }
+    }
+}

@@ -1,0 +1,119 @@
+"""int8 activations (dot8_rows.c, llama.cpp's arithmetic on q4_1 and q8_0 blocks): the VNNI tiles
+against the plain C reference bit for bit, the reference against float64 arithmetic on the rounded
+rows, a row's bits whatever rows share its call, and the choice through the environment.
+
+The arithmetic: each row rounded to int8 per 32 inputs (scale max |x| / 127, ties to even), a
+block's products summed exactly in integers, then per block fma(S, d * dx, acc) and, for q4_1,
+fma(m, dx * sum(xq), acc). So against float64 over the same rounded rows and the stored weights,
+only float32's rounding of a few terms per block remains (1e-6 relative); against float32 rows
+the rounding of the activations (about 0.4% of a product here) does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from minengine.model.cpu_kernels import library
+from minengine.model.panel_kernels import ACTIVATIONS_ENV, PANEL, PanelLinear, activations
+from minengine.model.weight_format import resolve_weights
+
+CPU = torch.device("cpu")
+SHAPES = [(960, 576), (576, 1536), (100, 64), (17, 96), (4096, 576)]  # whole groups, a partial one, a lone panel
+ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 13, 17)
+FORMATS = ("q4_1", "q8_0")
+
+needs_kernel = pytest.mark.skipif(library().lib is None, reason=library().why_not)
+needs_vnni = pytest.mark.skipif(
+    library().lib is None or not library().lib.dot8_native(), reason="int8 activations need AVX-512 VNNI"
+)
+
+
+def _weight(shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.02
+
+
+def _x(rows, features, seed=1):
+    x = torch.randn(rows, features, generator=torch.Generator().manual_seed(seed))
+    x[:, 5] *= 30  # an outlier channel, as a model's residual stream has: its block's scale follows it
+    return x
+
+
+def _dot8(panel: PanelLinear, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
+    lib, rows = library().lib, x.shape[0]
+    y = torch.empty(rows, panel.panel_count * PANEL)
+    name = f"{panel.format}_dot8" + ("_reference" if reference else "")
+    args = [x.contiguous().data_ptr(), rows, panel.in_features, panel.dot8.data_ptr(), panel.panel_count]
+    getattr(lib, name)(*args, y.data_ptr(), y.shape[1], *(() if reference else (2,)))
+    return y[:, : panel.out_features]
+
+
+def _rounded_rows(x: torch.Tensor) -> np.ndarray:
+    """llama.cpp's Q8 rounding of the rows, in float64: xq * d per block of 32."""
+    blocks = x.double().numpy().reshape(x.shape[0], -1, 32)
+    d = (np.abs(blocks).max(-1, keepdims=True).astype(np.float32) / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d == 0, 1, d), 0).astype(np.float32)
+    q = np.rint((blocks.astype(np.float32) * inv).astype(np.float32))  # float32 multiply, ties to even
+    return (q * d.astype(np.float64)).reshape(x.shape[0], -1)
+
+
+@pytest.fixture
+def int8(monkeypatch):
+    monkeypatch.setenv(ACTIVATIONS_ENV, "int8")
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_reference_is_float64_over_the_rounded_rows_and_stored_weights(int8, fmt, shape):
+    if activations() != "int8":
+        pytest.skip("int8 activations need AVX-512 VNNI")
+    panel = PanelLinear(fmt, _weight(shape), 1)
+    stored = panel.rows(torch.arange(shape[0])).double().numpy()  # [out, in], the blocks' float32 values
+    for rows in (1, 3, 8):
+        x = _x(rows, shape[1])
+        got = _dot8(panel, x, reference=True).double().numpy()
+        want = _rounded_rows(x) @ stored.T
+        exact = x.double().numpy() @ stored.T
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+        assert np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()  # the rows' rounding: near, not equal
+        assert np.abs(got - exact).max() > 1e-5 * np.abs(exact).max()
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_vnni_tiles_give_the_references_bits_and_a_row_the_same_bits_in_any_batch(int8, fmt, shape):
+    panel = PanelLinear(fmt, _weight(shape), 1)
+    alone = [_dot8(panel, _x(1, shape[1], seed=100 + r)) for r in range(max(ROWS))]
+    for rows in ROWS:
+        x = torch.cat([_x(1, shape[1], seed=100 + r) for r in range(rows)])
+        got = _dot8(panel, x)
+        assert torch.equal(got, _dot8(panel, x, reference=True)), rows
+        assert torch.equal(got, torch.cat(alone[:rows])), rows
+        assert torch.equal(panel.linear(x), got)  # the projection takes them
+
+
+@needs_vnni
+def test_int8_activations_are_asked_for_in_the_environment_and_named_in_the_choice(monkeypatch):
+    w = _weight((96, 64))
+    assert PanelLinear("q4_1", w, 1).dot8 is None  # float32 activations by default: gguf's bits
+    monkeypatch.setenv(ACTIVATIONS_ENV, "int8")
+    panel = PanelLinear("q4_1", w, 1)
+    assert panel.dot8 is not None
+    assert panel.stored_bytes == panel.panels.numel() + panel.dot8.numel()  # both held
+    assert PanelLinear("fp16", w, 1).dot8 is None  # only the block formats
+    choice = resolve_weights("q4_1", CPU, torch.float32)
+    assert "int8 activations" in choice.label and "not float32's logits" in choice.label
+
+
+@needs_kernel
+def test_int8_activations_asked_for_without_vnni_fall_back_saying_why(monkeypatch):
+    from minengine.model import panel_kernels, weight_format
+
+    monkeypatch.setenv(ACTIVATIONS_ENV, "int8")
+    monkeypatch.setattr(panel_kernels, "activations", lambda: "float32")
+    monkeypatch.setattr(weight_format, "activations", lambda: "float32")
+    choice = resolve_weights("q4_1", CPU, torch.float32)
+    assert "float32 activations, since" in choice.label
