@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minengine.model.attention_rows import attend_one, serves
+from minengine.model.attention_rows import attend_one, attend_prompt, serves
 from minengine.model.cpu_kernels import library
+from minengine.model.panel_kernels import activations
 
 _HAS_GQA_SDPA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -114,6 +115,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale:
     transient expansion stands in on torch builds without it). A single query position is
     cheaper through `decode_attention`.
     """
+    if activations() == "int8" and serves(q, k[0], v[0]):
+        # int8 activations round each row: a last-bit difference from SDPA cutting the prompt another way
+        # (alone, or in a batch's chunks) would flip roundings and part the tokens, so each position
+        # attends as a row of its own, the same bits however the prompt was chunked.
+        return attend_prompt(q, k, v, start, scale)
     hq, hkv, T = q.shape[1], k.shape[1], q.shape[2]
     groups = hq // hkv
     mask = None

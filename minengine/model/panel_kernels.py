@@ -205,7 +205,10 @@ class PanelLinear:
         [T, out] buffer, when given: a decode step's scratch)."""
         x = x.contiguous()
         rows, panels = x.shape[0], self.panel_count
-        if rows >= UNPACK_ROWS and panels * PANEL * self.in_features <= UNPACK_MAX_ELEMENTS:
+        # int8 activations keep their arithmetic at any row count: a prompt's rows then round alike whether
+        # it is prefilled alone or beside others (and the dot products outrun MKL's float32 GEMM here).
+        laid_out = self.dot8 is None and panels * PANEL * self.in_features <= UNPACK_MAX_ELEMENTS
+        if rows >= UNPACK_ROWS and laid_out:
             y = F.linear(x, self._unpacked())  # a long prompt chunk: MKL's GEMM over the weight laid back out
             return y if out is None else out.copy_(y)
         width = panels * PANEL
