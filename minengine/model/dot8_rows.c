@@ -288,7 +288,8 @@ long dot8_bytes(int q8, long panels, long K) {
     return (panels + GP - 1) / GP * (K / QB) * (q8 ? D8_BLOCK : D4_BLOCK);
 }
 
-/* Q4_1 LAYOUT groups Q (block_layout.h) into DOT8 LAYOUT at V (dot8_bytes, zeroed here). */
+/* Q4_1 LAYOUT groups Q (block_layout.h) into DOT8 LAYOUT at V (dot8_bytes). Written in V's order, each
+ * block's source read from L1. */
 void q4_1_dot8_pack(const uint8_t *Q, long panels, long K, uint8_t *V, int threads) {
     long groups = (panels + GP - 1) / GP, blocks = K / QB;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -297,24 +298,32 @@ void q4_1_dot8_pack(const uint8_t *Q, long panels, long K, uint8_t *V, int threa
         const uint8_t *G = Q4_GROUP(Q, g, K);
         for (long b = 0; b < blocks; b++) {
             const uint8_t *blk = Q4_BLOCK(G, gp, b * QB);
-            uint8_t *o = V + (g * blocks + b) * D4_BLOCK;
-            memset(o, 0, D4_BLOCK);
-            for (long j = 0; j < gp; j++)
-                for (int c = 0; c < PW; c++) {
-                    int col = j * PW + c, v = col / 16, l = col % 16;
-                    ((uint16_t *)o)[col] = ((const uint16_t *)blk)[j * PW + c];
-                    ((uint16_t *)o)[DW + col] = ((const uint16_t *)blk)[(gp + j) * PW + c];
-                    for (int i = 0; i < QB; i++) {
-                        uint8_t pair = Q4_PAIR(blk, gp, i & ~1, j)[c];
-                        int q = i & 1 ? pair >> 4 : pair & 15, quad = i / 4;
-                        D4_BITS(o)[v * 256 + (quad % 4) * 64 + 4 * l + i % 4] |= (uint8_t)(q << (quad < 4 ? 0 : 4));
+            uint8_t *o = V + (g * blocks + b) * D4_BLOCK, *bits = D4_BITS(o);
+            const uint16_t *dm = (const uint16_t *)blk;
+            for (int col = 0; col < DW; col++) {
+                int real = col < gp * PW;
+                ((uint16_t *)o)[col] = real ? dm[col] : 0;  /* d: panel j's 8 at j * PW, as col */
+                ((uint16_t *)o)[DW + col] = real ? dm[gp * PW + col] : 0;
+            }
+            for (int v = 0; v < 2; v++)
+                for (int j4 = 0; j4 < 4; j4++)
+                    for (int l = 0; l < 16; l++) {
+                        int col = 16 * v + l, j = col / PW, c = col % PW;
+                        for (int t = 0; t < 4; t++) {
+                            uint8_t byte = 0;
+                            if (col < gp * PW) {
+                                int lo = 4 * j4 + t, hi = lo + 16;  /* inputs of the low and high nibble */
+                                uint8_t lo_pair = Q4_PAIR(blk, gp, lo & ~1, j)[c], hi_pair = Q4_PAIR(blk, gp, hi & ~1, j)[c];
+                                byte = (uint8_t)(((lo_pair >> (4 * (lo & 1))) & 15) | (((hi_pair >> (4 * (hi & 1))) & 15) << 4));
+                            }
+                            *bits++ = byte;
+                        }
                     }
-                }
         }
     }
 }
 
-/* Q8_0 LAYOUT groups Q into DOT8 LAYOUT at V. */
+/* Q8_0 LAYOUT groups Q into DOT8 LAYOUT at V, the same way. */
 void q8_0_dot8_pack(const uint8_t *Q, long panels, long K, uint8_t *V, int threads) {
     long groups = (panels + GP - 1) / GP, blocks = K / QB;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -323,16 +332,15 @@ void q8_0_dot8_pack(const uint8_t *Q, long panels, long K, uint8_t *V, int threa
         const uint8_t *G = Q8_GROUP(Q, g, K);
         for (long b = 0; b < blocks; b++) {
             const uint8_t *blk = Q8_BLOCK(G, gp, b * QB);
-            uint8_t *o = V + (g * blocks + b) * D8_BLOCK;
-            memset(o, 0, DW * 4);
-            memset(D8_BITS(o), 128, DW * QB);
-            for (long j = 0; j < gp; j++)
-                for (int c = 0; c < PW; c++) {
-                    int col = j * PW + c, v = col / 16, l = col % 16;
-                    ((float *)o)[col] = ((const float *)blk)[j * PW + c];
-                    for (int i = 0; i < QB; i++)
-                        D8_BITS(o)[v * 512 + (i / 4) * 64 + 4 * l + i % 4] = (uint8_t)(Q8_AT(blk, gp, i, j)[c] + 128);
-                }
+            uint8_t *o = V + (g * blocks + b) * D8_BLOCK, *bits = D8_BITS(o);
+            for (int col = 0; col < DW; col++) ((float *)o)[col] = col < gp * PW ? ((const float *)blk)[col] : 0.0f;
+            for (int v = 0; v < 2; v++)
+                for (int j = 0; j < 8; j++)
+                    for (int l = 0; l < 16; l++) {
+                        int col = 16 * v + l;
+                        for (int t = 0; t < 4; t++)
+                            *bits++ = col < gp * PW ? (uint8_t)(Q8_AT(blk, gp, 4 * j + t, col / PW)[col % PW] + 128) : 128;
+                    }
         }
     }
 }
