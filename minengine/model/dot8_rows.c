@@ -177,7 +177,7 @@ static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, l
     for (int r = 0; r < RT; r++)                                                                 \
         for (int v = 0; v < 2; v++) _mm512_storeu_ps(t + r * DW + 16 * v, acc[r][v]);            \
 }
-/* One quad of inputs (byte offset q of the block's row) into the n rows' sums. */
+/* Quad `quad` of the block's inputs (its 4 bytes of each row, broadcast) into the n rows' sums. */
 #define DOT_QUAD(w0, w1, quad)                                                                   \
     for (int r = 0; r < n; r++) {                                                                \
         __m512i xq = _mm512_set1_epi32(*(const int32_t *)(a->q + (r0 + h + r) * K + b * QB + 4 * (quad))); \
