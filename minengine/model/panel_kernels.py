@@ -29,6 +29,10 @@ MKL's GEMM over the dense operands takes. From 256 rows (a prompt taken whole wh
 decodes) MKL's GEMM is faster, so the product lays the weight back out densely in a scratch
 buffer and runs it (`UNPACK_ROWS`): rows of such a chunk are not the panel kernel's bits.
 
+With int8 activations (`activations`, `REQSCOPE_ACTIVATIONS=int8`, on a CPU with AVX-512 VNNI)
+q8_0 and q4_1 hold a second layout of their blocks (`dot8`) and multiply each row rounded to int8
+in integer dot products (`dot8_rows.c`, llama.cpp's arithmetic) at every row count.
+
 The kernel is C, compiled once per machine with the system compiler (`cpu_kernels.library`).
 Where there is none, the weight format falls back and its reason says why.
 """
@@ -76,10 +80,14 @@ BLOCK_BYTES = {"q4_1": Q4_PANEL_BLOCK, "q8_0": Q8_PANEL_BLOCK}
 ACTIVATIONS_ENV = "REQSCOPE_ACTIVATIONS"
 
 
+def _int8_asked() -> bool:
+    return os.environ.get(ACTIVATIONS_ENV, "").strip().lower() == "int8"
+
+
 def activations() -> str:
     """What the block formats multiply by: "int8" where the environment asks for it and the CPU has
     VNNI's dot products, else "float32"."""
-    if os.environ.get(ACTIVATIONS_ENV, "").strip().lower() != "int8":
+    if not _int8_asked():
         return "float32"
     lib = library().lib
     return "int8" if lib is not None and lib.dot8_native() else "float32"
@@ -88,7 +96,7 @@ def activations() -> str:
 def activations_refusal() -> str | None:
     """Why int8 activations, asked for in the environment, are not used here (None where they are or
     were not asked for)."""
-    if os.environ.get(ACTIVATIONS_ENV, "").strip().lower() != "int8" or activations() == "int8":
+    if not _int8_asked() or activations() == "int8":
         return None
     return library().why_not or "this CPU has no AVX-512 VNNI dot products"
 
