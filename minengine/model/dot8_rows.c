@@ -241,7 +241,11 @@ typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8
  * 8 rows) goes to a thread, in shrinking runs as panel_rows.c's block formats. */
 static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy,
                         int threads, long block, GroupRows rows_of) {
-    if (!reserve(M, K)) return;
+    if (!reserve(M, K)) {  /* no memory for the rounded rows: NaN, never another call's numbers */
+        for (long r = 0; r < M; r++)
+            for (long c = 0; c < panels * PW; c++) y[r * ldy + c] = NAN;
+        return;
+    }
     quantize_rows(x, M, K);
     long groups = (panels + GP - 1) / GP, per_group = (K / QB) * block;
     const Acts *a = &acts;  /* the caller's rows, read by every thread */
