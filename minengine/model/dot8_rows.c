@@ -42,6 +42,11 @@
 #define D4_BITS(blk) ((blk) + DW * 2 * 2)
 #define D8_BITS(blk) ((blk) + DW * 4)
 #define DOT8_AHEAD 16 /* blocks a tile asks for ahead of the one it reads, as panel_rows.c's */
+/* The byte of a DOT8 block's weights that holds column col at input i: q4_1's low nibble for inputs
+ * 0..15, high for 16..31 (D4_HIGH); q8_0's whole byte. */
+#define D4_AT(col, i) (((col) / 16) * 256 + ((i) / 4 % 4) * 64 + 4 * ((col) % 16) + (i) % 4)
+#define D4_HIGH(i) ((i) >= 16)
+#define D8_AT(col, i) (((col) / 16) * 512 + ((i) / 4) * 64 + 4 * ((col) % 16) + (i) % 4)
 
 /* A call's rows rounded to int8: q [M][K], per row and block its scale d, d * the sum of its q (s)
  * and that sum (n). Kept per calling thread and grown as needed. */
@@ -100,13 +105,10 @@ static void quantize_rows(const float *x, long M, long K) {
 
 /* One column's q4_1 weight at input i of a DOT8 block, and q8_0's (unbiased). */
 static inline int d4_weight(const uint8_t *blk, int c, int i) {
-    int v = c / 16, l = c % 16, quad = i / 4, t = i % 4;
-    uint8_t byte = D4_BITS(blk)[v * 256 + (quad % 4) * 64 + 4 * l + t];
-    return quad < 4 ? byte & 15 : byte >> 4;
+    uint8_t byte = D4_BITS(blk)[D4_AT(c, i)];
+    return D4_HIGH(i) ? byte >> 4 : byte & 15;
 }
-static inline int d8_weight(const uint8_t *blk, int c, int i) {
-    return (int)D8_BITS(blk)[(c / 16) * 512 + (i / 4) * 64 + 4 * (c % 16) + i % 4] - 128;
-}
+static inline int d8_weight(const uint8_t *blk, int c, int i) { return (int)D8_BITS(blk)[D8_AT(c, i)] - 128; }
 
 static inline float half(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -186,8 +188,8 @@ static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, l
     }
 #define D4_WEIGHTS                                                                               \
     for (int j4 = 0; j4 < 4; j4++) {                                                             \
-        __m512i v0 = _mm512_loadu_si512(D4_BITS(blk) + 64 * j4);                                  \
-        __m512i v1 = _mm512_loadu_si512(D4_BITS(blk) + 256 + 64 * j4);                            \
+        __m512i v0 = _mm512_loadu_si512(D4_BITS(blk) + D4_AT(0, 4 * j4));  /* columns 0..15 */      \
+        __m512i v1 = _mm512_loadu_si512(D4_BITS(blk) + D4_AT(16, 4 * j4)); /* columns 16..31 */     \
         DOT_QUAD(_mm512_and_si512(v0, low), _mm512_and_si512(v1, low), j4)                       \
         DOT_QUAD(_mm512_and_si512(_mm512_srli_epi16(v0, 4), low), _mm512_and_si512(_mm512_srli_epi16(v1, 4), low), j4 + 4) \
     }
@@ -201,7 +203,7 @@ static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, l
     }
 #define D8_WEIGHTS                                                                               \
     for (int j = 0; j < 8; j++)                                                                  \
-        DOT_QUAD(_mm512_loadu_si512(D8_BITS(blk) + 64 * j), _mm512_loadu_si512(D8_BITS(blk) + 512 + 64 * j), j)
+        DOT_QUAD(_mm512_loadu_si512(D8_BITS(blk) + D8_AT(0, 4 * j)), _mm512_loadu_si512(D8_BITS(blk) + D8_AT(16, 4 * j)), j)
 #define D8_FINISH                                                                                \
     __m512i bias = _mm512_set1_epi32(128 * a->n[row]);                                         \
     for (int v = 0; v < 2; v++) {                                                                \
@@ -292,59 +294,55 @@ long dot8_bytes(int q8, long panels, long K) {
     return (panels + GP - 1) / GP * (K / QB) * (q8 ? D8_BLOCK : D4_BLOCK);
 }
 
-/* Q4_1 LAYOUT groups Q (block_layout.h) into DOT8 LAYOUT at V (dot8_bytes). Written in V's order, each
- * block's source read from L1. */
-void q4_1_dot8_pack(const uint8_t *Q, long panels, long K, uint8_t *V, int threads) {
+/* One block of a group of gp panels (its source block blk, panel_rows.c's layout) into DOT8 block o. */
+typedef void (*PackBlock)(const uint8_t *blk, long gp, uint8_t *o);
+
+/* Both walk the block in its own order (lanes of a half, then quads), writing through D4_AT / D8_AT:
+ * in column order the scattered writes took 2-4x as long. */
+static void d4_pack_block(const uint8_t *blk, long gp, uint8_t *o) {
+    const uint16_t *dm = (const uint16_t *)blk;  /* d then m, panel j's 8 at j * PW: column order */
+    unsigned columns = (unsigned)gp * PW;
+    if (gp < GP) memset(o, 0, D4_BLOCK);  /* a whole group writes every byte below */
+    for (unsigned col = 0; col < columns; col++) ((uint16_t *)o)[col] = dm[col], ((uint16_t *)o)[DW + col] = dm[columns + col];
+    for (unsigned v = 0; v < 2; v++)
+        for (unsigned i4 = 0; i4 < QB / 2; i4 += 4)
+            for (unsigned col = 16 * v; col < 16 * v + 16 && col < columns; col++) {
+                const uint8_t *panel = Q4_PAIR(blk, gp, 0, col / PW) + col % PW;  /* its pairs gp * PW apart */
+                for (unsigned i = i4; i < i4 + 4; i++) {  /* input i in the low nibble, i + 16 in the high */
+                    uint8_t lo = panel[i / 2 * gp * PW], hi = panel[(i + 16) / 2 * gp * PW];
+                    D4_BITS(o)[D4_AT(col, i)] = (uint8_t)(((lo >> (4 * (i & 1))) & 15) | (((hi >> (4 * (i & 1))) & 15) << 4));
+                }
+            }
+}
+
+static void d8_pack_block(const uint8_t *blk, long gp, uint8_t *o) {
+    unsigned columns = (unsigned)gp * PW;
+    if (gp < GP) memset(o, 0, DW * 4), memset(D8_BITS(o), 128, DW * QB);  /* padding columns: weight 0 */
+    for (unsigned col = 0; col < columns; col++) ((float *)o)[col] = ((const float *)blk)[col];
+    for (unsigned v = 0; v < 2; v++)
+        for (unsigned i4 = 0; i4 < QB; i4 += 4)
+            for (unsigned col = 16 * v; col < 16 * v + 16 && col < columns; col++) {
+                const int8_t *panel = Q8_AT(blk, gp, 0, col / PW) + col % PW;  /* its inputs gp * PW apart */
+                for (unsigned i = i4; i < i4 + 4; i++) D8_BITS(o)[D8_AT(col, i)] = (uint8_t)(panel[i * gp * PW] + 128);
+            }
+}
+
+/* Groups Q of `panels` panels, src_block bytes a panel per block (block_layout.h), into DOT8 LAYOUT at V
+ * (dot8_bytes), block after block: each source block is read from L1 while its DOT8 block is written. */
+static void dot8_pack(const uint8_t *Q, long panels, long K, uint8_t *V, int threads, long src_block, long block,
+                      PackBlock pack_block) {
     long groups = (panels + GP - 1) / GP, blocks = K / QB;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long g = 0; g < groups; g++) {
         long gp = panels - g * GP < GP ? panels - g * GP : GP;
-        const uint8_t *G = Q4_GROUP(Q, g, K);
-        for (long b = 0; b < blocks; b++) {
-            const uint8_t *blk = Q4_BLOCK(G, gp, b * QB);
-            uint8_t *o = V + (g * blocks + b) * D4_BLOCK, *bits = D4_BITS(o);
-            const uint16_t *dm = (const uint16_t *)blk;
-            for (int col = 0; col < DW; col++) {
-                int real = col < gp * PW;
-                ((uint16_t *)o)[col] = real ? dm[col] : 0;  /* d: panel j's 8 at j * PW, as col */
-                ((uint16_t *)o)[DW + col] = real ? dm[gp * PW + col] : 0;
-            }
-            for (int v = 0; v < 2; v++)
-                for (int j4 = 0; j4 < 4; j4++)
-                    for (int l = 0; l < 16; l++) {
-                        int col = 16 * v + l, j = col / PW, c = col % PW;
-                        for (int t = 0; t < 4; t++) {
-                            uint8_t byte = 0;
-                            if (col < gp * PW) {
-                                int lo = 4 * j4 + t, hi = lo + 16;  /* inputs of the low and high nibble */
-                                uint8_t lo_pair = Q4_PAIR(blk, gp, lo & ~1, j)[c], hi_pair = Q4_PAIR(blk, gp, hi & ~1, j)[c];
-                                byte = (uint8_t)(((lo_pair >> (4 * (lo & 1))) & 15) | (((hi_pair >> (4 * (hi & 1))) & 15) << 4));
-                            }
-                            *bits++ = byte;
-                        }
-                    }
-        }
+        const uint8_t *G = Q + g * GP * blocks * src_block;  /* every group before the last is whole */
+        for (long b = 0; b < blocks; b++) pack_block(G + b * gp * src_block, gp, V + (g * blocks + b) * block);
     }
 }
 
-/* Q8_0 LAYOUT groups Q into DOT8 LAYOUT at V, the same way. */
+void q4_1_dot8_pack(const uint8_t *Q, long panels, long K, uint8_t *V, int threads) {
+    dot8_pack(Q, panels, K, V, threads, Q4_PANEL_BLOCK, D4_BLOCK, d4_pack_block);
+}
 void q8_0_dot8_pack(const uint8_t *Q, long panels, long K, uint8_t *V, int threads) {
-    long groups = (panels + GP - 1) / GP, blocks = K / QB;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (long g = 0; g < groups; g++) {
-        long gp = panels - g * GP < GP ? panels - g * GP : GP;
-        const uint8_t *G = Q8_GROUP(Q, g, K);
-        for (long b = 0; b < blocks; b++) {
-            const uint8_t *blk = Q8_BLOCK(G, gp, b * QB);
-            uint8_t *o = V + (g * blocks + b) * D8_BLOCK, *bits = D8_BITS(o);
-            for (int col = 0; col < DW; col++) ((float *)o)[col] = col < gp * PW ? ((const float *)blk)[col] : 0.0f;
-            for (int v = 0; v < 2; v++)
-                for (int j = 0; j < 8; j++)
-                    for (int l = 0; l < 16; l++) {
-                        int col = 16 * v + l;
-                        for (int t = 0; t < 4; t++)
-                            *bits++ = col < gp * PW ? (uint8_t)(Q8_AT(blk, gp, 4 * j + t, col / PW)[col % PW] + 128) : 128;
-                    }
-        }
-    }
+    dot8_pack(Q, panels, K, V, threads, Q8_PANEL_BLOCK, D8_BLOCK, d8_pack_block);
 }
