@@ -19,9 +19,10 @@ WEIGHTS_HELP = (
     "around float32 compute, float32, fp16, q8_0 and q4_1 run in reqscope's panel kernel (built once with the "
     "system C compiler; FBGEMM's fp16 without one) and bf16/int8 in torch's packed kernels, elsewhere the compute "
     "dtype's own (default auto: on the CPU q4_1 for a checkpoint of Q4_1 blocks, which it holds exactly, as the "
-    "default model's, else fp16, the fastest measured to keep float32's greedy tokens); q8_0 and q4_1 multiply "
-    "float32 rows unless REQSCOPE_ACTIVATIONS=int8 is set, which rounds them to int8 as llama.cpp does (VNNI CPUs; "
-    "faster shared steps, logits no longer float32's)"
+    "default model's, else fp16, the fastest measured to keep float32's greedy tokens); on a CPU with AVX-512 "
+    "VNNI q8_0 and q4_1 round each row to int16 per 32 inputs and multiply in integers (float32's logits within "
+    "1e-7 nats); REQSCOPE_ACTIVATIONS=float32 keeps float32 rows, =int8 rounds them to int8 as llama.cpp does "
+    "(faster shared steps, logits no longer float32's)"
 )
 
 

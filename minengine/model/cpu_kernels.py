@@ -1,8 +1,8 @@
 """reqscope's C kernels for the CPU, compiled once per machine and loaded with ctypes.
 
 Five sources make one library: `panel_rows.c` (the projections over weight panels,
-`panel_kernels`), `dot8_rows.c` (the block formats' products with int8 activations, llama.cpp's
-arithmetic: `panel_kernels.activations`), `attention_rows.c` (decode attention read in place, `attention_rows`),
+`panel_kernels`), `dot8_rows.c` (the block formats' products with rows rounded to int16 or int8, integer dot
+products: `panel_kernels.activations`), `attention_rows.c` (decode attention read in place, `attention_rows`),
 `row_ops.c` (RMSNorm, the rotary embedding and SiLU-gating over a step's rows, `ops.c_rms_norm` and its neighbours)
 and `decode_layers.c` (every block of a one-token step in one call, `eager_step.LayerStack`).
 They are built with the system compiler into the user cache (`library`), about two seconds,
@@ -32,8 +32,8 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 # Where torch finds AVX-512 (F, BW, VL and DQ, its "AVX512" capability) the panel tiles take zmm
 # (`panel_rows.c`, __AVX512F__): the same bits, half the FMAs of a shared step.
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
-# Where the CPU also has AVX-512 VNNI (Linux's "avx512_vnni" flag), int8 activations take its dot
-# products (`dot8_rows.c`); elsewhere they run a plain C reference and are not offered.
+# Where the CPU also has AVX-512 VNNI (Linux's "avx512_vnni" flag), int16 and int8 activations take its
+# dot products (`dot8_rows.c`); elsewhere they run a plain C reference and are not offered.
 VNNI_FLAGS = ("-mavx512vnni",)
 _BUILD_TIMEOUT_S = 120
 
@@ -51,8 +51,9 @@ class KernelLibrary:
             lib.q8_0_panels.argtypes = [ptr, c_long, c_long, ptr, c_long, ptr, c_long, c_int]
             lib.q4_1_panels.argtypes = lib.q8_0_panels.argtypes
             lib.q4_1_unpack.argtypes = [ptr, c_long, c_long, ptr, c_int]  # Q, panels, K, out, threads
-            lib.q4_1_dot8.argtypes = lib.q8_0_dot8.argtypes = lib.q8_0_panels.argtypes  # over the DOT8 copy
-            lib.q4_1_dot8_reference.argtypes = lib.q8_0_dot8_reference.argtypes = lib.q8_0_panels.argtypes[:-1]
+            for name in ("q4_1_dot8", "q8_0_dot8", "q4_1_dot16", "q8_0_dot16"):  # over the DOT8 copy
+                getattr(lib, name).argtypes = lib.q8_0_panels.argtypes
+                getattr(lib, f"{name}_reference").argtypes = lib.q8_0_panels.argtypes[:-1]
             lib.q4_1_dot8_pack.argtypes = lib.q8_0_dot8_pack.argtypes = lib.q4_1_unpack.argtypes  # Q, panels, K, V
             lib.dot8_bytes.argtypes, lib.dot8_bytes.restype = [c_int, c_long, c_long], c_long
             lib.dot8_native.argtypes, lib.dot8_native.restype = [], c_int
@@ -64,7 +65,8 @@ class KernelLibrary:
             lib.decode_layers.argtypes = [ptr]  # a StackArgs (eager_step.StackArgs)
             for name in ("f32_panels", "f16_panels", "q8_0_panels", "q4_1_panels", "q4_1_unpack", "attend_rows",
                          "rms_norm_rows", "rope_rows", "silu_mul_rows", "decode_layers", "q4_1_dot8", "q8_0_dot8",
-                         "q4_1_dot8_reference", "q8_0_dot8_reference", "q4_1_dot8_pack", "q8_0_dot8_pack"):  # fmt: skip
+                         "q4_1_dot8_reference", "q8_0_dot8_reference", "q4_1_dot16", "q8_0_dot16", "q4_1_dot8_pack",
+                         "q4_1_dot16_reference", "q8_0_dot16_reference", "q8_0_dot8_pack"):  # fmt: skip
                 getattr(lib, name).restype = None
 
 

@@ -29,13 +29,16 @@ void q8_0_panels(const float *x, long M, long K, const uint8_t *Q, long panels, 
 void q4_1_panels(const float *x, long M, long K, const uint8_t *Q, long panels, float *y, long ldy, int threads);
 void q8_0_dot8(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads);
 void q4_1_dot8(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads);
+void q8_0_dot16(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads);
+void q4_1_dot16(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads);
 void rms_norm_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *w, float eps,
                    float *y, long syt, long syh);
 void rope_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *cos_t, const float *sin_t,
                float *y, long syt, long syh);
 void silu_mul_rows(const float *gate, const float *up, float *out, long T, long n, long sg, long su, long so);
 
-enum { F32 = 0, F16 = 1, Q8_0 = 2, Q4_1 = 3, Q8_0_DOT8 = 4, Q4_1_DOT8 = 5 };  /* DOT8: int8 activations */
+/* DOT8: the DOT8 copy, rows rounded to int8; DOT16: to int16 (dot8_rows.c) */
+enum { F32 = 0, F16 = 1, Q8_0 = 2, Q4_1 = 3, Q8_0_DOT8 = 4, Q4_1_DOT8 = 5, Q8_0_DOT16 = 6, Q4_1_DOT16 = 7 };
 
 /* One projection's panels (panel_kernels.PanelLinear): out a whole number of panels. */
 typedef struct {
@@ -73,7 +76,9 @@ static void project(const Proj *p, long rows, const float *x, float *xp, float *
     else if (p->kind == Q8_0) q8_0_panels(x, rows, p->in, p->weights, p->panels, y, ldy, threads);
     else if (p->kind == Q4_1) q4_1_panels(x, rows, p->in, p->weights, p->panels, y, ldy, threads);
     else if (p->kind == Q8_0_DOT8) q8_0_dot8(x, rows, p->in, p->weights, p->panels, y, ldy, threads);
-    else q4_1_dot8(x, rows, p->in, p->weights, p->panels, y, ldy, threads);
+    else if (p->kind == Q4_1_DOT8) q4_1_dot8(x, rows, p->in, p->weights, p->panels, y, ldy, threads);
+    else if (p->kind == Q8_0_DOT16) q8_0_dot16(x, rows, p->in, p->weights, p->panels, y, ldy, threads);
+    else q4_1_dot16(x, rows, p->in, p->weights, p->panels, y, ldy, threads);
 }
 
 static void add(float *x, const float *y, long n) {

@@ -1,18 +1,25 @@
-/* Projections over q4_1 and q8_0 panels in llama.cpp's arithmetic: int8 activations, integer dot products.
+/* Projections over q4_1 and q8_0 panels with rounded activations and integer dot products.
  *
  * panel_rows.c multiplies the blocks' float32 weights by float32 rows: one FMA per weight and row.
  * A shared step of 8 rows is then bound by the FMA pipes (on a Zen 4 EPYC an 8-row q4_1 step's
- * products ran at 90-95% of their peak). Here each row is first rounded to int8, 32 inputs at a
- * time with a scale of its own (llama.cpp's Q8_1 for q4_1 weights, Q8_0's for q8_0), and a
- * block's 32 products of a column are one integer sum: AVX-512 VNNI's VPDPBUSD adds 4 byte
- * products into each of 16 int32 lanes, 64 multiply-adds an instruction against an FMA's 16. The
- * sums are exact, so the only rounding is the activations' own, then a block's two float terms:
+ * products ran at 90-95% of their peak). Here each row is first rounded to integers, 32 inputs at
+ * a time with a scale of its own, and a block's 32 products of a column are one integer sum, exact:
+ *
+ * - int8 (llama.cpp's arithmetic: its Q8_1 rows for q4_1 weights, Q8_0's for q8_0): scale
+ *   max |x| / 127; AVX-512 VNNI's VPDPBUSD adds 4 byte products into each of 16 int32 lanes, 64
+ *   multiply-adds an instruction against an FMA's 16. The rounding (0.4% of a value) moves the
+ *   logits visibly: opt-in.
+ * - int16: scale max |x| / 32767; VPDPWSSD adds 2 products of 16-bit pairs a lane, 32 an
+ *   instruction. The rounding is 2^-16 of a block's largest value, below an fp16 weight's own
+ *   (2^-11 of it), and the logits stay within 1e-7 nats of float32's.
+ *
+ * The sums then take a block's two float terms:
  *
  *   y[r][c] = sum over blocks b, in order, of  fma(S, d[c] * dx[r], acc)  then  fma(m[c], sx[r], acc)
  *
  * with S the integer sum of q[c] * xq[r] over the block, dx the row's block scale, sx = dx * the
  * sum of its xq (q4_1's minimum m; q8_0 has none). A row's result is that one chain whatever
- * rows share the call: the same bits alone or in a batch. `*_dot8_reference` computes the same
+ * rows share the call: the same bits alone or in a batch. `*_reference` computes the same
  * chain one column at a time in plain C, for builds without VNNI and for the tests.
  *
  * DOT8 LAYOUT: the panels' groups (block_layout.h) laid out again for the dot products, a group
@@ -24,6 +31,9 @@
  *   q8_0 (D8_BLOCK bytes): DW float32 d, then per half v and quad j (0..7) 64 bytes, byte 4l + t
  *     column 16v + l at input 4j + t, stored + 128 (VPDPBUSD takes unsigned weights; a block's
  *     sum then carries 128 times the row's, taken back out exactly).
+ * int16 reads the same bytes: a lane's 4 weights split into its even and odd 16-bit halves (inputs
+ * 4j, 4j + 2 and 4j + 1, 4j + 3) by a mask and a shift, so its rows are stored quad by quad in that
+ * order (INT16 ORDER: x0, x2, x1, x3), each pair one int32 to broadcast.
  *
  * Built with the other sources by minengine/model/cpu_kernels.py; the VNNI tiles where the
  * compiler was given -mavx512vnni (`dot8_native`).
@@ -48,22 +58,24 @@
 #define D4_HIGH(i) ((i) >= 16)
 #define D8_AT(col, i) (((col) / 16) * 512 + ((i) / 4) * 64 + 4 * ((col) % 16) + (i) % 4)
 
-/* A call's rows rounded to int8: q [M][K], per row and block its scale d, d * the sum of its q (s)
- * and that sum (n). Kept per calling thread and grown as needed. */
+/* A call's rows rounded to integers: q [M][K] (int8, or int16 in INT16 ORDER), per row and block its
+ * scale d, d * the sum of its q (s) and that sum (n). Kept per calling thread and grown as needed. */
 typedef struct {
-    int8_t *q;
+    int8_t *q;   /* int8 rows; int16's through w */
+    int16_t *w;  /* the same bytes, for int16 rows */
     float *d, *s;
     int32_t *n;
-    long cap_q, cap_b;
+    long cap_q, cap_b;  /* cap_q in bytes */
 } Acts;
 
 static __thread Acts acts;
 
-static int reserve(long M, long K) {
-    long nq = M * K, nb = M * (K / QB);
+static int reserve(long M, long K, long width) {
+    long nq = M * K * width, nb = M * (K / QB);
     if (nq > acts.cap_q) {
         free(acts.q);
         acts.q = aligned_alloc(64, (size_t)((nq + 63) / 64 * 64));
+        acts.w = (int16_t *)acts.q;
         acts.cap_q = acts.q ? nq : 0;
     }
     if (nb > acts.cap_b) {
@@ -75,32 +87,51 @@ static int reserve(long M, long K) {
     return acts.cap_q >= nq && acts.cap_b >= nb;
 }
 
-/* llama.cpp's quantize_row_q8_1: d = max |x| / 127 over the block, xq = x / d rounded to nearest
- * (ties to even, the vector conversion's mode), s = d * sum(xq). AVX2, so every build rounds alike. */
-static void quantize_rows(const float *x, long M, long K) {
+/* A block's largest |x| (AVX2, so every build rounds alike) and its 32 values times 1 / (that / top),
+ * rounded to nearest (ties to even, the vector conversion's mode), with their sum; returns the scale. */
+static inline float round_block(const float *xb, float top, __m256i q[4], int32_t *sum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256 v[4], big = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i), big = _mm256_max_ps(big, _mm256_andnot_ps(sign, v[i]));
+    __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
+    t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+    t4 = _mm_max_ss(t4, _mm_movehdup_ps(t4));
+    float amax = _mm_cvtss_f32(t4), d = amax / top, id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+    __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    *sum = _mm_cvtsi128_si32(t);
+    return d;
+}
+
+/* Rows rounded per block, int8 (llama.cpp's quantize_row_q8_1: d = max |x| / 127, s = d * sum(xq))
+ * or int16 (d = max |x| / 32767, each quad in INT16 ORDER). */
+static void quantize_rows(const float *x, long M, long K, int wide) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), quad = _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7);
     long blocks = K / QB;
     for (long r = 0; r < M; r++)
         for (long b = 0; b < blocks; b++) {
-            const float *xb = x + r * K + b * QB;
-            __m256 v[4], top = _mm256_setzero_ps();
-            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i), top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[i]));
-            __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-            t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
-            t4 = _mm_max_ss(t4, _mm_movehdup_ps(t4));
-            float amax = _mm_cvtss_f32(t4), d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
             __m256i q[4];
-            for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
-            __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-            t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-            int32_t n = _mm_cvtsi128_si32(t);
-            __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-            _mm256_storeu_si256((__m256i *)(acts.q + r * K + b * QB), _mm256_permutevar8x32_epi32(packed, order));
+            int32_t n;
+            float d = round_block(x + r * K + b * QB, wide ? 32767.0f : 127.0f, q, &n);
+            if (wide) {
+                int16_t *o = acts.w + r * K + b * QB;
+                for (int i = 0; i < 4; i++) q[i] = _mm256_permutevar8x32_epi32(q[i], quad);
+                _mm256_storeu_si256((__m256i *)o, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+                _mm256_storeu_si256((__m256i *)(o + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+            } else {
+                __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+                _mm256_storeu_si256((__m256i *)(acts.q + r * K + b * QB), _mm256_permutevar8x32_epi32(packed, order));
+            }
             acts.d[r * blocks + b] = d, acts.s[r * blocks + b] = d * (float)n, acts.n[r * blocks + b] = n;
         }
+}
+
+/* Row r's rounded input i: int8 in order; int16 with each quad in INT16 ORDER. */
+static inline int act(const Acts *a, int wide, long r, long K, long i) {
+    return wide ? a->w[r * K + (i & ~3L) + ((i & 1) << 1) + ((i & 2) >> 1)] : a->q[r * K + i];
 }
 
 /* One column's q4_1 weight at input i of a DOT8 block, and q8_0's (unbiased). */
@@ -113,17 +144,16 @@ static inline int d8_weight(const uint8_t *blk, int c, int i) { return (int)D8_B
 static inline float half(uint16_t h) { return _cvtsh_ss(h); }
 
 /* The reference: rows [r0, r0 + M) of a group's DW columns into t [M][DW], one column at a time. */
-static void d4_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) {
+static void d4_reference(const Acts *a, int wide, long M, long r0, long K, const uint8_t *G, float *t) {
     long blocks = K / QB;
     for (long r = 0; r < M; r++)
         for (int c = 0; c < DW; c++) {
             float acc = 0.0f;
             for (long b = 0; b < blocks; b++) {
                 const uint8_t *blk = G + b * D4_BLOCK;
-                const int8_t *xq = a->q + (r0 + r) * K + b * QB;
                 long row = (r0 + r) * blocks + b;
                 int32_t S = 0;
-                for (int i = 0; i < QB; i++) S += d4_weight(blk, c, i) * xq[i];
+                for (int i = 0; i < QB; i++) S += d4_weight(blk, c, i) * act(a, wide, r0 + r, K, b * QB + i);
                 float d = half(((const uint16_t *)blk)[c]), m = half(((const uint16_t *)blk)[DW + c]);
                 float ds = d * a->d[row];
                 acc = fmaf((float)S, ds, acc);
@@ -132,22 +162,25 @@ static void d4_reference_rows(const Acts *a, long M, long r0, long K, const uint
             t[r * DW + c] = acc;
         }
 }
-static void d8_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) {
+static void d8_reference(const Acts *a, int wide, long M, long r0, long K, const uint8_t *G, float *t) {
     long blocks = K / QB;
     for (long r = 0; r < M; r++)
         for (int c = 0; c < DW; c++) {
             float acc = 0.0f;
             for (long b = 0; b < blocks; b++) {
                 const uint8_t *blk = G + b * D8_BLOCK;
-                const int8_t *xq = a->q + (r0 + r) * K + b * QB;
                 int32_t S = 0;
-                for (int i = 0; i < QB; i++) S += d8_weight(blk, c, i) * xq[i];
+                for (int i = 0; i < QB; i++) S += d8_weight(blk, c, i) * act(a, wide, r0 + r, K, b * QB + i);
                 float ds = ((const float *)blk)[c] * a->d[(r0 + r) * blocks + b];
                 acc = fmaf((float)S, ds, acc);
             }
             t[r * DW + c] = acc;
         }
 }
+static void d4_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) { d4_reference(a, 0, M, r0, K, G, t); }
+static void d8_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) { d8_reference(a, 0, M, r0, K, G, t); }
+static void d4_reference16_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) { d4_reference(a, 1, M, r0, K, G, t); }
+static void d8_reference16_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) { d8_reference(a, 1, M, r0, K, G, t); }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define DOT8_NATIVE 1
@@ -157,8 +190,6 @@ static void d8_reference_rows(const Acts *a, long M, long r0, long K, const uint
 static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, long r0, long K, const uint8_t *G, float *t) { \
     long blocks = K / QB;                                                                        \
     __m512 acc[8][2];                                                                            \
-    const __m512i low = _mm512_set1_epi8(15);                                                   \
-    (void)low;                                                                                   \
     for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                    \
     for (long b = 0; b < blocks; b++) {                                                          \
         const uint8_t *blk = G + b * (BLOCK);                                                    \
@@ -187,6 +218,7 @@ static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, l
         s[r][1] = _mm512_dpbusd_epi32(s[r][1], w1, xq);                                          \
     }
 #define D4_WEIGHTS                                                                               \
+    const __m512i low = _mm512_set1_epi8(15);                                                   \
     for (int j4 = 0; j4 < 4; j4++) {                                                             \
         __m512i v0 = _mm512_loadu_si512(D4_BITS(blk) + D4_AT(0, 4 * j4));  /* columns 0..15 */      \
         __m512i v1 = _mm512_loadu_si512(D4_BITS(blk) + D4_AT(16, 4 * j4)); /* columns 16..31 */     \
@@ -211,8 +243,36 @@ static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, l
         __m512 S = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r][v], bias));                         \
         acc[h + r][v] = _mm512_fmadd_ps(S, _mm512_mul_ps(d, dx), acc[h + r][v]);                \
     }
+/* int16: quad `quad` of the rows' inputs, its even pair (x0, x2) and odd pair (x1, x3) broadcast, into
+ * the n rows' sums against the weights' even (e) and odd (o) halves of columns 0..15 and 16..31. */
+#define PAIR_QUAD(e0, o0, e1, o1, quad)                                                          \
+    for (int r = 0; r < n; r++) {                                                                \
+        const int32_t *xp = (const int32_t *)(a->w + (r0 + h + r) * K + b * QB + 4 * (quad));    \
+        __m512i xe = _mm512_set1_epi32(xp[0]), xo = _mm512_set1_epi32(xp[1]);                   \
+        s[r][0] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(s[r][0], e0, xe), o0, xo);            \
+        s[r][1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(s[r][1], e1, xe), o1, xo);            \
+    }
+/* A lane's bytes t = 0..3 as 16-bit weights: mask m keeps bits [0, w) of bytes 0 and 2 after a shift. */
+#define HALF(v, shift, m) _mm512_and_si512(_mm512_srli_epi32(v, shift), m)
+#define W4_WEIGHTS                                                                               \
+    const __m512i nib = _mm512_set1_epi32(0x000F000F);                                          \
+    for (int j4 = 0; j4 < 4; j4++) {                                                             \
+        __m512i v0 = _mm512_loadu_si512(D4_BITS(blk) + D4_AT(0, 4 * j4));                        \
+        __m512i v1 = _mm512_loadu_si512(D4_BITS(blk) + D4_AT(16, 4 * j4));                       \
+        PAIR_QUAD(HALF(v0, 0, nib), HALF(v0, 8, nib), HALF(v1, 0, nib), HALF(v1, 8, nib), j4)   \
+        PAIR_QUAD(HALF(v0, 4, nib), HALF(v0, 12, nib), HALF(v1, 4, nib), HALF(v1, 12, nib), j4 + 4) \
+    }
+#define W8_WEIGHTS                                                                               \
+    const __m512i byte = _mm512_set1_epi32(0x00FF00FF);                                         \
+    for (int j = 0; j < 8; j++) {                                                                \
+        __m512i v0 = _mm512_loadu_si512(D8_BITS(blk) + D8_AT(0, 4 * j));                         \
+        __m512i v1 = _mm512_loadu_si512(D8_BITS(blk) + D8_AT(16, 4 * j));                        \
+        PAIR_QUAD(HALF(v0, 0, byte), HALF(v0, 8, byte), HALF(v1, 0, byte), HALF(v1, 8, byte), j) \
+    }
 D_TILE(d4_tile, D4_BLOCK, D4_WEIGHTS, D4_FINISH)
 D_TILE(d8_tile, D8_BLOCK, D8_WEIGHTS, D8_FINISH)
+D_TILE(w4_tile, D4_BLOCK, W4_WEIGHTS, D4_FINISH)
+D_TILE(w8_tile, D8_BLOCK, W8_WEIGHTS, D8_FINISH)
 /* A constant row count for each call, so the loops over rows unroll. */
 #define D_ROWS(TILE)                                                                             \
     static void TILE##_rows(const Acts *a, long RT, long r0, long K, const uint8_t *G, float *t) {             \
@@ -229,6 +289,8 @@ D_TILE(d8_tile, D8_BLOCK, D8_WEIGHTS, D8_FINISH)
     }
 D_ROWS(d4_tile)
 D_ROWS(d8_tile)
+D_ROWS(w4_tile)
+D_ROWS(w8_tile)
 #else
 #define DOT8_NATIVE 0
 #endif
@@ -242,13 +304,13 @@ typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8
  * rows are rounded once, by the calling thread; then each group (its weights in L1 for every
  * 8 rows) goes to a thread, in shrinking runs as panel_rows.c's block formats. */
 static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy,
-                        int threads, long block, GroupRows rows_of) {
-    if (!reserve(M, K)) {  /* no memory for the rounded rows: NaN, never another call's numbers */
+                        int threads, long block, int wide, GroupRows rows_of) {
+    if (!reserve(M, K, wide ? 2 : 1)) {  /* no memory for the rounded rows: NaN, never another call's numbers */
         for (long r = 0; r < M; r++)
             for (long c = 0; c < panels * PW; c++) y[r * ldy + c] = NAN;
         return;
     }
-    quantize_rows(x, M, K);
+    quantize_rows(x, M, K, wide);
     long groups = (panels + GP - 1) / GP, per_group = (K / QB) * block;
     const Acts *a = &acts;  /* the caller's rows, read by every thread */
 #pragma omp parallel num_threads(threads)
@@ -266,27 +328,37 @@ static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long p
     }
 }
 
-/* x [M, K] (K a multiple of 32) times q4_1 panels in DOT8 LAYOUT (q4_1_dot8_pack): y rows of stride ldy. */
-void q4_1_dot8(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) {
+/* x [M, K] (K a multiple of 32) times q4_1 or q8_0 panels in DOT8 LAYOUT (q4_1_dot8_pack, q8_0_dot8_pack):
+ * y rows of stride ldy, the rows rounded to int8 (`*_dot8`) or int16 (`*_dot16`); `*_reference` by the
+ * plain C reference, one column at a time (the tests hold the tiles to it). */
 #if DOT8_NATIVE
-    dot8_panels(x, M, K, V, panels, y, ldy, threads, D4_BLOCK, d4_tile_rows);
+#define TILE_OR_REFERENCE(tile, reference) tile
 #else
-    dot8_panels(x, M, K, V, panels, y, ldy, threads, D4_BLOCK, d4_reference_rows);
+#define TILE_OR_REFERENCE(tile, reference) reference
 #endif
+void q4_1_dot8(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) {
+    dot8_panels(x, M, K, V, panels, y, ldy, threads, D4_BLOCK, 0, TILE_OR_REFERENCE(d4_tile_rows, d4_reference_rows));
 }
 void q8_0_dot8(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) {
-#if DOT8_NATIVE
-    dot8_panels(x, M, K, V, panels, y, ldy, threads, D8_BLOCK, d8_tile_rows);
-#else
-    dot8_panels(x, M, K, V, panels, y, ldy, threads, D8_BLOCK, d8_reference_rows);
-#endif
+    dot8_panels(x, M, K, V, panels, y, ldy, threads, D8_BLOCK, 0, TILE_OR_REFERENCE(d8_tile_rows, d8_reference_rows));
 }
-/* The same products by the reference, one column at a time (the tests hold the tiles to it). */
+void q4_1_dot16(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) {
+    dot8_panels(x, M, K, V, panels, y, ldy, threads, D4_BLOCK, 1, TILE_OR_REFERENCE(w4_tile_rows, d4_reference16_rows));
+}
+void q8_0_dot16(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) {
+    dot8_panels(x, M, K, V, panels, y, ldy, threads, D8_BLOCK, 1, TILE_OR_REFERENCE(w8_tile_rows, d8_reference16_rows));
+}
 void q4_1_dot8_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
-    dot8_panels(x, M, K, V, panels, y, ldy, 1, D4_BLOCK, d4_reference_rows);
+    dot8_panels(x, M, K, V, panels, y, ldy, 1, D4_BLOCK, 0, d4_reference_rows);
 }
 void q8_0_dot8_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
-    dot8_panels(x, M, K, V, panels, y, ldy, 1, D8_BLOCK, d8_reference_rows);
+    dot8_panels(x, M, K, V, panels, y, ldy, 1, D8_BLOCK, 0, d8_reference_rows);
+}
+void q4_1_dot16_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
+    dot8_panels(x, M, K, V, panels, y, ldy, 1, D4_BLOCK, 1, d4_reference16_rows);
+}
+void q8_0_dot16_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
+    dot8_panels(x, M, K, V, panels, y, ldy, 1, D8_BLOCK, 1, d8_reference16_rows);
 }
 
 /* Bytes of the DOT8 copy of `panels` panels over K inputs. */

@@ -76,7 +76,8 @@ class EagerDecoder:
 
 
 _KINDS = {"float32": 0, "fp16": 1, "q8_0": 2, "q4_1": 3}  # decode_layers.c's enum
-_DOT8_KINDS = {"q8_0": 4, "q4_1": 5}  # the same products with int8 activations, over the DOT8 copy
+# The same products over the DOT8 copy, the rows rounded to int8 or int16 (`PanelLinear.rounding`).
+_DOT8_KINDS = {("q8_0", "int8"): 4, ("q4_1", "int8"): 5, ("q8_0", "int16"): 6, ("q4_1", "int16"): 7}
 _BUFFERS = ("h", "qkv", "rotated", "attended", "o", "gate_up", "gated", "down")  # StackArgs' scratch, in order
 
 
@@ -89,7 +90,7 @@ class Proj(ctypes.Structure):
     @classmethod
     def of(cls, p: PanelLinear) -> Proj:
         if p.dot8 is not None:
-            return cls(_DOT8_KINDS[p.format], p.in_features, p.panel_count, p.dot8.data_ptr())
+            return cls(_DOT8_KINDS[p.format, p.rounding], p.in_features, p.panel_count, p.dot8.data_ptr())
         return cls(_KINDS[p.format], p.in_features, p.panel_count, p.panels.data_ptr())
 
 

@@ -29,9 +29,10 @@ MKL's GEMM over the dense operands takes. From 256 rows (a prompt taken whole wh
 decodes) MKL's GEMM is faster, so the product lays the weight back out densely in a scratch
 buffer and runs it (`UNPACK_ROWS`): rows of such a chunk are not the panel kernel's bits.
 
-With int8 activations (`activations`, `REQSCOPE_ACTIVATIONS=int8`, on a CPU with AVX-512 VNNI)
-q8_0 and q4_1 hold a second layout of their blocks (`dot8`) and multiply each row rounded to int8
-in integer dot products (`dot8_rows.c`, llama.cpp's arithmetic) at every row count.
+On a CPU with AVX-512 VNNI (`activations`), q8_0 and q4_1 hold a second layout of their blocks
+(`dot8`) and multiply each row rounded to int16 (the default: float32's logits within 1e-7 nats) or,
+asked for with `REQSCOPE_ACTIVATIONS=int8`, to int8 (llama.cpp's arithmetic) in integer dot products
+(`dot8_rows.c`) at every row count. `REQSCOPE_ACTIVATIONS=float32` keeps float32 rows.
 
 The kernel is C, compiled once per machine with the system compiler (`cpu_kernels.library`).
 Where there is none, the weight format falls back and its reason says why.
@@ -72,32 +73,40 @@ Q8_PANEL_BLOCK = PANEL * 4 + Q8_BLOCK * PANEL
 BLOCK_BYTES = {"q4_1": Q4_PANEL_BLOCK, "q8_0": Q8_PANEL_BLOCK}
 
 
-# The block formats' products take float32 rows (panel_rows.c: gguf's float32 weights times the
-# rows, float32's logits) unless this environment variable is "int8": then each row is rounded to
-# int8 per 32 inputs and multiplied in integers (dot8_rows.c, llama.cpp's arithmetic on the same
-# blocks), which changes every logit a little and, where the CPU has AVX-512 VNNI, runs an
-# 8-row step's products several times faster. One choice per process, as the float32 kernel's.
+# What the block formats' products multiply by (one choice per process, as the float32 kernel's):
+# - "int16", where the CPU has AVX-512 VNNI and nothing else is asked for: each row rounded to 16 bits
+#   per 32 inputs, the products summed in integers (dot8_rows.c). The logits stay within 1e-7 nats of
+#   float32's (README, "Weight formats"), and the products run 1.6-3x faster than float32's FMAs;
+# - "int8" (asked for): rounded to int8 as llama.cpp does, faster again but 3e-3 nats off float32's
+#   logits, so opt-in;
+# - "float32" (asked for, or no VNNI): panel_rows.c multiplies gguf's float32 weights by the rows
+#   themselves, float32 panels' bits.
 ACTIVATIONS_ENV = "REQSCOPE_ACTIVATIONS"
+ACTIVATIONS = ("int16", "int8", "float32")
 
 
-def _int8_asked() -> bool:
-    return os.environ.get(ACTIVATIONS_ENV, "").strip().lower() == "int8"
+def _asked() -> str:
+    return os.environ.get(ACTIVATIONS_ENV, "").strip().lower()
 
 
 def activations() -> str:
-    """What the block formats multiply by: "int8" where the environment asks for it and the CPU has
-    VNNI's dot products, else "float32"."""
-    if not _int8_asked():
+    """What the block formats multiply by: "int16" or "int8" (rows rounded, integer dot products) where the
+    CPU has VNNI's dot products, "float32" where it has not or the environment asks for it."""
+    asked = _asked() if _asked() in ACTIVATIONS else "int16"
+    if asked == "float32":
         return "float32"
     lib = library().lib
-    return "int8" if lib is not None and lib.dot8_native() else "float32"
+    return asked if lib is not None and lib.dot8_native() else "float32"
 
 
 def activations_refusal() -> str | None:
-    """Why int8 activations, asked for in the environment, are not used here (None where they are or
-    were not asked for)."""
-    if not _int8_asked() or activations() == "int8":
+    """Why the activations the environment asks for are not used here (None where they are, or nothing
+    was asked for)."""
+    asked = _asked()
+    if not asked or activations() == asked:
         return None
+    if asked not in ACTIVATIONS:
+        return f"{ACTIVATIONS_ENV}={asked!r} is none of {', '.join(ACTIVATIONS)}"
     return library().why_not or "this CPU has no AVX-512 VNNI dot products"
 
 
@@ -124,7 +133,8 @@ class PanelLinear:
     """
 
     __slots__ = (
-        "format", "panels", "dot8", "in_features", "out_features", "chunks", "stored_bytes", "read_bytes", "_lib",
+        "format", "panels", "dot8", "rounding", "in_features", "out_features", "chunks", "stored_bytes", "read_bytes",
+        "_lib",
     )  # fmt: skip
 
     def __init__(self, fmt: str, weight: torch.Tensor, chunks: int) -> None:
@@ -181,11 +191,13 @@ class PanelLinear:
         return {"panels": self.panels}
 
     def _dot8_copy(self) -> None:
-        """With int8 activations (`activations`), the blocks laid out again for dot8_rows.c's integer dot
-        products (its DOT8 LAYOUT); the groups stay for everything else (lookups, a long prompt's unpacking)."""
-        self.dot8 = None
-        if self.format not in BLOCK_FORMATS or activations() != "int8":
+        """With rounded activations (`activations`: int16 or int8, `rounding`), the blocks laid out again
+        for dot8_rows.c's integer dot products (its DOT8 LAYOUT); the groups stay for everything else
+        (lookups, a long prompt's unpacking)."""
+        self.dot8, self.rounding = None, None
+        if self.format not in BLOCK_FORMATS or activations() == "float32":
             return
+        self.rounding = activations()
         q8, panels, k = int(self.format == "q8_0"), self.panel_count, self.in_features
         self.dot8 = torch.empty(self._lib.dot8_bytes(q8, panels, k), dtype=torch.uint8)
         pack = self._lib.q8_0_dot8_pack if q8 else self._lib.q4_1_dot8_pack
@@ -213,7 +225,7 @@ class PanelLinear:
         [T, out] buffer, when given: a decode step's scratch)."""
         x = x.contiguous()
         rows, panels = x.shape[0], self.panel_count
-        # int8 activations keep their arithmetic at any row count: a prompt's rows then round alike whether
+        # Rounded activations keep their arithmetic at any row count: a prompt's rows then round alike whether
         # it is prefilled alone or beside others (and the dot products outrun MKL's float32 GEMM here).
         laid_out = self.dot8 is None and panels * PANEL * self.in_features <= UNPACK_MAX_ELEMENTS
         if rows >= UNPACK_ROWS and laid_out:
@@ -224,7 +236,7 @@ class PanelLinear:
         y = out if direct else torch.empty(rows, width, dtype=torch.float32)
         lib, threads = self._lib, torch.get_num_threads()
         if self.dot8 is not None:
-            kernel = lib.q4_1_dot8 if self.format == "q4_1" else lib.q8_0_dot8
+            kernel = getattr(lib, f"{self.format}_{'dot16' if self.rounding == 'int16' else 'dot8'}")
             kernel(x.data_ptr(), rows, self.in_features, self.dot8.data_ptr(), panels, y.data_ptr(), width, threads)
         elif self.format in BLOCK_FORMATS:
             kernel = lib.q4_1_panels if self.format == "q4_1" else lib.q8_0_panels

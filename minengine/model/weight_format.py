@@ -51,9 +51,11 @@ from minengine.model.panel_kernels import (
 #
 # q4_1 comes before them where the checkpoint's weights are Q4_1's blocks already (its head
 # Q8_0's), as in a model converted from a Q4_1 GGUF, the default model included (`q4_1_holds`):
-# the panels then hold float32's very values, so the logits are float32 panels' bits, at 98
-# MiB read a step against fp16's 261 (README, "Weight formats": 1.3x fp16's decode). On any other
-# checkpoint q4_1 would round the weights, and auto never takes it.
+# the panels then hold float32's very values, so times float32 rows the logits are float32 panels'
+# bits, at 98 MiB read a step against fp16's 261 (README, "Weight formats": 1.3x fp16's decode).
+# On a CPU with AVX-512 VNNI the rows are rounded to int16 (`panel_kernels.activations`): mean KL
+# about 5e-8 nats from float32's, float32's greedy tokens, and faster products (README, "int16
+# activations"). On any other checkpoint q4_1 would round the weights, and auto never takes it.
 AUTO_CPU_ORDER: tuple[str, ...] = ("q4_1", "fp16", "float32")
 # float32's kernels on the same machine (README, "Weight formats" and "Many requests, one step"):
 # the panel kernel decodes one stream 1.1-1.25x as fast as the dense operands and 8 streams
@@ -142,11 +144,15 @@ def _fp16(why: str) -> WeightChoice:
 
 
 def _block_why(why: str) -> str:
-    """`why` for a block format, naming int8 activations where they multiply (or why, asked for, they do not)."""
-    if activations() == "int8":
-        return f"{why}; int8 activations ({ACTIVATIONS_ENV}=int8: llama.cpp's arithmetic, not float32's logits)"
-    refused = activations_refusal()
-    return f"{why}; float32 activations, since {refused}" if refused else why
+    """`why` for a block format, naming rounded activations where they multiply (or why, asked for, they do not)."""
+    used, refused = activations(), activations_refusal()
+    if used == "float32":
+        return f"{why}; float32 activations, since {refused}" if refused else why
+    if used == "int8":
+        why = f"{why}; int8 activations ({ACTIVATIONS_ENV}=int8: llama.cpp's arithmetic, not float32's logits)"
+    else:
+        why = f"{why}; int16 activations (float32's logits within 1e-7 nats; {ACTIVATIONS_ENV}=float32 for their bits)"
+    return f"{why}; {refused}" if refused else why
 
 
 def compute_dtype_for(name: str, device: torch.device) -> str:

@@ -90,13 +90,15 @@ def test_silu_gating_is_float64s_in_place_or_not(n):
 
 
 needs_vnni = pytest.mark.skipif(
-    library().lib is None or not library().lib.dot8_native(), reason="int8 activations need AVX-512 VNNI"
+    library().lib is None or not library().lib.dot8_native(), reason="rounded activations need AVX-512 VNNI"
 )
-INT8 = [pytest.param("q8_0+int8", marks=needs_vnni), pytest.param("q4_1+int8", marks=needs_vnni)]
+# The block formats under each activations: float32 rows, and rows rounded to int16 (the default on a VNNI CPU) or int8.
+BLOCKS = ["q8_0+float32", "q4_1+float32"]
+ROUNDED = [pytest.param(f"{fmt}+{acts}", marks=needs_vnni) for acts in ("int16", "int8") for fmt in ("q8_0", "q4_1")]
 
 
 def _runner(folder, packs, monkeypatch=None):
-    """The model under `packs`; "FORMAT+int8" loads FORMAT with int8 activations (dot8_rows.c)."""
+    """The model under `packs`; "FORMAT+ACTS" loads FORMAT with those activations (float32, int16, int8)."""
     packs, _, acts = (packs or "").partition("+")
     packs = packs or None
     if acts:
@@ -121,7 +123,7 @@ def _steps(runner, cfg, monkeypatch, stack: bool) -> list[torch.Tensor]:
 
 
 @needs_kernel
-@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", "q8_0", "q4_1", *INT8])
+@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", *BLOCKS, *ROUNDED])
 @pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-tied", "mistral"])
 def test_the_c_stack_gives_the_python_blocks_logits_bit_for_bit(tiny_models, monkeypatch, packs, name):
     cfg, runner = _runner(tiny_models[name][0], packs, monkeypatch)
@@ -153,7 +155,7 @@ def _pooled_steps(runner, cfg, pool, monkeypatch, stack: bool) -> list[list[torc
 
 
 @needs_kernel
-@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", "q8_0", "q4_1", *INT8])
+@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", *BLOCKS, *ROUNDED])
 def test_a_shared_steps_decode_rows_in_the_c_stack_are_the_python_blocks_bit_for_bit(tiny_models, monkeypatch, packs):
     from minengine.kv.block_pool import BlockPool
 
@@ -166,7 +168,7 @@ def test_a_shared_steps_decode_rows_in_the_c_stack_are_the_python_blocks_bit_for
 
 
 @needs_kernel
-@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", *INT8])
+@pytest.mark.parametrize("packs", ["float32-panels", "fp16-panels", *ROUNDED])
 def test_a_row_alone_in_the_c_stack_is_that_row_in_a_batched_step(tiny_models, monkeypatch, packs):  # the Python blocks
     cfg, runner = _runner(tiny_models["llama-gqa"][0], packs, monkeypatch)
     ids = _randn(PROMPT_LEN).abs().mul(100).long() % cfg.vocab_size

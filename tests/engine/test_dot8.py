@@ -1,12 +1,13 @@
-"""int8 activations (dot8_rows.c, llama.cpp's arithmetic on q4_1 and q8_0 blocks): the VNNI tiles
-against the plain C reference bit for bit, the reference against float64 arithmetic on the rounded
-rows, a row's bits whatever rows share its call, and the choice through the environment.
+"""Rounded activations over q4_1 and q8_0 blocks (dot8_rows.c): int16 (the default on a VNNI CPU) and
+int8 (llama.cpp's arithmetic). The VNNI tiles against the plain C reference bit for bit, the reference
+against float64 arithmetic on the rounded rows, a row's bits whatever rows share its call, and the
+choice through the environment.
 
-The arithmetic: each row rounded to int8 per 32 inputs (scale max |x| / 127, ties to even), a
-block's products summed exactly in integers, then per block fma(S, d * dx, acc) and, for q4_1,
-fma(m, dx * sum(xq), acc). So against float64 over the same rounded rows and the stored weights,
-only float32's rounding of a few terms per block remains (1e-6 relative); against float32 rows
-the rounding of the activations (about 0.4% of a product here) does.
+The arithmetic: each row rounded per 32 inputs (scale max |x| / 127 for int8, / 32767 for int16, ties
+to even), a block's products summed exactly in integers, then per block fma(S, d * dx, acc) and, for
+q4_1, fma(m, dx * sum(xq), acc). So against float64 over the same rounded rows and the stored
+weights, only float32's rounding of a few terms per block remains (1e-6 relative); against float32
+rows the rounding of the activations does: about 0.4% of a product for int8, 1e-5 for int16.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ FORMATS = ("q4_1", "q8_0")
 
 needs_kernel = pytest.mark.skipif(library().lib is None, reason=library().why_not)
 needs_vnni = pytest.mark.skipif(
-    library().lib is None or not library().lib.dot8_native(), reason="int8 activations need AVX-512 VNNI"
+    library().lib is None or not library().lib.dot8_native(), reason="rounded activations need AVX-512 VNNI"
 )
+ROUNDINGS = ("int16", "int8")
+TOP = {"int8": 127, "int16": 32767}  # a block's largest |x| rounds to this
 
 
 def _weight(shape, seed=0):
@@ -43,19 +46,26 @@ def _x(rows, features, seed=1):
 def _dot8(panel: PanelLinear, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
     lib, rows = library().lib, x.shape[0]
     y = torch.empty(rows, panel.panel_count * PANEL)
-    name = f"{panel.format}_dot8" + ("_reference" if reference else "")
+    name = f"{panel.format}_{'dot16' if panel.rounding == 'int16' else 'dot8'}" + ("_reference" if reference else "")
     args = [x.contiguous().data_ptr(), rows, panel.in_features, panel.dot8.data_ptr(), panel.panel_count]
     getattr(lib, name)(*args, y.data_ptr(), y.shape[1], *(() if reference else (2,)))
     return y[:, : panel.out_features]
 
 
-def _rounded_rows(x: torch.Tensor) -> np.ndarray:
-    """llama.cpp's Q8 rounding of the rows, in float64: xq * d per block of 32."""
+def _rounded_rows(x: torch.Tensor, top: int) -> np.ndarray:
+    """The rows rounded as dot8_rows.c rounds them (llama.cpp's Q8 for top 127), in float64: xq * d per block of 32."""
     blocks = x.double().numpy().reshape(x.shape[0], -1, 32)
-    d = (np.abs(blocks).max(-1, keepdims=True).astype(np.float32) / np.float32(127)).astype(np.float32)
+    d = (np.abs(blocks).max(-1, keepdims=True).astype(np.float32) / np.float32(top)).astype(np.float32)
     inv = np.where(d != 0, np.float32(1) / np.where(d == 0, 1, d), 0).astype(np.float32)
     q = np.rint((blocks.astype(np.float32) * inv).astype(np.float32))  # float32 multiply, ties to even
     return (q * d.astype(np.float64)).reshape(x.shape[0], -1)
+
+
+@pytest.fixture(params=ROUNDINGS)
+def rounded(request, monkeypatch):
+    """The activations each test runs under: int16, then int8."""
+    monkeypatch.setenv(ACTIVATIONS_ENV, request.param)
+    return request.param
 
 
 @pytest.fixture
@@ -63,28 +73,40 @@ def int8(monkeypatch):
     monkeypatch.setenv(ACTIVATIONS_ENV, "int8")
 
 
-@needs_kernel
+@needs_vnni
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_the_reference_is_float64_over_the_rounded_rows_and_stored_weights(int8, fmt, shape):
-    if activations() != "int8":
-        pytest.skip("int8 activations need AVX-512 VNNI")
+def test_the_reference_is_float64_over_the_rounded_rows_and_stored_weights(rounded, fmt, shape):
     panel = PanelLinear(fmt, _weight(shape), 1)
+    assert panel.rounding == rounded
     stored = panel.rows(torch.arange(shape[0])).double().numpy()  # [out, in], the blocks' float32 values
+    near = {"int8": 0.02, "int16": 2e-4}[rounded]  # the rows' rounding, against the largest output
     for rows in (1, 3, 8):
         x = _x(rows, shape[1])
         got = _dot8(panel, x, reference=True).double().numpy()
-        want = _rounded_rows(x) @ stored.T
+        want = _rounded_rows(x, TOP[rounded]) @ stored.T
         exact = x.double().numpy() @ stored.T
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
-        assert np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()  # the rows' rounding: near, not equal
-        assert np.abs(got - exact).max() > 1e-5 * np.abs(exact).max()
+        assert np.abs(got - exact).max() <= near * np.abs(exact).max()  # near, not equal
+        assert np.abs(got - exact).max() > near / 2000 * np.abs(exact).max()
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_int16_rows_land_a_hundred_times_nearer_float32s_products_than_int8(monkeypatch, fmt):
+    w, x = _weight((960, 576)), _x(8, 576)
+    exact = PanelLinear(fmt, w, 1).rows(torch.arange(960)).double() @ x.double().T
+    errors = {}
+    for rounding in ROUNDINGS:
+        monkeypatch.setenv(ACTIVATIONS_ENV, rounding)
+        errors[rounding] = (PanelLinear(fmt, w, 1).linear(x).double().T - exact).abs().max().item()
+    assert errors["int16"] * 100 < errors["int8"]
 
 
 @needs_vnni
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_the_vnni_tiles_give_the_references_bits_and_a_row_the_same_bits_in_any_batch(int8, fmt, shape):
+def test_the_vnni_tiles_give_the_references_bits_and_a_row_the_same_bits_in_any_batch(rounded, fmt, shape):
     panel = PanelLinear(fmt, _weight(shape), 1)
     alone = [_dot8(panel, _x(1, shape[1], seed=100 + r)) for r in range(max(ROWS))]
     for rows in ROWS:
@@ -96,20 +118,29 @@ def test_the_vnni_tiles_give_the_references_bits_and_a_row_the_same_bits_in_any_
 
 
 @needs_vnni
-def test_int8_activations_are_asked_for_in_the_environment_and_named_in_the_choice(monkeypatch):
+def test_activations_are_int16_by_default_and_the_environment_picks_int8_or_float32(monkeypatch):
     w = _weight((96, 64))
-    assert PanelLinear("q4_1", w, 1).dot8 is None  # float32 activations by default: gguf's bits
-    monkeypatch.setenv(ACTIVATIONS_ENV, "int8")
+    monkeypatch.delenv(ACTIVATIONS_ENV, raising=False)
     panel = PanelLinear("q4_1", w, 1)
-    assert panel.dot8 is not None
+    assert (activations(), panel.rounding) == ("int16", "int16")
     assert panel.stored_bytes == panel.panels.numel() + panel.dot8.numel()  # both held
     assert PanelLinear("fp16", w, 1).dot8 is None  # only the block formats
+    assert "int16 activations (float32's logits within 1e-7 nats" in resolve_weights("q4_1", CPU, torch.float32).label
+    monkeypatch.setenv(ACTIVATIONS_ENV, "int8")
+    assert PanelLinear("q4_1", w, 1).rounding == "int8"
     choice = resolve_weights("q4_1", CPU, torch.float32)
     assert "int8 activations" in choice.label and "not float32's logits" in choice.label
+    monkeypatch.setenv(ACTIVATIONS_ENV, "float32")
+    assert PanelLinear("q4_1", w, 1).dot8 is None  # gguf's float32 weights times float32 rows
+    assert "activations" not in resolve_weights("q4_1", CPU, torch.float32).label
+    monkeypatch.setenv(ACTIVATIONS_ENV, "int4")
+    assert activations() == "int16"
+    label = resolve_weights("q4_1", CPU, torch.float32).label
+    assert f"{ACTIVATIONS_ENV}='int4' is none of int16, int8, float32" in label
 
 
 @needs_kernel
-def test_int8_activations_asked_for_without_vnni_fall_back_saying_why(monkeypatch):
+def test_rounded_activations_asked_for_without_vnni_fall_back_saying_why(monkeypatch):
     from minengine.model import panel_kernels, weight_format
 
     monkeypatch.setenv(ACTIVATIONS_ENV, "int8")

@@ -6,6 +6,9 @@ of float64 (fp16's: of float64's product of the half-rounded weights); q8_0 roun
 to 8 bits within its block of 32 (relative error of a product about 0.5%, bound 1%); q4_1 to 4
 bits (a weight's error about 8%), but weights that came from Q4_1 blocks it holds exactly. The tiny
 models' logits under float32 panels stay within transformers' 1e-4, as the dense operands' do.
+
+The block formats multiply float32 rows here (`REQSCOPE_ACTIVATIONS=float32`, set for every test):
+rows rounded to int16 or int8 are test_dot8.py's, beside one check below of int16 on a whole model.
 """
 
 from __future__ import annotations
@@ -22,7 +25,15 @@ from minengine.engine.engine import Engine
 from minengine.kv.cache import KVCache
 from minengine.model import cpu_kernels, weight_format
 from minengine.model.cpu_kernels import KernelLibrary, library
-from minengine.model.panel_kernels import PANEL, Q8_BLOCK, UNPACK_MAX_ELEMENTS, UNPACK_ROWS, PanelLinear, block_refusal
+from minengine.model.panel_kernels import (
+    ACTIVATIONS_ENV,
+    PANEL,
+    Q8_BLOCK,
+    UNPACK_MAX_ELEMENTS,
+    UNPACK_ROWS,
+    PanelLinear,
+    block_refusal,
+)
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.model.weight_format import FLOAT32_KERNEL_ENV, WeightFormatError, resolve_weights
@@ -33,6 +44,12 @@ ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 31, 64, 70)
 PROMPT_LEN, NEW_TOKENS = 20, 16
 
 needs_kernel = pytest.mark.skipif(library().lib is None, reason=library().why_not)
+
+
+@pytest.fixture(autouse=True)
+def float32_rows(monkeypatch):
+    """The block formats' float32 arithmetic: gguf's float32 weights times float32 rows."""
+    monkeypatch.setenv(ACTIVATIONS_ENV, "float32")
 
 
 def _weight(shape, seed=0):
@@ -315,6 +332,28 @@ def test_q4_1_runs_a_q4_1_checkpoint_with_float32_panels_logits(tiny_models, tmp
     token = torch.tensor([5])
     for pos in range(PROMPT_LEN, PROMPT_LEN + 4):
         assert torch.equal(q4.forward(token, pos, caches[0]), f32.forward(token, pos, caches[1]))
+
+
+@pytest.mark.skipif(
+    library().lib is None or not library().lib.dot8_native(), reason="int16 activations need AVX-512 VNNI"
+)
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-tied", "qwen2"])
+def test_with_int16_activations_a_q4_1_checkpoints_logits_stay_near_float32_panels(
+    tiny_models, tmp_path, monkeypatch, name
+):
+    monkeypatch.setenv(layout_cache.DISABLE_ENV, "0")
+    folder = _through_gguf_blocks(tiny_models[name][0], tmp_path / name)
+    cfg, f32 = _runner(folder, "float32-panels")
+    monkeypatch.setenv(ACTIVATIONS_ENV, "int16")
+    _, q4 = _runner(folder, "q4_1")
+    assert q4.model.layers[0].qkv.rounding == "int16"
+    ids = _prompt(cfg.vocab_size)
+    caches = _cache(cfg), _cache(cfg)
+    got, want = q4.forward(ids, 0, caches[0]), f32.forward(ids, 0, caches[1])
+    token = torch.tensor([5])
+    for pos in range(PROMPT_LEN, PROMPT_LEN + 4):
+        assert 0 < _rel(got, want) < 1e-4  # rounded rows: near float32's logits, not their bits
+        got, want = q4.forward(token, pos, caches[0]), f32.forward(token, pos, caches[1])
 
 
 @needs_kernel
