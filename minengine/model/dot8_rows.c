@@ -52,6 +52,10 @@
 #define D4_BITS(blk) ((blk) + DW * 2 * 2)
 #define D8_BITS(blk) ((blk) + DW * 4)
 #define DOT8_AHEAD 16 /* blocks a tile asks for ahead of the one it reads, as panel_rows.c's */
+/* From this many blocks the threads round a call's rows together: an 8-row step's rows rounded by the
+ * calling thread kept the other waiting for 15% of the step (perf); a row's few blocks (18-48) take
+ * less than the barrier that sharing them adds. */
+#define ROUND_TOGETHER 64
 /* The byte of a DOT8 block's weights that holds column col at input i: q4_1's low nibble for inputs
  * 0..15, high for 16..31 (D4_HIGH); q8_0's whole byte. */
 #define D4_AT(col, i) (((col) / 16) * 256 + ((i) / 4 % 4) * 64 + 4 * ((col) % 16) + (i) % 4)
@@ -106,27 +110,25 @@ static inline float round_block(const float *xb, float top, __m256i q[4], int32_
     return d;
 }
 
-/* Rows rounded per block, int8 (llama.cpp's quantize_row_q8_1: d = max |x| / 127, s = d * sum(xq))
- * or int16 (d = max |x| / 32767, each quad in INT16 ORDER). */
-static void quantize_rows(const float *x, long M, long K, int wide) {
+/* Block b of row r rounded into a: int8 (llama.cpp's quantize_row_q8_1: d = max |x| / 127, s = d * sum(xq))
+ * or int16 (d = max |x| / 32767, each quad in INT16 ORDER). A block's bits are its own, whichever
+ * thread rounds it. */
+static void quantize_block(Acts *a, const float *x, long K, long r, long b, int wide) {
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), quad = _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7);
     long blocks = K / QB;
-    for (long r = 0; r < M; r++)
-        for (long b = 0; b < blocks; b++) {
-            __m256i q[4];
-            int32_t n;
-            float d = round_block(x + r * K + b * QB, wide ? 32767.0f : 127.0f, q, &n);
-            if (wide) {
-                int16_t *o = acts.w + r * K + b * QB;
-                for (int i = 0; i < 4; i++) q[i] = _mm256_permutevar8x32_epi32(q[i], quad);
-                _mm256_storeu_si256((__m256i *)o, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
-                _mm256_storeu_si256((__m256i *)(o + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
-            } else {
-                __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-                _mm256_storeu_si256((__m256i *)(acts.q + r * K + b * QB), _mm256_permutevar8x32_epi32(packed, order));
-            }
-            acts.d[r * blocks + b] = d, acts.s[r * blocks + b] = d * (float)n, acts.n[r * blocks + b] = n;
-        }
+    __m256i q[4];
+    int32_t n;
+    float d = round_block(x + r * K + b * QB, wide ? 32767.0f : 127.0f, q, &n);
+    if (wide) {
+        int16_t *o = a->w + r * K + b * QB;
+        for (int i = 0; i < 4; i++) q[i] = _mm256_permutevar8x32_epi32(q[i], quad);
+        _mm256_storeu_si256((__m256i *)o, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+        _mm256_storeu_si256((__m256i *)(o + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+    } else {
+        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(a->q + r * K + b * QB), _mm256_permutevar8x32_epi32(packed, order));
+    }
+    a->d[r * blocks + b] = d, a->s[r * blocks + b] = d * (float)n, a->n[r * blocks + b] = n;
 }
 
 /* Row r's rounded input i: int8 in order; int16 with each quad in INT16 ORDER. */
@@ -301,8 +303,8 @@ int dot8_native(void) { return DOT8_NATIVE; }
 typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8_t *G, float *t);
 
 /* y [M, ldy] = x [M, K] times the DOT8 groups V of `panels` panels, block bytes `block`. The
- * rows are rounded once, by the calling thread; then each group (its weights in L1 for every
- * 8 rows) goes to a thread, in shrinking runs as panel_rows.c's block formats. */
+ * rows are rounded once, into the calling thread's Acts; then each group (its weights in L1 for
+ * every 8 rows) goes to a thread, in shrinking runs as panel_rows.c's block formats. */
 static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy,
                         int threads, long block, int wide, GroupRows rows_of) {
     if (!reserve(M, K, wide ? 2 : 1)) {  /* no memory for the rounded rows: NaN, never another call's numbers */
@@ -310,12 +312,17 @@ static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long p
             for (long c = 0; c < panels * PW; c++) y[r * ldy + c] = NAN;
         return;
     }
-    quantize_rows(x, M, K, wide);
-    long groups = (panels + GP - 1) / GP, per_group = (K / QB) * block;
-    const Acts *a = &acts;  /* the caller's rows, read by every thread */
+    long groups = (panels + GP - 1) / GP, blocks = K / QB, per_group = blocks * block;
+    Acts *a = &acts;  /* the caller's rows (thread-local, so its address is taken once), shared by every thread */
+    int together = M * blocks >= ROUND_TOGETHER;
+    for (long rb = 0; !together && rb < M * blocks; rb++) quantize_block(a, x, K, rb / blocks, rb % blocks, wide);
 #pragma omp parallel num_threads(threads)
     {
         float t[8 * DW];
+        if (together) {  /* then multiply once every block is rounded (the loop's barrier) */
+#pragma omp for schedule(static)
+            for (long rb = 0; rb < M * blocks; rb++) quantize_block(a, x, K, rb / blocks, rb % blocks, wide);
+        }
 #pragma omp for schedule(guided)
         for (long g = 0; g < groups; g++) {
             long columns = (panels - g * GP < GP ? panels - g * GP : GP) * PW;
