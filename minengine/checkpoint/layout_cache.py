@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from minengine.checkpoint.mapped_pages import MappedFiles
 from minengine.checkpoint.paths import models_home
 from minengine.checkpoint.weight_layout import CheckpointReader, Operand
 from minengine.model.panel_kernels import PANEL_PACKS, PanelLinear
@@ -113,6 +114,7 @@ class CachedLayout:
     def __init__(self, tensors: dict[str, torch.Tensor], panels: dict[str, list] | None = None) -> None:
         self.tensors = tensors
         self.panels = panels or {}  # operand name -> [format, out_features, chunks]
+        self._mapped: MappedFiles | None = None  # the file's ranges, read when first needed
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -126,7 +128,13 @@ class CachedLayout:
         name = _projection_name(names)
         if name in self.panels:
             fmt, out_features, stored_chunks = self.panels[name]
-            return PanelLinear.stored(fmt, self.tensors[f"{name}{_PART}panels"], out_features, stored_chunks)
+            made = PanelLinear.stored(fmt, self.tensors[f"{name}{_PART}panels"], out_features, stored_chunks)
+            if made.dot8 is not None:
+                # Rounded activations multiply the DOT8 copy just packed; the groups are read again only
+                # for a tied head's few rows a step (or an inspection), faulted back in from the file.
+                self._mapped = self._mapped or MappedFiles()
+                self._mapped.release(made.panels)
+            return made
         return self.tensors[name]
 
     def embedding(self, name: str, *, tied: bool) -> torch.Tensor | None:

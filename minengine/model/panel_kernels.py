@@ -34,7 +34,8 @@ On a CPU with AVX-512 VNNI (`activations`), q8_0 and q4_1 hold a second layout o
 asked for with `REQSCOPE_ACTIVATIONS=int8`, to int8 (llama.cpp's arithmetic) in integer dot products
 (`dot8_rows.c`) at every row count. `REQSCOPE_ACTIVATIONS=float32` keeps float32 rows. The groups
 stay for the lookups of a tied head and for inspection; on a warm load they are the layout file's
-pages, paged out once copied (`page_out`), so the resident set holds one copy of the weights.
+pages, handed back once copied (`layout_cache.CachedLayout.projection`), so the resident set holds
+one copy of the weights.
 
 The kernel is C, compiled once per machine with the system compiler (`cpu_kernels.library`).
 Where there is none, the weight format falls back and its reason says why.
@@ -50,7 +51,6 @@ import torch
 import torch.nn.functional as F
 
 from minengine.model.cpu_kernels import library
-from minengine.model.page_out import page_out
 
 PANEL = 8  # output columns per panel (one AVX2 vector), as panel_rows.c's PW
 Q8_BLOCK = 32  # inputs per q8_0 scale, as panel_rows.c's QB
@@ -186,8 +186,6 @@ class PanelLinear:
         self.format, self.in_features, self.out_features, self.chunks = fmt, inputs, out_features, chunks
         self.panels, self._lib = panels, lib
         self._dot8_copy()
-        if self.dot8 is not None:  # the groups are the layout file's pages: let them go once copied
-            page_out(self.panels)
         self._count_bytes()
         return self
 

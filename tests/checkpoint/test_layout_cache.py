@@ -113,3 +113,32 @@ def test_by_default_only_pulled_models_get_a_cache(tiny_models, tmp_path, monkey
     pulled = _copy(tiny_models, "llama-gqa", tmp_path / "home")
     _load(pulled)
     assert len(_layouts(pulled)) == 1
+
+
+@pytest.mark.parametrize("activations", ["int16", "float32"])
+def test_a_warm_load_hands_back_the_groups_its_dot8_copy_replaces(tiny_models, tmp_path, monkeypatch, activations):
+    from minengine.checkpoint.mapped_pages import MappedFiles
+    from minengine.model.panel_kernels import ACTIVATIONS_ENV
+    from minengine.model.panel_kernels import activations as active
+
+    monkeypatch.setenv(ACTIVATIONS_ENV, activations)
+    if active() != activations:
+        pytest.skip("int16 activations need AVX-512 VNNI and the panel kernel")
+    released, release = set(), MappedFiles.release  # the pages of every tensor released, by address
+    monkeypatch.setattr(MappedFiles, "release", lambda self, t: released.add(t.data_ptr()) or release(self, t))
+    folder = _copy(tiny_models, "llama-mha-tied", tmp_path)
+    cfg = ModelConfig.from_file(folder)
+    built = Transformer.load(folder, cfg, torch.float32, CPU, packs="q4_1")
+    mapped = Transformer.load(folder, cfg, torch.float32, CPU, packs="q4_1")
+
+    def groups(model):
+        layers = [t for layer in model.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return {p.panels.data_ptr() for p in [model.lm_head, *layers]}
+
+    assert not groups(built) & released  # built here: the process's own memory, and the layout is written from it
+    if activations == "int16":  # every projection multiplies its copy: its groups go back to the file
+        assert groups(mapped) <= released
+    else:
+        assert not groups(mapped) & released  # float32 rows read the groups every step
+    for a, b in zip(_logits(built, cfg), _logits(mapped, cfg), strict=True):
+        assert torch.equal(a, b)  # the tied head's lookups read its released groups back from the file
