@@ -65,21 +65,20 @@
 /* A call's rows rounded to integers: q [M][K] (int8, or int16 in INT16 ORDER), per row and block its
  * scale d, d * the sum of its q (s) and that sum (n). Kept per calling thread and grown as needed. */
 typedef struct {
-    int8_t *q;   /* int8 rows; int16's through w */
-    int16_t *w;  /* the same bytes, for int16 rows */
+    int8_t *q;  /* int8 rows, or int16's bytes (ROWS16) */
     float *d, *s;
     int32_t *n;
     long cap_q, cap_b;  /* cap_q in bytes */
 } Acts;
 
 static __thread Acts acts;
+#define ROWS16(a) ((const int16_t *)(a)->q)  /* the rows as int16, where they were rounded so */
 
 static int reserve(long M, long K, long width) {
     long nq = M * K * width, nb = M * (K / QB);
     if (nq > acts.cap_q) {
         free(acts.q);
         acts.q = aligned_alloc(64, (size_t)((nq + 63) / 64 * 64));
-        acts.w = (int16_t *)acts.q;
         acts.cap_q = acts.q ? nq : 0;
     }
     if (nb > acts.cap_b) {
@@ -120,7 +119,7 @@ static void quantize_block(Acts *a, const float *x, long K, long r, long b, int 
     int32_t n;
     float d = round_block(x + r * K + b * QB, wide ? 32767.0f : 127.0f, q, &n);
     if (wide) {
-        int16_t *o = a->w + r * K + b * QB;
+        int16_t *o = (int16_t *)a->q + r * K + b * QB;
         for (int i = 0; i < 4; i++) q[i] = _mm256_permutevar8x32_epi32(q[i], quad);
         _mm256_storeu_si256((__m256i *)o, _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
         _mm256_storeu_si256((__m256i *)(o + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
@@ -133,7 +132,7 @@ static void quantize_block(Acts *a, const float *x, long K, long r, long b, int 
 
 /* Row r's rounded input i: int8 in order; int16 with each quad in INT16 ORDER. */
 static inline int act(const Acts *a, int wide, long r, long K, long i) {
-    return wide ? a->w[r * K + (i & ~3L) + ((i & 1) << 1) + ((i & 2) >> 1)] : a->q[r * K + i];
+    return wide ? ROWS16(a)[r * K + (i & ~3L) + ((i & 1) << 1) + ((i & 2) >> 1)] : a->q[r * K + i];
 }
 
 /* One column's q4_1 weight at input i of a DOT8 block, and q8_0's (unbiased). */
@@ -145,44 +144,30 @@ static inline int d8_weight(const uint8_t *blk, int c, int i) { return (int)D8_B
 
 static inline float half(uint16_t h) { return _cvtsh_ss(h); }
 
-/* The reference: rows [r0, r0 + M) of a group's DW columns into t [M][DW], one column at a time. */
-static void d4_reference(const Acts *a, int wide, long M, long r0, long K, const uint8_t *G, float *t) {
+/* The reference: rows [r0, r0 + M) of a group's DW columns into t [M][DW], one column at a time; q8_0's
+ * blocks (float32 scales, no minimum) or q4_1's (fp16 scales and minimums). */
+static void reference(const Acts *a, int q8, int wide, long M, long r0, long K, const uint8_t *G, float *t) {
     long blocks = K / QB;
     for (long r = 0; r < M; r++)
         for (int c = 0; c < DW; c++) {
             float acc = 0.0f;
             for (long b = 0; b < blocks; b++) {
-                const uint8_t *blk = G + b * D4_BLOCK;
+                const uint8_t *blk = G + b * (q8 ? D8_BLOCK : D4_BLOCK);
                 long row = (r0 + r) * blocks + b;
                 int32_t S = 0;
-                for (int i = 0; i < QB; i++) S += d4_weight(blk, c, i) * act(a, wide, r0 + r, K, b * QB + i);
-                float d = half(((const uint16_t *)blk)[c]), m = half(((const uint16_t *)blk)[DW + c]);
-                float ds = d * a->d[row];
-                acc = fmaf((float)S, ds, acc);
-                acc = fmaf(m, a->s[row], acc);
+                for (int i = 0; i < QB; i++)
+                    S += (q8 ? d8_weight(blk, c, i) : d4_weight(blk, c, i)) * act(a, wide, r0 + r, K, b * QB + i);
+                float d = q8 ? ((const float *)blk)[c] : half(((const uint16_t *)blk)[c]);
+                acc = fmaf((float)S, d * a->d[row], acc);
+                if (!q8) acc = fmaf(half(((const uint16_t *)blk)[DW + c]), a->s[row], acc);
             }
             t[r * DW + c] = acc;
         }
 }
-static void d8_reference(const Acts *a, int wide, long M, long r0, long K, const uint8_t *G, float *t) {
-    long blocks = K / QB;
-    for (long r = 0; r < M; r++)
-        for (int c = 0; c < DW; c++) {
-            float acc = 0.0f;
-            for (long b = 0; b < blocks; b++) {
-                const uint8_t *blk = G + b * D8_BLOCK;
-                int32_t S = 0;
-                for (int i = 0; i < QB; i++) S += d8_weight(blk, c, i) * act(a, wide, r0 + r, K, b * QB + i);
-                float ds = ((const float *)blk)[c] * a->d[(r0 + r) * blocks + b];
-                acc = fmaf((float)S, ds, acc);
-            }
-            t[r * DW + c] = acc;
-        }
-}
-static void d4_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) { d4_reference(a, 0, M, r0, K, G, t); }
-static void d8_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) { d8_reference(a, 0, M, r0, K, G, t); }
-static void d4_reference16_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) { d4_reference(a, 1, M, r0, K, G, t); }
-static void d8_reference16_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) { d8_reference(a, 1, M, r0, K, G, t); }
+static void d4_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) { reference(a, 0, 0, M, r0, K, G, t); }
+static void d8_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) { reference(a, 1, 0, M, r0, K, G, t); }
+static void d4_reference16_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) { reference(a, 0, 1, M, r0, K, G, t); }
+static void d8_reference16_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) { reference(a, 1, 1, M, r0, K, G, t); }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define DOT8_NATIVE 1
@@ -249,7 +234,7 @@ static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, l
  * the n rows' sums against the weights' even (e) and odd (o) halves of columns 0..15 and 16..31. */
 #define PAIR_QUAD(e0, o0, e1, o1, quad)                                                          \
     for (int r = 0; r < n; r++) {                                                                \
-        const int32_t *xp = (const int32_t *)(a->w + (r0 + h + r) * K + b * QB + 4 * (quad));    \
+        const int32_t *xp = (const int32_t *)(ROWS16(a) + (r0 + h + r) * K + b * QB + 4 * (quad));    \
         __m512i xe = _mm512_set1_epi32(xp[0]), xo = _mm512_set1_epi32(xp[1]);                   \
         s[r][0] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(s[r][0], e0, xe), o0, xo);            \
         s[r][1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(s[r][1], e1, xe), o1, xo);            \

@@ -95,7 +95,8 @@ def _asked() -> str:
 def activations() -> str:
     """What the block formats multiply by: "int16" or "int8" (rows rounded, integer dot products) where the
     CPU has VNNI's dot products, "float32" where it has not or the environment asks for it."""
-    asked = _asked() if _asked() in ACTIVATIONS else "int16"
+    asked = _asked()
+    asked = asked if asked in ACTIVATIONS else "int16"
     if asked == "float32":
         return "float32"
     lib = library().lib
