@@ -251,32 +251,43 @@ static NextUnit next_unit(const AttendArgs *a, long u, long now) {
     return n;
 }
 
-void attend_rows(const AttendArgs *a) {
-    long units = a->rows * a->hkv, longest = 0, work = 0;
-    for (long r = 0; r < a->rows; r++) {
-        long len = row_length(a, r);
-        longest = len > longest ? len : longest;
-        work += len;
+/* Floats of scores a thread's units need: each query head of a group over the longest row, padded to 8. */
+static long padded_length(const AttendArgs *a) {
+    long longest = 0;
+    for (long r = 0; r < a->rows; r++) longest = row_length(a, r) > longest ? row_length(a, r) : longest;
+    return (longest + 7) & ~7L;
+}
+long attend_scratch(const AttendArgs *a) {
+    long padded = padded_length(a);
+    return a->hq / a->hkv * (padded ? padded : 8);
+}
+
+/* The units, taken from *taken (shared, 0 at first) as threads free up: rows of a shared step differ
+ * in length several times over, and a static split left one thread with the long ones. A thread
+ * takes its next unit as it starts one, so that it can ask for its positions meanwhile (NextUnit).
+ * A unit's arithmetic is the same on any thread. s: attend_scratch(a) floats of the thread's own. */
+void attend_units(const AttendArgs *a, long *taken, float *s) {
+    long units = a->rows * a->hkv, padded = padded_length(a);
+    long u = __atomic_fetch_add(taken, 1, __ATOMIC_RELAXED);
+    while (u < units) {
+        long after = __atomic_fetch_add(taken, 1, __ATOMIC_RELAXED);
+        NextUnit next;
+        if (after < units) next = next_unit(a, after, u);
+        attend_unit(a, u / a->hkv, u % a->hkv, s, padded, after < units ? &next : NULL);
+        u = after;
     }
-    long padded = (longest + 7) & ~7L, groups = a->hq / a->hkv;
+}
+
+void attend_rows(const AttendArgs *a) {
+    long work = 0;
+    for (long r = 0; r < a->rows; r++) work += row_length(a, r);
     /* Below some 64k multiply-adds a second thread's wake-up costs more than it saves. */
-    int threads = work * a->hq * a->d >= (1L << 16) && units > 1 ? a->threads : 1;
-    /* Units taken as threads free up: rows of a shared step differ in length several times over,
-     * and a static split left one thread with the long ones. A thread takes its next unit as it
-     * starts one, so that it can ask for its positions meanwhile (NextUnit). A unit's arithmetic
-     * is the same on any thread. */
+    int threads = work * a->hq * a->d >= (1L << 16) && a->rows * a->hkv > 1 ? a->threads : 1;
     long taken = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        float *s = malloc(sizeof(float) * groups * (padded ? padded : 8));
-        long u = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
-        while (u < units) {
-            long after = __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
-            NextUnit next;
-            if (after < units) next = next_unit(a, after, u);
-            attend_unit(a, u / a->hkv, u % a->hkv, s, padded, after < units ? &next : NULL);
-            u = after;
-        }
+        float *s = malloc(sizeof(float) * attend_scratch(a));
+        attend_units(a, &taken, s);
         free(s);
     }
 }

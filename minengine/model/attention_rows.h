@@ -23,5 +23,9 @@ typedef struct {
 } AttendArgs;
 
 void attend_rows(const AttendArgs *a);
+/* Inside a parallel region every thread enters (decode_layers.c): each thread's scores room, in floats,
+ * and its share of the units, taken from *taken (0 before the first thread takes one). */
+long attend_scratch(const AttendArgs *a);
+void attend_units(const AttendArgs *a, long *taken, float *s);
 
 #endif

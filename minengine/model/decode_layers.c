@@ -12,11 +12,14 @@
  * embedding over the whole head, attention, output, RMSNorm, SiLU-gated MLP. The Python side
  * (`eager_step.LayerStack`) decides when, and builds the arguments once per model. Several rows
  * (a shared step's decode rows, attended together in the block pool) run each product over all
- * of them, as the Python batched step does, so each weight is read once a step.
+ * of them, as the Python batched step does, so each weight is read once a step. Where every
+ * projection reads a DOT8 copy (int16 or int8 rows, dot8_rows.c) the whole stack runs in one
+ * parallel region (`team_stack`), the small operations shared out by rows.
  *
  * Built with the other sources by minengine/model/cpu_kernels.py.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "attention_rows.h"
 
@@ -36,6 +39,10 @@ void rms_norm_rows(const float *x, long T, long H, long d, long sxt, long sxh, c
 void rope_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *cos_t, const float *sin_t,
                float *y, long syt, long syh);
 void silu_mul_rows(const float *gate, const float *up, float *out, long T, long n, long sg, long su, long so);
+/* dot8_rows.c: the DOT8 products inside one parallel region */
+void *dot8_acts(long M, long K);
+void dot8_round_row(void *a, const float *x, long K, long r, int wide);
+void dot8_team(const void *a, int q8, int wide, long M, long K, const uint8_t *V, long panels, float *y, long ldy);
 
 /* DOT8: the DOT8 copy, rows rounded to int8; DOT16: to int16 (dot8_rows.c) */
 enum { F32 = 0, F16 = 1, Q8_0 = 2, Q4_1 = 3, Q8_0_DOT8 = 4, Q4_1_DOT8 = 5, Q8_0_DOT16 = 6, Q4_1_DOT16 = 7 };
@@ -85,6 +92,83 @@ static void add(float *x, const float *y, long n) {
     for (long i = 0; i < n; i++) x[i] += y[i];
 }
 
+static int dot8_kind(long kind) { return kind >= Q8_0_DOT8; }
+
+/* Whether every projection reads a DOT8 copy (dot8_rows.c), which the stack can run in one region. */
+static int all_dot8(const StackArgs *a) {
+    for (long i = 0; i < a->layers; i++) {
+        const LayerArgs *l = a->layer + i;
+        if (!dot8_kind(l->qkv.kind) || !dot8_kind(l->o.kind) || !dot8_kind(l->gate_up.kind) || !dot8_kind(l->down.kind))
+            return 0;
+    }
+    return 1;
+}
+
+/* Row r of x (K inputs a row) rounded for p; then, once every row is, p's products over the rows into y. */
+static void round_for(void *acts, const Proj *p, const float *x, long r) {
+    dot8_round_row(acts, x, p->in, r, p->kind >= Q8_0_DOT16);
+}
+static void team_project(const void *acts, const Proj *p, long rows, float *y) {
+    dot8_team(acts, p->kind == Q8_0_DOT8 || p->kind == Q8_0_DOT16, p->kind >= Q8_0_DOT16, rows, p->in, p->weights,
+              p->panels, y, p->panels * 8);
+}
+
+/* The stack over DOT8 copies in one parallel region. Opened per product, as the other formats' stack
+ * does, a region left the second thread waiting while the first ran a layer's norms, rotation,
+ * gating and residual adds alone, and woke it 5 times a layer (perf on 8-row steps: the worker
+ * idle in libgomp for 15% of its time). Here each of those runs row by row on both threads,
+ * fused with rounding the next product's rows, and the threads meet at one barrier per stage. Every
+ * row, block, group and attention unit is computed as in `stack` below, by whichever thread: the
+ * same bits. */
+static void team_stack(const StackArgs *a, void *acts) {
+    long m = a->rows, n = a->hidden, d = a->d;
+    long qkv_w = a->layer[0].qkv.panels * 8, rot_w = a->heads * d, ff = a->ff;
+    AttendArgs *at = a->attend;
+    long taken = 0, room = attend_scratch(at);
+#pragma omp parallel num_threads(a->threads)
+    {
+        float *s = malloc(sizeof(float) * room);
+        for (long i = 0; i < a->layers; i++) {
+            const LayerArgs *l = a->layer + i;
+#pragma omp for schedule(static)
+            for (long r = 0; r < m; r++) {
+                if (i) add(a->x + r * n, a->down + r * n, n);  /* the layer before's MLP, into the residual */
+                rms_norm_rows(a->x + r * n, 1, 1, n, n, 0, l->input_norm, a->eps, a->h + r * n, n, 0);
+                round_for(acts, &l->qkv, a->h, r);
+            }
+            team_project(acts, &l->qkv, m, a->qkv);
+#pragma omp for schedule(static)
+            for (long r = 0; r < m; r++)
+                rope_rows(a->qkv + r * qkv_w, 1, a->heads, d, qkv_w, d, a->cos + r * d, a->sin + r * d,
+                          a->rotated + r * rot_w, rot_w, d);
+#pragma omp single
+            at->kc = l->kc, at->vc = l->vc, taken = 0;
+            attend_units(at, &taken, s);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (long r = 0; r < m; r++) round_for(acts, &l->o, a->attended, r);
+            team_project(acts, &l->o, m, a->o);
+#pragma omp for schedule(static)
+            for (long r = 0; r < m; r++) {
+                add(a->x + r * n, a->o + r * n, n);
+                rms_norm_rows(a->x + r * n, 1, 1, n, n, 0, l->post_norm, a->eps, a->h + r * n, n, 0);
+                round_for(acts, &l->gate_up, a->h, r);
+            }
+            team_project(acts, &l->gate_up, m, a->gate_up);
+#pragma omp for schedule(static)
+            for (long r = 0; r < m; r++) {
+                silu_mul_rows(a->gate_up + r * 2 * ff, a->gate_up + r * 2 * ff + ff, a->gated + r * ff, 1, ff, 2 * ff,
+                              2 * ff, ff);
+                round_for(acts, &l->down, a->gated, r);
+            }
+            team_project(acts, &l->down, m, a->down);
+        }
+#pragma omp for schedule(static)
+        for (long r = 0; r < m; r++) add(a->x + r * n, a->down + r * n, n);
+        free(s);
+    }
+}
+
 void decode_layers(const StackArgs *a) {
     long m = a->rows, n = a->hidden, d = a->d, hq = a->attend->hq;
     long qkv_w = a->layer[0].qkv.panels * 8, rot_w = a->heads * d, ff = a->ff;
@@ -93,6 +177,13 @@ void decode_layers(const StackArgs *a) {
     at->k = a->rotated + hq * d, at->k_rs = rot_w;
     at->v = a->qkv + a->heads * d, at->v_rs = qkv_w;
     at->out = a->attended, at->out_rs = hq * d;
+    long widest = ff > n ? ff : n;  /* the projections' inputs: hidden, attended heads, MLP */
+    widest = hq * d > widest ? hq * d : widest;
+    void *acts = all_dot8(a) ? dot8_acts(m, widest) : NULL;
+    if (acts != NULL) {
+        team_stack(a, acts);
+        return;
+    }
     for (long i = 0; i < a->layers; i++) {
         const LayerArgs *l = a->layer + i;
         rms_norm_rows(a->x, m, 1, n, n, 0, l->input_norm, a->eps, a->h, n, 0);

@@ -287,9 +287,27 @@ int dot8_native(void) { return DOT8_NATIVE; }
 
 typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8_t *G, float *t);
 
-/* y [M, ldy] = x [M, K] times the DOT8 groups V of `panels` panels, block bytes `block`. The
- * rows are rounded once, into the calling thread's Acts; then each group (its weights in L1 for
- * every 8 rows) goes to a thread, in shrinking runs as panel_rows.c's block formats. */
+/* The groups of y [M, ldy] = the rounded rows of a times the DOT8 groups V of `panels` panels, block
+ * bytes `block`, shared out among the threads of the enclosing parallel region (an orphaned loop):
+ * each group (its weights in L1 for every 8 rows) goes to a thread, in shrinking runs as panel_rows.c's
+ * block formats. Ends with the loop's barrier. */
+static void dot8_groups(const Acts *a, long M, long K, const uint8_t *V, long panels, float *y, long ldy, long block,
+                        GroupRows rows_of) {
+    long groups = (panels + GP - 1) / GP, per_group = K / QB * block;
+    float t[8 * DW];
+#pragma omp for schedule(guided)
+    for (long g = 0; g < groups; g++) {
+        long columns = (panels - g * GP < GP ? panels - g * GP : GP) * PW;
+        for (long r0 = 0; r0 < M; r0 += 8) {
+            long rows = M - r0 < 8 ? M - r0 : 8;
+            rows_of(a, rows, r0, K, V + g * per_group, t);
+            for (long r = 0; r < rows; r++) memcpy(y + (r0 + r) * ldy + g * DW, t + r * DW, sizeof(float) * columns);
+        }
+    }
+}
+
+/* y [M, ldy] = x [M, K] times the DOT8 groups V of `panels` panels. The rows are rounded once, into
+ * the calling thread's Acts; then `dot8_groups` shares the groups out. */
 static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy,
                         int threads, long block, int wide, GroupRows rows_of) {
     if (!reserve(M, K, wide ? 2 : 1)) {  /* no memory for the rounded rows: NaN, never another call's numbers */
@@ -297,26 +315,17 @@ static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long p
             for (long c = 0; c < panels * PW; c++) y[r * ldy + c] = NAN;
         return;
     }
-    long groups = (panels + GP - 1) / GP, blocks = K / QB, per_group = blocks * block;
+    long blocks = K / QB;
     Acts *a = &acts;  /* the caller's rows (thread-local, so its address is taken once), shared by every thread */
     int together = M * blocks >= ROUND_TOGETHER;
     for (long rb = 0; !together && rb < M * blocks; rb++) quantize_block(a, x, K, rb / blocks, rb % blocks, wide);
 #pragma omp parallel num_threads(threads)
     {
-        float t[8 * DW];
         if (together) {  /* then multiply once every block is rounded (the loop's barrier) */
 #pragma omp for schedule(static)
             for (long rb = 0; rb < M * blocks; rb++) quantize_block(a, x, K, rb / blocks, rb % blocks, wide);
         }
-#pragma omp for schedule(guided)
-        for (long g = 0; g < groups; g++) {
-            long columns = (panels - g * GP < GP ? panels - g * GP : GP) * PW;
-            for (long r0 = 0; r0 < M; r0 += 8) {
-                long rows = M - r0 < 8 ? M - r0 : 8;
-                rows_of(a, rows, r0, K, V + g * per_group, t);
-                for (long r = 0; r < rows; r++) memcpy(y + (r0 + r) * ldy + g * DW, t + r * DW, sizeof(float) * columns);
-            }
-        }
+        dot8_groups(a, M, K, V, panels, y, ldy, block, rows_of);
     }
 }
 
@@ -340,6 +349,27 @@ void q4_1_dot16(const float *x, long M, long K, const uint8_t *V, long panels, f
 void q8_0_dot16(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) {
     dot8_panels(x, M, K, V, panels, y, ldy, threads, D8_BLOCK, 1, TILE_OR_REFERENCE(w8_tile_rows, d8_reference16_rows));
 }
+/* The same products inside a parallel region that every thread of it enters (decode_layers.c's stack,
+ * one region for a whole step): `dot8_acts` readies the calling thread's Acts for M rows of up to K
+ * inputs (NULL where memory runs out) before the region; in it, each row is rounded by whichever
+ * thread `dot8_round_row` is called on, and once every row is (a barrier), every thread calls
+ * `dot8_team` to share out the groups of the q8_0 (`q8`) or q4_1 weights V, rows rounded to int16
+ * (`wide`) or int8. A block's rounding and a group's sums are the ones `*_dot8` and `*_dot16` compute:
+ * the same bits. */
+void *dot8_acts(long M, long K) { return reserve(M, K, 2) ? &acts : NULL; }
+
+void dot8_round_row(void *a, const float *x, long K, long r, int wide) {
+    for (long b = 0; b < K / QB; b++) quantize_block(a, x, K, r, b, wide);
+}
+
+void dot8_team(const void *a, int q8, int wide, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
+    GroupRows rows_of = q8 ? (wide ? TILE_OR_REFERENCE(w8_tile_rows, d8_reference16_rows)
+                                   : TILE_OR_REFERENCE(d8_tile_rows, d8_reference_rows))
+                           : (wide ? TILE_OR_REFERENCE(w4_tile_rows, d4_reference16_rows)
+                                   : TILE_OR_REFERENCE(d4_tile_rows, d4_reference_rows));
+    dot8_groups(a, M, K, V, panels, y, ldy, q8 ? D8_BLOCK : D4_BLOCK, rows_of);
+}
+
 void q4_1_dot8_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
     dot8_panels(x, M, K, V, panels, y, ldy, 1, D4_BLOCK, 0, d4_reference_rows);
 }
