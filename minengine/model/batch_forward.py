@@ -184,10 +184,10 @@ def _stacked(
     stack = LayerStack.of(model) if len(chosen) == len(rows) and group.kernel is not None else None
     if stack is None or not all(r.logits for r in rows):
         return None
-    stack.rows(x, cos, sin, group.kernel, group.segment, computing)
+    logits = stack.rows(x, cos, sin, group.kernel, group.segment, computing)
     for cache, end in zip(group.caches, group.ends, strict=True):  # as `PooledRows` records each layer
         cache.lengths[:] = [end] * len(cache.lengths)
-    return list(model.logits(x, per_position=True))
+    return list(model.logits(x, per_position=True) if logits is None else logits)
 
 
 def pooled_rows_count(segment: Segment, lengths: list[int]) -> int:

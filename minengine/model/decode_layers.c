@@ -73,6 +73,9 @@ typedef struct {
     const float *cos, *sin;               /* each row's rotary rows [rows, d] (cos, signed sin) */
     AttendArgs *attend;                   /* its rows, shapes and positions; q, k, v, out and the
                                            * cache's kc, vc are set here, per layer */
+    const float *final_norm;              /* with logits: the model's last RMSNorm, then the head */
+    Proj head;
+    float *logits;                        /* [rows, head.panels * 8], or NULL: the caller runs the head */
 } StackArgs;
 
 static void project(const Proj *p, long rows, const float *x, float *xp, float *y, int threads) {
@@ -164,7 +167,14 @@ static void team_stack(const StackArgs *a, void *acts) {
             team_project(acts, &l->down, m, a->down);
         }
 #pragma omp for schedule(static)
-        for (long r = 0; r < m; r++) add(a->x + r * n, a->down + r * n, n);
+        for (long r = 0; r < m; r++) {
+            add(a->x + r * n, a->down + r * n, n);
+            if (a->logits) {
+                rms_norm_rows(a->x + r * n, 1, 1, n, n, 0, a->final_norm, a->eps, a->h + r * n, n, 0);
+                round_for(acts, &a->head, a->h, r);
+            }
+        }
+        if (a->logits) team_project(acts, &a->head, m, a->logits);
         free(s);
     }
 }
@@ -179,7 +189,7 @@ void decode_layers(const StackArgs *a) {
     at->out = a->attended, at->out_rs = hq * d;
     long widest = ff > n ? ff : n;  /* the projections' inputs: hidden, attended heads, MLP */
     widest = hq * d > widest ? hq * d : widest;
-    void *acts = all_dot8(a) ? dot8_acts(m, widest) : NULL;
+    void *acts = all_dot8(a) && (!a->logits || dot8_kind(a->head.kind)) ? dot8_acts(m, widest) : NULL;
     if (acts != NULL) {
         team_stack(a, acts);
         return;
@@ -198,5 +208,9 @@ void decode_layers(const StackArgs *a) {
         silu_mul_rows(a->gate_up, a->gate_up + ff, a->gated, m, ff, 2 * ff, 2 * ff, ff);
         project(&l->down, m, a->gated, a->xp, a->down, a->threads);
         add(a->x, a->down, m * n);
+    }
+    if (a->logits) {
+        rms_norm_rows(a->x, m, 1, n, n, 0, a->final_norm, a->eps, a->h, n, 0);
+        project(&a->head, m, a->h, a->xp, a->logits, a->threads);
     }
 }

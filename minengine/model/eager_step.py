@@ -60,13 +60,14 @@ class EagerDecoder:
         attention = SlotAttention(cache, pos, s, model.scale)
         x = model.embed_tokens(ids)  # [1, hidden], a fresh tensor: residuals are added in place
         stack = LayerStack.of(model) if attention.kernel is not None else None
+        logits = None
         if stack is not None:  # every block in one C call, the same arithmetic on the same buffers
-            stack.step(x, cos, sin, attention.kernel, s)
+            logits = stack.step(x, cos, sin, attention.kernel, s)
         else:
             for i in range(len(model.layers)):
                 x = model.block(i, x, cos, sin, attention, s)
         cache.note_written(pos + 1)
-        return model.logits(x)
+        return model.logits(x) if logits is None else logits
 
     def _buffers(self) -> Scratch:
         s = getattr(self._local, "scratch", None)
@@ -109,7 +110,8 @@ class StackArgs(ctypes.Structure):
                 ("heads", ctypes.c_long), ("d", ctypes.c_long), ("ff", ctypes.c_long),
                 ("eps", ctypes.c_float), ("threads", ctypes.c_int), ("layer", ctypes.c_void_p), ("x", ctypes.c_void_p),
                 *((name, ctypes.c_void_p) for name in _BUFFERS), ("xp", ctypes.c_void_p),
-                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("attend", ctypes.c_void_p)]  # fmt: skip
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("attend", ctypes.c_void_p),
+                ("final_norm", ctypes.c_void_p), ("head", Proj), ("logits", ctypes.c_void_p)]  # fmt: skip
 
 
 class LayerStack:
@@ -148,6 +150,14 @@ class LayerStack:
         h, d = self.hidden, self.d
         self.widths = (h, first.qkv.out_features, self.heads * d, self.hq * d, h, 2 * self.ff, self.ff, h)
         self.widest = max(p.in_features for p in (first.qkv, first.o, first.gate_up, first.down))
+        # The final norm and the head too, where the head reads a DOT8 copy: in the stack's one parallel
+        # region (decode_layers.c), rather than a norm and a product of their own from Python.
+        head = model.lm_head
+        self.head: Proj | None = None
+        dot8 = isinstance(head, PanelLinear) and head.dot8 is not None and head.out_features == head.panel_count * 8
+        if dot8 and model.norm.eps_value == self.eps and model.norm.weight.dim() == 1:
+            self.head, self.vocab = Proj.of(head), head.out_features
+        self.final_norm = model.norm.weight.data_ptr()
         self._call = library().lib.decode_layers
         # A shared step's buffers, kept from step to step (only the model thread runs steps): a
         # row count's scratch, and the pool segment the layers' cache pointers point into.
@@ -179,10 +189,22 @@ class LayerStack:
             cos=cos.data_ptr(), sin=sin.data_ptr(), attend=ctypes.addressof(attend),
         )  # fmt: skip
 
-    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: SlotKernel, s: Scratch) -> None:
+    def _logits(self, a: StackArgs, rows: int) -> torch.Tensor | None:
+        """The rows' logits [rows, vocab] the call will write, where the stack runs the head (`head`)."""
+        if self.head is None:
+            return None
+        logits = torch.empty(rows, self.vocab, dtype=torch.float32)
+        a.final_norm, a.head, a.logits = self.final_norm, self.head, logits.data_ptr()
+        return logits
+
+    def step(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: SlotKernel, s: Scratch
+    ) -> torch.Tensor | None:
         """Every block on one row x [1, hidden] (added to in place) at the position `kernel`
-        writes, in the scratch `s` the Python block would use."""
+        writes, in the scratch `s` the Python block would use; its logits [vocab] where the stack
+        runs the head, else None (the caller runs it)."""
         a = self._args(1, x, cos, sin, kernel.args)
+        logits = self._logits(a, 1)
         h = torch.empty(self.hidden, dtype=torch.float32)  # the normalised residual
         for name, t in zip(_BUFFERS, (h, s.qkv, s.rotated, s.attended, s.o, s.gate_up, s.gate, s.down), strict=True):
             setattr(a, name, t.data_ptr())  # gated in place over the gate, as the Python block does
@@ -190,6 +212,7 @@ class LayerStack:
             args.kc, args.vc = kc, vc
         self._pointed = None  # the layers point into this request's own cache now
         self._call(ctypes.addressof(a))
+        return None if logits is None else logits.view(-1)
 
     def rows(
         self,
@@ -199,10 +222,11 @@ class LayerStack:
         kernel: RowsKernel,
         store: Segment,
         computing: Callable[[], object] | None = None,
-    ) -> None:
+    ) -> torch.Tensor | None:
         """Every block on the decode rows x [rows, hidden] (added to in place), attended by
         `kernel` in the pool segment `store`; cos/sin [rows, 1, d] contiguous. `computing` is
-        called just before the C call.
+        called just before the C call. The rows' logits [rows, vocab] where the stack runs the
+        head, else None (the caller runs it).
 
         What Python does here runs cold (the step before has streamed the weights through every
         cache) and, in a shared step, beside the threads of requests woken meanwhile: pointing 30
@@ -229,9 +253,11 @@ class LayerStack:
             for i, args in enumerate(self.layers):
                 args.kc, args.vc = kp + i * k_step, vp + i * v_step
             self._pointed = pointed
+        logits = self._logits(a, m)
         if computing is not None:
             computing()
         self._call(ctypes.addressof(a))
+        return logits
 
 
 class SlotAttention:
