@@ -113,8 +113,28 @@ static inline float round_block(const float *xb, float top, __m256i q[4], int32_
  * or int16 (d = max |x| / 32767, each quad in INT16 ORDER). A block's bits are its own, whichever
  * thread rounds it. */
 static void quantize_block(Acts *a, const float *x, long K, long r, long b, int wide) {
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), quad = _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7);
     long blocks = K / QB;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    /* The same values in half the instructions: round_block's arithmetic, 16 lanes at a time (the
+     * maximum and the integer sum are exact in any order; each value is one multiply and one
+     * conversion in the same rounding mode). */
+    const float *xb = x + r * K + b * QB;
+    __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    float d = amax / (wide ? 32767.0f : 127.0f), id = d != 0.0f ? 1.0f / d : 0.0f;
+    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+    __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+    int32_t n = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    if (wide) {  /* each quad in INT16 ORDER */
+        int16_t *o = (int16_t *)a->q + r * K + b * QB;
+        _mm256_storeu_si256((__m256i *)o, _mm512_cvtsepi32_epi16(_mm512_shuffle_epi32(q0, _MM_SHUFFLE(3, 1, 2, 0))));
+        _mm256_storeu_si256((__m256i *)(o + 16), _mm512_cvtsepi32_epi16(_mm512_shuffle_epi32(q1, _MM_SHUFFLE(3, 1, 2, 0))));
+    } else {
+        _mm_storeu_si128((__m128i *)(a->q + r * K + b * QB), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(a->q + r * K + b * QB + 16), _mm512_cvtsepi32_epi8(q1));
+    }
+#else
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), quad = _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7);
     __m256i q[4];
     int32_t n;
     float d = round_block(x + r * K + b * QB, wide ? 32767.0f : 127.0f, q, &n);
@@ -127,6 +147,7 @@ static void quantize_block(Acts *a, const float *x, long K, long r, long b, int 
         __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
         _mm256_storeu_si256((__m256i *)(a->q + r * K + b * QB), _mm256_permutevar8x32_epi32(packed, order));
     }
+#endif
     a->d[r * blocks + b] = d, a->s[r * blocks + b] = d * (float)n, a->n[r * blocks + b] = n;
 }
 
@@ -146,7 +167,7 @@ static inline float half(uint16_t h) { return _cvtsh_ss(h); }
 
 /* The reference: rows [r0, r0 + M) of a group's DW columns into t [M][DW], one column at a time; q8_0's
  * blocks (float32 scales, no minimum) or q4_1's (fp16 scales and minimums). */
-static void reference(const Acts *a, int q8, int wide, long M, long r0, long K, const uint8_t *G, float *t) {
+static void reference(const Acts *a, int q8, int wide, long M, long r0, long K, const uint8_t *G, float *t, long ldt) {
     long blocks = K / QB;
     for (long r = 0; r < M; r++)
         for (int c = 0; c < DW; c++) {
@@ -161,20 +182,20 @@ static void reference(const Acts *a, int q8, int wide, long M, long r0, long K, 
                 acc = fmaf((float)S, d * a->d[row], acc);
                 if (!q8) acc = fmaf(half(((const uint16_t *)blk)[DW + c]), a->s[row], acc);
             }
-            t[r * DW + c] = acc;
+            t[r * ldt + c] = acc;
         }
 }
-static void d4_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) { reference(a, 0, 0, M, r0, K, G, t); }
-static void d8_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) { reference(a, 1, 0, M, r0, K, G, t); }
-static void d4_reference16_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) { reference(a, 0, 1, M, r0, K, G, t); }
-static void d8_reference16_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t) { reference(a, 1, 1, M, r0, K, G, t); }
+static void d4_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t, long ldt) { reference(a, 0, 0, M, r0, K, G, t, ldt); }
+static void d8_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t, long ldt) { reference(a, 1, 0, M, r0, K, G, t, ldt); }
+static void d4_reference16_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t, long ldt) { reference(a, 0, 1, M, r0, K, G, t, ldt); }
+static void d8_reference16_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t, long ldt) { reference(a, 1, 1, M, r0, K, G, t, ldt); }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define DOT8_NATIVE 1
 /* RT rows (at most 8) x a group's DW columns over the whole input: 2 x RT float sums in registers,
  * each block's integer sums 4 rows at a time (8 x 2 int32 sums would not fit beside them). */
 #define D_TILE(NAME, BLOCK, WEIGHTS, FINISH)                                                      \
-static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, long r0, long K, const uint8_t *G, float *t) { \
+static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, long r0, long K, const uint8_t *G, float *t, long ldt) { \
     long blocks = K / QB;                                                                        \
     __m512 acc[8][2];                                                                            \
     for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                    \
@@ -195,7 +216,7 @@ static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, l
         }                                                                                        \
     }                                                                                            \
     for (int r = 0; r < RT; r++)                                                                 \
-        for (int v = 0; v < 2; v++) _mm512_storeu_ps(t + r * DW + 16 * v, acc[r][v]);            \
+        for (int v = 0; v < 2; v++) _mm512_storeu_ps(t + r * ldt + 16 * v, acc[r][v]);           \
 }
 /* Quad `quad` of the block's inputs (its 4 bytes of each row, broadcast) into the n rows' sums. */
 #define DOT_QUAD(w0, w1, quad)                                                                   \
@@ -262,16 +283,16 @@ D_TILE(w4_tile, D4_BLOCK, W4_WEIGHTS, D4_FINISH)
 D_TILE(w8_tile, D8_BLOCK, W8_WEIGHTS, D8_FINISH)
 /* A constant row count for each call, so the loops over rows unroll. */
 #define D_ROWS(TILE)                                                                             \
-    static void TILE##_rows(const Acts *a, long RT, long r0, long K, const uint8_t *G, float *t) {             \
+    static void TILE##_rows(const Acts *a, long RT, long r0, long K, const uint8_t *G, float *t, long ldt) {   \
         switch (RT) {                                                                            \
-            case 1: TILE(a, 1, r0, K, G, t); break;                                                 \
-            case 2: TILE(a, 2, r0, K, G, t); break;                                                 \
-            case 3: TILE(a, 3, r0, K, G, t); break;                                                 \
-            case 4: TILE(a, 4, r0, K, G, t); break;                                                 \
-            case 5: TILE(a, 5, r0, K, G, t); break;                                                 \
-            case 6: TILE(a, 6, r0, K, G, t); break;                                                 \
-            case 7: TILE(a, 7, r0, K, G, t); break;                                                 \
-            default: TILE(a, 8, r0, K, G, t); break;                                                \
+            case 1: TILE(a, 1, r0, K, G, t, ldt); break;                                                 \
+            case 2: TILE(a, 2, r0, K, G, t, ldt); break;                                                 \
+            case 3: TILE(a, 3, r0, K, G, t, ldt); break;                                                 \
+            case 4: TILE(a, 4, r0, K, G, t, ldt); break;                                                 \
+            case 5: TILE(a, 5, r0, K, G, t, ldt); break;                                                 \
+            case 6: TILE(a, 6, r0, K, G, t, ldt); break;                                                 \
+            case 7: TILE(a, 7, r0, K, G, t, ldt); break;                                                 \
+            default: TILE(a, 8, r0, K, G, t, ldt); break;                                                \
         }                                                                                        \
     }
 D_ROWS(d4_tile)
@@ -285,7 +306,8 @@ D_ROWS(w8_tile)
 /* Whether the VNNI tiles were built (else the products run the reference, correct but slow). */
 int dot8_native(void) { return DOT8_NATIVE; }
 
-typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8_t *G, float *t);
+/* Rows [r0, r0 + rows) of a group's DW columns into t, rows ldt floats apart. */
+typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8_t *G, float *t, long ldt);
 
 /* The groups of y [M, ldy] = the rounded rows of a times the DOT8 groups V of `panels` panels, block
  * bytes `block`, shared out among the threads of the enclosing parallel region (an orphaned loop):
@@ -300,7 +322,11 @@ static void dot8_groups(const Acts *a, long M, long K, const uint8_t *V, long pa
         long columns = (panels - g * GP < GP ? panels - g * GP : GP) * PW;
         for (long r0 = 0; r0 < M; r0 += 8) {
             long rows = M - r0 < 8 ? M - r0 : 8;
-            rows_of(a, rows, r0, K, V + g * per_group, t);
+            if (columns == DW) {  /* a whole group: straight into y */
+                rows_of(a, rows, r0, K, V + g * per_group, y + r0 * ldy + g * DW, ldy);
+                continue;
+            }
+            rows_of(a, rows, r0, K, V + g * per_group, t, DW);  /* the last group's padding columns stay in t */
             for (long r = 0; r < rows; r++) memcpy(y + (r0 + r) * ldy + g * DW, t + r * DW, sizeof(float) * columns);
         }
     }
