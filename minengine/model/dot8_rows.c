@@ -90,8 +90,9 @@ static int reserve(long M, long K, long width) {
     return acts.cap_q >= nq && acts.cap_b >= nb;
 }
 
-/* A block's largest |x| (AVX2, so every build rounds alike) and its 32 values times 1 / (that / top),
- * rounded to nearest (ties to even, the vector conversion's mode), with their sum; returns the scale. */
+/* A block's largest |x| and its 32 values times 1 / (that / top), rounded to nearest (ties to even, the
+ * vector conversion's mode), with their sum; returns the scale. AVX2, for builds without the VNNI
+ * tiles; quantize_block's AVX-512 path gives the same values. */
 static inline float round_block(const float *xb, float top, __m256i q[4], int32_t *sum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 v[4], big = _mm256_setzero_ps();
