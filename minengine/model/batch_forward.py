@@ -225,9 +225,12 @@ def forward_rows(
         return []
     ids = torch.tensor([t for r in rows for t in r.ids], device=model.device)
     x = model.embed_tokens(ids)
-    tables = [model.rope.lookup_signed(r.start, len(r.ids)) for r in rows]
-    cos = torch.cat([c for c, _ in tables]) if len(rows) > 1 else tables[0][0]
-    sin = torch.cat([s for _, s in tables]) if len(rows) > 1 else tables[0][1]
+    if len(ids) == len(rows) > 1:  # decode rows only: a position each
+        cos, sin = model.rope.lookup_signed_at([r.start for r in rows])
+    else:
+        tables = [model.rope.lookup_signed(r.start, len(r.ids)) for r in rows]
+        cos = torch.cat([c for c, _ in tables]) if len(rows) > 1 else tables[0][0]
+        sin = torch.cat([s for _, s in tables]) if len(rows) > 1 else tables[0][1]
     attention = RowsAttention(rows, model.dtype, model.cfg.num_key_value_heads, model.scale)
     stacked = _stacked(model, rows, attention, x, cos, sin, computing)
     if stacked is not None:

@@ -83,6 +83,14 @@ class RotaryTable:
         self.ensure(start + length)
         return self.cos[start : start + length, None], self.signed_sin[start : start + length, None]
 
+    def lookup_signed_at(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for each of `positions` (a shared step's decode rows), [len, 1, head_dim]
+        and contiguous: one gather each, where a slice per row and a concatenation took 0.18 ms of an
+        8-row step."""
+        self.ensure(max(positions) + 1)
+        at = torch.tensor(positions, device=self.cos.device)
+        return self.cos[at, None], self.signed_sin[at, None]
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [..., T, head_dim] by the angles in cos/sin [T, head_dim] (Hugging Face's formula)."""
