@@ -121,8 +121,8 @@ static void team_project(const void *acts, const Proj *p, long rows, float *y) {
  * gating and residual adds alone, and woke it 5 times a layer (perf on 8-row steps: the worker
  * idle in libgomp for 15% of its time). Here each of those runs row by row on both threads,
  * fused with rounding the next product's rows, and the threads meet at one barrier per stage. Every
- * row, block, group and attention unit is computed as in `stack` below, by whichever thread: the
- * same bits. */
+ * row, block, group and attention unit is computed as in `decode_layers`' loop of calls below, by
+ * whichever thread: the same bits. */
 static void team_stack(const StackArgs *a, void *acts) {
     long m = a->rows, n = a->hidden, d = a->d;
     long qkv_w = a->layer[0].qkv.panels * 8, rot_w = a->heads * d, ff = a->ff;
