@@ -43,6 +43,7 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -71,12 +72,14 @@ class BlockFormat:
         """FP8 storage, with one float32 scale per position and head."""
         return self.dtype == torch.float8_e4m3fn
 
-    @property
+    # Made once per format (a frozen dataclass: its fields never change): every token's KV snapshot
+    # asks for them (`PagedKVCache.usage`, `BlockPool.sharing`).
+    @cached_property
     def payload_bytes(self) -> int:
         """K and V bytes of one block, all layers (the seeds' formula times the block's tokens)."""
         return kv_bytes_per_token(self.layers, self.heads, self.head_dim, self.dtype.itemsize) * self.block_size
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Bytes one block really takes: the payload and any FP8 scales."""
         scales = 2 * self.layers * self.heads * self.block_size * 4 if self.quantized else 0

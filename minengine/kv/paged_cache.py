@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from minengine.config import ModelConfig
-from minengine.kv.arithmetic import blocks_for, kv_bytes_per_token
+from minengine.kv.arithmetic import blocks_for
 from minengine.kv.block_pool import PREFIX, BlockFormat, BlockPool, Segment
 from minengine.kv.cache import dequantize_fp8, quantize_fp8
 from minengine.kv.usage import KV_LAYOUTS, BlockSharing, KVUsage
@@ -96,11 +96,6 @@ class PagedKVCache:
         self.blocks: list[int] = []  # the block table: block i holds positions [i*block_size, (i+1)*block_size)
         self._usage: tuple[tuple, KVUsage] | None = None  # the last `usage`, and what it was made from
         self._sharing: tuple[tuple[int, int], BlockSharing] | None = None  # the last `usage`'s sharing, and its key
-        # `usage`'s per-cache figures, made once: the seeds' formula per token (all layers), a block's bytes.
-        itemsize = self.storage_dtype.itemsize
-        self._per_token = kv_bytes_per_token(cfg.num_hidden_layers, self.heads, cfg.head_dim, itemsize)
-        self._block_bytes = self.format.nbytes
-        self._layer_block_bytes = self._block_bytes // cfg.num_hidden_layers
         self.attached = 0  # leading blocks shared in from the prefix cache
         self.contiguous = True  # the table is one run of consecutive blocks
         self._runs: list[Run] = []
@@ -309,9 +304,9 @@ class PagedKVCache:
         Kept until the cache or the pool's references change: a decode step asks for it several
         times (the step's read, the request's token), 8 requests a step, and building it took
         11-30 us a time. Each token of a request asks with its own lengths, so the whole is new each
-        time; its per-cache figures are made once, and the blocks' sharing (a walk of the table
-        under the pool's lock) is kept apart until the table's length or the pool's references
-        change: 13.9 -> 10.7 us a call at 150 positions. A shared step's consumers run beside its
+        time; the format's byte counts are made once (`BlockFormat`), and the blocks' sharing (a walk
+        of the table under the pool's lock) is kept apart until the table's length or the pool's
+        references change: 13.9 -> 10.7 us a call at 150 positions. A shared step's consumers run beside its
         kernels, on the same two cores.
         """
         lengths = tuple(self.lengths) if lengths is None else lengths
@@ -325,9 +320,10 @@ class PagedKVCache:
         shared = self._sharing
         if shared is None or shared[0] != (held, changes):
             shared = self._sharing = ((held, changes), self.pool.sharing(self.format, self.blocks[:held]))
-        cfg, layers = self.cfg, self.cfg.num_hidden_layers
-        per_layer_token = self._per_token // layers
-        physical = held * self._block_bytes
+        cfg, fmt, layers = self.cfg, self.format, self.cfg.num_hidden_layers
+        per_token = fmt.payload_bytes // self.block_size  # the seeds' formula, all layers
+        per_layer_token = per_token // layers
+        physical = held * fmt.nbytes
         usage = KVUsage(
             layout=self.layout,
             dtype=str(self.storage_dtype).removeprefix("torch."),
@@ -337,13 +333,13 @@ class PagedKVCache:
             layers=layers,
             stored_heads=self.heads,
             head_dim=cfg.head_dim,
-            bytes_per_token=self._per_token,
+            bytes_per_token=per_token,
             logical_bytes=per_layer_token * sum(lengths),
             physical_bytes=physical,
             reserved_bytes=physical,  # nothing is held beyond the blocks
             per_layer_tokens=lengths,
             per_layer_logical_bytes=tuple(map(per_layer_token.__mul__, lengths)),
-            per_layer_physical_bytes=(self._layer_block_bytes * held,) * layers,
+            per_layer_physical_bytes=(fmt.nbytes // layers * held,) * layers,
             sharing=shared[1],
         )
         self._usage = (key, usage)

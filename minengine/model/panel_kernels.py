@@ -199,9 +199,10 @@ class PanelLinear:
         for dot8_rows.c's integer dot products (its DOT8 LAYOUT); the groups stay for everything else
         (lookups, a long prompt's unpacking)."""
         self.dot8, self.rounding = None, None
-        if self.format not in BLOCK_FORMATS or activations() == "float32":
+        rounding = activations() if self.format in BLOCK_FORMATS else "float32"
+        if rounding == "float32":
             return
-        self.rounding = activations()
+        self.rounding = rounding
         q8, panels, k = int(self.format == "q8_0"), self.panel_count, self.in_features
         self.dot8 = torch.empty(self._lib.dot8_bytes(q8, panels, k), dtype=torch.uint8)
         pack = self._lib.q8_0_dot8_pack if q8 else self._lib.q4_1_dot8_pack
