@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,6 +71,54 @@ class Crashed:
 RunItem = Admitted | Generated | Ended | Crashed
 
 
+class LoopInbox:
+    """Items the worker threads hand to one event loop, delivered together.
+
+    `call_soon_threadsafe` writes to the loop's self-pipe each time: with 8 requests decoding,
+    8 writes and up to 8 wake-ups of the loop a step, each taking CPU from the step's threads on
+    a 2-core machine. Here only the item that finds the inbox empty schedules a delivery; the
+    items that follow before it runs ride along. Each queue still gets its items in order.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)  # kept by `_inboxes` under the loop: no reference back to it
+        self._lock = threading.Lock()
+        self._items: deque[tuple[asyncio.Queue[RunItem], RunItem]] = deque()
+
+    def put(self, queue: asyncio.Queue[RunItem], item: RunItem) -> None:
+        """Hand `item` to `queue` on the loop; raises RuntimeError once the loop has closed."""
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            raise RuntimeError("the event loop is closed")
+        with self._lock:
+            self._items.append((queue, item))
+            if len(self._items) > 1:  # a delivery is scheduled and has not run yet
+                return
+        try:
+            loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            with self._lock:
+                self._items.clear()
+            raise
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, deque()
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopInbox] = weakref.WeakKeyDictionary()
+
+
+def inbox_of(loop: asyncio.AbstractEventLoop) -> LoopInbox:
+    """The loop's one inbox (made on the loop's own thread, the first time a run starts there)."""
+    inbox = _inboxes.get(loop)
+    if inbox is None:
+        inbox = _inboxes[loop] = LoopInbox(loop)
+    return inbox
+
+
 class EngineRun:
     """A request's session on a worker thread; `next()` yields its items on the event loop."""
 
@@ -91,14 +141,14 @@ class EngineRun:
         self._on_exit = on_exit  # the worker is done, however it ended
         self._on_preempt = on_preempt  # the engine took the request's KV back (it runs again later)
         self._queue: asyncio.Queue[RunItem] = asyncio.Queue()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inbox: LoopInbox | None = None
         self.finished = threading.Event()
         self._over = False  # the handler has read the end
         self.disconnect_ms: float | None = None
 
     def start(self) -> None:
         """Start the worker thread; call from the event loop that will read the items."""
-        self._loop = asyncio.get_running_loop()
+        self._inbox = inbox_of(asyncio.get_running_loop())
         name = f"reqscope-{self.session.request.request_id}"
         threading.Thread(target=self._work, name=name, daemon=True).start()
 
@@ -120,7 +170,7 @@ class EngineRun:
 
     def _post(self, item: RunItem) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._inbox.put(self._queue, item)
         except RuntimeError:  # the event loop has closed (server shutting down): nobody listens
             self.session.cancel()
 
