@@ -49,6 +49,7 @@ WORDS: dict[Setting, Words] = {
     Setting.PLANNER: Words("reqscope plan"),
     Setting.MAX_NUM_SEQS: Words("--max-num-seqs"),
     Setting.MAX_NUM_BATCHED_TOKENS: Words("--max-num-batched-tokens"),
+    Setting.KERNELS: Words("--kernels"),
 }
 
 

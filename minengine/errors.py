@@ -35,6 +35,7 @@ class Setting(Enum):
     PLANNER = "the planner"
     MAX_NUM_SEQS = "max_num_seqs"
     MAX_NUM_BATCHED_TOKENS = "max_num_batched_tokens"
+    KERNELS = "kernels"
 
 
 @dataclass(frozen=True)

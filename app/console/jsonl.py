@@ -96,6 +96,7 @@ def print_jsonl(
                     "text": ev.text,
                     "t_ms": round(ev.t_ms, 3),
                     "itl_ms": None if ev.itl_ms is None else round(ev.itl_ms, 3),
+                    "path": ev.path,
                     "kv_logical_bytes": ev.kv.logical_bytes,
                     "kv_physical_bytes": ev.kv.physical_bytes,
                     "kv_blocks": block_sharing_json(ev.kv.sharing),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from minengine.checkpoint.weights import load_state_dict
 from minengine.config import ModelConfig
 from minengine.device import resolve_device, resolve_dtype, synchronize
 from minengine.engine.events import Event
@@ -18,17 +19,22 @@ from minengine.engine.scheduler import Scheduler
 from minengine.engine.session import RequestSession
 from minengine.engine.step_loop import Member, StepLoop, default_limits
 from minengine.engine.timeline import Timeline
-from minengine.errors import Mention, ModelNotFoundError, Setting
+from minengine.errors import ConfigError, Mention, ModelNotFoundError, Setting
 from minengine.kv.block_pool import BlockPool
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache
 from minengine.kv.usage import PoolUsage
 from minengine.model.runner import ModelRunner
+from minengine.reference.model import ReferenceModel
+from minengine.reference.runner import ReferenceRunner, reference_weights
 from minengine.model.transformer import Transformer
 from minengine.model.weight_format import compute_dtype_for, refuse_shapes, resolve_weights
 from minengine.progress import ProgressCallback
 from minengine.text.tokenizer import ModelTokenizer
 from minengine.threads import model_thread
+
+
+KERNELS = ("fast", "reference")  # the ways an engine's steps compute (`Engine(kernels=...)`)
 
 
 def default_kv_budget(device: torch.device) -> int:
@@ -81,6 +87,7 @@ class Engine:
         cuda_graph: bool = True,
         max_num_seqs: int = 8,
         max_num_batched_tokens: int | None = None,
+        kernels: str = "fast",
     ) -> None:
         """Load the model in `model_dir`; a first load that lays out the CPU weights reports its
         stages to `progress` (see `minengine.progress`). `prefix_cache` keeps finished requests'
@@ -92,7 +99,9 @@ class Engine:
         default depends on the device); up to `max_num_seqs` requests run at once. `weights` is
         the projections' storage ("auto", "float32", "fp16", "bf16", "int8";
         `minengine.model.weight_format` says what each means where, and what auto picks); it is
-        checked before anything is loaded."""
+        checked before anything is loaded. `kernels` is "fast" (the engine's own paths,
+        `minengine.model.runner`) or "reference": every forward through the plain PyTorch model
+        (`minengine.reference`), dense weights as the checkpoint stores them."""
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.device = resolve_device(device)
@@ -106,9 +115,15 @@ class Engine:
         if dtype == "auto":
             dtype = compute_dtype_for(weights, self.device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kernels = kernels
+        if kernels not in KERNELS:
+            raise ConfigError(f"kernels {kernels!r} is none of {', '.join(KERNELS)}; pass ", Setting.KERNELS)
         # On the model thread (below): auto's probe of the checkpoint runs torch's parallel operations, and a
         # second OpenMP team left on this thread would throttle every step's workers (measured: 110 -> 48 tok/s).
-        self.weights = model_thread().call(resolve_weights, weights, self.device, self.dtype, self.model_dir)
+        if kernels == "reference":
+            self.weights = reference_weights(weights, self.dtype)
+        else:
+            self.weights = model_thread().call(resolve_weights, weights, self.device, self.dtype, self.model_dir)
         refuse_shapes(self.weights, self.cfg)
         self.tokenizer = ModelTokenizer(self.model_dir)
         # On the thread every step will run on (`threads.model_thread`): one OpenMP team for both.
@@ -128,8 +143,13 @@ class Engine:
         )
         self.load_ms = (time.perf_counter() - start) * 1000
 
-    def _load(self, progress: ProgressCallback | None, cuda_graph: bool) -> tuple[Transformer, ModelRunner]:
+    def _load(
+        self, progress: ProgressCallback | None, cuda_graph: bool
+    ) -> tuple[Transformer | ReferenceModel, ModelRunner | ReferenceRunner]:
         """The model and the runner requests make caches and run steps through."""
+        if self.kernels == "reference":
+            reference = ReferenceModel(self.cfg, load_state_dict(self.model_dir, self.cfg, self.dtype, self.device))
+            return reference, ReferenceRunner(reference)
         model = Transformer.load(self.model_dir, self.cfg, self.dtype, self.device, progress, packs=self.weights.packs)
         model.rope.ensure(min(self.cfg.max_position_embeddings, 4096))
         runner = ModelRunner(model, static_decode=cuda_graph and self.device.type == "cuda")
@@ -187,4 +207,5 @@ class Engine:
             f"{self.model_dir.name}: {c.model_type}, {c.num_hidden_layers} layers, "
             f"{c.num_attention_heads} q heads / {c.num_key_value_heads} kv heads ({c.attention_kind}), "
             f"{self.device.type} {str(self.dtype).removeprefix('torch.')}, weights {self.weights.label}"
+            + (", reference kernels" if self.kernels == "reference" else "")
         )

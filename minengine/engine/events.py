@@ -132,6 +132,9 @@ class TokenEvent:
     # when the session was asked to capture it (`RequestSession.inspect`); None otherwise, and
     # in traces recorded before it was kept.
     inspection: StepInspection | None = None
+    # The way the step behind this token ran (`minengine.model.step_path`; prefill's last chunk for
+    # the first token); empty in traces recorded before it was kept.
+    path: str = ""
 
     @property
     def read_step_ms(self) -> float:

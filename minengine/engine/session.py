@@ -718,9 +718,15 @@ class RequestSession:
             bytes_read=self._bytes_read(index, state),
             batch=state.batch if index else None,
             inspection=inspection,
+            path=self._step_path(state),
         )
         state.previous_t = t
         return event, "stop" if stops else "stop_sequence" if stop_hit else None
+
+    def _step_path(self, state: DecodeState) -> str:
+        """The path of the step behind the waiting token: its shared step, or prefill's last chunk."""
+        step = state.batch or (self._member.last_step if self._member is not None else None)
+        return step.path if step is not None else ""
 
     def _bytes_read(self, index: int, state: DecodeState) -> StepBytes | None:
         """What the step behind token `index` read: the shared step's whole read when others shared

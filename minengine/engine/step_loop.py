@@ -538,6 +538,7 @@ class StepLoop:
         except Exception as exc:  # the step failed: every request in it fails with the same error
             error = exc
         step_ms = (time.perf_counter() - start) * 1000
+        path = self.runner.last_path.name
         summaries = self._summaries(plan, logits) if error is None else {}
         chosen = self._choose(plan, logits, summaries) if error is None else {}
         self._last_step_s = step_ms / 1000 if len(plan) > 1 else 0.0  # a lone sequence has no one to wait for
@@ -561,6 +562,7 @@ class StepLoop:
                     solo_step_ms=solo,
                     pool=self.pool(member, members),
                     bytes_read=read,
+                    path=path,
                 )
                 member.steps.append(facts)
                 member.last_step = facts

@@ -214,15 +214,22 @@ def _pool_segment(row: Row) -> Segment | None:
     return segment if all(run.segment is segment for run in runs) else None
 
 
-@torch.inference_mode()
 def forward_rows(
     model: Transformer, rows: list[Row], computing: Callable[[], object] | None = None
 ) -> list[torch.Tensor | None]:
     """Run every row's tokens through `model` in one pass; each row's next-token logits [vocab]
     (float32), or None for a row that asked for none (a prompt chunk before the last).
     `computing` is called once the inputs are laid out, before the blocks run."""
+    return run_rows(model, rows, computing)[1]
+
+
+@torch.inference_mode()
+def run_rows(
+    model: Transformer, rows: list[Row], computing: Callable[[], object] | None = None
+) -> tuple[bool, list[torch.Tensor | None]]:
+    """`forward_rows`, and whether the step ran through the C stack (`_stacked`)."""
     if not rows:
-        return []
+        return False, []
     ids = torch.tensor([t for r in rows for t in r.ids], device=model.device)
     x = model.embed_tokens(ids)
     if len(ids) == len(rows) > 1:  # decode rows only: a position each
@@ -234,7 +241,7 @@ def forward_rows(
     attention = RowsAttention(rows, model.dtype, model.cfg.num_key_value_heads, model.scale)
     stacked = _stacked(model, rows, attention, x, cos, sin, computing)
     if stacked is not None:
-        return stacked
+        return True, stacked
     if computing is not None:
         computing()
     # The rows whose last position's logits are wanted: only they go on past the last K/V write.
@@ -255,7 +262,7 @@ def forward_rows(
     if not ends:  # prompt chunks only: the last layer just stores its K/V
         layer = model.layers[last]
         attention(last, *model.qkv_heads(layer, layer.input_norm(x), cos, sin))
-        return [None] * len(rows)
+        return False, [None] * len(rows)
     keep = torch.tensor(ends, device=model.device, dtype=torch.long)
     x = model.block(last, x, cos, sin, attention, keep=keep)
     for observer, at in observed:
@@ -269,4 +276,4 @@ def forward_rows(
             n += 1
         else:
             out.append(None)
-    return out
+    return False, out

@@ -69,6 +69,15 @@ class EagerDecoder:
         cache.note_written(pos + 1)
         return model.logits(x) if logits is None else logits
 
+    def stack(self, cache: KVCache | PagedKVCache) -> LayerStack | None:
+        """The C stack `step` runs every block through for `cache`, or None where it runs the
+        Python block: the stack needs the model's shape (`LayerStack.serves`) and the slot
+        kernel's cache layout (`SlotKernel.serves`)."""
+        s = self._buffers()
+        if not SlotKernel.serves(s.q, s.k, s.v, s.attended, cache.head_views()[0][0]):
+            return None
+        return LayerStack.of(self.model)
+
     def _buffers(self) -> Scratch:
         s = getattr(self._local, "scratch", None)
         if s is None:

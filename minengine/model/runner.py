@@ -29,10 +29,12 @@ import torch
 from minengine.kv.block_pool import BlockPool
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
-from minengine.model.batch_forward import Row, forward_rows
+from minengine.kv.request_cache import request_cache
+from minengine.model.batch_forward import Row, run_rows
 from minengine.model.cuda_graph import StaticDecoder
 from minengine.model.decode_threads import StepThreads
 from minengine.model.eager_step import EagerDecoder
+from minengine.model.step_path import NOT_RUN, StepPath, weights_label
 from minengine.model.transformer import Transformer
 from minengine.threads import model_thread
 
@@ -45,6 +47,7 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.eager_decoder = EagerDecoder(model)
+        self.last_path: StepPath = NOT_RUN  # the path of the step that ran last (`pick`)
         self.static_decoder: StaticDecoder | None = None
         self.use_static_decode(model.device.type == "cuda" if static_decode is None else static_decode)
         cpu = model.device.type == "cpu"
@@ -82,26 +85,16 @@ class ModelRunner:
             cache = self.static_decoder.new_cache(tokens, layout=layout, block_size=block_size)
             if cache is not None:
                 return cache
-        if pool is not None:
-            return PagedKVCache(
-                pool,
-                model.cfg,
-                owner=owner,
-                device=model.device,
-                compute_dtype=model.dtype,
-                layout=layout,
-                storage_dtype=storage,
-                block_size=block_size,
-                expect_tokens=tokens,
-            )
-        return KVCache(
+        return request_cache(
             model.cfg,
+            model.device,
+            model.dtype,
             tokens,
-            device=model.device,
-            compute_dtype=model.dtype,
             layout=layout,
             storage_dtype=storage,
             block_size=block_size,
+            pool=pool,
+            owner=owner,
         )
 
     def forward(
@@ -116,17 +109,34 @@ class ModelRunner:
             return steps.call(lambda: self.forward(ids, start, cache, all_logits=all_logits))
         return self._forward(ids, start, cache, all_logits)
 
+    def pick(self, ids: torch.Tensor, start: int, cache: KVCache | PagedKVCache, all_logits: bool) -> StepPath:
+        """The path one sequence's step takes, and why: the static step where it holds this
+        cache, else the lean one-token step where the cache allows it, else the general path."""
+        if ids.shape[0] != 1 or all_logits:
+            why = f"{ids.shape[0]} positions" if not all_logits else "every position's logits asked for"
+            return StepPath("torch general", why)
+        static = self.static_decoder
+        if static is not None and static.serves(cache):
+            name = "cuda-graph" if static.capture else "static eager"
+            return StepPath(name, "one token; the static arena holds this cache")
+        if self.eager_decoder.serves(cache, start):
+            stack = self.eager_decoder.stack(cache)
+            if stack is not None:
+                label = weights_label(self.model.layers[0].qkv)
+                return StepPath(f"c-stack {label}", "one token, float32 on the CPU, projections in panels")
+            return StepPath("torch eager", "one token into scratch buffers (no C stack for these weights)")
+        return StepPath("torch general", "one token, but the cache is quantized, widened, borrowed or full")
+
     @torch.inference_mode()
     def _forward(self, ids: torch.Tensor, start: int, cache: KVCache | PagedKVCache, all_logits: bool) -> torch.Tensor:
-        single = ids.shape[0] == 1 and not all_logits
         if isinstance(cache, PagedKVCache):
             cache.make_room(start + ids.shape[0])  # the blocks first: the lean step writes in place
-        with self.step_threads.step(single):
-            if single:
-                if self.static_decoder is not None and self.static_decoder.serves(cache):
-                    return self.static_decoder.step(ids, start, cache)
-                if self.eager_decoder.serves(cache, start):
-                    return self.eager_decoder.step(ids, start, cache)
+        path = self.last_path = self.pick(ids, start, cache, all_logits)
+        with self.step_threads.step(ids.shape[0] == 1 and not all_logits):
+            if path.name in ("cuda-graph", "static eager"):
+                return self.static_decoder.step(ids, start, cache)  # type: ignore[union-attr]
+            if path.name != "torch general":
+                return self.eager_decoder.step(ids, start, cache)
             return self.model.forward(ids, start, cache, all_logits=all_logits)
 
     def forward_rows(self, rows: list[Row], computing: Callable[[], object] | None = None) -> list[torch.Tensor | None]:
@@ -150,4 +160,11 @@ class ModelRunner:
                 computing()
             return [self.forward(ids, row.start, row.cache)]
         with self.step_threads.step(False):
-            return forward_rows(self.model, rows, computing)
+            stacked, logits = run_rows(self.model, rows, computing)
+        label = weights_label(self.model.layers[0].qkv)
+        self.last_path = (
+            StepPath(f"c-stack rows {label}", f"{len(rows)} decode rows in one pool segment, panels on the CPU")
+            if stacked
+            else StepPath("torch rows", f"{len(rows)} sequences' rows through the Python blocks")
+        )
+        return logits

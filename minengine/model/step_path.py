@@ -1,0 +1,41 @@
+"""Which way a step's arithmetic ran, and why: the name the explorer, `--json` and the trace show.
+
+Every forward of the engine goes one of these ways. `ModelRunner.pick` is the one place that
+chooses among the fast ones; `--kernels reference` sends every step to the reference model
+instead (`minengine.reference.runner`).
+
+- `reference`: the plain PyTorch model (`minengine/reference/model.py`), dense weights;
+- `cuda-graph`: one token, replayed from a captured CUDA graph (`cuda_graph.StaticDecoder`);
+- `static eager`: the same static step run eagerly (where capture is off);
+- `c-stack ACT×FMT`: one token, every block in one C call (`eager_step.LayerStack`), the
+  products in FMT weights times ACT-rounded rows;
+- `torch eager`: one token through the Python block into scratch buffers (`eager_step`);
+- `torch general`: any tokens, any cache (`Transformer.forward`): prefill, quantized caches;
+- `c-stack rows ACT×FMT` / `torch rows`: several sequences' rows in one shared step
+  (`batch_forward`), through the C stack or the Python blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepPath:
+    """A step's path: its name, and why that one ran."""
+
+    name: str
+    why: str
+
+
+REFERENCE = StepPath("reference", "--kernels reference: the plain PyTorch model over dense weights")
+NOT_RUN = StepPath("", "no step has run yet")
+
+
+def weights_label(projection: object) -> str:
+    """"int16×q4_1" for a projection in panels whose rows are rounded to int16, "float32×fp16" for
+    fp16 panels times float32 rows, the dtype for a dense tensor."""
+    fmt = getattr(projection, "format", None)
+    if fmt is None:
+        return str(getattr(projection, "dtype", "")).removeprefix("torch.")
+    return f"{getattr(projection, 'rounding', None) or 'float32'}×{fmt}"

@@ -1,0 +1,2 @@
+"""The reference engine: the model and its generation loop in plain PyTorch, the oracle every
+fast path is tested against (`model.py`, then `generate.py`; `runner.py` runs it inside the engine)."""
