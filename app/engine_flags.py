@@ -32,7 +32,7 @@ def add_engine_arguments(
     model_help: str = MODEL_HELP,
     dtype_help: str = DTYPE_HELP,
 ) -> None:
-    """Add the named engine flags ("model", "device", "dtype", "weights", "kv_budget_mib", "max_num_seqs",
+    """Add the named engine flags ("model", "device", "dtype", "weights", "kernels", "kv_budget_mib", "max_num_seqs",
     "max_num_batched_tokens") to `parser`, in order."""
     for flag in flags:
         match flag:
@@ -44,6 +44,14 @@ def add_engine_arguments(
                 parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=dtype_help)
             case "weights":
                 parser.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
+            case "kernels":
+                parser.add_argument(
+                    "--kernels",
+                    default="fast",
+                    choices=("fast", "reference"),
+                    help="fast: the engine's own paths (C stack, panels, CUDA graphs); reference: every forward "
+                    "through the plain PyTorch model in minengine/reference, dense weights (slower, the oracle)",
+                )
             case "kv_budget_mib":
                 parser.add_argument(
                     "--kv-budget-mib", type=float, help="KV memory budget for admission (default: half of free memory)"

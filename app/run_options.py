@@ -34,7 +34,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: unset sampling flags take the model's generation_config.json values, as in vLLM; "
         "reqscope: ignore that file and use reqscope's defaults (default: auto)",
     )
-    add_engine_arguments(m, "dtype", "weights")
+    add_engine_arguments(m, "dtype", "weights", "kernels")
     m.add_argument(
         "--cuda-graph",
         action=argparse.BooleanOptionalAction,
@@ -229,6 +229,7 @@ def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCa
             cuda_graph=cuda_graph is not False,  # unset: the engine's default (on, where there is CUDA)
             max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=tokens,
+            kernels=getattr(args, "kernels", "fast"),  # verbs without the flag run the fast paths
         )
     finally:
         if isinstance(progress, ProgressLine):

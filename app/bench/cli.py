@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags."""
-    add_engine_arguments(parser, "model", "device", "dtype", "weights")
+    add_engine_arguments(parser, "model", "device", "dtype", "weights", "kernels")
     parser.add_argument("--threads", type=count, help="torch threads for both engines (default: torch's own)")
     parser.add_argument("--rounds", type=count, default=5, help="measured rounds (default 5)")
     parser.add_argument("--new-tokens", type=count, default=128, help="greedy tokens per decode run (default 128)")
@@ -111,6 +111,7 @@ def config_from_args(args: argparse.Namespace, progress=None) -> BenchConfig:
         prompt=args.prompt,
         warm_launches=args.launches,
         cuda_graph=args.cuda_graph,
+        kernels=args.kernels,
         omp_policy_set_by_bench=bench_env.SET_BY_BENCH,
         peers=peers,
         under_load=args.under_load,

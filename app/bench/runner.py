@@ -109,6 +109,7 @@ class BenchConfig:
     launch_max_tokens: int = 16
     memory_allowance_bytes: int = 384 * MIB  # interpreter, torch, tokenizer and activations
     cuda_graph: bool = True
+    kernels: str = "fast"  # `Engine(kernels=...)`: the engine's fast paths, or the reference model
     probe_bytes: int | None = None  # read-bandwidth probe size (None: the roofline module's default)
     omp_policy_set_by_bench: bool = False  # the launches then run without it, as users do
     peers: PeerChoice = PeerChoice()  # default: every installed peer that has its model file
@@ -348,7 +349,12 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
 
 def _engine(config: BenchConfig) -> Engine:
     return Engine(
-        config.model_dir, device=config.device, dtype=config.dtype, weights=config.weights, cuda_graph=config.cuda_graph
+        config.model_dir,
+        device=config.device,
+        dtype=config.dtype,
+        weights=config.weights,
+        cuda_graph=config.cuda_graph,
+        kernels=config.kernels,
     )
 
 

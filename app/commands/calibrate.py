@@ -51,7 +51,7 @@ def _lengths(text: str) -> tuple[int, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Model, device and what to measure."""
-    add_engine_arguments(parser, "model", "device", "dtype", "weights", dtype_help="weights and compute")
+    add_engine_arguments(parser, "model", "device", "dtype", "weights", "kernels", dtype_help="weights and compute")
     parser.add_argument(
         "--prompt-lengths", type=_lengths, default=DEFAULT_PROMPT_LENGTHS, metavar="N,N,...",
         help=f"prefill prompt lengths (default {','.join(map(str, DEFAULT_PROMPT_LENGTHS))})",
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"reqscope: {ceiling_line(ceiling, kept)}", file=sys.stderr)
     plan = CalibrationPlan(args.prompt_lengths, args.context_lengths, args.repeats, args.decode_steps)
-    engine = Engine(folder, device=args.device, dtype=args.dtype, weights=args.weights)
+    engine = Engine(folder, device=args.device, dtype=args.dtype, weights=args.weights, kernels=args.kernels)
     line = ProgressLine(prefix="reqscope: ")  # redrawn in place on a terminal, start and end lines otherwise
     try:
         model = model_thread().call(lambda: calibrate(engine, plan, progress=line))  # where the engine steps

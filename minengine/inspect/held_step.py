@@ -15,6 +15,7 @@ from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.ops import decode_attention
 from minengine.model.transformer import Transformer
+from minengine.reference.model import ReferenceModel
 from minengine.threads import OneThread
 
 
@@ -31,11 +32,27 @@ class ReadingAttention:
             return decode_attention(q[0], keys[0], values[0], self.scale).view(1, -1)
 
 
+class ReadingCache:
+    """A cache that answers `update` by reading what it already holds, for the reference model's forward."""
+
+    def __init__(self, cache: KVCache | PagedKVCache) -> None:
+        self.cache = cache
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.read(layer, start + k.shape[2])
+
+
 @torch.inference_mode()
 def recompute_step(
-    model: Transformer, cache: KVCache | PagedKVCache, token: int, position: int, observer: StepObserver
+    model: Transformer | ReferenceModel,
+    cache: KVCache | PagedKVCache,
+    token: int,
+    position: int,
+    observer: StepObserver,
 ) -> torch.Tensor:
     """The step that fed `token` at `position` again, shown to `observer`; its logits [vocab] (float32)."""
+    if isinstance(model, ReferenceModel):
+        return model.forward(torch.tensor([token], device=model.device), position, ReadingCache(cache), observer=observer)
     x = model.embed_tokens(torch.tensor([token], device=model.device))
     cos, sin = model.rope.lookup_signed(position, 1)
     attention = ReadingAttention(cache, position + 1, observer, model.scale)

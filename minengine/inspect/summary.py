@@ -25,6 +25,7 @@ from minengine.inspect.records import (
 from minengine.model.linear_kernels import EmbeddingRows, PackedLinear
 from minengine.model.panel_kernels import PanelLinear
 from minengine.model.transformer import Transformer
+from minengine.reference.model import ReferenceModel
 
 
 def attention_record(weights: list[torch.Tensor], kv_heads: int, ask: InspectAsk, layout: str) -> StepAttention:
@@ -78,7 +79,7 @@ def _strips(mean: torch.Tensor) -> list[PositionWeights]:
 
 
 def lens_record(
-    model: Transformer,
+    model: Transformer | ReferenceModel,
     residuals: torch.Tensor,
     logits: torch.Tensor,
     chosen: int,
@@ -112,11 +113,13 @@ def lens_record(
     )
 
 
-def _project_all(model: Transformer, h: torch.Tensor) -> torch.Tensor:
+def _project_all(model: Transformer | ReferenceModel, h: torch.Tensor) -> torch.Tensor:
+    if isinstance(model, ReferenceModel):
+        return h @ model.head.T
     return project(h, model.lm_head)
 
 
-def _project_onto(model: Transformer, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _project_onto(model: Transformer | ReferenceModel, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """h [layers, hidden] against the head's rows for `ids` only: [layers, len(ids)]."""
     rows = _head_rows(model, ids)
     if rows is None:  # a packed head of its own has no rows to take: project fully, keep the columns
@@ -124,8 +127,10 @@ def _project_onto(model: Transformer, h: torch.Tensor, ids: torch.Tensor) -> tor
     return h.to(rows.dtype) @ rows.T
 
 
-def _head_rows(model: Transformer, ids: torch.Tensor) -> torch.Tensor | None:
+def _head_rows(model: Transformer | ReferenceModel, ids: torch.Tensor) -> torch.Tensor | None:
     """The head's weight rows [len(ids), hidden] for `ids`, where its storage has them to take."""
+    if isinstance(model, ReferenceModel):
+        return model.head[ids]
     head = model.lm_head
     if isinstance(head, PanelLinear):
         return head.rows(ids)

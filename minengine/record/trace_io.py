@@ -60,6 +60,7 @@ class TraceHeader:
     # The read ceiling the run's roofline was drawn against (None without one, and in traces
     # recorded before it was kept: readers that predate it skip the key).
     read_ceiling: ReadCeiling | None = None
+    kernels: str = "fast"  # `Engine(kernels=...)`: "reference" ran every step through the plain model
 
 
 def trace_header(engine: Engine, read_ceiling: ReadCeiling | None = None) -> TraceHeader:
@@ -78,6 +79,7 @@ def trace_header(engine: Engine, read_ceiling: ReadCeiling | None = None) -> Tra
         weights=engine.weights.format,
         weights_why=engine.weights.why,
         read_ceiling=read_ceiling,
+        kernels=engine.kernels,
     )
 
 

@@ -95,7 +95,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: 
     keys = keys.repeat_interleave(repeat, dim=0)  # [Hq, S, d]: query head h reads KV head h // repeat
     values = values.repeat_interleave(repeat, dim=0)
     q = q.transpose(0, 1)  # [Hq, T, d]
-    scores = q @ keys.transpose(1, 2) * d**-0.5  # [Hq, T, S]: every query against every key, scaled
+    scores = q @ keys.transpose(1, 2) * d**-0.5  # [Hq, T, S]: every query against every key, over sqrt(d)
     S = keys.shape[1]
     query_at = torch.arange(start, start + T, device=q.device)[:, None]  # [T, 1] absolute positions
     future = torch.arange(S, device=q.device)[None, :] > query_at  # [T, S]: keys after the query
@@ -174,10 +174,11 @@ class ReferenceModel:
         """Take a state dict with Hugging Face's names (`load_state_dict` checks them)."""
         self.cfg = cfg
         self.embed = weights["model.embed_tokens.weight"]  # [V, H]
-        self.norm = weights["model.norm.weight"]  # [H]
+        self.norm_weight = weights["model.norm.weight"]  # [H]
         self.head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]  # [V, H]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.inv_freq = inverse_frequencies(cfg).to(self.device)
+        self.scale = cfg.head_dim**-0.5  # attention's 1/sqrt(d)
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)]
 
     @staticmethod
@@ -216,7 +217,7 @@ class ReferenceModel:
     @property
     def weight_bytes(self) -> int:
         """Bytes of every weight tensor (a tied head counted once)."""
-        tensors = {id(t): t for t in (self.embed, self.norm, self.head)}
+        tensors = {id(t): t for t in (self.embed, self.norm_weight, self.head)}
         for layer in self.layers:
             tensors |= {id(t): t for t in vars(layer).values() if t is not None}
         return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -267,5 +268,9 @@ class ReferenceModel:
                 observer.residual(i, x[-1])
         if not all_logits:
             x = x[-1:]  # only the last position's next token is asked for
-        logits = torch.nn.functional.linear(rms_norm(x, self.norm, self.cfg.rms_norm_eps), self.head)  # [T, V]
+        logits = torch.nn.functional.linear(self.norm(x), self.head)  # [T, V]: each row against every token's
         return logits.float() if all_logits else logits[0].float()
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm, before the head (the logit lens applies it to every layer's residual)."""
+        return rms_norm(x, self.norm_weight, self.cfg.rms_norm_eps)

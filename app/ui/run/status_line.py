@@ -36,6 +36,8 @@ def status_text(frame: Frame, source_name: str = "", playing: bool = False) -> T
         shared = [f"+{frame.load.background} background"] if frame.load.background else []
         shared += [f"API {frame.load.serve_url}/v1"] if frame.load.serve_url else []
         text.append(f" {' · '.join(shared)} ", style="bold magenta")
+    if h.kernels == "reference":  # said early, as the load is: every step's arithmetic is the plain model's
+        text.append(" reference kernels ", style="bold cyan")
     settings = "greedy" if p.greedy else f"T {p.temperature:g} k {p.top_k} p {p.top_p:g} min-p {p.min_p:g}"
     kv = view.kv
     layout = kv.layout if kv is not None else "?"

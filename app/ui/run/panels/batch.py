@@ -85,16 +85,20 @@ def step_line(step: BatchStep, label: str, width: int) -> Text:
         (f"step {step.step}: ", f"{step.sequences} seq", "", f" · {step.decode_tokens}+{step.prefill_tokens} tok",
          " · queue "),
     )  # fmt: skip
+    # The path the step's arithmetic took (`minengine.model.step_path`), said while it fits.
+    paths = (f" · {step.path}", "") if step.path else ("",)
     for where, sequences, company_text, scheduled, queue in wordings:
-        text = _line()
-        text.append(where, style="dim")
-        text.append(sequences, style="bold")
-        text.append(company_text, style="dim")
-        text.append(scheduled)
-        text.append(queue, style="dim")
-        text.append(f"{step.waiting}", style="bold yellow" if step.waiting else "bold")
-        if text.cell_len <= width:
-            break
+        for path in paths:
+            text = _line()
+            text.append(where, style="dim")
+            text.append(sequences, style="bold")
+            text.append(company_text, style="dim")
+            text.append(scheduled)
+            text.append(queue, style="dim")
+            text.append(f"{step.waiting}", style="bold yellow" if step.waiting else "bold")
+            text.append(path, style="cyan")
+            if text.cell_len <= width:
+                return text
     return text
 
 
