@@ -1,0 +1,205 @@
+"""The reference model is the oracle: it equals transformers, and every fast path is held against it.
+
+`minengine/reference/model.py` is plain PyTorch over dense weights. Here it is first held to
+Hugging Face transformers on every tiny family, then each of the engine's step paths and weight
+formats is run beside it on the same tokens: prefill (`torch general`), a lone decode step (the
+C stack, the Python eager step, the static step), and shared steps of several sequences (the C
+stack over rows, the Python blocks over rows, a prompt chunk among decode rows).
+
+Tolerances, on float32 logits or on the KL of next-token distributions (nats):
+- float32 weights (dense or panels): logits within 1e-4 absolute: the same arithmetic, summed
+  in another order;
+- fp16 panels against the reference over the same fp16-rounded weights: within 1e-4 as well;
+- q8_0 and q4_1 blocks (rows rounded to int16 or int8 where the CPU has VNNI) and torch's packed
+  bf16 / int8 against the plain reference: KL per position under `BLOCK_KL`, the formats' own
+  rounding of the weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import SPECS
+
+from minengine.config import ModelConfig
+from minengine.kv.block_pool import BlockPool
+from minengine.kv.paged_cache import PagedKVCache
+from minengine.model.batch_forward import Row
+from minengine.model.cpu_kernels import library
+from minengine.model.linear_kernels import available
+from minengine.model.runner import ModelRunner
+from minengine.model.transformer import Transformer
+from minengine.reference.generate import generate
+from minengine.reference.model import ReferenceModel
+from minengine.sampling.params import SamplingParams
+from minengine.text.chat_template import Message
+
+CPU = torch.device("cpu")
+PROMPT = 11
+DECODE = 6
+NAMES = [s.name for s in SPECS]
+FLOAT32_ATOL = 1e-4
+BLOCK_KL = {"q8_0": 1e-3, "q4_1": 6e-2, "bf16": 2e-3, "int8": 5e-2}
+PANEL_FORMATS = ["float32-panels", "fp16-panels", "q8_0", "q4_1"] if library().lib is not None else []
+TORCH_PACKED = [f for f in ("bf16", "int8") if available(f).ok]
+FORMATS = [None, *PANEL_FORMATS, *TORCH_PACKED]  # None: dense float32 operands
+
+
+def _prompt(cfg: ModelConfig, n: int = PROMPT, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _kl(ref: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    return F.kl_div(F.log_softmax(other, -1), F.log_softmax(ref, -1), log_target=True, reduction="none").sum(-1)
+
+
+def _reference(folder, packs: str | None) -> ReferenceModel:
+    """The reference over the weights the format holds where that is exact (fp16), else as stored."""
+    model = ReferenceModel.load(folder)
+    if packs == "fp16-panels":
+        for layer in model.layers:
+            for name in ("q", "k", "v", "o", "gate", "up", "down"):
+                setattr(layer, name, getattr(layer, name).half().float())
+        model.head = model.head.half().float()
+        if model.cfg.tie_word_embeddings:  # a tied embedding is looked up in the head's fp16 panels
+            model.embed = model.head
+    return model
+
+
+def _close(packs: str | None, ours: torch.Tensor, ref: torch.Tensor) -> None:
+    if packs in BLOCK_KL:
+        kl = _kl(ref, ours).max()
+        assert kl < BLOCK_KL[packs], f"{packs}: KL {kl:.2e}"
+    else:
+        err = (ours - ref).abs().max()
+        assert err < FLOAT32_ATOL, f"{packs or 'dense'}: {err:.2e}"
+
+
+def _reference_steps(model: ReferenceModel, ids: torch.Tensor, tokens: list[int]) -> list[torch.Tensor]:
+    """The reference's logits after the prompt and after each of `tokens` fed in turn."""
+    cache = model.new_cache(len(ids) + len(tokens) + 1)
+    out = [model.forward(ids, 0, cache)]
+    for i, t in enumerate(tokens):
+        out.append(model.forward(torch.tensor([t]), len(ids) + i, cache))
+    return out
+
+
+# -- the reference against transformers ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_equals_transformers(tiny_models, name):
+    """Every position's logits within 1e-4, and greedy decode token for token with `generate`."""
+    folder, hf = tiny_models[name]
+    model = ReferenceModel.load(folder)
+    ids = _prompt(model.cfg)
+    ours = model.forward(ids, 0, model.new_cache(PROMPT), all_logits=True)
+    with torch.no_grad():
+        theirs = hf(ids[None]).logits[0].float()
+    assert (ours - theirs).abs().max() < FLOAT32_ATOL
+    want = hf.generate(ids[None], max_new_tokens=DECODE, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cache, tokens = model.new_cache(PROMPT + DECODE), []
+    logits = model.forward(ids, 0, cache)
+    for pos in range(PROMPT, PROMPT + DECODE):
+        tokens.append(int(logits.argmax()))
+        logits = model.forward(torch.tensor([tokens[-1]]), pos, cache)
+    assert tokens == want[0, PROMPT:].tolist()
+
+
+def test_the_loop_streams_the_greedy_answer(chatty_tiny_dir):
+    """`generate` runs outside the engine: template, prefill, greedy steps, the text growing with each."""
+    from minengine.text.tokenizer import ModelTokenizer
+
+    model, tok = ReferenceModel.load(chatty_tiny_dir), ModelTokenizer(chatty_tiny_dir)
+    steps = list(generate(model, tok, "Hello", SamplingParams(temperature=0), max_tokens=5))
+    assert 0 < len(steps) <= 5
+    ids = tok.encode(tok.render([Message("user", "Hello")]))
+    expected = _reference_steps(model, torch.tensor(ids), [s.token for s in steps[:-1]])
+    assert [s.token for s in steps] == [int(x.argmax()) for x in expected]
+    assert steps[-1].text == tok.decode([s.token for s in steps])
+
+
+# -- every fast path against the reference -----------------------------------------------------
+
+
+@pytest.mark.parametrize("packs", FORMATS)
+@pytest.mark.parametrize("name", NAMES)
+def test_one_sequence_paths_match_the_reference(tiny_models, name, packs):
+    """Prefill, then the lean decode step (the C stack where it serves, else the Python eager step),
+    the static step run eagerly, and the general path, each step's logits against the reference."""
+    folder, _ = tiny_models[name]
+    cfg = ModelConfig.from_file(folder)
+    model = Transformer.load(folder, cfg, torch.float32, CPU, packs=packs)
+    ref = _reference(folder, packs)
+    ids = _prompt(cfg)
+    prefill = ModelRunner(model, static_decode=False).forward(ids, 0, model_cache(cfg), all_logits=True)
+    _close(packs, prefill, ref.forward(ids, 0, ref.new_cache(PROMPT), all_logits=True))
+    static = ModelRunner(model)
+    static.use_static_decode(True, capture=False)
+    for runner, cache in ((ModelRunner(model, static_decode=False), model_cache(cfg)), (static, None)):
+        cache = cache or runner.new_cache(PROMPT + DECODE)
+        logits, tokens, paths = runner.forward(ids, 0, cache), [], set()
+        for pos in range(PROMPT, PROMPT + DECODE):
+            tokens.append(int(logits.argmax()))
+            logits = runner.forward(torch.tensor([tokens[-1]]), pos, cache)
+            paths.add(runner.last_path.name)
+        expected = _reference_steps(ref, ids, tokens)
+        _close(packs, logits, expected[-1])
+        assert len(paths) == 1
+    assert paths == {"static eager"}
+
+
+def model_cache(cfg: ModelConfig):
+    from minengine.kv.cache import KVCache
+
+    return KVCache(cfg, PROMPT + DECODE, device=CPU, compute_dtype=torch.float32)
+
+
+@pytest.mark.parametrize(("name", "packs", "path"), [
+    ("llama-gqa", None, "torch eager"),
+    ("qwen2", "float32-panels", "torch eager"),  # q/k/v bias: not the C stack's shape
+    *([("llama-gqa", "float32-panels", "c-stack float32×float32"), ("llama-mha-tied", "q4_1", "c-stack")]
+      if PANEL_FORMATS else []),
+])  # fmt: skip
+def test_the_runner_names_the_path_it_took(tiny_models, name, packs, path):
+    folder, _ = tiny_models[name]
+    cfg = ModelConfig.from_file(folder)
+    runner = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs), static_decode=False)
+    cache = model_cache(cfg)
+    runner.forward(_prompt(cfg), 0, cache)
+    assert runner.last_path.name == "torch general"
+    runner.forward(torch.tensor([5]), PROMPT, cache)
+    assert runner.last_path.name.startswith(path)
+    assert runner.last_path.why
+
+
+@pytest.mark.parametrize("packs", FORMATS)
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2", "qwen3", "llama-mqa"])
+def test_shared_steps_match_the_reference(tiny_models, name, packs):
+    """Three sequences' decode rows in one step, then the same beside a prompt chunk: each row's
+    logits against the reference run over that sequence alone."""
+    folder, _ = tiny_models[name]
+    cfg = ModelConfig.from_file(folder)
+    runner = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs), static_decode=False)
+    ref = _reference(folder, packs)
+    pool = BlockPool(64 << 20, CPU)
+    prompts = [_prompt(cfg, n, seed=n) for n in (5, 11, 18)]
+    caches = [PagedKVCache(pool, cfg, owner=f"r{i}", device=CPU, compute_dtype=torch.float32, expect_tokens=40)
+              for i in range(len(prompts))]  # fmt: skip
+    tokens = [int(runner.forward(p, 0, c).argmax()) for p, c in zip(prompts, caches, strict=True)]
+    rows = [Row((t,), len(p), c, True) for p, t, c in zip(prompts, tokens, caches, strict=True)]
+    decoded = runner.forward_rows(rows)
+    assert runner.last_path.name.startswith(("c-stack rows", "torch rows"))
+    for p, t, logits in zip(prompts, tokens, decoded, strict=True):
+        _close(packs, logits, _reference_steps(ref, p, [t])[-1])
+    # Decode rows beside a new sequence's prompt chunk: the Python blocks over the stacked rows.
+    chunk = _prompt(cfg, 7, seed=99)
+    fresh = PagedKVCache(pool, cfg, owner="chunk", device=CPU, compute_dtype=torch.float32, expect_tokens=20)
+    nxt = [int(x.argmax()) for x in decoded]
+    rows = [Row((t,), len(p) + 1, c, True) for p, t, c in zip(prompts, nxt, caches, strict=True)]
+    out = runner.forward_rows([*rows, Row(tuple(chunk.tolist()), 0, fresh, True)])
+    assert runner.last_path.name == "torch rows"
+    for p, t, n, logits in zip(prompts, tokens, nxt, out[:-1], strict=True):
+        _close(packs, logits, _reference_steps(ref, p, [t, n])[-1])
+    _close(packs, out[-1], ref.forward(chunk, 0, ref.new_cache(7)))
