@@ -39,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("model")
     add_engine_arguments(m, "model")
     m.add_argument("--served-model-name", metavar="NAME", help="name clients pass as `model` (default: folder name)")
-    add_engine_arguments(m, "device", "dtype", "weights", "kernels", "kv_budget_mib", "max_num_seqs", "max_num_batched_tokens")
+    add_engine_arguments(
+        m, "device", "dtype", "weights", "kernels", "kv_budget_mib", "max_num_seqs", "max_num_batched_tokens"
+    )
     add_prefix_cache_argument(m)
     m.add_argument(
         "--sampler-order", default="vllm", metavar="ORDER", help="hf, llama.cpp, vllm or a comma list (default vllm)"

@@ -25,14 +25,13 @@ from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache
 from minengine.kv.usage import PoolUsage
 from minengine.model.runner import ModelRunner
-from minengine.reference.model import ReferenceModel
-from minengine.reference.runner import ReferenceRunner, reference_weights
 from minengine.model.transformer import Transformer
 from minengine.model.weight_format import compute_dtype_for, refuse_shapes, resolve_weights
 from minengine.progress import ProgressCallback
+from minengine.reference.model import ReferenceModel
+from minengine.reference.runner import ReferenceRunner, reference_weights
 from minengine.text.tokenizer import ModelTokenizer
 from minengine.threads import model_thread
-
 
 KERNELS = ("fast", "reference")  # the ways an engine's steps compute (`Engine(kernels=...)`)
 

@@ -52,7 +52,8 @@ def recompute_step(
 ) -> torch.Tensor:
     """The step that fed `token` at `position` again, shown to `observer`; its logits [vocab] (float32)."""
     if isinstance(model, ReferenceModel):
-        return model.forward(torch.tensor([token], device=model.device), position, ReadingCache(cache), observer=observer)
+        ids = torch.tensor([token], device=model.device)
+        return model.forward(ids, position, ReadingCache(cache), observer=observer)
     x = model.embed_tokens(torch.tensor([token], device=model.device))
     cos, sin = model.rope.lookup_signed(position, 1)
     attention = ReadingAttention(cache, position + 1, observer, model.scale)

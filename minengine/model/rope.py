@@ -6,38 +6,11 @@ on demand, so a decode step only indexes rows instead of recomputing trigonometr
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from minengine.config import ModelConfig
 from minengine.model.ops import c_rotate
-
-
-def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """Per-pair rotation frequencies, with the config's scaling applied (float32)."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = cfg.rope_scaling
-    if scaling.rope_type == "linear":
-        return inv_freq / scaling.factor
-    if scaling.rope_type == "llama3":
-        return _llama3_frequencies(inv_freq, scaling)
-    return inv_freq
-
-
-def _llama3_frequencies(inv_freq: torch.Tensor, s) -> torch.Tensor:
-    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
-    # between them is blended smoothly so nearby positions stay distinguishable.
-    old_len = s.original_max_position_embeddings
-    low_freq_wavelen = old_len / s.low_freq_factor
-    high_freq_wavelen = old_len / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(medium, blended, scaled)
+from minengine.reference.model import inverse_frequencies
 
 
 class RotaryTable:
@@ -92,13 +65,6 @@ class RotaryTable:
         return self.cos[at, None], self.signed_sin[at, None]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [..., T, head_dim] by the angles in cos/sin [T, head_dim] (Hugging Face's formula)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 def rotate(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -107,7 +73,8 @@ def rotate(
     out: torch.Tensor | None = None,
     scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`apply_rotary` for x [T, heads, head_dim] with tables from `RotaryTable.lookup_signed`.
+    """The reference's `apply_rotary` (`minengine.reference.model`) for x [T, heads, head_dim], with
+    tables from `RotaryTable.lookup_signed`.
 
     rotate_half(x) * sin equals swap_halves(x) * signed_sin exactly (negation is exact), so the
     result is bit for bit Hugging Face's. (`addcmul` would save an operation but its fused

@@ -23,10 +23,10 @@ with two, every parallel region waits for a sleeping worker (`threads.ModelThrea
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from minengine.kv.block_pool import BlockPool
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.request_cache import request_cache
@@ -66,36 +66,17 @@ class ModelRunner:
         capture = self.device.type == "cuda" if capture is None else capture
         self.static_decoder = StaticDecoder(self.model, capture=capture)
 
-    def new_cache(
-        self,
-        tokens: int,
-        *,
-        layout: str = "gqa",
-        storage_dtype: torch.dtype | None = None,
-        block_size: int = 16,
-        pool: BlockPool | None = None,
-        owner: str = "",
-    ) -> KVCache | PagedKVCache:
+    def new_cache(self, tokens: int, **options: Any) -> KVCache | PagedKVCache:
         """A KV cache for `tokens` positions: over the static decoder's arena when that can
-        serve it (unquantized storage in the model's dtype, arena not lent out), else a block
-        table over `pool` for `owner` (expecting `tokens` positions), else a buffer of its own."""
+        serve it (unquantized storage in the model's dtype, arena not lent out), else
+        `request_cache`'s, whose options (layout, storage_dtype, block_size, pool, owner) these are."""
         model = self.model
-        storage = storage_dtype or model.dtype
-        if self.static_decoder is not None and storage == model.dtype:
+        if self.static_decoder is not None and options.get("storage_dtype") in (None, model.dtype):
+            layout, block_size = options.get("layout", "gqa"), options.get("block_size", 16)
             cache = self.static_decoder.new_cache(tokens, layout=layout, block_size=block_size)
             if cache is not None:
                 return cache
-        return request_cache(
-            model.cfg,
-            model.device,
-            model.dtype,
-            tokens,
-            layout=layout,
-            storage_dtype=storage,
-            block_size=block_size,
-            pool=pool,
-            owner=owner,
-        )
+        return request_cache(model.cfg, model.device, model.dtype, tokens, **options)
 
     def forward(
         self, ids: torch.Tensor, start: int, cache: KVCache | PagedKVCache, *, all_logits: bool = False

@@ -9,11 +9,11 @@ so a request's logits in a batch are its logits alone, bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from minengine.errors import Setting
-from minengine.kv.block_pool import BlockPool
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.request_cache import request_cache
@@ -37,29 +37,11 @@ class ReferenceRunner:
     def use_static_decode(self, enabled: bool, *, capture: bool | None = None) -> None:
         """The reference has no static step; asking for one changes nothing."""
 
-    def new_cache(
-        self,
-        tokens: int,
-        *,
-        layout: str = "gqa",
-        storage_dtype: torch.dtype | None = None,
-        block_size: int = 16,
-        pool: BlockPool | None = None,
-        owner: str = "",
-    ) -> KVCache | PagedKVCache:
-        """The engine's cache for a request, as `ModelRunner.new_cache` makes it (no static arena)."""
+    def new_cache(self, tokens: int, **options: Any) -> KVCache | PagedKVCache:
+        """The engine's cache for a request (`request_cache`, whose options these are): the
+        reference has no static arena."""
         m = self.model
-        return request_cache(
-            m.cfg,
-            m.device,
-            m.dtype,
-            tokens,
-            layout=layout,
-            storage_dtype=storage_dtype,
-            block_size=block_size,
-            pool=pool,
-            owner=owner,
-        )
+        return request_cache(m.cfg, m.device, m.dtype, tokens, **options)
 
     def forward(
         self, ids: torch.Tensor, start: int, cache: KVCache | PagedKVCache, *, all_logits: bool = False
