@@ -30,8 +30,19 @@ class FormatOption:
         return not self.why_not
 
 
-def other_formats(engine: Engine, asked: tuple[str, ...] = WEIGHT_FORMATS) -> tuple[FormatOption, ...]:
-    """Each format of `asked` but `engine`'s own, once, checked for this device, compute dtype, torch and model."""
+REFERENCE = "reference"  # the reference model (`--kernels reference`), a row beside the formats
+
+
+def run_label(engine: Engine) -> str:
+    """What a comparison row calls an engine: "reference" under the reference kernels, else its format."""
+    return REFERENCE if engine.kernels == REFERENCE else engine.weights.format
+
+
+def other_formats(
+    engine: Engine, asked: tuple[str, ...] = WEIGHT_FORMATS, *, reference: bool = False
+) -> tuple[FormatOption, ...]:
+    """Each format of `asked` but `engine`'s own, once, checked for this device, compute dtype, torch and model;
+    with `reference`, the reference kernels last (dense weights, any machine), unless `engine` runs them."""
     options = []
     for fmt in dict.fromkeys(asked):
         if fmt == engine.weights.format:
@@ -46,4 +57,6 @@ def other_formats(engine: Engine, asked: tuple[str, ...] = WEIGHT_FORMATS) -> tu
             options.append(FormatOption(fmt, error_text(exc)))
             continue
         options.append(FormatOption(fmt))
+    if reference and engine.kernels != REFERENCE:
+        options.append(FormatOption(REFERENCE))
     return tuple(options)

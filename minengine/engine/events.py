@@ -150,6 +150,9 @@ class StepReady:
     """Logits for the next token are computed and waiting to be sampled (a pause point)."""
 
     index: int
+    # The way the step that made these logits ran (`minengine.model.step_path`); empty in traces
+    # recorded before it was kept.
+    path: str = ""
 
 
 @dataclass(frozen=True)

@@ -564,7 +564,7 @@ class RequestSession:
         while True:
             self.pending_logits = logits
             self._held_step = (state.fed[-1], len(state.fed) - 1)
-            yield StepReady(len(state.generated))
+            yield StepReady(len(state.generated), self._step_path(state))
             self._held_step = None
             if self.cancelled.is_set():
                 finish = "cancelled"

@@ -17,6 +17,7 @@ from ui_fixtures import finished, kyoto_request, live_app, wait_for
 from minengine.engine.engine import Engine
 from minengine.model.linear_kernels import available
 from minengine.sampling.params import SamplingParams
+from reqscope.other_formats import other_formats, run_label
 
 pytestmark = pytest.mark.anyio
 
@@ -114,16 +115,10 @@ async def test_w_waits_for_the_run_to_finish_and_keeps_one_other_engine(chatty_e
         await finished(pilot, app)
         first = await compared(pilot, app, "fp16")
         kept = app.formats._other.engine
-        assert kept is not None and kept.weights.format == "fp16"
-        if not any(available(f).ok for f in ("bf16", "int8")):
-            await pilot.press("w")  # the same format again: the kept engine, no second load
-            await wait_for(pilot, lambda: not app.formats.busy)
-            again = app.formats.shown().comparisons[-1]
-            assert again.cost is None and again.steps == first.steps
-        else:
-            await pilot.press("w")
-            await wait_for(pilot, lambda: not app.formats.busy and app.formats._other.engine is not kept)
-            assert app.formats._other.engine.weights.format != "fp16"  # one other engine at a time
+        assert kept is not None and kept.weights.format == "fp16" and first.cost is not None
+        await pilot.press("w")  # the next one (another format, or the reference kernels) replaces it
+        await wait_for(pilot, lambda: not app.formats.busy and app.formats._other.engine is not kept)
+        assert run_label(app.formats._other.engine) != "fp16"  # one other engine at a time
 
 
 async def test_from_150x40_the_formats_panel_is_a_strip_under_the_others(chatty_engine):
@@ -137,3 +132,28 @@ async def test_from_150x40_the_formats_panel_is_a_strip_under_the_others(chatty_
         assert app.wide and strip.height == 12 and strip.width == app.query_one("#body").region.width
         assert strip.y > tokens.y + tokens.height - 1 and app.query_one("#latency").region.height < latency.height
         assert "fp16 " in panel_text(app, "#formats")
+
+
+async def test_w_sets_the_reference_kernels_beside_the_fast_path(chatty_engine, chatty_tiny_dir):
+    """The last row `w` reaches is the reference model: its steps' KL against the fast path's is the
+    KL of the two runners' logits computed here, and its top-1 tokens are the fast path's."""
+    request = kyoto_request(max_tokens=5, sampling=SamplingParams(temperature=0))
+    app = live_app(chatty_engine, request)
+    order = [o.format for o in other_formats(chatty_engine, reference=True) if o.runs]
+    assert order[-1] == "reference"
+    async with app.run_test(size=(120, 40)) as pilot:
+        await finished(pilot, app)
+        tokens = app.view.result.token_ids
+        for fmt in order:
+            c = await compared(pilot, app, fmt)
+        reference = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kernels="reference",
+                           kv_budget_bytes=64 << 20)  # fmt: skip
+        baseline = forced_logits(chatty_engine, prompt_ids(chatty_engine, request), tokens)
+        other = forced_logits(reference, prompt_ids(reference, request), tokens)
+        assert c.other.format == "reference" and c.baseline.format == "float32"
+        for step, a, b in zip(c.steps, baseline, other, strict=True):
+            assert step.kl == pytest.approx(kl(a, b), rel=1e-3, abs=1e-9)
+            assert step.kl < 1e-6  # float32 both ways: the fast paths change the order of sums, not the maths
+        assert c.first_parting is None and c.other.decode_tokens_per_s is not None
+        await wait_for(pilot, lambda: not app.needs_repaint)
+        assert "reference " in panel_text(app, "#formats")

@@ -25,6 +25,7 @@ class RunOnScreen:
     run: LiveRun
     applied: SamplingParams  # what the session was last told to use
     held: int | None = None  # the step the run holds at, as the screen shows it
+    held_path: str = ""  # the way the held step ran (`minengine.model.step_path`)
     failure_shown: bool = False  # the worker's failure has been notified
     full_view_shown: tuple[int, object] | None = None  # the held step's full view last drawn
     _preview: tuple[tuple[int, SamplingParams], StepSubject | None] | None = None
@@ -33,6 +34,7 @@ class RunOnScreen:
         """Take the step the run holds at once `view` shows it waiting; True when that changed."""
         held = self.run.held_at if view.waiting_step is not None else None
         changed, self.held = held != self.held, held
+        self.held_path = view.waiting_path
         return changed
 
     def subject(self, params: SamplingParams) -> StepSubject | None:
@@ -41,7 +43,7 @@ class RunOnScreen:
             return None
         key = (self.held, params)
         if self._preview is None or self._preview[0] != key:
-            self._preview = (key, held_subject(self.run, self.held, params))
+            self._preview = (key, held_subject(self.run, self.held, params, self.held_path))
         return self._preview[1]
 
     def inspection(self) -> ShownInspection | None:

@@ -15,12 +15,12 @@ from reqscope.ui.run.replay import ReplayRun
 from reqscope.ui.run.view import RunView
 
 
-def held_subject(live: LiveRun, held: int, params: SamplingParams) -> StepSubject | None:
-    """The held step previewed under `params`; its candidates may be picked."""
+def held_subject(live: LiveRun, held: int, params: SamplingParams, path: str = "") -> StepSubject | None:
+    """The held step previewed under `params`; its candidates may be picked. `path`: how the step ran."""
     trace = live.preview(params)
     if trace is None:
         return None
-    return StepSubject(trace, f"step {held + 1} waiting · preview (enter picks)", pickable=True)
+    return StepSubject(trace, f"step {held + 1} waiting · preview (enter picks)", pickable=True, path=path)
 
 
 def replay_subject(replay: ReplayRun, params: SamplingParams) -> StepSubject | None:
@@ -43,5 +43,5 @@ def last_token_subject(view: RunView) -> StepSubject | None:
     """The trace of the last committed token, if it has one."""
     for token in reversed(view.tokens):
         if token.trace is not None:
-            return StepSubject(token.trace, f"token {token.index + 1} committed", pickable=False)
+            return StepSubject(token.trace, f"token {token.index + 1} committed", pickable=False, path=token.path)
     return None

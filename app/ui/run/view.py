@@ -44,6 +44,7 @@ class RunView:
     tokens: list[TokenEvent] = field(default_factory=list)
     held_totals: list[float] = field(default_factory=list)  # ms held in all as of each token (see `held_ms`)
     waiting_step: int | None = None  # index of the step whose logits are waiting, if any
+    waiting_path: str = ""  # the way that step ran (`minengine.model.step_path`)
     preemptions: list[tuple[int, PreemptEvent]] = field(default_factory=list)  # (tokens out before it, the event)
     shared_steps: int = 0  # decode steps so far that this request shared with other sequences
     last_inspected: TokenEvent | None = None  # the latest token whose step's inside was captured
@@ -64,7 +65,7 @@ class RunView:
         elif isinstance(event, PrefillEvent):
             self.prefill = event
         elif isinstance(event, StepReady):
-            self.waiting_step = event.index
+            self.waiting_step, self.waiting_path = event.index, event.path
         elif isinstance(event, TokenEvent):
             self.tokens.append(event)
             if event.batch is not None and event.batch.sequences > 1:

@@ -1,6 +1,7 @@
 """The `w` key's work: load another format's engine on the model thread, run the comparison, publish it.
 
-Each press takes the next format this machine runs (in `WEIGHT_FORMATS` order, wrapping), loads
+Each press takes the next format this machine runs (in `WEIGHT_FORMATS` order, then the reference
+kernels, which show what the fast paths' speed costs in arithmetic; wrapping), loads
 its engine unless it is the one kept (`other_engine`), and runs the finished request on screen
 through both engines on its tokens (`lockstep`). Everything runs on the model thread, where the
 explorer's runs go, so it queues behind them and they behind it. The screen reads `shown()`:
@@ -19,7 +20,7 @@ from minengine.engine.engine import Engine
 from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from minengine.progress import PullProgress
-from reqscope.other_formats import FormatOption, other_formats
+from reqscope.other_formats import FormatOption, other_formats, run_label
 from reqscope.ui.run.formats.agreement import FormatComparison
 from reqscope.ui.run.formats.lockstep import compare_on_tokens
 from reqscope.ui.run.formats.other_engine import OtherEngine
@@ -78,9 +79,9 @@ class WeightComparer:
 
     def next_format(self, engine: Engine) -> FormatOption | None:
         """The format the next press compares: after the last one compared, among those that run here."""
-        options = other_formats(engine)
+        options = other_formats(engine, reference=True)
         if self._shown is None:
-            self._publish(FormatsShown(engine.weights.format, options, ()))
+            self._publish(FormatsShown(run_label(engine), options, ()))
         runnable = [o for o in options if o.runs]
         if not runnable:
             return None

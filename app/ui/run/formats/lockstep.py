@@ -20,6 +20,7 @@ from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, Event, RequestResult, StepReady, TokenEvent
 from minengine.engine.request import GenerationRequest
 from minengine.engine.session import RequestSession
+from reqscope.other_formats import run_label
 from reqscope.ui.base import renewed
 from reqscope.ui.run.formats.agreement import (
     EngineCost,
@@ -61,7 +62,7 @@ class _Side:
         metrics = (result.engine_metrics or result.metrics) if result is not None else None
         read = [t.bytes_read for t in self.tokens if t.bytes_read is not None]
         return FormatRun(
-            format=self.engine.weights.format,
+            format=run_label(self.engine),
             why=self.engine.weights.why,
             tokens=len(self.tokens),
             ttft_ms=metrics.ttft_ms if metrics is not None else None,

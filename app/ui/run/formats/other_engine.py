@@ -1,4 +1,4 @@
-"""Another weight format's engine beside the explorer's, one loaded at a time.
+"""Another weight format's engine (or the reference kernels') beside the explorer's, one loaded at a time.
 
 The engine for a format (one that `reqscope.other_formats` says runs here) is loaded on demand
 over the same model folder and kept until another format is asked for: then it is dropped
@@ -17,6 +17,7 @@ import torch
 
 from minengine.engine.engine import Engine
 from minengine.progress import StatusCallback
+from reqscope.other_formats import REFERENCE, run_label
 from reqscope.ui.run.formats.agreement import EngineCost
 
 
@@ -28,15 +29,17 @@ class OtherEngine:
 
     def load(self, baseline: Engine, fmt: str, progress: StatusCallback) -> tuple[Engine, EngineCost | None]:
         """The engine for `fmt` (loaded now, with its cost, unless it is the one kept)."""
-        if self.engine is not None and self.engine.weights.format == fmt:
+        if self.engine is not None and run_label(self.engine) == fmt:
             return self.engine, None
         self.drop()
         dtype = str(baseline.dtype).removeprefix("torch.") if baseline.device.type == "cpu" else "auto"
+        reference = fmt == REFERENCE  # the plain model over the checkpoint's dense weights
         engine = Engine(
             baseline.model_dir,
             device=str(baseline.device),
             dtype=dtype,
-            weights=fmt,
+            weights="auto" if reference else fmt,
+            kernels="reference" if reference else "fast",
             kv_budget_bytes=baseline.pool.budget_bytes,
             progress=progress,
             prefix_cache=False,

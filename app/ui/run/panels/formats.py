@@ -1,4 +1,6 @@
-"""Weight formats side by side (`w`): each format's own figures, and how far its output moved.
+"""Weight formats side by side (`w`): each format's own figures, and how far its output moved; the
+reference kernels' row says what the fast paths' speed costs in arithmetic (the same steps, their
+time, their KL against the explorer's engine).
 
 One row per format compared, beside the explorer's own (the baseline row is measured in the same
 comparison, in step with the other). KL is the baseline's distribution against the other's at
@@ -20,7 +22,7 @@ from reqscope.ui.run.formats.agreement import FormatComparison, FormatRun
 from reqscope.ui.run.frame import Frame
 
 _ROOMY = 12  # from this height on, the panel says how the figures are made, and how far the newest got
-_HEAD = (f"{'format':<8}{'tok/s':>7}{'×':>6}{'TTFT':>9}{'read/step':>11}{'top-1':>9}{'KL mean':>9}{'KL max':>9}"
+_HEAD = (f"{'format':<10}{'tok/s':>7}{'×':>6}{'TTFT':>9}{'read/step':>11}{'top-1':>9}{'KL mean':>9}{'KL max':>9}"
          f"{'parts':>7}")
 
 
@@ -43,7 +45,7 @@ class FormatsPanel(Panel):
         if newest is not None:
             lines.append(_line(_row(newest.baseline, None), "bold"))
         else:
-            lines.append(_line(f"{shown.baseline:<8}  (this explorer's engine)", "bold"))
+            lines.append(_line(f"{shown.baseline:<10}  (this explorer's engine)", "bold"))
         for c in shown.comparisons:
             lines.append(_line(_row(c.other, c)))
         if shown.loading:
@@ -78,13 +80,13 @@ def _row(run: FormatRun, c: FormatComparison | None) -> str:
     ttft = "–" if run.ttft_ms is None else f"{run.ttft_ms:.0f} ms"
     read = "–" if run.bytes_per_step is None else f"{run.bytes_per_step / MIB:.0f} MiB"
     if c is None:
-        return f"{run.format:<8}{rate:>7}{'1.00':>6}{ttft:>9}{read:>11}{'base':>9}"
+        return f"{run.format:<10}{rate:>7}{'1.00':>6}{ttft:>9}{read:>11}{'base':>9}"
     agree = f"{c.agreeing}/{len(c.steps)}"
     mean = "–" if c.mean_kl is None else f"{c.mean_kl:.1e}"
     most = "–" if c.max_kl is None else f"{c.max_kl:.1e}"
     parts = "none" if c.first_parting is None else f"{c.first_parting}"
     running = "" if c.finished else " …"
-    return f"{run.format:<8}{rate:>7}{ratio:>6}{ttft:>9}{read:>11}{agree:>9}{mean:>9}{most:>9}{parts:>7}{running}"
+    return f"{run.format:<10}{rate:>7}{ratio:>6}{ttft:>9}{read:>11}{agree:>9}{mean:>9}{most:>9}{parts:>7}{running}"
 
 
 def _steps(c: FormatComparison, width: int, roomy: bool) -> list[Text]:

@@ -90,7 +90,7 @@ class LogitsPanel(Panel):
         if subject is None:
             return Group(chain, Text("no step yet: logits appear after prefill", style="dim"))
         trace = subject.trace
-        lines = [chain, _summary(subject.label, trace)]
+        lines = [chain, _summary(subject.label, trace, subject.path)]
         note = basis_note(trace.params, trace.vocab_size)
         if note is not None:
             lines.append(Text(note, style="dim", no_wrap=True, overflow="ellipsis"))
@@ -104,7 +104,7 @@ class LogitsPanel(Panel):
         return Group(*lines)
 
 
-def _summary(label: str, trace: StepTrace) -> Text:
+def _summary(label: str, trace: StepTrace, path: str = "") -> Text:
     text = Text(no_wrap=True, overflow="ellipsis")
     text.append(label, style="italic")
     text.append(f"  kept {trace.kept}/{trace.vocab_size or '?'}  H {trace.entropy:.2f} nats  ")
@@ -112,6 +112,8 @@ def _summary(label: str, trace: StepTrace) -> Text:
     text.append(f" logprob {trace.chosen_logprob:.2f}")
     if trace.forced:
         text.append(" (forced)", style="bold")
+    if path:  # the way the step's arithmetic ran: the first thing cut on a narrow screen
+        text.append(f" · {path}", style="cyan")
     return text
 
 
