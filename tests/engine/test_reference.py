@@ -10,9 +10,15 @@ Tolerances, on float32 logits or on the KL of next-token distributions (nats):
 - float32 weights (dense or panels): logits within 1e-4 absolute: the same arithmetic, summed
   in another order;
 - fp16 panels against the reference over the same fp16-rounded weights: within 1e-4 as well;
-- q8_0 and q4_1 blocks (rows rounded to int16 or int8 where the CPU has VNNI) and torch's packed
-  bf16 / int8 against the plain reference: KL per position under `BLOCK_KL`, the formats' own
-  rounding of the weights.
+- q8_0 and q4_1 blocks (rows rounded to int16 or int8 where the CPU has VNNI, or float32, each
+  mode run) and torch's packed bf16 / int8 against the plain reference: KL per position under
+  `BLOCK_KL`, the formats' own rounding of the weights.
+
+No fast path promises the reference's bits (each sums in its own order). The promises the fast
+paths make of each other are held bit for bit where they are made: the eager step against the
+general path and the C stack against the Python blocks (test_decode_step, test_decode_stack),
+pooled rows against each row alone (test_pooled_rows), a batch against its rows alone
+(test_batching).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.batch_forward import Row
 from minengine.model.cpu_kernels import library
 from minengine.model.linear_kernels import available
+from minengine.model.panel_kernels import ACTIVATIONS_ENV
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.reference.generate import generate
@@ -203,3 +210,30 @@ def test_shared_steps_match_the_reference(tiny_models, name, packs):
     for p, t, n, logits in zip(prompts, tokens, nxt, out[:-1], strict=True):
         _close(packs, logits, _reference_steps(ref, p, [t, n])[-1])
     _close(packs, out[-1], ref.forward(chunk, 0, ref.new_cache(7)))
+
+
+@pytest.mark.skipif(not PANEL_FORMATS or not library().lib.dot8_native(), reason="rounded rows need AVX-512 VNNI")
+@pytest.mark.parametrize("activation", ["int16", "int8", "float32"])
+@pytest.mark.parametrize("packs", ["q8_0", "q4_1"])
+def test_each_activation_mode_matches_the_reference(tiny_models, monkeypatch, packs, activation):
+    """The block formats' rows rounded to int16 or int8, or kept float32: the lone C stack and the
+    C stack over rows, each named with its activations, within the format's bound of the reference."""
+    monkeypatch.setenv(ACTIVATIONS_ENV, activation)
+    folder, _ = tiny_models["llama-gqa"]
+    cfg = ModelConfig.from_file(folder)
+    runner = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs), static_decode=False)
+    ref = _reference(folder, packs)
+    pool = BlockPool(64 << 20, CPU)
+    prompts = [_prompt(cfg, n, seed=n) for n in (6, 13)]
+    caches = [PagedKVCache(pool, cfg, owner=f"r{i}", device=CPU, compute_dtype=torch.float32, expect_tokens=40)
+              for i in range(len(prompts))]  # fmt: skip
+    tokens = [int(runner.forward(p, 0, c).argmax()) for p, c in zip(prompts, caches, strict=True)]
+    alone = runner.forward(torch.tensor([tokens[0]]), len(prompts[0]), caches[0])
+    assert runner.last_path.name == f"c-stack {activation}×{packs}"
+    _close(packs, alone, _reference_steps(ref, prompts[0], tokens[:1])[-1])
+    nxt = [int(alone.argmax()), tokens[1]]
+    rows = [Row((nxt[0],), len(prompts[0]) + 1, caches[0], True), Row((nxt[1],), len(prompts[1]), caches[1], True)]
+    out = runner.forward_rows(rows)
+    assert runner.last_path.name == f"c-stack rows {activation}×{packs}"
+    _close(packs, out[0], _reference_steps(ref, prompts[0], [tokens[0], nxt[0]])[-1])
+    _close(packs, out[1], _reference_steps(ref, prompts[1], [tokens[1]])[-1])
