@@ -48,6 +48,7 @@ class ModelRunner:
         self.device = model.device
         self.eager_decoder = EagerDecoder(model)
         self.last_path: StepPath = NOT_RUN  # the path of the step that ran last (`pick`)
+        self._label = weights_label(model.layers[0].qkv)  # "int16×q4_1": what the projections multiply
         self.static_decoder: StaticDecoder | None = None
         self.use_static_decode(model.device.type == "cuda" if static_decode is None else static_decode)
         cpu = model.device.type == "cpu"
@@ -101,11 +102,11 @@ class ModelRunner:
             name = "cuda-graph" if static.capture else "static eager"
             return StepPath(name, "one token; the static arena holds this cache")
         if self.eager_decoder.serves(cache, start):
-            stack = self.eager_decoder.stack(cache)
-            if stack is not None:
-                label = weights_label(self.model.layers[0].qkv)
-                return StepPath(f"c-stack {label}", "one token, float32 on the CPU, projections in panels")
-            return StepPath("torch eager", "one token into scratch buffers (no C stack for these weights)")
+            if self.eager_decoder.stack(cache) is not None:
+                why = f"one token on the CPU; {self._label} panels, every block in one C call"
+                return StepPath(f"c-stack {self._label}", why)
+            why = f"one token into scratch buffers; no C stack for {self._label} weights on {self.device.type}"
+            return StepPath("torch eager", why)
         return StepPath("torch general", "one token, but the cache is quantized, widened, borrowed or full")
 
     @torch.inference_mode()
@@ -142,9 +143,8 @@ class ModelRunner:
             return [self.forward(ids, row.start, row.cache)]
         with self.step_threads.step(False):
             stacked, logits = run_rows(self.model, rows, computing)
-        label = weights_label(self.model.layers[0].qkv)
         self.last_path = (
-            StepPath(f"c-stack rows {label}", f"{len(rows)} decode rows in one pool segment, panels on the CPU")
+            StepPath(f"c-stack rows {self._label}", f"{len(rows)} decode rows in one pool segment, in panels")
             if stacked
             else StepPath("torch rows", f"{len(rows)} sequences' rows through the Python blocks")
         )
