@@ -24,25 +24,9 @@ def request_cache(
 ) -> KVCache | PagedKVCache:
     """A cache for `tokens` positions: a block table over `pool` for `owner` where there is a
     pool, else a buffer of its own; K/V stored in `storage_dtype` (default: the compute dtype)."""
-    storage = storage_dtype or compute_dtype
+    # The cache's own shape and storage: the same for a block table and a buffer of its own.
+    kept = {"device": device, "compute_dtype": compute_dtype, "layout": layout,
+            "storage_dtype": storage_dtype or compute_dtype, "block_size": block_size}  # fmt: skip
     if pool is not None:
-        return PagedKVCache(
-            pool,
-            cfg,
-            owner=owner,
-            device=device,
-            compute_dtype=compute_dtype,
-            layout=layout,
-            storage_dtype=storage,
-            block_size=block_size,
-            expect_tokens=tokens,
-        )
-    return KVCache(
-        cfg,
-        tokens,
-        device=device,
-        compute_dtype=compute_dtype,
-        layout=layout,
-        storage_dtype=storage,
-        block_size=block_size,
-    )
+        return PagedKVCache(pool, cfg, owner=owner, expect_tokens=tokens, **kept)
+    return KVCache(cfg, tokens, **kept)
