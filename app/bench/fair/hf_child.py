@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     policy = os.environ.get("OMP_WAIT_POLICY") or "not set"  # before torch loads its OpenMP runtime
 
-    from reqscope.bench.fair.pipes import emit  # stdlib only: safe before torch
+    from reqscope.bench.fair.pipes import ChildEnvironment, emit  # stdlib only: safe before torch
 
     try:
         import torch
@@ -42,13 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         emit(sys.stdout, event="error", message=f"cannot import transformers ({exc}); pip install -e '.[dev]'")
         return 1
-    emit(
-        sys.stdout,
-        event="environment",
-        omp_wait_policy=policy,
-        threads=torch.get_num_threads(),
-        libraries=f"torch {torch.__version__}, transformers {transformers.__version__}",
-    )
+    libraries = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    ChildEnvironment(policy, torch.get_num_threads(), libraries).write(sys.stdout)
 
     eos = [int(i) for i in args.eos.split(",") if i]
 

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     policy = os.environ.get("OMP_WAIT_POLICY") or "not set"
 
-    from reqscope.bench.fair.pipes import emit  # stdlib only
+    from reqscope.bench.fair.pipes import ChildEnvironment, emit  # stdlib only
 
     try:
         import llama_cpp
@@ -52,13 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         emit(sys.stdout, event="error", message=f"llama.cpp cannot load {args.gguf}: {exc}")
         return 1
     eos.add(llm.token_eos())
-    emit(
-        sys.stdout,
-        event="environment",
-        omp_wait_policy=policy,
-        threads=args.threads,
-        libraries=f"llama-cpp-python {llama_cpp.__version__}",
-    )
+    ChildEnvironment(policy, args.threads, f"llama-cpp-python {llama_cpp.__version__}").write(sys.stdout)
     greedy = {"top_k": 1, "top_p": 1.0, "min_p": 0.0, "temp": 0.0, "repeat_penalty": 1.0}
     for n, _ in enumerate(llm.generate(ids, **greedy), start=1):
         if n >= 2:

@@ -28,8 +28,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, TextIO
 
 from minengine.errors import ReqscopeError
 from reqscope.bench.start import PeakMemory, resident_high_water
@@ -46,6 +46,10 @@ class ChildEnvironment:
     def describe(self) -> str:
         """One line: policy, threads, libraries."""
         return f"OMP_WAIT_POLICY {self.omp_wait_policy}, {self.threads} thread(s), {self.libraries}"
+
+    def write(self, out: TextIO) -> None:
+        """Write this as a child's `environment` event (what `stream_run` reads back)."""
+        emit(out, event="environment", **asdict(self))
 
 
 @dataclass(frozen=True)

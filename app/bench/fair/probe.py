@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from minengine import omp_env
-from reqscope.bench.fair.pipes import emit
+from reqscope.bench.fair.pipes import ChildEnvironment
 
 
 def main() -> int:
@@ -26,13 +26,7 @@ def main() -> int:
         policy += " (reqscope's default)"
     import torch
 
-    emit(
-        sys.stdout,
-        event="environment",
-        omp_wait_policy=policy,
-        threads=torch.get_num_threads(),
-        libraries=f"torch {torch.__version__}",
-    )
+    ChildEnvironment(policy, torch.get_num_threads(), f"torch {torch.__version__}").write(sys.stdout)
     return 0
 
 
