@@ -33,7 +33,7 @@ from reqscope.endpoint.events import (
 )
 from reqscope.endpoint.metrics import client_metrics, compare_tpot, compare_ttft, output_token_count
 from reqscope.endpoint.settings import RequestSettings, token_limit_field
-from reqscope.endpoint.wire import SseDecoder, StreamChunk, body_error, chat_body, parse_chunk
+from reqscope.endpoint.wire import SSE_DONE, StreamChunk, body_error, chat_body, parse_chunk, sse_data
 
 REQUEST_ID_HEADER = "x-request-id"
 
@@ -189,18 +189,9 @@ class _Reading:
         self.error: str | None = None
 
     async def stream(self, resp: aiohttp.ClientResponse) -> AsyncIterator[ChunkReceived]:
-        decoder = SseDecoder()
-        while True:
-            line = await resp.content.readline()  # aiohttp bounds a line by its read buffer (128 KiB)
-            if not line:
-                break  # the server closed the stream without [DONE]; keep what arrived
-            data = decoder.feed(line.decode("utf-8", errors="replace").rstrip("\r\n"))
-            if data is None:
-                continue
-            if data.strip() == "[DONE]":
-                # Read to the end of the body (the chunked terminator): aiohttp pools a connection
-                # again only once its response is fully read, and closes it otherwise.
-                await resp.content.read()
+        # A stream the server closed without [DONE] keeps what arrived.
+        async for data in sse_data(resp):
+            if data == SSE_DONE:
                 break
             chunk = parse_chunk(data)
             if chunk.error is not None:

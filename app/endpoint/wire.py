@@ -10,7 +10,9 @@ Logprobs are asked for only when wanted. What streams back may carry, besides th
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from minengine.engine.events import Usage
 from minengine.engine.request import GenerationRequest
@@ -18,8 +20,12 @@ from reqscope.endpoint.events import ServerReport, ServerTimings
 from reqscope.endpoint.settings import RequestSettings
 from reqscope.openai.logprobs import TokenLogprob, parse_chat_logprobs
 
+if TYPE_CHECKING:
+    import aiohttp
+
 EXTENSION_KEY = "reqscope"
 TIMINGS_KEY = "timings"  # llama.cpp's server
+SSE_DONE = "[DONE]"  # the data of the event that ends an OpenAI stream
 
 
 def chat_body(
@@ -62,6 +68,23 @@ class SseDecoder:
         if field == "data":
             self._data.append(value[1:] if value.startswith(" ") else value)
         return None
+
+
+async def sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The data of each server-sent event of `resp` as its last line arrives, until the server closes
+    the stream or sends `SSE_DONE`, which comes last, once the body has been read to its end."""
+    decoder = SseDecoder()
+    while line := await resp.content.readline():  # aiohttp bounds a line by its read buffer (128 KiB)
+        data = decoder.feed(line.decode("utf-8", errors="replace").rstrip("\r\n"))
+        if data is None:
+            continue
+        if data.strip() == SSE_DONE:
+            # Read to the end of the body (the chunked terminator): aiohttp pools a connection
+            # again only once its response is fully read, and closes it otherwise.
+            await resp.content.read()
+            yield SSE_DONE
+            return
+        yield data
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from minengine.engine.events import Usage
 from minengine.engine.metrics import RequestMetrics, inter_token_gaps
 from reqscope.bench.serve.prompts import BenchPrompt
 from reqscope.endpoint.metrics import client_metrics, output_token_count
-from reqscope.endpoint.wire import SseDecoder, body_error, parse_chunk
+from reqscope.endpoint.wire import SSE_DONE, body_error, parse_chunk, sse_data
 
 CHAT_SUFFIX = "/chat/completions"
 
@@ -111,16 +111,10 @@ class _Reading:
         self.error: str | None = None
 
     async def stream(self, resp: aiohttp.ClientResponse) -> None:
-        decoder = SseDecoder()
-        while line := await resp.content.readline():
-            data = decoder.feed(line.decode("utf-8", errors="replace").rstrip("\r\n"))
-            if data is None:
-                continue
+        async for data in sse_data(resp):
             arrived = _now_ms()
-            if data.strip() == "[DONE]":
+            if data == SSE_DONE:
                 self.done = True
-                # To the end of the body: aiohttp pools a connection again only once it is read whole.
-                await resp.content.read()
                 return
             chunk = parse_chunk(data)
             if chunk.error is not None:
