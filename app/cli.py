@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("reqscope.commands.serve", "serve the model over an OpenAI-compatible HTTP API"),
     "web": ("reqscope.commands.web", "serve the explorer to a web browser (one live session per page)"),
     "calibrate": ("reqscope.commands.calibrate", "fit prefill and decode time lines to this engine on this device"),
+    "env": ("reqscope.commands.env", "every setting, its value, its default and where it came from (no model)"),
 }
 
 
@@ -51,6 +52,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "serve": ("reqscope serve", "reqscope serve --host 0.0.0.0 --port 8000 --api-key \"$KEY\""),
     "web": ("reqscope web", 'reqscope web --paused --temperature 0 "Explain a KV cache"'),
     "calibrate": ("reqscope calibrate", "reqscope calibrate --json --output service-model.json"),
+    "env": ("reqscope env", "reqscope env --json"),
 }
 
 

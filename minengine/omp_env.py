@@ -21,17 +21,21 @@ transformers under reqscope's PASSIVE decoded at 16-17 tokens/s here instead of 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-VARIABLE = "OMP_WAIT_POLICY"
-SPIN_VARIABLE = "GOMP_SPINCOUNT"
+from minengine import settings  # imports no torch: the policy is still set before torch loads
+from minengine.settings import SettingValue
+
+VARIABLE = settings.OMP_WAIT_POLICY_ENV
+SPIN_VARIABLE = settings.GOMP_SPINCOUNT_ENV
 # About 0.3 ms of spinning by libgomp's own estimate: it bridges the gaps between a step's
 # parallel regions (decode at 2 threads: 16.1 ms a step, against 15.8 with the default 300,000)
 # and stops soon after the last one, so an idle process does not keep burning a core.
 SPIN_COUNT = 30_000
+# What this process sets when the environment says nothing (`choose_policy`), as settings list it.
+_DEFAULT = f"PASSIVE, or {SPIN_VARIABLE}={SPIN_COUNT} while decoding"
 _set_here = False  # OMP_WAIT_POLICY=PASSIVE chosen by this process
 _spin_here = False  # GOMP_SPINCOUNT chosen by this process, to spin while decoding
 _start: MachineSample | None = None
@@ -55,24 +59,17 @@ class MachineSample:
 
 def sample_machine() -> MachineSample | None:
     """The machine's and this process's CPU time now, from /proc/stat (None where there is none)."""
-    try:
-        with open("/proc/stat", encoding="ascii") as stat:
-            fields = stat.readline().split()
-    except OSError:
+    busy = settings.machine_busy_seconds()
+    if busy is None:
         return None
-    if not fields or fields[0] != "cpu" or len(fields) < 8:
-        return None
-    ticks = [int(v) for v in fields[1:9]]
-    # user nice system idle iowait irq softirq steal: idle and iowait are the only idle time.
-    busy = sum(ticks) - ticks[3] - ticks[4]
-    return MachineSample(time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), time.process_time())
+    return MachineSample(time.monotonic(), busy, time.process_time())
 
 
 def prefer_passive_wait() -> None:
     """Set OMP_WAIT_POLICY=PASSIVE unless the environment already says something."""
     global _set_here
-    if VARIABLE not in os.environ and SPIN_VARIABLE not in os.environ:
-        os.environ[VARIABLE] = "PASSIVE"
+    if not settings.omp_policy_given():
+        settings.export(VARIABLE, "PASSIVE")
         _set_here = True
 
 
@@ -80,13 +77,13 @@ def choose_policy(*, decodes: bool) -> None:
     """The command's choice: spin while decoding for a verb that runs a request (`decodes`) where
     the machine can be watched, else `prefer_passive_wait`. The environment's own setting wins."""
     global _spin_here, _start
-    if VARIABLE in os.environ or SPIN_VARIABLE in os.environ:
+    if settings.omp_policy_given():
         return
-    start = sample_machine() if decodes and (os.cpu_count() or 1) > 1 else None
+    start = sample_machine() if decodes and (settings.cpu_count() or 1) > 1 else None
     if start is None:
         prefer_passive_wait()
         return
-    os.environ[SPIN_VARIABLE] = str(SPIN_COUNT)
+    settings.export(SPIN_VARIABLE, str(SPIN_COUNT))
     _spin_here, _start = True, start
 
 
@@ -108,7 +105,7 @@ def start_sample() -> MachineSample | None:
 def user_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment as the user had it: `environ` (default: this process's) without the policy
     this process set for itself. A setting the user made is kept."""
-    env = dict(os.environ if environ is None else environ)
+    env = settings.environment() if environ is None else dict(environ)
     if _set_here:
         env.pop(VARIABLE, None)
     if _spin_here:
@@ -119,8 +116,22 @@ def user_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]
 def describe(environ: Mapping[str, str] | None = None) -> str:
     """The policy as `environ` (default: this process's) states it: `PASSIVE`, `not set`, or
     `not set, GOMP_SPINCOUNT=30000`."""
-    env = os.environ if environ is None else environ
+    env = settings.environment() if environ is None else environ
     text = env.get(VARIABLE) or "not set"
     if env.get(SPIN_VARIABLE):
         text += f", {SPIN_VARIABLE}={env[SPIN_VARIABLE]}"
     return text
+
+
+def policy_setting() -> SettingValue:
+    """The wait policy as a setting: the environment's, the one this process chose, or OpenMP's own."""
+    value = describe()
+    if _spin_here or _set_here:
+        why = ("spin while decoding, one thread while other processes want a core" if _spin_here
+               else "this process runs no request, so its workers sleep")  # fmt: skip
+        return SettingValue("omp_wait_policy", value, _DEFAULT, settings.DEFAULT, f"chosen here: {why}")
+    if settings.omp_policy_given():
+        named = [name for name in (VARIABLE, SPIN_VARIABLE) if name in settings.environment()]
+        return SettingValue("omp_wait_policy", value, _DEFAULT, settings.ENVIRONMENT, ", ".join(named))
+    # Not the command (a library's process, a test): nothing chose, so the default is OpenMP's own.
+    return SettingValue("omp_wait_policy", value, value, settings.DEFAULT, "OpenMP's own: its workers spin")

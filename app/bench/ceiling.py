@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from minengine.checkpoint.paths import models_home
 from minengine.engine.roofline import ReadCeiling
 from minengine.kv.arithmetic import MIB
+from minengine.settings import cpu_model
 
 if TYPE_CHECKING:
     import torch
@@ -50,20 +51,7 @@ def machine_name(device: torch.device) -> str:
 
     if device.type == "cuda":
         return f"cuda {torch.cuda.get_device_name(device)}"
-    return f"cpu {_cpu_model()}, {torch.get_num_threads()} threads"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
+    return f"cpu {cpu_model()}, {torch.get_num_threads()} threads"
 
 
 def measure_ceiling(device: torch.device, passes: int = CEILING_PASSES) -> ReadCeiling:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from minengine import settings
 from minengine.checkpoint import layout_cache
 from minengine.device import device_memory_bytes, synchronize
 from minengine.engine.engine import Engine
@@ -304,10 +305,10 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
         device=_device_name(engine.device),
         dtype=str(engine.dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
-        cpu_count=os.cpu_count() or 0,
+        cpu_count=settings.cpu_count() or 0,
         load_before=load_before,
         load_after=os.getloadavg(),
-        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"),
+        omp_wait_policy=settings.environment().get(settings.OMP_WAIT_POLICY_ENV, "default"),
         torch=torch.__version__,
         transformers=work.reference.version,
         python=platform.python_version(),

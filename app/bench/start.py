@@ -12,7 +12,6 @@ toolkit or transformers.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import psutil
 
+from minengine import settings
 from minengine.errors import ReqscopeError
 
 HEAVY_MODULES = ("textual", "transformers")  # must never load on the plain path
@@ -135,4 +135,4 @@ def heavy_imports(modules: frozenset[str]) -> tuple[str, ...]:
 
 def child_environment(drop: tuple[str, ...] = ()) -> dict[str, str]:
     """This process's environment without `drop` (settings the benchmark made for itself only)."""
-    return {k: v for k, v in os.environ.items() if k not in drop}
+    return {k: v for k, v in settings.environment().items() if k not in drop}

@@ -85,9 +85,12 @@ def run(args: argparse.Namespace) -> int:
 
         prepare_export_folder(args.export, force=args.force)  # before the run: a bad path wastes none
     engine = open_engine(args, model, progress=None if args.json else stderr_progress)
+    from minengine.record.settings_report import collect_for_engine
     from reqscope.bench.ceiling import stored_ceiling
 
     ceiling = stored_ceiling(engine.device)  # this machine's read ceiling, for the roofline
+    given_by = None if args.kv_budget_mib is None else "--kv-budget-mib"
+    settings = collect_for_engine(engine, kv_budget_given_by=given_by)  # for --json and the trace's header
     recorded: list = []
     with EngineLoad(engine, load, request) as beside:
         note = beside.note if load.any else None
@@ -97,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             from reqscope.console.jsonl import print_jsonl
 
-            result = print_jsonl(events, request=request, ceiling=ceiling, weights=engine.weights, load=note)
+            result = print_jsonl(
+                events, request=request, ceiling=ceiling, weights=engine.weights, load=note, settings=settings
+            )
         else:
             from reqscope.console.plain import print_plain
 
@@ -106,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         from minengine.record.export import export_run
         from minengine.record.trace_io import trace_header
 
-        written = export_run(result, args.export, recorded, trace_header(engine, ceiling.ceiling))
+        written = export_run(result, args.export, recorded, trace_header(engine, ceiling.ceiling, settings))
         print(f"reqscope: exported {len(written)} files to {args.export}", file=sys.stderr)
     if result.error:
         print(f"reqscope: error: {result.error}", file=sys.stderr)

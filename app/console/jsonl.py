@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 if TYPE_CHECKING:
     from minengine.model.weight_format import WeightChoice
+    from minengine.settings import Settings
 
 
 def print_jsonl(
@@ -39,6 +40,7 @@ def print_jsonl(
     ceiling: CeilingLookup | None = None,
     weights: WeightChoice | None = None,
     load: LoadNote | None = None,
+    settings: Settings | None = None,
 ) -> RequestResult:
     """Write stage, token and done (or error) records; return the result.
 
@@ -54,16 +56,19 @@ def print_jsonl(
     engine takes the request's blocks back, and the done record's `batch` summary; a `load`
     record first says what shares the engine (`--background`, `--serve-port`). A step inspected
     (`--attention`, `--lens`) adds its `attention`, `lens` and `inspect_cost` (`inspection_json`).
+    Given the engine's `settings` (`reqscope env`'s), the first record lists them as
+    `engine_settings`: value, default, source and detail each (`settings` there is the request's sampling).
     """
     out = out or sys.stdout
     result: RequestResult | None = None
     read_ceiling = None if ceiling is None else ceiling.ceiling
     tokens: list[TokenEvent] = []
-    if request is not None and request.setting_sources:
-        settings = {
+    if request is not None and (request.setting_sources or settings is not None):
+        sampling = {
             s.name: {"value": setting_value(request, s.name), "source": s.source} for s in request.setting_sources
         }
-        emit(out, {"event": "request", "request_id": request.request_id, "settings": settings})
+        first = {"event": "request", "request_id": request.request_id, "settings": sampling}
+        emit(out, first | ({} if settings is None else {"engine_settings": settings.record()}))
     if load is not None:
         emit(out, {"event": "load", "background": load.background,
                    "serve_url": None if load.serve_url is None else f"{load.serve_url}/v1"})  # fmt: skip

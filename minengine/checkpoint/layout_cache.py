@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from minengine import settings
 from minengine.checkpoint.mapped_pages import MappedFiles
 from minengine.checkpoint.paths import models_home
 from minengine.checkpoint.weight_layout import CheckpointReader, Operand
@@ -40,7 +41,7 @@ from minengine.progress import BYTES, ProgressCallback, Stage
 
 FORMAT_VERSION = 3  # 3: q8_0 and q4_1 panels stored as one stream of groups (panel_kernels.GROUP)
 CACHE_DIR = ".minengine"
-DISABLE_ENV = "REQSCOPE_LAYOUT_CACHE"
+DISABLE_ENV = settings.LAYOUT_CACHE_ENV
 _DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.uint8: "U8"}
 _TRANSPOSED = "transposed"  # metadata: names stored as their last two dims swapped
 _WEIGHTS = "weights"  # metadata: the weight format the operands were built for
@@ -55,7 +56,7 @@ ALIGN = 64
 
 def enabled() -> bool:
     """False when the environment turns the cache off."""
-    return os.environ.get(DISABLE_ENV, "auto").strip().lower() not in ("0", "false", "no", "off")
+    return settings.layout_cache().value not in settings.LAYOUT_CACHE_OFF
 
 
 def wanted(folder: Path) -> bool:
@@ -64,10 +65,10 @@ def wanted(folder: Path) -> bool:
     The cache is as large as the weights, so it is not written into a folder the user brought
     (`--model PATH`) unless `REQSCOPE_LAYOUT_CACHE=1` asks for it; `0` turns it off everywhere.
     """
-    setting = os.environ.get(DISABLE_ENV, "auto").strip().lower()
+    setting = settings.layout_cache().value
     if not enabled():
         return False
-    if setting in ("1", "true", "yes", "on", "all"):
+    if setting in settings.LAYOUT_CACHE_EVERYWHERE:
         return True
     return models_home().resolve() in folder.resolve().parents
 

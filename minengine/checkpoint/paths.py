@@ -6,17 +6,13 @@ loader must not import the downloader, so the path lives with the checkpoint cod
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-HOME_ENV = "REQSCOPE_HOME"
+from minengine import settings
+
+HOME_ENV = settings.HOME_ENV
 
 
 def models_home() -> Path:
     """Folder that holds pulled models: `$REQSCOPE_HOME` if set, else the user cache."""
-    override = os.environ.get(HOME_ENV)
-    if override:
-        return Path(override).expanduser()
-    import platformdirs  # about 10 ms: only a pull, or a CPU load deciding on its layout cache, asks
-
-    return Path(platformdirs.user_cache_dir("reqscope")) / "models"
+    return Path(settings.models_home().value)

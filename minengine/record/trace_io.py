@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from minengine.engine import events as ev
 from minengine.engine.roofline import ReadCeiling
 from minengine.errors import Mention, NotATraceError, ReqscopeError, Setting
+from minengine.settings import Settings, SettingValue  # no torch: replaying a trace loads none
 
 if TYPE_CHECKING:
     from minengine.engine.engine import Engine
@@ -61,11 +62,19 @@ class TraceHeader:
     # recorded before it was kept: readers that predate it skip the key).
     read_ceiling: ReadCeiling | None = None
     kernels: str = "fast"  # `Engine(kernels=...)`: "reference" ran every step through the plain model
+    # Every setting the run ran under (`settings_report.collect`); empty in traces recorded before they were kept.
+    settings: tuple[SettingValue, ...] = ()
 
 
-def trace_header(engine: Engine, read_ceiling: ReadCeiling | None = None) -> TraceHeader:
-    """What a recorded trace says about the engine that ran it (and the ceiling its roofline used)."""
+def trace_header(
+    engine: Engine, read_ceiling: ReadCeiling | None = None, settings: Settings | None = None
+) -> TraceHeader:
+    """What a recorded trace says about the engine that ran it (and the ceiling its roofline used), and
+    the settings it ran under (`settings`, or gathered now from the engine)."""
+    from minengine.record.settings_report import collect_for_engine  # torch's, loaded with the engine
+
     c = engine.cfg
+    settings = collect_for_engine(engine) if settings is None else settings
     return TraceHeader(
         model=str(engine.model_dir),
         description=engine.describe(),
@@ -80,6 +89,7 @@ def trace_header(engine: Engine, read_ceiling: ReadCeiling | None = None) -> Tra
         weights_why=engine.weights.why,
         read_ceiling=read_ceiling,
         kernels=engine.kernels,
+        settings=settings.values,
     )
 
 
