@@ -28,7 +28,7 @@ class StepPath:
     why: str
 
 
-REFERENCE = StepPath("reference", "--kernels reference: the plain PyTorch model over dense weights")
+REFERENCE = StepPath("reference", "the reference kernels: the plain PyTorch model over dense weights")
 NOT_RUN = StepPath("", "no step has run yet")
 
 

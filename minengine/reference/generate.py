@@ -1,8 +1,9 @@
 """The generation loop, read second: template, tokens, prefill, then one decode step per token.
 
-It runs outside the engine on any model folder, and a reader can step through it in a debugger:
+It runs outside the engine on any model folder, and a reader can step through it in a debugger
+(greedy, at most MAX_TOKENS tokens; `generate` takes any sampling parameters):
 
-    python -m minengine.reference.generate MODEL_DIR "Show me wheelchair-accessible hotels in Kyoto"
+    python -m minengine.reference.generate MODEL_DIR "Show me wheelchair-accessible hotels in Kyoto" [MAX_TOKENS]
 
 The chat template, tokenizer and sampler chain are the engine's own readable modules; only the
 model's arithmetic is the reference's (`minengine.reference.model`).
@@ -60,15 +61,11 @@ def generate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stream an answer to standard output."""
-    parser = argparse.ArgumentParser(description="The reference model's generation loop, outside the engine.")
+    """Stream a greedy answer to standard output: MODEL_DIR PROMPT [MAX_TOKENS]."""
+    parser = argparse.ArgumentParser(description="The reference model's generation loop, outside the engine (greedy).")
     parser.add_argument("model_dir", help="a Hugging Face model folder (config.json, safetensors, tokenizer.json)")
     parser.add_argument("prompt")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("max_tokens", nargs="?", type=int, default=128, help="the most tokens to generate (128)")
     args = parser.parse_args(argv)
     try:
         model = ReferenceModel.load(args.model_dir)
@@ -76,9 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     except ReqscopeError as exc:  # a folder that is not a model: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     shown = ""
-    for step in generate(model, tokenizer, args.prompt, params, args.max_tokens):
+    for step in generate(model, tokenizer, args.prompt, SamplingParams(temperature=0), args.max_tokens):
         sys.stdout.write(step.text[len(shown) :])  # only what this token added
         sys.stdout.flush()
         shown = step.text
