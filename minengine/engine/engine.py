@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from minengine import settings
 from minengine.checkpoint.weights import load_state_dict
 from minengine.config import ModelConfig
 from minengine.device import resolve_device, resolve_dtype, synchronize
@@ -34,30 +35,6 @@ from minengine.text.tokenizer import ModelTokenizer
 from minengine.threads import model_thread
 
 KERNELS = ("fast", "reference")  # the ways an engine's steps compute (`Engine(kernels=...)`)
-
-
-def default_kv_budget(device: torch.device) -> int:
-    """Half of the memory free now (on the device for CUDA, in RAM for the CPU)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.5)
-    return int(available_memory_bytes() * 0.5)
-
-
-def available_memory_bytes() -> int:
-    """Memory the OS could hand out now without swapping (MemAvailable on Linux)."""
-    # /proc/meminfo is what psutil reads on Linux; reading it directly keeps psutil's import
-    # (about 30 ms) off the start-up path.
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    import psutil
-
-    return psutil.virtual_memory().available
 
 
 def model_fingerprint(folder: Path) -> str:
@@ -128,7 +105,7 @@ class Engine:
         # On the thread every step will run on (`threads.model_thread`): one OpenMP team for both.
         self.model, self.runner = model_thread().call(self._load, progress, cuda_graph)
         # Every request's KV blocks and the prefix cache's, within the KV budget; admission waits for room in it.
-        self.pool = BlockPool(kv_budget_bytes or default_kv_budget(self.device), self.device)
+        self.pool = BlockPool(kv_budget_bytes or settings.default_kv_budget(self.device), self.device)
         self.scheduler = Scheduler(self.pool.budget_bytes, max_running=limits.max_num_seqs, pool=self.pool)
         self.fingerprint = model_fingerprint(self.model_dir)
         self.prefix_cache: PrefixCache | None = PrefixCache(self.pool) if prefix_cache else None
