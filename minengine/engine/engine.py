@@ -106,6 +106,7 @@ class Engine:
         self.model, self.runner = model_thread().call(self._load, progress, cuda_graph)
         # Every request's KV blocks and the prefix cache's, within the KV budget; admission waits for room in it.
         self.pool = BlockPool(kv_budget_bytes or settings.default_kv_budget(self.device), self.device)
+        self.kv_budget_given = kv_budget_bytes is not None  # else probed: half the memory free at load
         self.scheduler = Scheduler(self.pool.budget_bytes, max_running=limits.max_num_seqs, pool=self.pool)
         self.fingerprint = model_fingerprint(self.model_dir)
         self.prefix_cache: PrefixCache | None = PrefixCache(self.pool) if prefix_cache else None

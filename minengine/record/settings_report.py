@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from minengine import omp_env, settings
+from minengine.errors import Setting
 from minengine.model import cpu_kernels
 from minengine.model.panel_kernels import activations_setting
 from minengine.settings import Settings, SettingValue
@@ -57,9 +58,13 @@ def collect_for_engine(engine: Engine, *, kv_budget_given_by: str | None = None)
     `kv_budget_given_by`, else taken at load), its device, and the kernels only if it loaded them."""
     used = engine.pool.budget_bytes
     budget = settings.kv_budget(engine.device, used_bytes=used)
-    if kv_budget_given_by is not None:
-        budget = budget.given(used, kv_budget_given_by)
-    return collect(engine.device, kv_budget=budget, load_kernels=False)
+    if kv_budget_given_by is not None or engine.kv_budget_given:
+        budget = budget.given(used, kv_budget_given_by or Setting.KV_BUDGET.value)
+    found = collect(engine.device, kv_budget=budget, load_kernels=False)
+    # Which arithmetic the engine's steps run (`Engine(kernels=...)`): the fast paths unless asked.
+    source = settings.DEFAULT if engine.kernels == "fast" else settings.FLAG
+    kernels = SettingValue("kernels", engine.kernels, "fast", source, "" if source == settings.DEFAULT else "kernels")
+    return Settings((*found.values, kernels))
 
 
 def _not_loaded(name: str, default: settings.Value) -> SettingValue:
