@@ -224,7 +224,9 @@ def test_the_json_run_and_its_trace_say_what_they_ran_under(chatty_tiny_dir, cap
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     first = records[0]
     assert first["event"] == "request" and "temperature" in first["settings"]  # the sampling, as before
-    assert set(first["engine_settings"]) == NAMED
+    assert set(first["engine_settings"]) == NAMED | {"kernels"}  # an engine's own: which arithmetic it runs
+    kernels = first["engine_settings"]["kernels"]
+    assert (kernels["value"], kernels["source"]) == ("fast", "default")
     budget = first["engine_settings"]["kv_budget_bytes"]
     assert (budget["value"], budget["source"], budget["detail"]) == (64 << 20, "flag", "--kv-budget-mib")
     assert all("engine_settings" not in r for r in records if r["event"] == "token")
