@@ -126,6 +126,23 @@ def _spread(s: Spread, fmt: str = ".2f", scale: float = 1.0) -> str:
     return f"{s.median * scale:{fmt}}  ({s.min * scale:{fmt}} .. {s.max * scale:{fmt}})"
 
 
+def _cell(value: float | Spread | None, fmt: str, per: float = 1, unit: str = "") -> str:
+    """A table cell: `value` (a spread's median) over `per`, formatted; "-" where nothing was measured."""
+    if value is None:
+        return "-"
+    number = value.median if isinstance(value, Spread) else value
+    return f"{number / per:{fmt}}{unit}"
+
+
+def _table(columns: tuple[tuple[str, str], ...], rows: list[tuple[object, ...]]) -> list[str]:
+    """A header line of the columns' names, then a line per row: each cell aligned by its column's
+    format spec (e.g. ">24"), so the header and the rows cannot drift apart."""
+    def line(cells: tuple[object, ...]) -> str:
+        return " ".join(f"{cell:{spec}}" for cell, (_name, spec) in zip(cells, columns, strict=True))
+
+    return [line(tuple(name for name, _spec in columns)), *(line(row) for row in rows)]
+
+
 def _comparison_rows(name: str, c: Comparison, fmt: str) -> list[str]:
     return [
         f"{name:<28} {_spread(c.minengine, fmt):>30} {_spread(c.transformers, fmt):>30}   {_spread(c.speedup)}",
@@ -220,17 +237,15 @@ def format_fair(fair: FairComparison) -> list[str]:
         "first token: the child's own time from the request to its first token, after loading "
         "(prefill rate = prompt tokens / that time)",
         "",
-        f"{'':<14} {'decode tok/s':>24} {'vs transformers':>24} {'first token ms':>16} {'prefill tok/s':>14} "
-        f"{'tokens':>7} {'read/token':>11}",
     ]
-    for side in fair.sides:
-        first = "-" if side.first_token_ms is None else f"{side.first_token_ms.median:.0f}"
-        prefill = "-" if side.prefill_tokens_per_s is None else f"{side.prefill_tokens_per_s:.0f}"
-        read = "-" if side.bytes_per_token is None else f"{side.bytes_per_token / MIB:.0f} MiB"
-        lines.append(
-            f"{side.name:<14} {_spread(side.decode_tokens_per_s, '.1f'):>24} "
-            f"{_spread(side.vs_transformers, '.2f'):>24} {first:>16} {prefill:>14} {side.tokens:>7} {read:>11}"
-        )
+    columns = (("", "<14"), ("decode tok/s", ">24"), ("vs transformers", ">24"), ("first token ms", ">16"),
+               ("prefill tok/s", ">14"), ("tokens", ">7"), ("read/token", ">11"))  # fmt: skip
+    lines += _table(columns, [
+        (side.name, _spread(side.decode_tokens_per_s, ".1f"), _spread(side.vs_transformers, ".2f"),
+         _cell(side.first_token_ms, ".0f"), _cell(side.prefill_tokens_per_s, ".0f"), side.tokens,
+         _cell(side.bytes_per_token, ".0f", MIB, " MiB"))
+        for side in fair.sides
+    ])  # fmt: skip
     lines.append("environments:")
     for side in fair.sides:
         lines.append(f"  {side.name:<12} {side.how}; {side.environment.describe()}")
@@ -254,19 +269,17 @@ def format_formats(result: FormatsResult) -> list[str]:
         f"of ceiling = read/step x decode rate / the matvec probe ({result.ceiling_bytes_per_s / 1e9:.1f} GB/s, "
         "median of the in-process rounds); read/step: what the child reports its decode steps read",
         "",
-        f"{'':<9} {'decode tok/s':>24} {'vs transformers':>16} {'vs ' + peer:>13} {'read/step':>10} "
-        f"{'of ceiling':>10} {short_head:>15} {long_head:>17} {'peak RSS':>9}",
     ]
-    for row in result.rows:
-        vs_peer = "-" if row.vs_peer is None else f"{row.vs_peer:.2f}"
-        read = "-" if row.bytes_per_step is None else f"{row.bytes_per_step / MIB:.0f} MiB"
-        fraction = "-" if row.ceiling_fraction is None else f"{row.ceiling_fraction:.0%}"
-        short_ms = "-" if row.prefill_short_ms is None else f"{row.prefill_short_ms.median:.0f}"
-        lines.append(
-            f"{row.format:<9} {_spread(row.decode_tokens_per_s, '.1f'):>24} {row.vs_transformers.median:>16.2f} "
-            f"{vs_peer:>13} {read:>10} {fraction:>10} {short_ms:>15} {row.long.first_token_ms.median:>17.0f} "
-            f"{row.long.peak_rss_bytes / MIB:>5.0f} MiB"
-        )
+    columns = (("", "<9"), ("decode tok/s", ">24"), ("vs transformers", ">16"), ("vs " + peer, ">13"),
+               ("read/step", ">10"), ("of ceiling", ">10"), (short_head, ">15"), (long_head, ">17"),
+               ("peak RSS", ">9"))  # fmt: skip
+    lines += _table(columns, [
+        (row.format, _spread(row.decode_tokens_per_s, ".1f"), _cell(row.vs_transformers, ".2f"),
+         _cell(row.vs_peer, ".2f"), _cell(row.bytes_per_step, ".0f", MIB, " MiB"), _cell(row.ceiling_fraction, ".0%"),
+         _cell(row.prefill_short_ms, ".0f"), _cell(row.long.first_token_ms, ".0f"),
+         f"{row.long.peak_rss_bytes / MIB:>5.0f} MiB")
+        for row in result.rows
+    ])  # fmt: skip
     lines += [f"skipped {skip.format}: {skip.why_not}" for skip in result.skipped]
     return lines
 
