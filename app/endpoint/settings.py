@@ -37,16 +37,11 @@ class RequestSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RequestSettings:
-        """The flags the user gave (the shared sampling flags default to None when not given)."""
-        return cls(
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            seed=args.seed,
-            max_tokens=args.max_tokens,
-            top_logprobs=getattr(args, "logprobs", None),
-        )
+        """The flags the user gave (the shared sampling flags default to None when not given).
+
+        Each sampling field comes from the flag of its name; `top_logprobs` from `--logprobs`."""
+        sampling = {f.name: getattr(args, f.name) for f in fields(cls) if f.name != "top_logprobs"}
+        return cls(**sampling, top_logprobs=getattr(args, "logprobs", None))
 
     @property
     def logprobs(self) -> bool:
