@@ -22,6 +22,7 @@ from reqscope.endpoint.events import (
 )
 from reqscope.endpoint.metrics import client_metrics, output_token_count
 from reqscope.openai.logprobs import TokenLogprob
+from reqscope.ui.request_view import RequestView
 
 # The client's stages, in order: opening (or reusing) the connection, waiting for the status
 # line, waiting for the first visible token, the stream from first to last token, the close.
@@ -29,7 +30,7 @@ CLIENT_PIPELINE: tuple[str, ...] = ("connect", "first byte", "first token", "str
 
 
 @dataclass
-class EndpointView:
+class EndpointView(RequestView[ClientEvent]):
     """Everything drawn about one endpoint request, updated one client event at a time."""
 
     sent: RequestSent | None = None
@@ -51,14 +52,6 @@ class EndpointView:
             self.chunks.append(event)
         elif isinstance(event, StreamEnded):
             self.result = event.result
-
-    @classmethod
-    def of(cls, events: list[ClientEvent]) -> EndpointView:
-        """The view after `events`, in order."""
-        view = cls()
-        for event in events:
-            view.apply(event)
-        return view
 
     # -- derived -------------------------------------------------------------------------------
 

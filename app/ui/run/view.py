@@ -23,6 +23,7 @@ from minengine.engine.events import (
 )
 from minengine.engine.timeline import ALL_STAGES
 from minengine.kv.usage import KVUsage
+from reqscope.ui.request_view import RequestView
 
 # The pipeline as the explorer shows it: the engine's stages (the prefix cache stage between
 # admit and prefill included) plus `stream`, the span from the first to the last visible token
@@ -33,7 +34,7 @@ PIPELINE_WITHOUT_PREFIX_CACHE: tuple[str, ...] = tuple(name for name in PIPELINE
 
 
 @dataclass
-class RunView:
+class RunView(RequestView[Event]):
     """Everything drawn about one request, updated one event at a time."""
 
     stages: dict[str, StageEvent] = field(default_factory=dict)
@@ -79,14 +80,6 @@ class RunView:
         elif isinstance(event, DoneEvent):
             self.result = event.result
             self.waiting_step = None
-
-    @classmethod
-    def of(cls, events: list[Event]) -> RunView:
-        """The view after `events`, in order."""
-        view = cls()
-        for event in events:
-            view.apply(event)
-        return view
 
     # -- derived -------------------------------------------------------------------------------
 
