@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"minengine": ROOT / "minengine", "reqscope": ROOT / "app"}
 
 # What serves one request, and what is built around it.
-REQUEST_PATH = ("text", "checkpoint", "model", "kv", "sampling", "engine")
+REQUEST_PATH = ("text", "checkpoint", "reference", "model", "fast", "kv", "sampling", "engine")
 AROUND_IT = ("plan", "record", "hub", "gguf")
 MAX_MODULES_PER_FOLDER = 15
 MAX_SHARED_PREFIX = 2  # modules in one folder that may share a `name_` prefix
@@ -181,6 +181,16 @@ def _folders() -> dict[Path, list[str]]:
         if path.name != "__init__.py":
             folders[path.parent].append(path.stem)
     return folders
+
+
+def test_the_reference_model_and_its_loop_use_no_fast_path():
+    """minengine/reference/model.py and generate.py are plain PyTorch: nothing of the engine's model
+    (its ops try C first) or of the fast paths. Only the runner that seats the reference in the
+    engine touches the engine's step types."""
+    plain = ("minengine.reference.model", "minengine.reference.generate")
+    wrong = [imp.where() for imp in IMPORTS
+             if imp.source in plain and imp.target.startswith(("minengine.model", "minengine.fast"))]  # fmt: skip
+    assert not wrong, "the reference must stay plain PyTorch:\n  " + "\n  ".join(wrong)
 
 
 @pytest.mark.parametrize("folder", sorted(_folders()), ids=lambda p: str(p.relative_to(ROOT)))

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from minengine import omp_env, settings
-from minengine.model import cpu_kernels
-from minengine.model.panel_kernels import activations_setting
+from minengine.fast import cpu_kernels
+from minengine.fast.panel_kernels import activations_setting
 from minengine.record.trace_io import TraceHeader, read_trace, write_trace
 from reqscope import cli
 

@@ -35,7 +35,7 @@ from minengine import settings
 from minengine.checkpoint.mapped_pages import MappedFiles
 from minengine.checkpoint.paths import models_home
 from minengine.checkpoint.weight_layout import CheckpointReader, Operand
-from minengine.model.panel_kernels import PANEL_PACKS, PanelLinear
+from minengine.fast.panel_kernels import PANEL_PACKS, PanelLinear
 from minengine.model.weight_format import DTYPE_FORMAT
 from minengine.progress import BYTES, ProgressCallback, Stage
 

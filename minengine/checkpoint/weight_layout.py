@@ -20,8 +20,8 @@ from typing import Protocol
 import torch
 
 from minengine.checkpoint.mapped_pages import MappedFiles
-from minengine.model.linear_kernels import EmbeddingRows, PackedLinear
-from minengine.model.panel_kernels import PANEL_PACKS, PanelLinear
+from minengine.fast.linear_kernels import EmbeddingRows, PackedLinear
+from minengine.fast.panel_kernels import PANEL_PACKS, PanelLinear
 
 # A projection's operand: a dense [chunks, in, out/chunks] tensor, or a packed or panel kernel's weight.
 Operand = torch.Tensor | PackedLinear | PanelLinear

@@ -69,7 +69,7 @@ class Engine:
         stages to `progress` (see `minengine.progress`). `prefix_cache` keeps finished requests'
         KV blocks for later requests with the same prompt prefix (`minengine.kv.prefix_cache`).
         `cuda_graph`: on a CUDA device, decode steps replay captured CUDA graphs (the static step,
-        `minengine.model.cuda_graph`), else they run eagerly; other devices have no graphs, and
+        `minengine.fast.cuda_graph`), else they run eagerly; other devices have no graphs, and
         it changes nothing there. `max_num_seqs` and `max_num_batched_tokens` bound what one
         step of the step loop runs together (`minengine.engine.step_loop`; the token budget's
         default depends on the device); up to `max_num_seqs` requests run at once. `weights` is

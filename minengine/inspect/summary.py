@@ -11,6 +11,8 @@ from collections.abc import Callable
 import torch
 
 from minengine.checkpoint.weight_layout import project
+from minengine.fast.linear_kernels import EmbeddingRows, PackedLinear
+from minengine.fast.panel_kernels import PanelLinear
 from minengine.inspect.ask import InspectAsk
 from minengine.inspect.records import (
     STRIP_MAX,
@@ -22,8 +24,6 @@ from minengine.inspect.records import (
     StepAttention,
     StepLens,
 )
-from minengine.model.linear_kernels import EmbeddingRows, PackedLinear
-from minengine.model.panel_kernels import PanelLinear
 from minengine.model.transformer import Transformer
 from minengine.reference.model import ReferenceModel
 

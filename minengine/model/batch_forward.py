@@ -24,14 +24,14 @@ from typing import Protocol
 
 import torch
 
+from minengine.fast.attention_rows import serves_store
+from minengine.fast.eager_step import LayerStack
+from minengine.fast.panel_kernels import UNPACK_ROWS
+from minengine.fast.pooled_rows import PooledRows, pooled_count
 from minengine.kv.block_pool import Segment
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
-from minengine.model.attention_rows import serves_store
-from minengine.model.eager_step import LayerStack
 from minengine.model.ops import attend, decode_attention, heads_first
-from minengine.model.panel_kernels import UNPACK_ROWS
-from minengine.model.pooled_rows import PooledRows, pooled_count
 from minengine.model.transformer import Transformer
 from minengine.threads import OneThread
 

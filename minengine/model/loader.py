@@ -18,7 +18,7 @@ from minengine.checkpoint import layout_cache
 from minengine.checkpoint.weight_layout import CheckpointReader, WeightSource
 from minengine.checkpoint.weights import checkpoint_files, load_state_dict
 from minengine.config import ModelConfig
-from minengine.model.panel_kernels import PANEL_PACKS
+from minengine.fast.panel_kernels import PANEL_PACKS
 from minengine.model.weight_format import DTYPE_FORMAT
 from minengine.progress import TENSORS, ProgressCallback, Stage
 

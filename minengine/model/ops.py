@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minengine.model.attention_rows import attend_one, attend_prompt, serves
-from minengine.model.cpu_kernels import library
-from minengine.model.panel_kernels import activations
+from minengine.fast.attention_rows import attend_one, attend_prompt, serves
+from minengine.fast.cpu_kernels import library
+from minengine.fast.panel_kernels import activations
 
 _HAS_GQA_SDPA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 

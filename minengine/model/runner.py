@@ -27,13 +27,13 @@ from typing import Any
 
 import torch
 
+from minengine.fast.cuda_graph import StaticDecoder
+from minengine.fast.decode_threads import StepThreads
+from minengine.fast.eager_step import EagerDecoder
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.request_cache import request_cache
 from minengine.model.batch_forward import Row, run_rows
-from minengine.model.cuda_graph import StaticDecoder
-from minengine.model.decode_threads import StepThreads
-from minengine.model.eager_step import EagerDecoder
 from minengine.model.step_path import NOT_RUN, StepPath, weights_label
 from minengine.model.transformer import Transformer
 from minengine.threads import model_thread

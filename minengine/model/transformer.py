@@ -42,11 +42,11 @@ from minengine.checkpoint.weight_layout import (
     project_chunks,
 )
 from minengine.config import ModelConfig
+from minengine.fast.linear_kernels import EmbeddingRows, PackedLinear
+from minengine.fast.panel_kernels import PanelLinear
 from minengine.kv.cache import KVCache
 from minengine.model import loader
-from minengine.model.linear_kernels import EmbeddingRows, PackedLinear
 from minengine.model.ops import RMSNorm, attend, c_silu_mul, decode_attention, heads_first
-from minengine.model.panel_kernels import PanelLinear
 from minengine.model.rope import RotaryTable, rotate
 from minengine.progress import ProgressCallback
 from minengine.threads import OneThread

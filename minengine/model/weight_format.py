@@ -29,9 +29,9 @@ from minengine.checkpoint.weights import checkpoint_files, expected_shapes
 from minengine.config import ModelConfig
 from minengine.dtype_names import WEIGHT_FORMATS
 from minengine.errors import Mention, ReqscopeError, Setting
-from minengine.model.cpu_kernels import library
-from minengine.model.linear_kernels import available, int8_refusal
-from minengine.model.panel_kernels import (
+from minengine.fast.cpu_kernels import library
+from minengine.fast.linear_kernels import available, int8_refusal
+from minengine.fast.panel_kernels import (
     ACTIVATIONS_ENV,
     BLOCK_FORMATS,
     Q8_BLOCK,

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from minengine import omp_env, settings
 from minengine.errors import Setting
-from minengine.model import cpu_kernels
-from minengine.model.panel_kernels import activations_setting
+from minengine.fast import cpu_kernels
+from minengine.fast.panel_kernels import activations_setting
 from minengine.settings import Settings, SettingValue
 
 if TYPE_CHECKING:

@@ -118,8 +118,8 @@ def test_by_default_only_pulled_models_get_a_cache(tiny_models, tmp_path, monkey
 @pytest.mark.parametrize("activations", ["int16", "float32"])
 def test_a_warm_load_hands_back_the_groups_its_dot8_copy_replaces(tiny_models, tmp_path, monkeypatch, activations):
     from minengine.checkpoint.mapped_pages import MappedFiles
-    from minengine.model.panel_kernels import ACTIVATIONS_ENV
-    from minengine.model.panel_kernels import activations as active
+    from minengine.fast.panel_kernels import ACTIVATIONS_ENV
+    from minengine.fast.panel_kernels import activations as active
 
     monkeypatch.setenv(ACTIVATIONS_ENV, activations)
     if active() != activations:

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from minengine.checkpoint import layout_cache
-from minengine.model.cpu_kernels import library
-from minengine.model.linear_kernels import available
+from minengine.fast.cpu_kernels import library
+from minengine.fast.linear_kernels import available
 from reqscope import cli
 
 

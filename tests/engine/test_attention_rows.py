@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from minengine.model.attention_rows import RowsKernel, SlotKernel, attend_one, serves
-from minengine.model.cpu_kernels import library
+from minengine.fast.attention_rows import RowsKernel, SlotKernel, attend_one, serves
+from minengine.fast.cpu_kernels import library
 
 pytestmark = pytest.mark.skipif(library().lib is None, reason=library().why_not)
 TOLERANCE = 2e-5  # float32 against float64, values of unit scale

@@ -11,8 +11,8 @@ import torch
 from tiny_models import SPECS
 
 from minengine.config import ModelConfig
+from minengine.fast.cuda_graph import SPAN, StaticDecoder
 from minengine.kv.cache import KVCache
-from minengine.model.cuda_graph import SPAN, StaticDecoder
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from minengine.config import ModelConfig
+from minengine.fast.cpu_kernels import library
+from minengine.fast.eager_step import LayerStack
+from minengine.fast.panel_kernels import ACTIVATIONS_ENV
 from minengine.kv.cache import KVCache
 from minengine.model.batch_forward import Row
-from minengine.model.cpu_kernels import library
-from minengine.model.eager_step import LayerStack
 from minengine.model.ops import RMSNorm, c_rms_norm, c_rotate, c_silu_mul
-from minengine.model.panel_kernels import ACTIVATIONS_ENV
 from minengine.model.rope import rotate
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer

@@ -7,8 +7,8 @@ import torch
 
 from minengine import omp_env
 from minengine.config import ModelConfig
-from minengine.model import decode_threads
-from minengine.model.decode_threads import StepThreads
+from minengine.fast import decode_threads
+from minengine.fast.decode_threads import StepThreads
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.omp_env import MachineSample

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from minengine.model.cpu_kernels import library
-from minengine.model.panel_kernels import ACTIVATIONS_ENV, PANEL, PanelLinear, activations
+from minengine.fast.cpu_kernels import library
+from minengine.fast.panel_kernels import ACTIVATIONS_ENV, PANEL, PanelLinear, activations
 from minengine.model.weight_format import resolve_weights
 
 CPU = torch.device("cpu")
@@ -141,7 +141,8 @@ def test_activations_are_int16_by_default_and_the_environment_picks_int8_or_floa
 
 @needs_kernel
 def test_rounded_activations_asked_for_without_vnni_fall_back_saying_why(monkeypatch):
-    from minengine.model import panel_kernels, weight_format
+    from minengine.fast import panel_kernels
+    from minengine.model import weight_format
 
     monkeypatch.setenv(ACTIVATIONS_ENV, "int8")
     monkeypatch.setattr(panel_kernels, "activations", lambda: "float32")
@@ -153,7 +154,7 @@ def test_rounded_activations_asked_for_without_vnni_fall_back_saying_why(monkeyp
 @needs_kernel
 @pytest.mark.parametrize(("length", "start"), [(40, 0), (16, 24), (1, 39), (9, 100)])
 def test_a_prompts_rows_attend_as_softmax_does_and_alike_however_the_prompt_is_chunked(length, start):
-    from minengine.model.attention_rows import attend_prompt
+    from minengine.fast.attention_rows import attend_prompt
 
     gen = torch.Generator().manual_seed(3)
     total = start + length

@@ -16,10 +16,11 @@ from transformers_parity import assert_matches_transformers
 
 from minengine.config import ModelConfig
 from minengine.engine.engine import Engine
+from minengine.fast import linear_kernels
+from minengine.fast.cpu_kernels import library
+from minengine.fast.linear_kernels import PACK_BATCH_HINT, KernelProbe, PackedLinear, available
 from minengine.kv.cache import KVCache
-from minengine.model import linear_kernels, weight_format
-from minengine.model.cpu_kernels import library
-from minengine.model.linear_kernels import PACK_BATCH_HINT, KernelProbe, PackedLinear, available
+from minengine.model import weight_format
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.model.weight_format import FLOAT32_KERNEL_ENV, resolve_weights

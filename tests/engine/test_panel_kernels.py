@@ -22,10 +22,9 @@ from transformers_parity import assert_matches_transformers
 from minengine.checkpoint import layout_cache
 from minengine.config import ModelConfig
 from minengine.engine.engine import Engine
-from minengine.kv.cache import KVCache
-from minengine.model import cpu_kernels, weight_format
-from minengine.model.cpu_kernels import KernelLibrary, library
-from minengine.model.panel_kernels import (
+from minengine.fast import cpu_kernels
+from minengine.fast.cpu_kernels import KernelLibrary, library
+from minengine.fast.panel_kernels import (
     ACTIVATIONS_ENV,
     PANEL,
     Q8_BLOCK,
@@ -34,6 +33,8 @@ from minengine.model.panel_kernels import (
     PanelLinear,
     block_refusal,
 )
+from minengine.kv.cache import KVCache
+from minengine.model import weight_format
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.model.weight_format import FLOAT32_KERNEL_ENV, WeightFormatError, resolve_weights

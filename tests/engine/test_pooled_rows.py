@@ -14,14 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import minengine.model.attention_rows as attention_rows
+import minengine.fast.attention_rows as attention_rows
 import minengine.model.batch_forward as batch_forward
 from minengine.config import ModelConfig
+from minengine.fast.cpu_kernels import KernelLibrary, library
+from minengine.fast.pooled_rows import pooled_count
 from minengine.kv.block_pool import BlockFormat, BlockPool, Segment
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.batch_forward import Row, RowsAttention, forward_rows
-from minengine.model.cpu_kernels import KernelLibrary, library
-from minengine.model.pooled_rows import pooled_count
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 

@@ -29,12 +29,12 @@ import torch.nn.functional as F
 from tiny_models import SPECS
 
 from minengine.config import ModelConfig
+from minengine.fast.cpu_kernels import library
+from minengine.fast.linear_kernels import available
+from minengine.fast.panel_kernels import ACTIVATIONS_ENV
 from minengine.kv.block_pool import BlockPool
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.batch_forward import Row
-from minengine.model.cpu_kernels import library
-from minengine.model.linear_kernels import available
-from minengine.model.panel_kernels import ACTIVATIONS_ENV
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.reference.generate import generate

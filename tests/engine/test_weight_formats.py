@@ -25,10 +25,10 @@ from minengine.checkpoint import layout_cache
 from minengine.config import ModelConfig
 from minengine.engine.engine import Engine
 from minengine.engine.request import GenerationRequest
+from minengine.fast.cpu_kernels import KernelLibrary, library
+from minengine.fast.linear_kernels import PackedLinear, available
 from minengine.kv.cache import KVCache
 from minengine.model import weight_format
-from minengine.model.cpu_kernels import KernelLibrary, library
-from minengine.model.linear_kernels import PackedLinear, available
 from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.model.weight_format import AUTO_CPU_ORDER, AUTO_MAX_KL, WeightFormatError, resolve_weights

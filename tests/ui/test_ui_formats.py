@@ -15,7 +15,7 @@ from rich.console import Console
 from ui_fixtures import finished, kyoto_request, live_app, wait_for
 
 from minengine.engine.engine import Engine
-from minengine.model.linear_kernels import available
+from minengine.fast.linear_kernels import available
 from minengine.sampling.params import SamplingParams
 from reqscope.other_formats import other_formats, run_label
 

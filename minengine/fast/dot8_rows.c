@@ -35,7 +35,7 @@
  * 4j, 4j + 2 and 4j + 1, 4j + 3) by a mask and a shift, so its rows are stored quad by quad in that
  * order (INT16 ORDER: x0, x2, x1, x3), each pair one int32 to broadcast.
  *
- * Built with the other sources by minengine/model/cpu_kernels.py; the VNNI tiles where the
+ * Built with the other sources by minengine/fast/cpu_kernels.py; the VNNI tiles where the
  * compiler was given -mavx512vnni (`dot8_native`).
  */
 #include <immintrin.h>

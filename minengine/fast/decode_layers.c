@@ -16,7 +16,7 @@
  * projection reads a DOT8 copy (int16 or int8 rows, dot8_rows.c) the whole stack runs in one
  * parallel region (`team_stack`), the small operations shared out by rows.
  *
- * Built with the other sources by minengine/model/cpu_kernels.py.
+ * Built with the other sources by minengine/fast/cpu_kernels.py.
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -31,9 +31,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from minengine.fast.attention_rows import RowsKernel, serves_store
 from minengine.kv.block_pool import Segment
 from minengine.kv.paged_cache import PagedKVCache
-from minengine.model.attention_rows import RowsKernel, serves_store
 from minengine.model.ops import padded_decode_attention
 
 # Relative costs of one layer's attention, fitted (least squares on the ratios) to both paths'

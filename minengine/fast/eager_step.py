@@ -25,13 +25,13 @@ from collections.abc import Callable
 
 import torch
 
+from minengine.fast.attention_rows import RowsKernel, SlotKernel
+from minengine.fast.cpu_kernels import library
+from minengine.fast.panel_kernels import PanelLinear
 from minengine.kv.block_pool import Segment
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
-from minengine.model.attention_rows import RowsKernel, SlotKernel
-from minengine.model.cpu_kernels import library
 from minengine.model.ops import decode_attention
-from minengine.model.panel_kernels import PanelLinear
 from minengine.model.transformer import Scratch, Transformer
 
 

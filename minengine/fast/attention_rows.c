@@ -12,7 +12,7 @@
  * table). The query heads sharing a KV head (grouped-query attention) are scored together,
  * so each key is read once per group.
  *
- * Built with panel_rows.c by minengine/model/cpu_kernels.py (-O3 -mavx2 -mfma -fopenmp).
+ * Built with panel_rows.c by minengine/fast/cpu_kernels.py (-O3 -mavx2 -mfma -fopenmp).
  */
 #include <immintrin.h>
 #include <math.h>

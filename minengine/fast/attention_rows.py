@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from minengine.model.cpu_kernels import library
+from minengine.fast.cpu_kernels import library
 
 _ptr = ctypes.c_void_p  # float and long arrays alike: the C side knows their types
 

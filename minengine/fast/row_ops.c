@@ -10,7 +10,7 @@
  * order, whatever T, H and the rows beside it: a row's result is the same bits alone or in a
  * batch. Single-threaded: a step's rows are too small to share out.
  *
- * Built with panel_rows.c by minengine/model/cpu_kernels.py.
+ * Built with panel_rows.c by minengine/fast/cpu_kernels.py.
  */
 #include <immintrin.h>
 #include <math.h>

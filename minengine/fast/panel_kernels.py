@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from minengine import settings
-from minengine.model.cpu_kernels import library
+from minengine.fast.cpu_kernels import library
 from minengine.settings import SettingValue
 
 PANEL = 8  # output columns per panel (one AVX2 vector), as panel_rows.c's PW

@@ -29,7 +29,7 @@
  * places at once kept a one-row step's products at 12 GB/s where the 2 cores read 27-41 GB/s.
  * A block-format product takes the groups alone (their scales are inside).
  *
- * Built by minengine/model/cpu_kernels.py with -O3 -mavx2 -mfma -mf16c -fopenmp, and the AVX-512
+ * Built by minengine/fast/cpu_kernels.py with -O3 -mavx2 -mfma -mf16c -fopenmp, and the AVX-512
  * flags where torch finds AVX-512 (the tiles then take zmm, below: the same bits); OpenMP is the
  * runtime torch already loaded (same soname), and the thread count is the caller's.
  */
