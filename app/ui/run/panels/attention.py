@@ -14,12 +14,12 @@ from rich.console import Console, Group, RenderableType
 from rich.style import Style
 from rich.text import Text
 
-from minengine.inspect.records import Attended, LayerAttention, StepAttention
+from minengine.inspect.records import Attended, LayerAttention, StepAttention, StepInspection
 from reqscope.ui.glyphs import show_piece
-from reqscope.ui.panel import Panel
 from reqscope.ui.run.frame import Frame
 from reqscope.ui.run.inside.cached_tokens import kind_label, origin, position_piece
 from reqscope.ui.run.inside.focus import AttentionFocus, window_start
+from reqscope.ui.run.inside.panel import InsidePanel
 from reqscope.ui.run.inside.shown import ShownInspection
 
 # A cell's glyph by the weight on its top position (below each bound, the glyph at its side).
@@ -36,16 +36,19 @@ def cell_glyph(weight: float) -> str:
     return next(glyph for bound, glyph in _RAMP if weight < bound)
 
 
-class AttentionPanel(Panel):
+class AttentionPanel(InsidePanel[StepAttention]):
     """The concentration grid beside (or above) the chosen layer's top positions, then the shaded strip."""
 
     TITLE = "Attention of the step"
+    RECORD = "attention"
+    LIVE_NOTE = ("attention shows from the next step: it is captured while this panel is on screen "
+                 "(paused, the held step's full view)")
 
-    def draw(self, frame: Frame, width: int, height: int) -> RenderableType:
-        shown = frame.inspection
-        attention = shown.inspection.attention if shown is not None else None
-        if shown is None or attention is None:
-            return Text(_waiting(frame), style="dim")
+    def part(self, inspection: StepInspection) -> StepAttention | None:
+        return inspection.attention
+
+    def draw_part(self, frame: Frame, shown: ShownInspection, attention: StepAttention, width: int,
+                  height: int) -> RenderableType:
         focus = frame.focus.clamped(len(attention.layers), attention.q_heads)
         lines = [_summary(shown, attention), _line(
             f"cell: weight on its top position  ·<10% ░<25% ▒<50% ▓<75% █  "
@@ -65,13 +68,6 @@ class AttentionPanel(Panel):
         if spare >= 3:
             lines += _strip(frame, attention, layer, width, spare)
         return Group(*lines[: max(height, 1)])
-
-
-def _waiting(frame: Frame) -> str:
-    if frame.replay:
-        return "this step has no attention record: the trace kept it for other steps"
-    return ("attention shows from the next step: it is captured while this panel is on screen "
-            "(paused, the held step's full view)")
 
 
 def _summary(shown: ShownInspection, attention: StepAttention) -> Text:

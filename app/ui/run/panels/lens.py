@@ -13,11 +13,11 @@ from __future__ import annotations
 from rich.console import Group, RenderableType
 from rich.text import Text
 
-from minengine.inspect.records import LayerLens, StepLens
+from minengine.inspect.records import LayerLens, StepInspection, StepLens
 from reqscope.ui.glyphs import bar, show_piece
-from reqscope.ui.panel import Panel
 from reqscope.ui.run.frame import Frame
 from reqscope.ui.run.inside.focus import window_start
+from reqscope.ui.run.inside.panel import InsidePanel
 from reqscope.ui.run.inside.shown import ShownInspection
 
 _BAR_MIN_WIDTH = 64  # from this width on, a bar of the chosen token's probability ends each row
@@ -31,16 +31,19 @@ def first_top(lens: StepLens) -> int | None:
     return next((layer.layer for layer in lens.layers if layer.chosen_rank == 1), None)
 
 
-class LensPanel(Panel):
+class LensPanel(InsidePanel[StepLens]):
     """A summary line, the basis, then a row per layer (windowed round the focus layer when tall)."""
 
     TITLE = "Logit lens"
+    RECORD = "logit lens"
+    LIVE_NOTE = ("the lens shows from the next step: it is captured while this panel is on screen "
+                 "(paused, the held step over the whole vocabulary)")
 
-    def draw(self, frame: Frame, width: int, height: int) -> RenderableType:
-        shown = frame.inspection
-        lens = shown.inspection.lens if shown is not None else None
-        if shown is None or lens is None:
-            return Text(_waiting(frame), style="dim")
+    def part(self, inspection: StepInspection) -> StepLens | None:
+        return inspection.lens
+
+    def draw_part(self, frame: Frame, shown: ShownInspection, lens: StepLens, width: int,
+                  height: int) -> RenderableType:
         first, stays = first_top(lens), lens.forms_at
         lines = [_summary(shown, lens, first), _line(_basis(lens), "dim"),
                  _line(_NARROW_HEADER if width < _NARROW else _HEADER + ("  p(chosen)" if width >= _BAR_MIN_WIDTH
@@ -62,13 +65,6 @@ def _window(focus: int | None, first: int | None, count: int, room: int) -> int:
         return start
     lowest, highest = max(focus - room + 1, 0), min(focus, count - room)
     return min(max(first - room // 2, lowest), highest)
-
-
-def _waiting(frame: Frame) -> str:
-    if frame.replay:
-        return "this step has no logit lens record: the trace kept it for other steps"
-    return ("the lens shows from the next step: it is captured while this panel is on screen "
-            "(paused, the held step over the whole vocabulary)")
 
 
 def _summary(shown: ShownInspection, lens: StepLens, first: int | None) -> Text:
