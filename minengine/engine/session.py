@@ -623,13 +623,7 @@ class RequestSession:
                 ids = (*state.fed, *(unconfirmed or (token,)))
                 unconfirmed = ids
                 del state.fed[:]
-                yield PreemptEvent(
-                    preempted.reason,
-                    preempted.blocks_freed,
-                    preempted.bytes_freed,
-                    tokens_to_recompute=len(ids),
-                    t_ms=self.timeline.now_ms(),
-                )
+                yield self._preempted(preempted, len(ids))
                 assert self._chooser is not None
                 self._ahead = member.run_ahead(ids, 0, self._chooser)
         if decoded is None:
@@ -821,13 +815,17 @@ class RequestSession:
             except Preempted as preempted:
                 ids, start = tuple(state.fed[:start]) + ids, 0
                 del state.fed[:]
-                yield PreemptEvent(
-                    preempted.reason,
-                    preempted.blocks_freed,
-                    preempted.bytes_freed,
-                    tokens_to_recompute=len(ids),
-                    t_ms=self.timeline.now_ms(),
-                )
+                yield self._preempted(preempted, len(ids))
+
+    def _preempted(self, preempted: Preempted, recompute: int) -> PreemptEvent:
+        """The event that says the engine took this request's blocks back, and what it will recompute."""
+        return PreemptEvent(
+            preempted.reason,
+            preempted.blocks_freed,
+            preempted.bytes_freed,
+            tokens_to_recompute=recompute,
+            t_ms=self.timeline.now_ms(),
+        )
 
     def _keep_blocks(
         self, cache: KVCache | PagedKVCache, ids: tuple[int, ...], state: DecodeState, admitted: Admitted
