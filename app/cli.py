@@ -86,7 +86,7 @@ def build_parser(verb: str) -> argparse.ArgumentParser:
     importlib.import_module(module_name).add_arguments(parser)
     for action in parser._actions:  # argparse prints no help line, so no default, for help=None
         if action.help is None and action.option_strings:
-            action.help = f"one of {', '.join(map(str, action.choices))}" if action.choices else "see README"
+            action.help = f"one of {', '.join(map(str, action.choices))}" if action.choices else "see docs/guide.md"
     return parser
 
 

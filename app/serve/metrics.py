@@ -6,7 +6,7 @@ Names follow vLLM's (v1) under a `reqscope:` prefix, so a dashboard or alert wri
 
 Values are the engine's own measurements, taken when a request ends (its RequestResult:
 metrics, timeline, usage), so /metrics, the telemetry file and the `reqscope` extension in the
-response always agree. TTFT, E2E, TPOT and ITL are this project's definitions (README,
+response always agree. TTFT, E2E, TPOT and ITL are this project's definitions (docs/engine.md,
 "Metrics, as defined here"): on the server's clock from the HTTP request's arrival, to the first
 and last *visible* token. Two differences from vLLM follow, both named in the help text:
 `time_per_output_token_seconds` is one observation per request (its TPOT), while every single
