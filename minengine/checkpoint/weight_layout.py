@@ -45,16 +45,17 @@ def projection_operand(*weights: torch.Tensor, chunks: int) -> torch.Tensor:
     """Hugging Face [out, in] weights, stacked along `out`, as a [chunks, in, out/chunks] operand.
 
     A one-token projection reads the whole matrix for very little arithmetic, so what matters
-    is how fast the CPU BLAS streams it. Measured on the 2-core development machine:
+    is how fast the CPU BLAS streams it (measured: docs/performance.md, "float32's other
+    kernels"):
 
     - much wider than tall (out >= 2 * in: gate/up, the vocabulary head), a matrix streams
-      about twice as fast stored transposed, row by row (y += x_i * W[i]), as with one dot
-      product per output row, so it is copied into that layout;
+      faster stored transposed, row by row (y += x_i * W[i]), than with one dot product per
+      output row, so it is copied into that layout;
     - the others (q/k/v, o, down) do as well or better as dot products and keep the
       checkpoint's rows (the operand is a transposed view of a plain copy);
     - a single gemv uses one core, so the output columns are split into one chunk per thread
-      and `torch.bmm` runs the chunks in parallel: another 1.3-1.7x. Every output is still the
-      same dot product in the same order, so chunking changes no value.
+      and `torch.bmm` runs the chunks in parallel. Every output is still the same dot product
+      in the same order, so chunking changes no value.
     """
     out_features, in_features = sum(w.shape[0] for w in weights), weights[0].shape[1]
     per_chunk = out_features // chunks

@@ -89,11 +89,8 @@ static inline float dot(const float *a, const float *b, long d) {
  * positions lie in blocks of the pool scattered over the store, 16 positions (4 KiB a head) at
  * a time, and the hardware prefetcher does not follow a unit from one block to the next; asked
  * for 16 positions ahead (and for the first 16 at the start), the values are in cache too by
- * the time `weigh` reads them. 8 decode rows' attention, 8 streams on the 2-vCPU Xeon (an
- * instrumented decode_layers.c, 2 x 4 alternated runs): 2.66-2.70 -> 1.93-2.02 ms a step, one
- * row 0.64 -> 0.50 ms; 32 ahead measured no better. Into L2 (T1) rather than L1: on the 2-core
- * Zen 4 EPYC 8 rows x 150 positions x 30 layers took 2.82 ms against T0's 3.97 (a C harness over a
- * scattered block table, 6 alternated runs). The same arithmetic: the same bits. */
+ * the time `weigh` reads them. Into L2 (T1), which measured faster than L1. The same arithmetic:
+ * the same bits. The figures: docs/performance.md, "How far ahead the kernels ask for memory". */
 #define AHEAD 16
 
 /* Ask for the keys and values of positions [from, to) of a unit (d floats each, a cache line at a time). */
@@ -111,10 +108,8 @@ static inline void prefetch_positions(const float *kh, const float *vh, const lo
  * values. Scoring and weighing a unit work from cache once its positions are in, and took as long
  * as reading them: with each unit asking only for its own positions, memory sat idle while a unit
  * weighed and the arithmetic while the next one's first keys came in. Spread over the weighing,
- * the next unit's reads run beside it: 8 rows x 150 positions x 30 layers 2.48-2.76 -> 1.86-2.03
- * ms, 8 rows x 300 5.7 -> 4.3-4.8 ms, one row unchanged (a C harness over a scattered block
- * table on the 2-core Zen 4 EPYC, 8 and 4 alternated runs, min). The same arithmetic: the same
- * bits. */
+ * the next unit's reads run beside it (measured: docs/performance.md, "How far ahead the kernels
+ * ask for memory"). The same arithmetic: the same bits. */
 typedef struct {
     const float *kh, *vh;
     const long *pos;      /* as attend_unit's: NULL for consecutive positions */

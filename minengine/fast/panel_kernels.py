@@ -57,9 +57,9 @@ PANEL = 8  # output columns per panel (one AVX2 vector), as panel_rows.c's PW
 Q8_BLOCK = 32  # inputs per q8_0 scale, as panel_rows.c's QB
 # From this many rows a product lays the weight back out densely and runs MKL's GEMM: a prompt
 # chunk is compute-bound, where MKL's GEMM outruns the panel tiles, and laying a layer's matrix
-# out costs 0.4-1.5 ms against 10-40 ms of multiply (measured crossover 256 rows: 3072x576 10.5
-# ms either way; at 1,025 rows 32 against 42 ms). Only matrices up to 32 MiB (not a vocabulary
-# head, whose prompts want one row of logits) take it, into one scratch per thread.
+# out costs a few percent of the multiply (the measured crossover: docs/performance.md,
+# "reqscope's panel kernel"). Only matrices up to 32 MiB (not a vocabulary head, whose prompts
+# want one row of logits) take it, into one scratch per thread.
 UNPACK_ROWS = 256
 LAYOUT_PANELS = 512  # panels laid out and quantized at a time (`PanelLinear`): 9 MiB of float32 at 576 inputs
 UNPACK_MAX_ELEMENTS = 8 << 20
@@ -80,7 +80,8 @@ BLOCK_BYTES = {"q4_1": Q4_PANEL_BLOCK, "q8_0": Q8_PANEL_BLOCK}
 # What the block formats' products multiply by (one choice per process, as the float32 kernel's):
 # - "int16", where the CPU has AVX-512 VNNI and nothing else is asked for: each row rounded to 16 bits
 #   per 32 inputs, the products summed in integers (dot8_rows.c). The logits stay within 1e-7 nats of
-#   float32's (README, "Weight formats"), and the products run 1.6-3x faster than float32's FMAs;
+#   float32's, and the products run 1.6-3x faster than float32's FMAs (docs/performance.md, "int16
+#   activations");
 # - "int8" (asked for): rounded to int8 as llama.cpp does, faster again but 3e-3 nats off float32's
 #   logits, so opt-in;
 # - "float32" (asked for, or no VNNI): panel_rows.c multiplies gguf's float32 weights by the rows

@@ -42,8 +42,9 @@
 
 /* A float32 tile of several rows computes for a while on each cache line of its panel, and the
  * hardware prefetcher falls behind: it asks for the line PF_BYTES ahead itself, once per line
- * (8 rows: 10% faster a sweep; 1 KiB and 4 KiB measured the same). One row streams fast enough
- * without (measured slower with it), and q8_0's tiles are bound by dequantizing, not by memory. */
+ * (8 rows: about 10% faster a sweep). One row streams fast enough without (measured slower with
+ * it), and q8_0's tiles are bound by dequantizing, not by memory. The figures: docs/performance.md,
+ * "How far ahead the kernels ask for memory". */
 #define PREFETCH(RT, BASE, K_BYTES)                                                               \
     if ((RT) > 1 && ((k * (K_BYTES)) & 63) == 0) _mm_prefetch((const char *)(BASE) + PF_BYTES, _MM_HINT_T0);
 
@@ -87,19 +88,14 @@ static inline __attribute__((always_inline)) void KIND##_##RT##x##NP(const float
     _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)((P) + (at)))), \
                                             _mm_loadu_si128((const __m128i *)((P) + (at) + (gap))), 1))
 /* A block-format wide tile asks, at each block of QB inputs, for its group's block BLOCKS_AHEAD
- * blocks ahead (one stream: Q4_1 and Q8_0 LAYOUT). When a group's 4 panels and their scales lay
- * apart (8 streams a tile), the hardware prefetcher fell behind them: 8 blocks ahead took a sweep
- * of the model's q4_1 matrices at 8 rows from 6.5-7.0 to 5.6-5.8 ms on the 2-core AMD EPYC, and
- * on the 2-vCPU Xeon 16 served the q8_0 head better than 8 (8 rows 2.51-2.60 -> 2.25-2.30 ms, one
- * row 1.32-1.43 -> 1.19-1.22 ms). One stream a group then left the tiles less to wait for (a
- * one-row step on the 2-core Zen 4 EPYC 7.8 -> 6.2 ms); 8 and 16 blocks ahead, T0 and T1,
- * measured alike there (a C harness, within its noise). The ask runs on past the group's last block
- * into the next group's first: the groups lie one after another and a thread takes consecutive
- * ones, so that is what it reads next. Stopping at the group's end left 16 of a 576-wide input's 18
- * blocks (the model's q/k/v, gate/up and head) to the hardware prefetcher at every group's start:
- * the q8_0 head (49152 x 576) at 8 rows 3.1 -> 2.6-2.75 ms, one row 1.6-1.7 -> 1.1-1.5 ms on the
- * Zen 4 EPYC (a C harness, 4 copies cycled, 3 alternations). Past the last group's end it asks
- * for bytes no one reads: a prefetch never faults. */
+ * blocks ahead (one stream: Q4_1 and Q8_0 LAYOUT): left to itself, the hardware prefetcher fell
+ * behind the tiles, and 16 blocks ahead served the q8_0 head better than 8. The ask runs on past
+ * the group's last block into the next group's first: the groups lie one after another and a
+ * thread takes consecutive ones, so that is what it reads next, and stopping at the group's end
+ * left 16 of a 576-wide input's 18 blocks (the model's q/k/v, gate/up and head) to the hardware
+ * prefetcher at every group's start. Past the last group's end it asks for bytes no one reads: a
+ * prefetch never faults. The figures: docs/performance.md, "How far ahead the kernels ask for
+ * memory". */
 #define BLOCKS_AHEAD 16
 #define PREFETCH_GROUP(blk, BLOCK_BYTES)                                                          \
     for (int at = 0; at < GP * (BLOCK_BYTES); at += 64)                                          \
@@ -385,11 +381,10 @@ void f16_panels(const float *x, long M, long K, float *xp, const uint16_t *P, lo
 /* The block formats' groups go to the threads in shrinking runs (OpenMP's guided schedule: half
  * of what is left, then half of the rest, ...), not in two fixed halves. In a serving process the
  * requests' threads and the OS take a core from the step now and then, and with fixed halves
- * the other thread then waited at the region's end: in 8-stream runs each thread sat idle for
- * 5-11% of the q4_1 products' time (static) against 3-6% (guided), and a region took 0.108 ms
- * on average against 0.121 (`scripts/batch_throughput`'s load, an instrumented build, 6
- * alternated runs). The runs stay long, so a thread still reads consecutive groups, one stream
- * (BLOCKS_AHEAD); each group's arithmetic is the same on either thread: the same bits. */
+ * the other thread then waited at the region's end (measured: docs/history.md, "The Zen 4 EPYC,
+ * a later session: two prefetches"). The runs stay long, so a thread still reads consecutive
+ * groups, one stream (BLOCKS_AHEAD); each group's arithmetic is the same on either thread: the
+ * same bits. */
 
 /* Q: the panels' Q8_0 groups (Q8_0 LAYOUT); K a multiple of 32. */
 void q8_0_panels(const float *x, long M, long K, const uint8_t *Q, long panels, float *y, long ldy, int threads) {

@@ -37,12 +37,11 @@ from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.ops import padded_decode_attention
 
 # Relative costs of one layer's attention, fitted (least squares on the ratios) to both paths'
-# times over the default model's shapes: float32, one thread, 2, 4 and 8 rows at contexts 60,
-# 250, 500 and 2,000, where the pooled path took 0.44-0.68 of the per-row time at 60, 0.79-1.19
-# at 250, 0.95-1.19 at 500 and 1.6-1.9 at 2,000. Scaled so that a row's fixed cost on the
-# per-row path is 90 (about its microseconds on a quiet machine): the pooled path's fixed cost
-# and its cost per padded position gathered; the per-row path's cost per row and per position
-# it reads. They put the crossover at about 300 positions for 8 rows, 220 for 2.
+# times over the default model's shapes, scaled so that a row's fixed cost on the per-row path is
+# 90 (about its microseconds on a quiet machine): the pooled path's fixed cost and its cost per
+# padded position gathered; the per-row path's cost per row and per position it reads. They put
+# the crossover at about 300 positions for 8 rows, 220 for 2. The measurements they were fitted
+# to: docs/performance.md, "Pooled decode attention's cost model".
 POOLED_FIXED = 60.0
 POOLED_PER_POSITION = 0.62
 ROW_FIXED = 90.0

@@ -9,10 +9,10 @@ machine lacks leaves the run dense, and its reason says why). The kernel is one 
 which lives in the process, never mixes them; the reason, and with it the trace header, names
 the packed one. `auto` takes `AUTO_CPU_ORDER`'s first format that this torch and CPU run: the
 fastest whose greedy tokens on the benchmark prompts matched float32's and whose logits stayed
-within `AUTO_MAX_KL` of them (the README gives the measurement and its command): q4_1 for a
-checkpoint of Q4_1 blocks (held exactly), else fp16 in the panel kernel, else float32. Elsewhere the
-weights are stored in the compute dtype, so a format names that dtype (fp16 is float16, bf16 is
-bfloat16); one that differs from the dtype asked for, or int8, is refused.
+within `AUTO_MAX_KL` of them (docs/performance.md, "Weight formats", gives the measurement and its
+command): q4_1 for a checkpoint of Q4_1 blocks (held exactly), else fp16 in the panel kernel, else
+float32. Elsewhere the weights are stored in the compute dtype, so a format names that dtype (fp16
+is float16, bf16 is bfloat16); one that differs from the dtype asked for, or int8, is refused.
 """
 
 from __future__ import annotations
@@ -41,28 +41,24 @@ from minengine.fast.panel_kernels import (
     block_refusal,
 )
 
-# Measured on the 2-core development machine (README, "Weight formats"; an AMD EPYC with AVX2
-# and no AVX-512): fp16 in reqscope's panel kernel keeps float32's greedy tokens (mean KL
-# 1.6e-6 nats), decodes 1.6x float32 panels' tok/s (2x the dense operands'), prefills as fast
-# (a long prompt runs through MKL's GEMM either way) and peaks at two thirds of float32's RSS
-# (half the weight bytes, its panels cached), so it comes first. FBGEMM's packed fp16 (where no
-# C compiler built the panel kernel) decoded only 1.2x and prefilled 5% slower, so `auto` does
-# not take it; int8 and q8_0 part from float32's greedy tokens.
-#
-# q4_1 comes before them where the checkpoint's weights are Q4_1's blocks already (its head
-# Q8_0's), as in a model converted from a Q4_1 GGUF, the default model included (`q4_1_holds`):
-# the panels then hold float32's very values, so times float32 rows the logits are float32 panels'
-# bits, at 98 MiB read a step against fp16's 261 (README, "Weight formats": 1.3x fp16's decode).
-# On a CPU with AVX-512 VNNI the rows are rounded to int16 (`panel_kernels.activations`): mean KL
-# about 5e-8 nats from float32's, float32's greedy tokens, and faster products (README, "int16
-# activations"). On any other checkpoint q4_1 would round the weights, and auto never takes it.
+# `auto`'s order on the CPU: the fastest formats first, each keeping float32's greedy tokens and its
+# logits within AUTO_MAX_KL. q4_1 where the checkpoint's weights are Q4_1's blocks already (its head
+# Q8_0's), as in a model converted from a Q4_1 GGUF, the default model included (`q4_1_holds`): the
+# panels then hold float32's very values, so times float32 rows the logits are float32 panels' bits,
+# at 98 MiB read a step against fp16's 261; with AVX-512 VNNI the rows are rounded to int16
+# (`panel_kernels.activations`), within 1e-7 nats of float32's logits. On any other checkpoint q4_1
+# would round the weights, and auto never takes it. Then fp16 in reqscope's panel kernel: half the
+# bytes, decoding faster than float32 with prefill as fast and a smaller RSS. FBGEMM's packed fp16
+# (where no C compiler built the panel kernel) prefilled slower, so auto does not take it; int8 and
+# q8_0 part from float32's greedy tokens. The measurements and their commands: docs/performance.md,
+# "Weight formats" and "int16 activations".
 AUTO_CPU_ORDER: tuple[str, ...] = ("q4_1", "fp16", "float32")
-# float32's kernels on the same machine (README, "Weight formats" and "Many requests, one step"):
-# the panel kernel decodes one stream 1.1-1.25x as fast as the dense operands and 8 streams
-# 1.6-1.8x (its products stream each weight once for up to 8 rows, the same bits whatever rows
-# share them), and a prompt of 256 tokens or more runs through MKL's GEMM as the dense operands
-# do (`panel_kernels.UNPACK_ROWS`), so it is the default. oneDNN's packed kernel: a shared step
-# of 8 rows 5-13% faster than dense but a one-row step 22-27% slower and peak RSS 5% larger.
+# float32's kernel: the panel kernel by default, since its products stream each weight once for up to
+# 8 rows (the same bits whatever rows share them), so it decodes faster than the dense operands at
+# one row and at eight, and a prompt of 256 tokens or more runs through MKL's GEMM as the dense
+# operands do (`panel_kernels.UNPACK_ROWS`). oneDNN's packed kernel is faster only in shared steps of
+# several rows, slower at one row and larger in RSS, so it is asked for by name. The figures:
+# docs/performance.md, "reqscope's panel kernel" and "float32's other kernels".
 FLOAT32_KERNEL_ENV = settings.FLOAT32_KERNEL_ENV
 FLOAT32_KERNELS = settings.FLOAT32_KERNELS
 AUTO_MAX_KL = 1e-3  # nats, mean over the steps of the benchmark prompt's greedy decode
