@@ -2,21 +2,21 @@
 
 OpenMP reads its policy once, when torch loads its runtime, so it is set before `import torch`;
 an explicit setting in the environment (OMP_WAIT_POLICY or GOMP_SPINCOUNT) always wins. The
-choice is a trade measured on the 2-core development machine (docs/openmp-wait-policy.md):
+choice is a trade (measured in docs/openmp-wait-policy.md):
 
 - Spinning workers (OpenMP's default, or GOMP_SPINCOUNT) wake at once for the next parallel
-  region: a decode step on 2 threads took 15.6-16 ms. But as soon as another process wants a
-  core, a spinning worker holds one while the thread with work waits for its turn, and the
-  same step took 218-432 ms.
-- Sleeping workers (PASSIVE) cost a wake-up per region, about 100 us here, 121 regions a step:
-  28-31 ms a step, on 2 threads or 1, idle or beside a busy process.
+  region, the fastest a decode step runs on 2 threads. But as soon as another process wants a
+  core, a spinning worker holds one while the thread with work waits for its turn, region after
+  region, and the step takes many times as long.
+- Sleeping workers (PASSIVE) cost a wake-up per region, 121 regions a step, so a step takes
+  about as long on 2 threads as on 1, idle or beside a busy process.
 
 So the `reqscope` command that runs a request spins while it decodes and looks at the machine
-as it goes (`model.decode_threads`): on 2 threads while no other process wants the CPU, on one
+as it goes (`fast.decode_threads`): on 2 threads while no other process wants the CPU, on one
 thread (nothing left to spin for) as soon as one does. Other verbs, and platforms without
 /proc/stat to look at, sleep (PASSIVE). What this process chose is recorded, so that a
-benchmark can hand the environment the user had to a reference engine (`user_environment`):
-transformers under reqscope's PASSIVE decoded at 16-17 tokens/s here instead of 25.
+benchmark can hand the environment the user had to a reference engine (`user_environment`), whose
+speed reqscope's choice would change (docs/performance.md, "One stream: `reqscope bench`").
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from minengine.settings import SettingValue
 VARIABLE = settings.OMP_WAIT_POLICY_ENV
 SPIN_VARIABLE = settings.GOMP_SPINCOUNT_ENV
 # About 0.3 ms of spinning by libgomp's own estimate: it bridges the gaps between a step's
-# parallel regions (decode at 2 threads: 16.1 ms a step, against 15.8 with the default 300,000)
-# and stops soon after the last one, so an idle process does not keep burning a core.
+# parallel regions as well as OpenMP's default of 300,000 does, and stops soon after the last one,
+# so an idle process does not keep burning a core (docs/openmp-wait-policy.md, "The trade").
 SPIN_COUNT = 30_000
 # What this process sets when the environment says nothing (`choose_policy`), as settings list it.
 _DEFAULT = f"PASSIVE, or {SPIN_VARIABLE}={SPIN_COUNT} while decoding"

@@ -50,7 +50,7 @@ CACHE_HOME_ENV = "XDG_CACHE_HOME"
 FLOAT32_KERNELS = ("dense", "onednn", "panels")
 LAYOUT_CACHE_OFF = ("0", "false", "no", "off")
 LAYOUT_CACHE_EVERYWHERE = ("1", "true", "yes", "on", "all")
-# The CPU flags the C kernels' build and paths depend on (`model.cpu_kernels`), as /proc/cpuinfo names them.
+# The CPU flags the C kernels' build and paths depend on (`fast.cpu_kernels`), as /proc/cpuinfo names them.
 KERNEL_CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 MIB = 1 << 20
 
@@ -140,7 +140,7 @@ def float32_kernel() -> SettingValue:
 
 def activations_asked() -> str:
     """What the environment asks the block formats to multiply by, as written ("" when nothing);
-    `model.panel_kernels.activations` decides what they do."""
+    `fast.panel_kernels.activations` decides what they do."""
     return (_env(ACTIVATIONS_ENV) or "").strip().lower()
 
 

@@ -46,8 +46,9 @@ class ModelThread:
     "throttled" spin count) instead of GOMP_SPINCOUNT before they sleep. A host that loads the
     model on one thread and decodes on another leaves two teams behind, and every parallel region
     of a step then wakes a sleeping worker: the explorer, whose loader and runs landed on
-    different pool threads in most launches, paid about 15,000 context switches per 128 tokens
-    and decoded at 40 tok/s against 55 when one thread did everything (2 cores).
+    different pool threads in most launches, paid thousands of context switches per 128 tokens
+    and decoded markedly slower than when one thread did everything (docs/openmp-wait-policy.md,
+    "What `reqscope` does", has the figures).
 
     Work runs in submission order, so a new run queued behind a cancelled one starts when that
     one has returned. The thread never holds the process open at exit: what it runs (steps, a

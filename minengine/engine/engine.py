@@ -95,7 +95,8 @@ class Engine:
         if kernels not in KERNELS:
             raise ConfigError(f"kernels {kernels!r} is none of {', '.join(KERNELS)}; pass ", Setting.KERNELS)
         # On the model thread (below): auto's probe of the checkpoint runs torch's parallel operations, and a
-        # second OpenMP team left on this thread would throttle every step's workers (measured: 110 -> 48 tok/s).
+        # second OpenMP team left on this thread would throttle every step's workers, more than halving decode
+        # (docs/engine.md, "Many requests, one step: continuous batching").
         if kernels == "reference":
             self.weights = reference_weights(weights, self.dtype)
         else:

@@ -4,13 +4,13 @@ A session whose consumer may hold a step (the explorer: pause, force a token, ch
 sampler) samples every token on its consumer's thread and hands it back to the step loop, so
 the next step waits for it. A server's requests are never steered between steps, and that round
 trip costs them: each of 8 requests' threads in turn woke, sampled, streamed and handed its token
-back under the GIL between two shared steps, 160-200 us a request (2-core AMD EPYC), while the
-8-row step itself took 10-12 ms. An unsteered session (`Engine.start(..., steered=False)`)
-instead gives the loop a `TokenChooser`: right after each of its steps the loop chooses the
-next token on the model thread (the logits still in its caches), feeds it back at the next
-position at once, and posts a `Decoded` to the session's `Ahead`. The consumer streams the
-tokens as they come, while the next step runs; this is how vLLM's engine core runs every
-request, with sampling in the step and detokenizing apart from it.
+back under the GIL between two shared steps, one after another, while the next step waited
+(docs/engine.md, "Many requests, one step: continuous batching", has the figures). An unsteered
+session (`Engine.start(..., steered=False)`) instead gives the loop a `TokenChooser`: right after
+each of its steps the loop chooses the next token on the model thread (the logits still in its
+caches), feeds it back at the next position at once, and posts a `Decoded` to the session's
+`Ahead`. The consumer streams the tokens as they come, while the next step runs; this is how
+vLLM's engine core runs every request, with sampling in the step and detokenizing apart from it.
 
 The chooser applies the request's own rules (its sampler, seed and sampler order, min_tokens'
 mask, the tokens and the length that end it), so the loop feeds back only a token that does not
@@ -77,8 +77,9 @@ class Ahead:
 
     The loop holds what it posts until the next step's compute begins (`hold`, `release`): a
     consumer woken at once would run its Python beside the next step's, and the two take the
-    GIL from each other (the model thread's own Python between two 8-row steps took 1.1 ms with
-    8 consumers awake, 0.4 ms without); woken then, its thread runs beside the step's C kernels.
+    GIL from each other (the model thread's own Python between two 8-row steps took over twice as
+    long with 8 consumers awake: docs/engine.md, "Many requests, one step: continuous batching");
+    woken then, its thread runs beside the step's C kernels.
     """
 
     def __init__(self, chooser: TokenChooser) -> None:

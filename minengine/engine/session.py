@@ -483,11 +483,9 @@ class RequestSession:
         """Prefix cache: make the cache and copy the prompt's cached prefix into it.
 
         A paged cache shares the hit's blocks (no copy); the static decoder's arena copies them
-        in. Copying is far cheaper than computing. The issue's 352-token prompt on SmolLM2-135M
-        (float32, the shared 2-core CPU, medians of 4): its 21 cached blocks (336 tokens, 15.5 MiB
-        of K/V) copy in 3.4 ms, the 16 tokens left prefill in 83 ms, against 1,093 ms to prefill
-        all 352; keeping a finished request's 22 blocks costs 7.5 ms after its last token. (The
-        lookup itself, 0.1 ms, ran at admission: `_admit`.)
+        in. Copying is far cheaper than computing: a few milliseconds for the blocks of a prompt
+        whose prefill takes a second (docs/engine.md, "Prefix caching", has the figures). The
+        lookup itself ran at admission (`_admit`).
         """
         self.timeline.mark("prefix_cache_start")
         cache = self._new_cache(admitted.kv)

@@ -1,11 +1,11 @@
 """How many CPU threads a model step runs on, looked at again as the machine changes (`StepThreads`).
 
 When the `reqscope` command runs a request it lets OpenMP's workers spin (`omp_env`): the
-121 parallel regions of a decode step then start at once, and a step on both cores of the
-2-core development machine took 15.6-16 ms, against 28-31 ms with sleeping workers. Spinning
-only pays while nobody else wants the cores: beside one busy process the same step took
-218-432 ms, the spinning worker holding a core while the thread with work waited for one. On a
-single thread there is nothing to wait for: 28-30 ms beside one busy process.
+121 parallel regions of a decode step then start at once, and a step on both cores of a 2-core
+machine took about half as long as with sleeping workers. Spinning only pays while nobody else
+wants the cores: beside one busy process the spinning worker holds a core while the thread with
+work waits for one, and a step took ten times as long or more, where on a single thread there is
+nothing to wait for (docs/openmp-wait-policy.md, "The trade", has the figures).
 
 So every step first asks how much CPU other processes used lately (/proc/stat, less this
 process's own time, over at least `WINDOW_S`): under `BUSY_CORES` of a core, all threads; more,
@@ -13,8 +13,8 @@ one thread. A step on all threads that still comes out far slower than the best 
 process's own threads can compete too, which /proc/stat cannot tell apart) also drops to one
 thread, for a while that doubles each time it happens; it takes `SLOW_RUN` such steps in a row,
 because a lone slow step is the explorer drawing a frame (a few milliseconds of its UI thread,
-paced), not a core gone: backing off on every one of them held the explorer at 47 tok/s on one
-thread where two gave 55. Every output is computed by the same
+paced), not a core gone, and backing off on every one of them slowed the explorer down
+(docs/openmp-wait-policy.md, "What `reqscope` does"). Every output is computed by the same
 kernels in the same order whatever the count (chunked projections run their chunks one after
 the other on one thread), so the choice never changes a value.
 
@@ -33,8 +33,9 @@ from minengine import omp_env
 
 WINDOW_S = 0.2  # /proc/stat counts in 10 ms ticks: 0.2 s of 2 CPUs is 40 of them
 # Others' use above this (in cores) means a core is wanted elsewhere. A busy neighbour is a whole
-# core (0.9-1.0 in /proc/stat); with nothing else running the 2-vCPU VM showed 0.0-0.33 (kernel
-# threads, steal), so 0.3 sent 44-66 of 128 steps to one thread on noise.
+# core, while an idle 2-vCPU VM shows up to a third of one (kernel threads, steal), which a
+# threshold of 0.3 took for a neighbour (docs/history.md, "`reqscope bench`: every format beside
+# transformers and llama.cpp, fp16 as `auto`").
 BUSY_CORES = 0.5
 SLOW_FACTOR = 2.5  # a step this much slower than the best at full threads was not on free cores
 SLOW_FLOOR_S = 0.005  # ...and at least this much slower (short steps jitter by more than 2.5x)

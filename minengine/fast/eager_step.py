@@ -2,12 +2,12 @@
 
 A decode step streams every weight once, and between those reads runs a few dozen tiny
 operations per layer. Each costs several microseconds, more than in a tight loop because the
-weight stream has just evicted the interpreter and dispatcher from the caches (measured: 50 us
-for the six operations of one RMSNorm, 12 ms of a 50 ms step outside the projections). So this
-step runs `Transformer.block` with a `Scratch`: projections land in buffers whose views (q/k/v
-heads, gate and up) are made once, q and k are rotated into a buffer, residuals are added in
-place; and its `Attention` copies K/V straight into the cache's slot for the position and pins
-attention to one thread inline: about 35 operations per layer instead of 55.
+weight stream has just evicted the interpreter and dispatcher from the caches (the figures:
+docs/history.md, "The lean decode step, 2026-11-29"). So this step runs `Transformer.block` with
+a `Scratch`: projections land in buffers whose views (q/k/v heads, gate and up) are made once, q
+and k are rotated into a buffer, residuals are added in place; and its `Attention` copies K/V
+straight into the cache's slot for the position and pins attention to one thread inline: about
+35 operations per layer instead of 55.
 
 Every arithmetic operation is the one `Transformer.forward` runs, on the same operands in the
 same order, so the logits are bit for bit the same; only allocation and view-making are gone.
@@ -238,10 +238,11 @@ class LayerStack:
         head, else None (the caller runs it).
 
         What Python does here runs cold (the step before has streamed the weights through every
-        cache) and, in a shared step, beside the threads of requests woken meanwhile: pointing 30
-        layers at the segment by indexing its tensors, and a fresh scratch, took 1.2 ms of an 8-row
-        step with 8 consumers awake. So the layers' pointers change only with the segment and the
-        scratch is kept per row count."""
+        cache) and, in a shared step, beside the threads of requests woken meanwhile, so pointing
+        30 layers at the segment by indexing its tensors, and a fresh scratch, took about a
+        millisecond of every 8-row step (docs/history.md, "The 2-core Zen 5 EPYC: unsteered
+        decode, the attention kernel and the tiles"). So the layers' pointers change only with the
+        segment and the scratch is kept per row count."""
         m = x.shape[0]
         a = self._args(m, x, cos, sin, kernel.args)
         scratch = self._scratch.get(m)

@@ -302,12 +302,13 @@ class PagedKVCache:
         take, though the table may have grown since (a request the loop runs ahead).
 
         Kept until the cache or the pool's references change: a decode step asks for it several
-        times (the step's read, the request's token), 8 requests a step, and building it took
-        11-30 us a time. Each token of a request asks with its own lengths, so the whole is new each
-        time; the format's byte counts are made once (`BlockFormat`), and the blocks' sharing (a walk
-        of the table under the pool's lock) is kept apart until the table's length or the pool's
-        references change: 13.9 -> 10.7 us a call at 150 positions. A shared step's consumers run beside its
-        kernels, on the same two cores.
+        times (the step's read, the request's token), 8 requests a step, and building it took tens
+        of microseconds a time. Each token of a request asks with its own lengths, so the whole is
+        new each time; the format's byte counts are made once (`BlockFormat`), and the blocks'
+        sharing (a walk of the table under the pool's lock) is kept apart until the table's length
+        or the pool's references change (the figures: docs/history.md, "The 2-core Zen 5 EPYC:
+        unsteered decode, the attention kernel and the tiles"). A shared step's consumers run
+        beside its kernels, on the same two cores.
         """
         lengths = tuple(self.lengths) if lengths is None else lengths
         tokens = max(lengths) if lengths else 0
