@@ -6,20 +6,9 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, TextIO
 
+from minengine.engine import events as ev
 from minengine.engine.batch_facts import BatchSummary
 from minengine.engine.engine import Engine
-from minengine.engine.events import (
-    AdmitEvent,
-    DoneEvent,
-    Event,
-    PreemptEvent,
-    PrefillEvent,
-    PrefixCacheEvent,
-    PromptEvent,
-    RequestResult,
-    StageEvent,
-    TokenEvent,
-)
 from minengine.engine.request import GenerationRequest, settings_line
 from minengine.kv.arithmetic import KIB, MIB
 from reqscope.console.latency_lines import latency_lines
@@ -32,13 +21,13 @@ if TYPE_CHECKING:
 
 def print_plain(
     engine: Engine,
-    events: Iterable[Event],
+    events: Iterable[ev.Event],
     out: TextIO | None = None,
     err: TextIO | None = None,
     request: GenerationRequest | None = None,
     ceiling: CeilingLookup | None = None,
     load: LoadNote | None = None,
-) -> RequestResult:
+) -> ev.RequestResult:
     """Stream `events` as text; return the request's result (given the request, its settings' sources too).
 
     Given this machine's read `ceiling`, the summary sets the decode steps' bytes against it.
@@ -46,43 +35,43 @@ def print_plain(
     """
     out = out or sys.stdout
     err = err or sys.stderr
-    result: RequestResult | None = None
-    tokens: list[TokenEvent] = []
+    result: ev.RequestResult | None = None
+    tokens: list[ev.TokenEvent] = []
     streamed = ""
     print(f"· model     {engine.describe()}  (loaded in {engine.load_ms:.0f} ms)", file=err, flush=True)
     if request is not None and request.setting_sources:
         print(f"· settings  {settings_line(request)}", file=err, flush=True)
     if load is not None:
         print(f"· load      {load_line(load)}", file=err, flush=True)
-    for ev in events:
-        if isinstance(ev, StageEvent) and ev.name not in ("decode", "complete", "prefix_cache"):
-            print(f"· {ev.name:<9} {ev.duration_ms:9.2f} ms  {ev.detail}", file=err, flush=True)
-        elif isinstance(ev, PromptEvent):
-            parts = " + ".join(f"{p.tokens} {p.name}" for p in ev.parts)
-            print(f"· prompt    {len(ev.pieces)} tokens = {parts}", file=err, flush=True)
-        elif isinstance(ev, AdmitEvent):
+    for event in events:
+        if isinstance(event, ev.StageEvent) and event.name not in ("decode", "complete", "prefix_cache"):
+            print(f"· {event.name:<9} {event.duration_ms:9.2f} ms  {event.detail}", file=err, flush=True)
+        elif isinstance(event, ev.PromptEvent):
+            parts = " + ".join(f"{p.tokens} {p.name}" for p in event.parts)
+            print(f"· prompt    {len(event.pieces)} tokens = {parts}", file=err, flush=True)
+        elif isinstance(event, ev.AdmitEvent):
             print(
-                f"· budget    {ev.prompt_tokens}+{ev.max_tokens} of {ev.context_limit} tokens, "
-                f"KV {ev.kv_needed_bytes / MIB:.1f} of {ev.kv_budget_bytes / MIB:.1f} MiB",
+                f"· budget    {event.prompt_tokens}+{event.max_tokens} of {event.context_limit} tokens, "
+                f"KV {event.kv_needed_bytes / MIB:.1f} of {event.kv_budget_bytes / MIB:.1f} MiB",
                 file=err,
                 flush=True,
             )
-        elif isinstance(ev, PrefixCacheEvent):
-            print(f"· prefix    {ev.duration_ms:9.2f} ms  {prefix_cache_line(ev)}", file=err, flush=True)
-        elif isinstance(ev, PrefillEvent):
-            if len(ev.chunks) > 1:
-                print(f"· chunks    {chunks_line(ev)}", file=err, flush=True)
+        elif isinstance(event, ev.PrefixCacheEvent):
+            print(f"· prefix    {event.duration_ms:9.2f} ms  {prefix_cache_line(event)}", file=err, flush=True)
+        elif isinstance(event, ev.PrefillEvent):
+            if len(event.chunks) > 1:
+                print(f"· chunks    {chunks_line(event)}", file=err, flush=True)
             print("", file=err, flush=True)
-        elif isinstance(ev, PreemptEvent):
-            print(f"\n· preempted {preempt_line(ev, len(tokens))}", file=err, flush=True)
-        elif isinstance(ev, TokenEvent):
-            tokens.append(ev)
-            if ev.text:
-                out.write(ev.text)
+        elif isinstance(event, ev.PreemptEvent):
+            print(f"\n· preempted {preempt_line(event, len(tokens))}", file=err, flush=True)
+        elif isinstance(event, ev.TokenEvent):
+            tokens.append(event)
+            if event.text:
+                out.write(event.text)
                 out.flush()
-                streamed += ev.text
-        elif isinstance(ev, DoneEvent):
-            result = ev.result
+                streamed += event.text
+        elif isinstance(event, ev.DoneEvent):
+            result = event.result
     assert result is not None, "a session always ends with a DoneEvent"
     if result.text.startswith(streamed) and len(result.text) > len(streamed):
         out.write(result.text[len(streamed) :])
@@ -102,18 +91,19 @@ def load_line(load: LoadNote) -> str:
     return f"{' and '.join(parts)} share this engine"
 
 
-def chunks_line(ev: PrefillEvent) -> str:
+def chunks_line(event: ev.PrefillEvent) -> str:
     """The prompt's prefill chunks: positions, and the sequences each chunk's step ran."""
-    return f"{len(ev.chunks)} prefill chunks: " + ", ".join(
-        f"{c.start}+{c.tokens} (step {c.step.step}, {c.step.sequences} seq, {c.step.step_ms:.1f} ms)" for c in ev.chunks
+    return f"{len(event.chunks)} prefill chunks: " + ", ".join(
+        f"{c.start}+{c.tokens} (step {c.step.step}, {c.step.sequences} seq, {c.step.step_ms:.1f} ms)"
+        for c in event.chunks
     )
 
 
-def preempt_line(ev: PreemptEvent, tokens_out: int) -> str:
+def preempt_line(event: ev.PreemptEvent, tokens_out: int) -> str:
     """A preemption as it happened: after which token, why, what it freed, what is recomputed."""
     return (
-        f"after token {tokens_out} at {ev.t_ms:.1f} ms: {ev.reason}; {ev.blocks_freed} blocks "
-        f"({ev.bytes_freed / MIB:.2f} MiB) freed, {ev.tokens_to_recompute} tokens to recompute"
+        f"after token {tokens_out} at {event.t_ms:.1f} ms: {event.reason}; {event.blocks_freed} blocks "
+        f"({event.bytes_freed / MIB:.2f} MiB) freed, {event.tokens_to_recompute} tokens to recompute"
     )
 
 
@@ -128,19 +118,19 @@ def batch_line(b: BatchSummary) -> str | None:
     )
 
 
-def prefix_cache_line(ev: PrefixCacheEvent) -> str:
+def prefix_cache_line(event: ev.PrefixCacheEvent) -> str:
     """What the prefix cache stage found, in words."""
-    if not ev.enabled:
-        return f"off: {ev.note}" if ev.note else "off"
-    if not ev.blocks_hit:
-        return f"0 of {ev.blocks_looked_up} blocks hit: all {ev.prompt_tokens} prompt tokens to prefill"
+    if not event.enabled:
+        return f"off: {event.note}" if event.note else "off"
+    if not event.blocks_hit:
+        return f"0 of {event.blocks_looked_up} blocks hit: all {event.prompt_tokens} prompt tokens to prefill"
     return (
-        f"{ev.blocks_hit} of {ev.blocks_looked_up} blocks hit: {ev.reused_tokens} of {ev.prompt_tokens} "
-        f"prompt tokens reused, {ev.computed_tokens} to prefill (copied in {ev.copy_ms:.2f} ms)"
+        f"{event.blocks_hit} of {event.blocks_looked_up} blocks hit: {event.reused_tokens} of {event.prompt_tokens} "
+        f"prompt tokens reused, {event.computed_tokens} to prefill (copied in {event.copy_ms:.2f} ms)"
     )
 
 
-def summary(engine: Engine, r: RequestResult, roofline: list[str] | None = None) -> str:
+def summary(engine: Engine, r: ev.RequestResult, roofline: list[str] | None = None) -> str:
     """A llama.cpp-style timing summary of a finished request (`roofline`: its lines, after the decode line)."""
     lines = [""]
     if r.error:

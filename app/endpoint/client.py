@@ -20,17 +20,7 @@ import aiohttp
 from minengine.engine.events import Usage
 from minengine.engine.request import GenerationRequest
 from minengine.engine.timeline import Timeline
-from reqscope.endpoint.events import (
-    ChunkReceived,
-    ClientEvent,
-    ConnectionReady,
-    EndpointResult,
-    RequestSent,
-    ResponseStarted,
-    ServerReport,
-    ServerTimings,
-    StreamEnded,
-)
+from reqscope.endpoint import events as ev
 from reqscope.endpoint.metrics import client_metrics, compare_tpot, compare_ttft, output_token_count
 from reqscope.endpoint.settings import RequestSettings, token_limit_field
 from reqscope.endpoint.wire import SSE_DONE, StreamChunk, body_error, chat_body, parse_chunk, sse_data
@@ -47,13 +37,13 @@ class _ConnectionProbe:
         self.opened_ms: float | None = None
         self.reused_ms: float | None = None
 
-    def ready(self) -> ConnectionReady | None:
+    def ready(self) -> ev.ConnectionReady | None:
         """What the hooks saw, as an event; None when they saw nothing (no hooks ran)."""
         if self.opened_ms is not None:
             connect = self.opened_ms - self.opening_ms if self.opening_ms is not None else None
-            return ConnectionReady(self.opened_ms, False, connect)
+            return ev.ConnectionReady(self.opened_ms, False, connect)
         if self.reused_ms is not None:
-            return ConnectionReady(self.reused_ms, True, None)
+            return ev.ConnectionReady(self.reused_ms, True, None)
         return None
 
 
@@ -133,7 +123,7 @@ class EndpointClient:
 
     async def stream_chat(
         self, request: GenerationRequest, model: str, settings: RequestSettings | None = None
-    ) -> AsyncIterator[ClientEvent]:
+    ) -> AsyncIterator[ev.ClientEvent]:
         """Send `request`'s messages as a streaming chat completion; yield events, ending with StreamEnded.
 
         Of the sampling, only what `settings` sets goes in the body (none: the server's defaults
@@ -144,7 +134,7 @@ class EndpointClient:
         limit_field = token_limit_field(self.base_url)
         body = chat_body(request, model, settings, limit_field)
         timeline = Timeline()
-        yield RequestSent(timeline.mark("client_send", url), url, model, settings, limit_field)
+        yield ev.RequestSent(timeline.mark("client_send", url), url, model, settings, limit_field)
         reading = _Reading(url, model, timeline)
         probe = _ConnectionProbe(timeline)
         try:
@@ -155,7 +145,7 @@ class EndpointClient:
                 reading.connection = probe.ready()
                 if reading.connection is not None:
                     yield reading.connection
-                yield ResponseStarted(t_first_byte, resp.status, reading.request_id)
+                yield ev.ResponseStarted(t_first_byte, resp.status, reading.request_id)
                 if resp.status != 200:
                     reading.error = f"HTTP {resp.status}: {body_error(await resp.text())}"
                 elif resp.content_type == "application/json":  # a server that ignored `stream`
@@ -166,7 +156,7 @@ class EndpointClient:
                         yield event
         except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
             reading.error = f"{url}: {type(exc).__name__}: {exc}".rstrip(": ")
-        yield StreamEnded(reading.result())
+        yield ev.StreamEnded(reading.result())
 
 
 class _Reading:
@@ -178,17 +168,17 @@ class _Reading:
         self.timeline = timeline
         self.status: int | None = None
         self.request_id: str | None = None
-        self.connection: ConnectionReady | None = None
+        self.connection: ev.ConnectionReady | None = None
         self.texts: list[str] = []
         self.chunk_times: list[float] = []
         self.logprob_tokens = 0
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
-        self.server: ServerReport | None = None
-        self.timings: ServerTimings | None = None
+        self.server: ev.ServerReport | None = None
+        self.timings: ev.ServerTimings | None = None
         self.error: str | None = None
 
-    async def stream(self, resp: aiohttp.ClientResponse) -> AsyncIterator[ChunkReceived]:
+    async def stream(self, resp: aiohttp.ClientResponse) -> AsyncIterator[ev.ChunkReceived]:
         # A stream the server closed without [DONE] keeps what arrived.
         async for data in sse_data(resp):
             if data == SSE_DONE:
@@ -201,7 +191,7 @@ class _Reading:
             if event is not None:
                 yield event
 
-    def whole(self, body: object) -> list[ChunkReceived]:
+    def whole(self, body: object) -> list[ev.ChunkReceived]:
         """A non-streamed response: its whole text is one chunk."""
         choice = body.get("choices", [{}])[0] if isinstance(body, dict) else {}
         message = choice.get("message") if isinstance(choice, dict) else None
@@ -212,7 +202,7 @@ class _Reading:
         event = self._take(parse_chunk(json.dumps(data)))
         return [] if event is None else [event]
 
-    def _take(self, chunk: StreamChunk) -> ChunkReceived | None:
+    def _take(self, chunk: StreamChunk) -> ev.ChunkReceived | None:
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.usage = chunk.usage or self.usage
         self.server = chunk.server or self.server
@@ -226,15 +216,15 @@ class _Reading:
         itl = t - self.chunk_times[-1] if self.chunk_times else None
         self.texts.append(chunk.text)
         self.chunk_times.append(t)
-        return ChunkReceived(len(self.texts) - 1, t, chunk.text, itl, chunk.logprobs)
+        return ev.ChunkReceived(len(self.texts) - 1, t, chunk.text, itl, chunk.logprobs)
 
-    def result(self) -> EndpointResult:
+    def result(self) -> ev.EndpointResult:
         if self.chunk_times:
             self.timeline.mark("last_visible_token", f"chunk {len(self.chunk_times) - 1}", t_ms=self.chunk_times[-1])
         self.timeline.mark("completed", self.error or (self.finish_reason or "end of stream"))
         tokens, source = output_token_count(self.usage, self.logprob_tokens, len(self.chunk_times))
         metrics = client_metrics(self.chunk_times, tokens) if self.error is None else None
-        return EndpointResult(
+        return ev.EndpointResult(
             url=self.url,
             model=self.model,
             status=self.status,

@@ -16,15 +16,7 @@ from typing import TextIO
 
 from minengine.plan.planner import Plan
 from reqscope.console.json_out import emit, metrics_json
-from reqscope.endpoint.events import (
-    ChunkReceived,
-    ClientEvent,
-    ConnectionReady,
-    EndpointResult,
-    RequestSent,
-    ResponseStarted,
-    StreamEnded,
-)
+from reqscope.endpoint import events as ev
 from reqscope.endpoint.settings import LOGPROBS_COST_NOTE, RequestSettings
 
 
@@ -33,28 +25,28 @@ def _ms(value: float | None) -> float | None:
 
 
 async def print_endpoint_jsonl(
-    events: AsyncIterator[ClientEvent],
-    kv_plan_for: Callable[[EndpointResult], Plan | None] | None = None,
+    events: AsyncIterator[ev.ClientEvent],
+    kv_plan_for: Callable[[ev.EndpointResult], Plan | None] | None = None,
     out: TextIO | None = None,
-) -> EndpointResult:
+) -> ev.EndpointResult:
     """Write one record per event; return the result."""
     out = out or sys.stdout
-    result: EndpointResult | None = None
+    result: ev.EndpointResult | None = None
     settings: RequestSettings | None = None
-    async for ev in events:
-        if isinstance(ev, RequestSent):
-            settings = ev.settings
-            emit(out, sent_record(ev))
-        elif isinstance(ev, ConnectionReady):
-            record = {"event": "connection", "reused": ev.reused, "connect_ms": _ms(ev.connect_ms)}
-            emit(out, {**record, "t_ms": _ms(ev.t_ms)})
-        elif isinstance(ev, ResponseStarted):
-            record = {"event": "response", "status": ev.status, "request_id": ev.request_id}
-            emit(out, {**record, "t_ms": _ms(ev.t_ms)})
-        elif isinstance(ev, ChunkReceived):
-            emit(out, chunk_record(ev))
-        elif isinstance(ev, StreamEnded):
-            result = ev.result
+    async for event in events:
+        if isinstance(event, ev.RequestSent):
+            settings = event.settings
+            emit(out, sent_record(event))
+        elif isinstance(event, ev.ConnectionReady):
+            record = {"event": "connection", "reused": event.reused, "connect_ms": _ms(event.connect_ms)}
+            emit(out, {**record, "t_ms": _ms(event.t_ms)})
+        elif isinstance(event, ev.ResponseStarted):
+            record = {"event": "response", "status": event.status, "request_id": event.request_id}
+            emit(out, {**record, "t_ms": _ms(event.t_ms)})
+        elif isinstance(event, ev.ChunkReceived):
+            emit(out, chunk_record(event))
+        elif isinstance(event, ev.StreamEnded):
+            result = event.result
     assert result is not None, "a stream always ends with StreamEnded"
     if result.error:
         emit(out, {"event": "error", "status": result.status, "message": result.error})
@@ -64,19 +56,19 @@ async def print_endpoint_jsonl(
     return result
 
 
-def sent_record(ev: RequestSent) -> dict:
+def sent_record(event: ev.RequestSent) -> dict:
     """The request as sent: which sampling fields it carried and which it left to the server."""
     def field(name: str) -> str:
-        return ev.token_limit_field if name == "max_tokens" else name
+        return event.token_limit_field if name == "max_tokens" else name
 
     return {
         "event": "sent",
-        "url": ev.url,
-        "model": ev.model,
-        "t_ms": _ms(ev.t_ms),
-        "sampling": {field(name): value for name, value in ev.settings.sent()},
-        "server_default": [field(name) for name in ev.settings.server_default()],
-        "logprobs": logprobs_record(ev.settings),
+        "url": event.url,
+        "model": event.model,
+        "t_ms": _ms(event.t_ms),
+        "sampling": {field(name): value for name, value in event.settings.sent()},
+        "server_default": [field(name) for name in event.settings.server_default()],
+        "logprobs": logprobs_record(event.settings),
     }
 
 
@@ -91,19 +83,21 @@ def logprobs_record(settings: RequestSettings | None, tokens: int | None = None)
     return record
 
 
-def chunk_record(ev: ChunkReceived) -> dict:
+def chunk_record(event: ev.ChunkReceived) -> dict:
     """One chunk: its text, arrival, gap since the previous chunk and any logprobs."""
-    record = {"event": "chunk", "index": ev.index, "text": ev.text, "t_ms": _ms(ev.t_ms), "itl_ms": _ms(ev.itl_ms)}
-    if ev.logprobs:
-        record["tokens"] = len(ev.logprobs)
+    record = {
+        "event": "chunk", "index": event.index, "text": event.text, "t_ms": _ms(event.t_ms), "itl_ms": _ms(event.itl_ms)
+    }  # fmt: skip
+    if event.logprobs:
+        record["tokens"] = len(event.logprobs)
         record["logprobs"] = [
             {"token": e.token, "logprob": e.logprob, "top": [{"token": t.token, "logprob": t.logprob} for t in e.top]}
-            for e in ev.logprobs
+            for e in event.logprobs
         ]
     return record
 
 
-def done_record(r: EndpointResult, plan: Plan | None, settings: RequestSettings | None = None) -> dict:
+def done_record(r: ev.EndpointResult, plan: Plan | None, settings: RequestSettings | None = None) -> dict:
     """The closing record: counts, client metrics, the server's view, the logprobs asked and planned KV."""
     server = None
     if r.server is not None:

@@ -9,26 +9,17 @@ from typing import TextIO
 from minengine.kv.arithmetic import KIB, MIB
 from minengine.plan.planner import Plan
 from reqscope.console.latency_lines import ChunkStream, latency_lines
-from reqscope.endpoint.events import (
-    ChunkReceived,
-    ClientEvent,
-    ConnectionReady,
-    EndpointResult,
-    RequestSent,
-    ResponseStarted,
-    ServerTimings,
-    StreamEnded,
-)
+from reqscope.endpoint import events as ev
 from reqscope.endpoint.metrics import prompt_count
 from reqscope.endpoint.settings import LOGPROBS_COST_NOTE, RequestSettings, logprobs_text, settings_text
 
 
 async def print_endpoint_plain(
-    events: AsyncIterator[ClientEvent],
-    kv_plan_for: Callable[[EndpointResult], Plan | None] | None = None,
+    events: AsyncIterator[ev.ClientEvent],
+    kv_plan_for: Callable[[ev.EndpointResult], Plan | None] | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
-) -> EndpointResult:
+) -> ev.EndpointResult:
     """Stream `events` as text; `kv_plan_for(result)` may return the planner's KV. Returns the result."""
     out = out or sys.stdout
     err = err or sys.stderr
@@ -36,23 +27,24 @@ async def print_endpoint_plain(
     def note(line: str) -> None:
         print(line, file=err, flush=True)
 
-    result: EndpointResult | None = None
-    sent: RequestSent | None = None
-    async for ev in events:
-        if isinstance(ev, RequestSent):
-            sent = ev
-            note(f"· endpoint  {ev.url}  model {ev.model}")
-            note(f"· sent      {settings_text(ev.settings, ev.token_limit_field)}; {logprobs_text(ev.settings)}")
-        elif isinstance(ev, ConnectionReady):
-            how = "reused connection" if ev.reused else f"new connection, opened in {ev.connect_ms or 0:.2f} ms"
-            note(f"· connect   {ev.t_ms:9.2f} ms  {how}")
-        elif isinstance(ev, ResponseStarted):
-            note(f"· response  {ev.t_ms:9.2f} ms  HTTP {ev.status}  x-request-id {ev.request_id or '-'}\n")
-        elif isinstance(ev, ChunkReceived):
-            out.write(ev.text)
+    result: ev.EndpointResult | None = None
+    sent: ev.RequestSent | None = None
+    async for event in events:
+        if isinstance(event, ev.RequestSent):
+            sent = event
+            note(f"· endpoint  {event.url}  model {event.model}")
+            asked = settings_text(event.settings, event.token_limit_field)
+            note(f"· sent      {asked}; {logprobs_text(event.settings)}")
+        elif isinstance(event, ev.ConnectionReady):
+            how = "reused connection" if event.reused else f"new connection, opened in {event.connect_ms or 0:.2f} ms"
+            note(f"· connect   {event.t_ms:9.2f} ms  {how}")
+        elif isinstance(event, ev.ResponseStarted):
+            note(f"· response  {event.t_ms:9.2f} ms  HTTP {event.status}  x-request-id {event.request_id or '-'}\n")
+        elif isinstance(event, ev.ChunkReceived):
+            out.write(event.text)
             out.flush()
-        elif isinstance(ev, StreamEnded):
-            result = ev.result
+        elif isinstance(event, ev.StreamEnded):
+            result = event.result
     assert result is not None, "a stream always ends with StreamEnded"
     out.write("\n")
     out.flush()
@@ -63,7 +55,7 @@ async def print_endpoint_plain(
 
 
 def endpoint_summary(
-    r: EndpointResult, plan: Plan | None = None, planner_asked: bool = False, settings: RequestSettings | None = None
+    r: ev.EndpointResult, plan: Plan | None = None, planner_asked: bool = False, settings: RequestSettings | None = None
 ) -> str:
     """The client-side timing summary, the server's view beside it when it sent one, and the logprobs' cost."""
     lines = [""]
@@ -84,7 +76,7 @@ def endpoint_summary(
     return "\n".join(lines)
 
 
-def server_view_lines(r: EndpointResult) -> list[str]:
+def server_view_lines(r: ev.EndpointResult) -> list[str]:
     """The server's own figures (reqscope serve's report, llama.cpp's timings) beside the client's."""
     if r.error:
         return []
@@ -118,7 +110,7 @@ def server_view_lines(r: EndpointResult) -> list[str]:
     return lines
 
 
-def timings_text(t: ServerTimings) -> str:
+def timings_text(t: ev.ServerTimings) -> str:
     """llama.cpp's timings in one line: the prompt, then generation."""
     parts = []
     if t.prompt_ms is not None:
@@ -138,7 +130,7 @@ def timings_text(t: ServerTimings) -> str:
     return "; ".join(parts)
 
 
-def logprobs_cost_line(r: EndpointResult, settings: RequestSettings) -> str:
+def logprobs_cost_line(r: ev.EndpointResult, settings: RequestSettings) -> str:
     """The note a request with logprobs carries: they may have slowed the server, by how much is in TPOT."""
     if r.metrics is not None and r.metrics.tpot_ms is not None:
         cost = f"the TPOT above ({r.metrics.tpot_ms:.2f} ms/token) includes their cost"

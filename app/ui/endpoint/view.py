@@ -11,15 +11,7 @@ from dataclasses import dataclass, field
 
 from minengine.engine.metrics import RequestMetrics
 from minengine.errors import ReqscopeError
-from reqscope.endpoint.events import (
-    ChunkReceived,
-    ClientEvent,
-    ConnectionReady,
-    EndpointResult,
-    RequestSent,
-    ResponseStarted,
-    StreamEnded,
-)
+from reqscope.endpoint import events as ev
 from reqscope.endpoint.metrics import client_metrics, output_token_count
 from reqscope.openai.logprobs import TokenLogprob
 from reqscope.ui.request_view import RequestView
@@ -30,27 +22,27 @@ CLIENT_PIPELINE: tuple[str, ...] = ("connect", "first byte", "first token", "str
 
 
 @dataclass
-class EndpointView(RequestView[ClientEvent]):
+class EndpointView(RequestView[ev.ClientEvent]):
     """Everything drawn about one endpoint request, updated one client event at a time."""
 
-    sent: RequestSent | None = None
-    connection: ConnectionReady | None = None
-    response: ResponseStarted | None = None
-    chunks: list[ChunkReceived] = field(default_factory=list)
-    result: EndpointResult | None = None
+    sent: ev.RequestSent | None = None
+    connection: ev.ConnectionReady | None = None
+    response: ev.ResponseStarted | None = None
+    chunks: list[ev.ChunkReceived] = field(default_factory=list)
+    result: ev.EndpointResult | None = None
     cancelled: bool = False  # the user closed the stream before it ended
 
-    def apply(self, event: ClientEvent) -> None:
+    def apply(self, event: ev.ClientEvent) -> None:
         """Fold one event in."""
-        if isinstance(event, RequestSent):
+        if isinstance(event, ev.RequestSent):
             self.sent = event
-        elif isinstance(event, ConnectionReady):
+        elif isinstance(event, ev.ConnectionReady):
             self.connection = event
-        elif isinstance(event, ResponseStarted):
+        elif isinstance(event, ev.ResponseStarted):
             self.response = event
-        elif isinstance(event, ChunkReceived):
+        elif isinstance(event, ev.ChunkReceived):
             self.chunks.append(event)
-        elif isinstance(event, StreamEnded):
+        elif isinstance(event, ev.StreamEnded):
             self.result = event.result
 
     # -- derived -------------------------------------------------------------------------------

@@ -8,19 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minengine.engine.events import (
-    AdmitEvent,
-    DoneEvent,
-    Event,
-    PreemptEvent,
-    PrefillEvent,
-    PrefixCacheEvent,
-    PromptEvent,
-    RequestResult,
-    StageEvent,
-    StepReady,
-    TokenEvent,
-)
+from minengine.engine import events as ev
 from minengine.engine.timeline import ALL_STAGES
 from minengine.kv.usage import KVUsage
 from reqscope.ui.request_view import RequestView
@@ -34,40 +22,40 @@ PIPELINE_WITHOUT_PREFIX_CACHE: tuple[str, ...] = tuple(name for name in PIPELINE
 
 
 @dataclass
-class RunView(RequestView[Event]):
+class RunView(RequestView[ev.Event]):
     """Everything drawn about one request, updated one event at a time."""
 
-    stages: dict[str, StageEvent] = field(default_factory=dict)
-    prompt: PromptEvent | None = None
-    admit: AdmitEvent | None = None
-    prefix_cache: PrefixCacheEvent | None = None  # None before the stage, and in older traces
-    prefill: PrefillEvent | None = None
-    tokens: list[TokenEvent] = field(default_factory=list)
+    stages: dict[str, ev.StageEvent] = field(default_factory=dict)
+    prompt: ev.PromptEvent | None = None
+    admit: ev.AdmitEvent | None = None
+    prefix_cache: ev.PrefixCacheEvent | None = None  # None before the stage, and in older traces
+    prefill: ev.PrefillEvent | None = None
+    tokens: list[ev.TokenEvent] = field(default_factory=list)
     held_totals: list[float] = field(default_factory=list)  # ms held in all as of each token (see `held_ms`)
     waiting_step: int | None = None  # index of the step whose logits are waiting, if any
     waiting_path: str = ""  # the way that step ran (`minengine.model.step_path`)
-    preemptions: list[tuple[int, PreemptEvent]] = field(default_factory=list)  # (tokens out before it, the event)
+    preemptions: list[tuple[int, ev.PreemptEvent]] = field(default_factory=list)  # (tokens out before it, the event)
     shared_steps: int = 0  # decode steps so far that this request shared with other sequences
-    last_inspected: TokenEvent | None = None  # the latest token whose step's inside was captured
-    result: RequestResult | None = None
+    last_inspected: ev.TokenEvent | None = None  # the latest token whose step's inside was captured
+    result: ev.RequestResult | None = None
     events_seen: int = 0
 
-    def apply(self, event: Event) -> None:
+    def apply(self, event: ev.Event) -> None:
         """Fold one event in."""
         self.events_seen += 1
-        if isinstance(event, StageEvent):
+        if isinstance(event, ev.StageEvent):
             self.stages[event.name] = event
-        elif isinstance(event, PromptEvent):
+        elif isinstance(event, ev.PromptEvent):
             self.prompt = event
-        elif isinstance(event, AdmitEvent):
+        elif isinstance(event, ev.AdmitEvent):
             self.admit = event
-        elif isinstance(event, PrefixCacheEvent):
+        elif isinstance(event, ev.PrefixCacheEvent):
             self.prefix_cache = event
-        elif isinstance(event, PrefillEvent):
+        elif isinstance(event, ev.PrefillEvent):
             self.prefill = event
-        elif isinstance(event, StepReady):
+        elif isinstance(event, ev.StepReady):
             self.waiting_step, self.waiting_path = event.index, event.path
-        elif isinstance(event, TokenEvent):
+        elif isinstance(event, ev.TokenEvent):
             self.tokens.append(event)
             if event.batch is not None and event.batch.sequences > 1:
                 self.shared_steps += 1
@@ -75,9 +63,9 @@ class RunView(RequestView[Event]):
             if event.inspection is not None:
                 self.last_inspected = event
             self.waiting_step = None
-        elif isinstance(event, PreemptEvent):
+        elif isinstance(event, ev.PreemptEvent):
             self.preemptions.append((len(self.tokens), event))
-        elif isinstance(event, DoneEvent):
+        elif isinstance(event, ev.DoneEvent):
             self.result = event.result
             self.waiting_step = None
 
@@ -111,7 +99,7 @@ class RunView(RequestView[Event]):
         return self.held_totals[-1] if self.held_totals else 0.0
 
     @property
-    def visible_tokens(self) -> list[TokenEvent]:
+    def visible_tokens(self) -> list[ev.TokenEvent]:
         """Tokens that made text visible (the ones a client would have seen streamed)."""
         return [t for t in self.tokens if t.text]
 
