@@ -386,33 +386,24 @@ void f16_panels(const float *x, long M, long K, float *xp, const uint16_t *P, lo
  * groups, one stream (BLOCKS_AHEAD); each group's arithmetic is the same on either thread: the
  * same bits. */
 
-/* Q: the panels' Q8_0 groups (Q8_0 LAYOUT); K a multiple of 32. */
-void q8_0_panels(const float *x, long M, long K, const uint8_t *Q, long panels, float *y, long ldy, int threads) {
-    long groups = (panels + GP - 1) / GP;
-#pragma omp parallel num_threads(threads)
-    for (long r0 = 0; r0 < M; r0 += RB) {
-        long end = M - r0 < RB ? M : r0 + RB;
-#pragma omp for schedule(guided)
-        for (long g = 0; g < groups; g++) {
-            long p0 = g * GP, n = panels - p0 < GP ? panels - p0 : GP;
-            GROUP_ROWS(q8, Q8_ARGS, 2, 1, WIDE_Q8_GROUP)  /* q8_0's scales take registers: narrower tiles */
-        }
+/* The block formats' products: each group of panels against blocks of RB rows, groups shared out
+ * by the guided schedule above. Q: the panels' groups in the format's LAYOUT; K a multiple of 32. */
+#define BLOCK_PANELS(NAME, KIND, ARGS, WIDE)                                                                     \
+    void NAME(const float *x, long M, long K, const uint8_t *Q, long panels, float *y, long ldy, int threads) {  \
+        long groups = (panels + GP - 1) / GP;                                                                    \
+        _Pragma("omp parallel num_threads(threads)")                                                             \
+        for (long r0 = 0; r0 < M; r0 += RB) {                                                                    \
+            long end = M - r0 < RB ? M : r0 + RB;                                                                \
+            _Pragma("omp for schedule(guided)")                                                                  \
+            for (long g = 0; g < groups; g++) {                                                                  \
+                long p0 = g * GP, n = panels - p0 < GP ? panels - p0 : GP;                                       \
+                GROUP_ROWS(KIND, ARGS, 2, 1, WIDE)                                                               \
+            }                                                                                                    \
+        }                                                                                                        \
     }
-}
 
-/* Q: the panels' Q4_1 groups (Q4_1 LAYOUT); K a multiple of 32. */
-void q4_1_panels(const float *x, long M, long K, const uint8_t *Q, long panels, float *y, long ldy, int threads) {
-    long groups = (panels + GP - 1) / GP;
-#pragma omp parallel num_threads(threads)
-    for (long r0 = 0; r0 < M; r0 += RB) {
-        long end = M - r0 < RB ? M : r0 + RB;
-#pragma omp for schedule(guided)
-        for (long g = 0; g < groups; g++) {
-            long p0 = g * GP, n = panels - p0 < GP ? panels - p0 : GP;
-            GROUP_ROWS(q4, Q4_ARGS, 2, 1, WIDE_Q4_GROUP)
-        }
-    }
-}
+BLOCK_PANELS(q8_0_panels, q8, Q8_ARGS, WIDE_Q8_GROUP)  /* q8_0's scales take registers: narrower tiles */
+BLOCK_PANELS(q4_1_panels, q4, Q4_ARGS, WIDE_Q4_GROUP)
 
 /* q4_1 panels laid back out as a dense float32 [panels * 8, K] matrix (row n the weights of output n),
  * for MKL's GEMM over a long prompt chunk (panel_kernels.UNPACK_ROWS): the values the tiles multiply by. */
