@@ -333,20 +333,26 @@ static void pack_rows(const float *x, long M, long K, float *xp) {
 #define Q4_ARGS(p) Q4_GROUP(Q, g, K), n, (p)
 #define Q8_ARGS(p) Q8_GROUP(Q, g, K), n, (p)
 
-/* The float32 and fp16 products: the rows repacked, then blocks of RB rows against every group. */
-#define FLOAT_PANELS(KIND)                                                                       \
+/* Every product's loop: blocks of RB rows, each against every group of panels, the groups shared
+ * out to the threads by SCHEDULE (static for float32 and fp16, guided for the block formats: below). */
+#define OMP(directive) _Pragma(#directive)
+#define PANEL_GROUPS(KIND, ARGS, N2, N4, WIDE, SCHEDULE)                                         \
     long groups = (panels + GP - 1) / GP;                                                        \
-    if (xp != x) pack_rows(x, M, K, xp);                                                         \
-    x = xp;                                                                                      \
-    _Pragma("omp parallel num_threads(threads)")                                                 \
+    OMP(omp parallel num_threads(threads))                                                       \
     for (long r0 = 0; r0 < M; r0 += RB) {                                                        \
         long end = M - r0 < RB ? M : r0 + RB;                                                    \
-        _Pragma("omp for schedule(static)")                                                      \
+        OMP(omp for schedule(SCHEDULE))                                                          \
         for (long g = 0; g < groups; g++) {                                                      \
             long p0 = g * GP, n = panels - p0 < GP ? panels - p0 : GP;                           \
-            GROUP_ROWS(KIND, FLOAT_ARGS, 4, 2, WIDE_GROUP)                                                   \
+            GROUP_ROWS(KIND, ARGS, N2, N4, WIDE)                                                 \
         }                                                                                        \
     }
+
+/* The float32 and fp16 products: the rows repacked, then blocks of RB rows against every group. */
+#define FLOAT_PANELS(KIND)                                                                       \
+    if (xp != x) pack_rows(x, M, K, xp);                                                         \
+    x = xp;                                                                                      \
+    PANEL_GROUPS(KIND, FLOAT_ARGS, 4, 2, WIDE_GROUP, static)
 
 /* x [M, K] contiguous; xp room for M * K floats (the rows repacked, see pack_rows); P [panels][K][8];
  * y rows of stride ldy (>= panels * 8). */
@@ -386,24 +392,15 @@ void f16_panels(const float *x, long M, long K, float *xp, const uint16_t *P, lo
  * groups, one stream (BLOCKS_AHEAD); each group's arithmetic is the same on either thread: the
  * same bits. */
 
-/* The block formats' products: each group of panels against blocks of RB rows, groups shared out
- * by the guided schedule above. Q: the panels' groups in the format's LAYOUT; K a multiple of 32. */
-#define BLOCK_PANELS(NAME, KIND, ARGS, WIDE)                                                                     \
-    void NAME(const float *x, long M, long K, const uint8_t *Q, long panels, float *y, long ldy, int threads) {  \
-        long groups = (panels + GP - 1) / GP;                                                                    \
-        _Pragma("omp parallel num_threads(threads)")                                                             \
-        for (long r0 = 0; r0 < M; r0 += RB) {                                                                    \
-            long end = M - r0 < RB ? M : r0 + RB;                                                                \
-            _Pragma("omp for schedule(guided)")                                                                  \
-            for (long g = 0; g < groups; g++) {                                                                  \
-                long p0 = g * GP, n = panels - p0 < GP ? panels - p0 : GP;                                       \
-                GROUP_ROWS(KIND, ARGS, 2, 1, WIDE)                                                               \
-            }                                                                                                    \
-        }                                                                                                        \
-    }
+/* Q: the panels' Q8_0 groups (Q8_0 LAYOUT); K a multiple of 32. */
+void q8_0_panels(const float *x, long M, long K, const uint8_t *Q, long panels, float *y, long ldy, int threads) {
+    PANEL_GROUPS(q8, Q8_ARGS, 2, 1, WIDE_Q8_GROUP, guided)  /* q8_0's scales take registers: narrower tiles */
+}
 
-BLOCK_PANELS(q8_0_panels, q8, Q8_ARGS, WIDE_Q8_GROUP)  /* q8_0's scales take registers: narrower tiles */
-BLOCK_PANELS(q4_1_panels, q4, Q4_ARGS, WIDE_Q4_GROUP)
+/* Q: the panels' Q4_1 groups (Q4_1 LAYOUT); K a multiple of 32. */
+void q4_1_panels(const float *x, long M, long K, const uint8_t *Q, long panels, float *y, long ldy, int threads) {
+    PANEL_GROUPS(q4, Q4_ARGS, 2, 1, WIDE_Q4_GROUP, guided)
+}
 
 /* q4_1 panels laid back out as a dense float32 [panels * 8, K] matrix (row n the weights of output n),
  * for MKL's GEMM over a long prompt chunk (panel_kernels.UNPACK_ROWS): the values the tiles multiply by. */
