@@ -225,9 +225,10 @@ def forward_rows(
 
 @torch.inference_mode()
 def run_rows(
-    model: Transformer, rows: list[Row], computing: Callable[[], object] | None = None
+    model: Transformer, rows: list[Row], computing: Callable[[], object] | None = None, *, stack: bool = True
 ) -> tuple[bool, list[torch.Tensor | None]]:
-    """`forward_rows`, and whether the step ran through the C stack (`_stacked`)."""
+    """`forward_rows`, and whether the step ran through the C stack (`_stacked`); `stack` False keeps
+    it to the Python blocks (the runner's choice, `ModelRunner.pick_rows`)."""
     if not rows:
         return False, []
     ids = torch.tensor([t for r in rows for t in r.ids], device=model.device)
@@ -239,7 +240,7 @@ def run_rows(
         cos = torch.cat([c for c, _ in tables]) if len(rows) > 1 else tables[0][0]
         sin = torch.cat([s for _, s in tables]) if len(rows) > 1 else tables[0][1]
     attention = RowsAttention(rows, model.dtype, model.cfg.num_key_value_heads, model.scale)
-    stacked = _stacked(model, rows, attention, x, cos, sin, computing)
+    stacked = _stacked(model, rows, attention, x, cos, sin, computing) if stack else None
     if stacked is not None:
         return True, stacked
     if computing is not None:

@@ -12,8 +12,11 @@ step allocates:
 - the general path (`Transformer.forward`): any number of tokens, any cache (prefill, and
   decode over quantized, widened or outgrown caches).
 
-The choice depends on the cache, so it is made per call; the cache is made here too, over the
-static decoder's arena when that can serve it. On the CPU each call also runs on the thread count
+A step shared by several sequences runs their stacked rows (`batch_forward`): through the C stack
+over rows, or the Python blocks. `pick` and `pick_rows` are the one place these choices are made,
+each naming the path and why (`step_path`); `last_path` is the one that ran. The choice depends on
+the cache, so it is made per call; the cache is made here too, over the static decoder's arena
+when that can serve it. On the CPU each call also runs on the thread count
 `decode_threads.StepThreads` chooses for the machine's state (all threads unless other processes
 want a core, when the command spins; see there). Every call runs on the process's model thread,
 where the engine loaded: model work from a second thread would open a second OpenMP team, and
@@ -29,7 +32,8 @@ import torch
 
 from minengine.fast.cuda_graph import StaticDecoder
 from minengine.fast.decode_threads import StepThreads
-from minengine.fast.eager_step import EagerDecoder
+from minengine.fast.eager_step import EagerDecoder, LayerStack
+from minengine.fast.panel_kernels import UNPACK_ROWS
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.request_cache import request_cache
@@ -121,6 +125,21 @@ class ModelRunner:
                 return self.eager_decoder.step(ids, start, cache)
             return self.model.forward(ids, start, cache, all_logits=all_logits)
 
+    def pick_rows(self, rows: list[Row]) -> StepPath:
+        """The path a step shared by several sequences takes, and why: the C stack over rows where
+        every row is one decode token wanting its logits, in weights it serves, and fewer rows than
+        hand the products to MKL; else the Python blocks over the stacked rows (`batch_forward`)."""
+        n, label = len(rows), self._label
+        if any(len(r.ids) != 1 for r in rows):
+            return StepPath("torch rows", f"{n} rows with a prompt chunk among them")
+        if any(r.observer is not None or not r.logits for r in rows):
+            return StepPath("torch rows", f"{n} rows, one inspected (its attention seen on its own)")
+        if not 2 <= n < UNPACK_ROWS:
+            return StepPath("torch rows", f"{n} decode rows: from {UNPACK_ROWS} the products are MKL's")
+        if LayerStack.of(self.model) is None:
+            return StepPath("torch rows", f"{n} decode rows; no C stack for {label} weights on {self.device.type}")
+        return StepPath(f"c-stack rows {label}", f"{n} decode rows in one pool segment, {label} panels")
+
     def forward_rows(self, rows: list[Row], computing: Callable[[], object] | None = None) -> list[torch.Tensor | None]:
         """One step over several sequences' rows (`batch_forward`); each row's logits or None.
 
@@ -141,11 +160,10 @@ class ModelRunner:
             if computing is not None:
                 computing()
             return [self.forward(ids, row.start, row.cache)]
+        path = self.pick_rows(rows)
         with self.step_threads.step(False):
-            stacked, logits = run_rows(self.model, rows, computing)
-        self.last_path = (
-            StepPath(f"c-stack rows {self._label}", f"{len(rows)} decode rows in one pool segment, in panels")
-            if stacked
-            else StepPath("torch rows", f"{len(rows)} sequences' rows through the Python blocks")
-        )
+            stacked, logits = run_rows(self.model, rows, computing, stack=path.name != "torch rows")
+        if path.name != "torch rows" and not stacked:  # the stack reads one pool segment, in place
+            path = StepPath("torch rows", f"{len(rows)} decode rows whose caches are not in one pool segment")
+        self.last_path = path
         return logits

@@ -36,6 +36,7 @@ from minengine.kv.block_pool import BlockPool
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.batch_forward import Row
 from minengine.model.runner import ModelRunner
+from minengine.model.step_path import StepPath
 from minengine.model.transformer import Transformer
 from minengine.reference.generate import generate
 from minengine.reference.model import ReferenceModel
@@ -237,3 +238,30 @@ def test_each_activation_mode_matches_the_reference(tiny_models, monkeypatch, pa
     assert runner.last_path.name == f"c-stack rows {activation}×{packs}"
     _close(packs, out[0], _reference_steps(ref, prompts[0], [tokens[0], nxt[0]])[-1])
     _close(packs, out[1], _reference_steps(ref, prompts[1], [tokens[1]])[-1])
+
+
+@pytest.mark.skipif(not PANEL_FORMATS, reason="the C stack needs the C kernels")
+def test_the_runner_picks_a_shared_steps_path_and_says_why(tiny_models):
+    """Decode rows in one pool segment go through the C stack over rows; a prompt chunk among them,
+    or rows whose weights the stack does not serve, through the Python blocks; each with its reason."""
+    folder, _ = tiny_models["llama-gqa"]
+    cfg = ModelConfig.from_file(folder)
+    pool = BlockPool(64 << 20, CPU)
+
+    def rows_of(runner: ModelRunner) -> list[Row]:
+        caches = [PagedKVCache(pool, cfg, owner=f"{id(runner)}-{i}", device=CPU, compute_dtype=torch.float32,
+                               expect_tokens=30) for i in range(3)]  # fmt: skip
+        for i, cache in enumerate(caches):
+            runner.forward(_prompt(cfg, 5 + i, seed=i), 0, cache)
+        return [Row((7,), 5 + i, cache, True) for i, cache in enumerate(caches)]
+
+    panels = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs="float32-panels"), static_decode=False)
+    rows = rows_of(panels)
+    assert panels.pick_rows(rows).name == "c-stack rows float32×float32"
+    panels.forward_rows(rows)
+    assert panels.last_path.name == "c-stack rows float32×float32" and "3 decode rows" in panels.last_path.why
+    chunk = Row((3, 4, 5), 0, PagedKVCache(pool, cfg, owner="chunk", device=CPU, compute_dtype=torch.float32), True)
+    assert panels.pick_rows([*rows[:2], chunk]).why == "3 rows with a prompt chunk among them"
+    dense = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU), static_decode=False)
+    dense.forward_rows(rows_of(dense))
+    assert dense.last_path == StepPath("torch rows", "3 decode rows; no C stack for float32 weights on cpu")
