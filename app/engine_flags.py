@@ -58,7 +58,10 @@ def add_engine_arguments(
                 )
             case "max_num_seqs":
                 parser.add_argument(
-                    "--max-num-seqs", type=int, default=8, help="most sequences one engine step runs together (vLLM's)"
+                    "--max-num-seqs",
+                    type=int,
+                    help="most sequences one engine step runs together (vLLM's; default: as many as the KV pool "
+                    "holds and a step's token budget gives a token each, at most 256)",
                 )
             case "max_num_batched_tokens":
                 parser.add_argument(

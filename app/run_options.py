@@ -198,7 +198,7 @@ def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCa
     # torch loads here, not with the flags: `--endpoint` parses them too and never makes a tensor.
     from minengine.device import resolve_device
     from minengine.engine.engine import Engine
-    from minengine.engine.step_loop import BatchLimits, default_limits
+    from minengine.engine.step_loop import default_limits
     from minengine.kv.budget_floor import check_budget_holds_a_request, smallest_request_bytes
 
     if args.kv_budget_mib is not None and args.kv_budget_mib <= 0:
@@ -206,7 +206,7 @@ def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCa
     # serve's requests take the engine's default KV storage and blocks; run's flags choose theirs.
     block_size = getattr(args, "block_size", GenerationRequest.block_size)
     tokens = getattr(args, "max_num_batched_tokens", None)  # None: the device's default limits
-    seqs = getattr(args, "max_num_seqs", BatchLimits.max_num_seqs)
+    seqs = getattr(args, "max_num_seqs", None)  # None: by capacity (`step_loop.default_limits`)
     limits = default_limits(resolve_device(args.device), seqs, tokens)
     limits.check(block_size)  # the engine checks them too, in its own 16-token blocks
     cuda_graph = getattr(args, "cuda_graph", None)  # verbs without the flag keep the engine's default

@@ -66,8 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--rate-limit",
         type=non_negative,
-        default=600.0,
-        help="requests per minute per key (0 = off; default %(default)g)",
+        default=0.0,
+        help="requests per minute per key (0 = off, the default: a load tool's burst is not refused)",
     )
     g.add_argument(
         "--rate-burst",
@@ -82,7 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest request body in KiB (default %(default)s)",
     )
     g.add_argument(
-        "--max-queue", type=whole_number, default=16, help="requests that may wait for admission (default %(default)s)"
+        "--max-queue",
+        type=whole_number,
+        help="requests that may wait for admission (default: as many as the KV pool could hold at one block each)",
     )
     limits = ConnectionLimits()
     c = parser.add_argument_group("connections")
@@ -151,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         stderr_progress(
             f"serving {config.model_name!r} at {url}/v1 ({engine.describe()}; "
             f"up to {engine.steps.limits.max_num_seqs} requests decode together, "
-            f"queue {config.max_queue}; {auth}); Ctrl-C stops"
+            f"queue {engine.scheduler.max_queue}; {auth}); Ctrl-C stops"
         )
 
     try:

@@ -8,9 +8,9 @@ completion request then passes the gateway (`Gateway.guard`), has its body read 
 (`body.read_json`, bounded in time), is parsed into a GenerationRequest, and runs as an engine
 session on a worker thread (`EngineRun`). The response status is decided only once the
 scheduler has admitted the request, so a full queue is a 503 and a request that can never fit
-is a 400, never a 200 stream that fails. The engine admits up to max_num_seqs running
-requests, which decode together in its shared steps; others wait in its bounded queue, and
-their wait is part of their TTFT.
+is a 400, never a 200 stream that fails. The engine admits requests by capacity (what its KV pool holds,
+up to max_num_seqs), and they decode together in its shared steps; others wait in its queue,
+bounded by memory, and their wait is part of their TTFT.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from minengine.engine.engine import Engine
+from minengine.engine.request import GenerationRequest
 from minengine.engine.scheduler import Scheduler
 from minengine.errors import AdmissionError, QueueFullError, RequestError
+from minengine.kv.budget_floor import smallest_request_bytes
 from minengine.sampling.params import VLLM_ORDER
 from reqscope.openai.logprobs import TokenLogprob
 from reqscope.openai.responses import SSE_DONE, ResponseShape, sse
@@ -48,7 +50,7 @@ class ServeConfig:
     gateway: GatewayConfig = GatewayConfig()
     sampler_order: tuple[str, ...] = VLLM_ORDER
     default_max_tokens: int = 256
-    max_queue: int = 16
+    max_queue: int | None = None  # None: bounded by memory (`memory_queue_bound`)
     limits: ConnectionLimits = ConnectionLimits()
 
 
@@ -64,12 +66,24 @@ class _State:
 _STATE = web.AppKey("reqscope_serve_state", _State)
 
 
-def serving_scheduler(engine: Engine, max_queue: int) -> Scheduler:
-    """The engine's KV budget with a bounded queue; as many running requests as one step holds
-    (they decode together, in the engine's shared steps)."""
+def memory_queue_bound(engine: Engine) -> int:
+    """The queue's default bound: as many requests as the KV pool could ever hold at one block each.
+
+    Like vLLM, the server queues what it cannot run yet rather than refusing it; past this many
+    waiting, a request could only wait longer than every one of them already admitted could run,
+    so it is refused (503) instead of holding a connection open.
+    """
+    element = engine.dtype.itemsize
+    one = smallest_request_bytes(engine.cfg, "gqa", element, GenerationRequest.block_size)
+    return max(16, engine.scheduler.kv_budget_bytes // one)
+
+
+def serving_scheduler(engine: Engine, max_queue: int | None) -> Scheduler:
+    """The engine's KV budget with a queue bounded by `max_queue` (default: by memory); as many
+    running requests as the engine's steps hold (they decode together, in its shared steps)."""
     return Scheduler(
         engine.scheduler.kv_budget_bytes,
-        max_queue=max_queue,
+        max_queue=memory_queue_bound(engine) if max_queue is None else max_queue,
         max_running=engine.steps.limits.max_num_seqs,
         pool=engine.pool,
     )
@@ -215,11 +229,15 @@ async def _stream(
         await write_or_drop(request, response, data, write_timeout_s)
 
     try:
-        if api.kind == "chat":
-            await send(sse(shape.role_chunk()))
+        # The role chunk goes with the first token, as vLLM's does: load tools (vLLM's own client
+        # among them) take TTFT at the first chunk, so one sent before prefill would hide it.
+        role = api.kind == "chat"
         streamed, waiting_logprobs = "", []
         while True:
             item = await run.next()
+            if role:
+                await send(sse(shape.role_chunk()))
+                role = False
             if isinstance(item, Generated):
                 if item.logprob is not None:
                     waiting_logprobs.append(item.logprob)

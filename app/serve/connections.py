@@ -40,7 +40,9 @@ class ConnectionLimits:
     body_timeout_s: float = 30.0  # the whole body, once the headers are in
     keepalive_timeout_s: float = 75.0  # an idle connection between requests
     write_timeout_s: float = 30.0  # one streamed write the client does not take in (it stopped reading)
-    max_connections: int = 128
+    # Above what a load tool opens at once (vLLM's client sends a whole burst, one connection a
+    # request) and below the file descriptors a process gets (`ulimit -n`, commonly 1,024 or more).
+    max_connections: int = 512
 
 
 @dataclass

@@ -61,7 +61,7 @@ class Engine:
         progress: ProgressCallback | None = None,
         prefix_cache: bool = True,
         cuda_graph: bool = True,
-        max_num_seqs: int = 8,
+        max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         kernels: str = "fast",
     ) -> None:
@@ -72,7 +72,8 @@ class Engine:
         `minengine.fast.cuda_graph`), else they run eagerly; other devices have no graphs, and
         it changes nothing there. `max_num_seqs` and `max_num_batched_tokens` bound what one
         step of the step loop runs together (`minengine.engine.step_loop`; the token budget's
-        default depends on the device); up to `max_num_seqs` requests run at once. `weights` is
+        default depends on the device); up to `max_num_seqs` requests run at once (by default as
+        many as the KV pool holds and a step can give a token each, `step_loop.default_limits`). `weights` is
         the projections' storage ("auto", "float32", "fp16", "bf16", "int8";
         `minengine.model.weight_format` says what each means where, and what auto picks); it is
         checked before anything is loaded. `kernels` is "fast" (the engine's own paths,

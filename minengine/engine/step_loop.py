@@ -66,6 +66,7 @@ from minengine.model.runner import ModelRunner
 from minengine.sampling.logit_summary import LogitSummary, summarize
 from minengine.threads import model_thread
 
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's: the most sequences a step runs when no cap is given (see `default_limits`)
 IDLE_TOKEN_BUDGET = 2048  # the CPU default's budget while no sequence decodes (`BatchLimits.idle_batched_tokens`)
 _SOLO_HISTORY = 16  # solo decode steps the loop remembers for `BatchStep.solo_step_ms`
 # How long a step waits for the sequences the last one served, as a fraction of that step's time
@@ -135,13 +136,18 @@ def default_token_budget(device: torch.device) -> int:
     return 64 if device.type == "cpu" else 2048
 
 
-def default_limits(device: torch.device, max_num_seqs: int, max_num_batched_tokens: int | None) -> BatchLimits:
+def default_limits(
+    device: torch.device, max_num_seqs: int | None, max_num_batched_tokens: int | None
+) -> BatchLimits:
     """The limits for the flags as given: a budget named stays a hard cap; the default one on a CPU
-    grows to 2,048 tokens (the GPU's) in a step while no sequence decodes."""
+    grows to 2,048 tokens (the GPU's) in a step while no sequence decodes. Without `max_num_seqs`
+    as many sequences run as the KV pool holds and a step's token budget can give a token each
+    (vLLM's 256 at most): admission is by capacity, not by a fixed count of slots."""
+    tokens = default_token_budget(device) if max_num_batched_tokens is None else max_num_batched_tokens
+    seqs = max(1, min(DEFAULT_MAX_NUM_SEQS, tokens)) if max_num_seqs is None else max_num_seqs
     if max_num_batched_tokens is not None:
-        return BatchLimits(max_num_seqs, max_num_batched_tokens)
-    tokens = default_token_budget(device)
-    return BatchLimits(max_num_seqs, tokens, IDLE_TOKEN_BUDGET if tokens < IDLE_TOKEN_BUDGET else None)
+        return BatchLimits(seqs, tokens)
+    return BatchLimits(seqs, tokens, IDLE_TOKEN_BUDGET if tokens < IDLE_TOKEN_BUDGET else None)
 
 
 @dataclass(eq=False)

@@ -183,6 +183,10 @@ def test_the_cpu_default_budget_takes_a_prompt_whole_while_nothing_decodes(chatt
     from minengine.engine.step_loop import IDLE_TOKEN_BUDGET, default_limits
 
     cpu = torch.device("cpu")
+    # Without a cap, as many sequences as a step's token budget gives a token each (vLLM's 256 at most).
+    assert default_limits(cpu, None, None) == BatchLimits(64, 64, IDLE_TOKEN_BUDGET)
+    assert default_limits(torch.device("cuda"), None, None) == BatchLimits(256, 2048, None)
+    assert default_limits(cpu, None, 20) == BatchLimits(20, 20, None)
     assert default_limits(cpu, 8, None) == BatchLimits(8, 64, IDLE_TOKEN_BUDGET)
     assert default_limits(cpu, 8, 64) == BatchLimits(8, 64, None)
     assert default_limits(torch.device("cuda"), 8, None) == BatchLimits(8, 2048, None)
