@@ -219,10 +219,18 @@ class BlockPool:
     """Every request's KV blocks and the prefix cache's, within one byte budget; thread-safe."""
 
     def __init__(
-        self, budget_bytes: int, device: torch.device, *, first_segment_bytes: int = FIRST_SEGMENT_BYTES
+        self, budget_bytes: int, device: torch.device, *, first_segment_bytes: int | None = None
     ) -> None:
+        """A pool of `budget_bytes`. Its first segment is `first_segment_bytes`; by default
+        `FIRST_SEGMENT_BYTES` on a GPU, where a segment is memory taken, and a quarter of the budget
+        on the CPU, where its untouched pages cost nothing: there the running requests' blocks then
+        share one segment, which the decode rows' C stack reads in place (a step over rows in two
+        segments runs the Python blocks)."""
         self.budget_bytes = budget_bytes
         self.device = device
+        if first_segment_bytes is None:
+            cpu = device.type == "cpu"
+            first_segment_bytes = max(FIRST_SEGMENT_BYTES, budget_bytes // 4) if cpu else FIRST_SEGMENT_BYTES
         self.first_segment_bytes = first_segment_bytes
         self.evictor: Callable[[int], int] | None = None  # frees kept blocks on demand (the prefix cache)
         # Lets go of one kept block, if the prefix cache alone holds it (see `allocate`).
