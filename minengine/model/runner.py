@@ -125,6 +125,25 @@ class ModelRunner:
                 return self.eager_decoder.step(ids, start, cache)
             return self.model.forward(ids, start, cache, all_logits=all_logits)
 
+    def _split_rows(
+        self, rows: list[Row], decode: list[int], computing: Callable[[], object] | None
+    ) -> list[torch.Tensor | None]:
+        """A step of decode rows and prompt chunks in two passes: the decode rows through the C stack
+        over rows, then the chunks through the Python blocks. Each row's arithmetic is its own either
+        way (the stack gives the Python blocks' bits), so only the time changes: a chunk no longer
+        takes every decode row of the step through the Python blocks with it."""
+        others = [i for i in range(len(rows)) if i not in set(decode)]
+        with self.step_threads.step(False):
+            stacked, first = run_rows(self.model, [rows[i] for i in decode], computing, stack=True)
+            _, second = run_rows(self.model, [rows[i] for i in others], None, stack=False)
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        for i, logits in zip(decode + others, first + second, strict=True):
+            out[i] = logits
+        stack = f"c-stack rows {self._label}" if stacked else "torch rows"
+        self.last_path = StepPath(f"{stack} + torch chunks", f"{len(decode)} decode rows, then {len(others)} rows "
+                                  "with a prompt chunk through the Python blocks")  # fmt: skip
+        return out
+
     def pick_rows(self, rows: list[Row]) -> StepPath:
         """The path a step shared by several sequences takes, and why: the C stack over rows where
         every row is one decode token wanting its logits, in weights it serves, and fewer rows than
@@ -160,6 +179,9 @@ class ModelRunner:
             if computing is not None:
                 computing()
             return [self.forward(ids, row.start, row.cache)]
+        decode = [i for i, r in enumerate(rows) if len(r.ids) == 1 and r.logits and r.observer is None]
+        if 2 <= len(decode) < len(rows) and self.pick_rows([rows[i] for i in decode]).name != "torch rows":
+            return self._split_rows(rows, decode, computing)
         path = self.pick_rows(rows)
         with self.step_threads.step(False):
             stacked, logits = run_rows(self.model, rows, computing, stack=path.name != "torch rows")

@@ -201,13 +201,14 @@ def test_shared_steps_match_the_reference(tiny_models, name, packs):
     assert runner.last_path.name.startswith(("c-stack rows", "torch rows"))
     for p, t, logits in zip(prompts, tokens, decoded, strict=True):
         _close(packs, logits, _reference_steps(ref, p, [t])[-1])
-    # Decode rows beside a new sequence's prompt chunk: the Python blocks over the stacked rows.
+    # Decode rows beside a new sequence's prompt chunk: the Python blocks over the stacked rows, or
+    # (where the C stack serves the decode rows) the stack, then the chunk on its own.
     chunk = _prompt(cfg, 7, seed=99)
     fresh = PagedKVCache(pool, cfg, owner="chunk", device=CPU, compute_dtype=torch.float32, expect_tokens=20)
     nxt = [int(x.argmax()) for x in decoded]
     rows = [Row((t,), len(p) + 1, c, True) for p, t, c in zip(prompts, nxt, caches, strict=True)]
     out = runner.forward_rows([*rows, Row(tuple(chunk.tolist()), 0, fresh, True)])
-    assert runner.last_path.name == "torch rows"
+    assert runner.last_path.name == "torch rows" or runner.last_path.name.endswith(" + torch chunks")
     for p, t, n, logits in zip(prompts, tokens, nxt, out[:-1], strict=True):
         _close(packs, logits, _reference_steps(ref, p, [t, n])[-1])
     _close(packs, out[-1], ref.forward(chunk, 0, ref.new_cache(7)))
@@ -265,3 +266,32 @@ def test_the_runner_picks_a_shared_steps_path_and_says_why(tiny_models):
     dense = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU), static_decode=False)
     dense.forward_rows(rows_of(dense))
     assert dense.last_path == StepPath("torch rows", "3 decode rows; no C stack for float32 weights on cpu")
+
+
+@pytest.mark.skipif(not PANEL_FORMATS, reason="the C stack needs the C kernels")
+@pytest.mark.parametrize("packs", ["float32-panels", "q4_1"])
+def test_a_step_of_decode_rows_and_a_prompt_chunk_runs_in_two_passes_with_the_same_bits(tiny_models, packs):
+    """The decode rows through the C stack over rows, then the chunk through the Python blocks: each
+    row's logits are the bits of the one pass over all of them, and near the reference's."""
+    from minengine.model.batch_forward import run_rows
+
+    folder, _ = tiny_models["llama-gqa"]
+    cfg = ModelConfig.from_file(folder)
+    runner = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs), static_decode=False)
+    ref = _reference(folder, packs)
+    pool = BlockPool(64 << 20, CPU)
+    prompts = [_prompt(cfg, n, seed=n) for n in (5, 9, 14)]
+    caches = [PagedKVCache(pool, cfg, owner=f"r{i}", device=CPU, compute_dtype=torch.float32, expect_tokens=30)
+              for i in range(len(prompts))]  # fmt: skip
+    tokens = [int(runner.forward(p, 0, c).argmax()) for p, c in zip(prompts, caches, strict=True)]
+    chunk = _prompt(cfg, 6, seed=42)
+    fresh = PagedKVCache(pool, cfg, owner="chunk", device=CPU, compute_dtype=torch.float32, expect_tokens=10)
+    rows = [Row((t,), len(p), c, True) for p, t, c in zip(prompts, tokens, caches, strict=True)]
+    rows.insert(1, Row(tuple(chunk.tolist()), 0, fresh, True))
+    split = runner.forward_rows(rows)
+    assert runner.last_path.name == f"c-stack rows {runner._label} + torch chunks"
+    _, joint = run_rows(runner.model, rows, stack=False)  # the same positions again: the same K/V written
+    assert all(torch.equal(a, b) for a, b in zip(split, joint, strict=True))
+    for p, t, logits in zip(prompts, tokens, [split[0], *split[2:]], strict=True):
+        _close(packs, logits, _reference_steps(ref, p, [t])[-1])
+    _close(packs, split[1], ref.forward(chunk, 0, ref.new_cache(6)))
