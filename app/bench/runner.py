@@ -349,13 +349,9 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = lambda mess
 
 
 def _engine(config: BenchConfig) -> Engine:
+    c = config
     return Engine(
-        config.model_dir,
-        device=config.device,
-        dtype=config.dtype,
-        weights=config.weights,
-        cuda_graph=config.cuda_graph,
-        kernels=config.kernels,
+        c.model_dir, device=c.device, dtype=c.dtype, weights=c.weights, cuda_graph=c.cuda_graph, kernels=c.kernels
     )
 
 

@@ -93,6 +93,15 @@ def _reference_steps(model: ReferenceModel, ids: torch.Tensor, tokens: list[int]
     return out
 
 
+def _prefilled(runner: ModelRunner, cfg: ModelConfig, pool: BlockPool, lengths: tuple[int, ...]):
+    """One paged cache per prompt length in `pool`, each prompt prefilled: (prompts, caches, first tokens)."""
+    prompts = [_prompt(cfg, n, seed=n) for n in lengths]
+    caches = [PagedKVCache(pool, cfg, owner=f"r{n}-{i}", device=CPU, compute_dtype=torch.float32, expect_tokens=40)
+              for i, n in enumerate(lengths)]  # fmt: skip
+    tokens = [int(runner.forward(prompt, 0, cache).argmax()) for prompt, cache in zip(prompts, caches, strict=True)]
+    return prompts, caches, tokens
+
+
 # -- the reference against transformers ---------------------------------------------------------
 
 
@@ -192,10 +201,7 @@ def test_shared_steps_match_the_reference(tiny_models, name, packs):
     runner = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs), static_decode=False)
     ref = _reference(folder, packs)
     pool = BlockPool(64 << 20, CPU)
-    prompts = [_prompt(cfg, n, seed=n) for n in (5, 11, 18)]
-    caches = [PagedKVCache(pool, cfg, owner=f"r{i}", device=CPU, compute_dtype=torch.float32, expect_tokens=40)
-              for i in range(len(prompts))]  # fmt: skip
-    tokens = [int(runner.forward(p, 0, c).argmax()) for p, c in zip(prompts, caches, strict=True)]
+    prompts, caches, tokens = _prefilled(runner, cfg, pool, (5, 11, 18))
     rows = [Row((t,), len(p), c, True) for p, t, c in zip(prompts, tokens, caches, strict=True)]
     decoded = runner.forward_rows(rows)
     assert runner.last_path.name.startswith(("c-stack rows", "torch rows"))
@@ -226,10 +232,7 @@ def test_each_activation_mode_matches_the_reference(tiny_models, monkeypatch, pa
     runner = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs), static_decode=False)
     ref = _reference(folder, packs)
     pool = BlockPool(64 << 20, CPU)
-    prompts = [_prompt(cfg, n, seed=n) for n in (6, 13)]
-    caches = [PagedKVCache(pool, cfg, owner=f"r{i}", device=CPU, compute_dtype=torch.float32, expect_tokens=40)
-              for i in range(len(prompts))]  # fmt: skip
-    tokens = [int(runner.forward(p, 0, c).argmax()) for p, c in zip(prompts, caches, strict=True)]
+    prompts, caches, tokens = _prefilled(runner, cfg, pool, (6, 13))
     alone = runner.forward(torch.tensor([tokens[0]]), len(prompts[0]), caches[0])
     assert runner.last_path.name == f"c-stack {activation}×{packs}"
     _close(packs, alone, _reference_steps(ref, prompts[0], tokens[:1])[-1])
@@ -280,10 +283,7 @@ def test_a_step_of_decode_rows_and_a_prompt_chunk_runs_in_two_passes_with_the_sa
     runner = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs), static_decode=False)
     ref = _reference(folder, packs)
     pool = BlockPool(64 << 20, CPU)
-    prompts = [_prompt(cfg, n, seed=n) for n in (5, 9, 14)]
-    caches = [PagedKVCache(pool, cfg, owner=f"r{i}", device=CPU, compute_dtype=torch.float32, expect_tokens=30)
-              for i in range(len(prompts))]  # fmt: skip
-    tokens = [int(runner.forward(p, 0, c).argmax()) for p, c in zip(prompts, caches, strict=True)]
+    prompts, caches, tokens = _prefilled(runner, cfg, pool, (5, 9, 14))
     chunk = _prompt(cfg, 6, seed=42)
     fresh = PagedKVCache(pool, cfg, owner="chunk", device=CPU, compute_dtype=torch.float32, expect_tokens=10)
     rows = [Row((t,), len(p), c, True) for p, t, c in zip(prompts, tokens, caches, strict=True)]
