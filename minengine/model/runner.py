@@ -132,7 +132,8 @@ class ModelRunner:
         over rows, then the chunks through the Python blocks. Each row's arithmetic is its own either
         way (the stack gives the Python blocks' bits), so only the time changes: a chunk no longer
         takes every decode row of the step through the Python blocks with it."""
-        others = [i for i in range(len(rows)) if i not in set(decode)]
+        taken = set(decode)
+        others = [i for i in range(len(rows)) if i not in taken]
         with self.step_threads.step(False):
             stacked, first = run_rows(self.model, [rows[i] for i in decode], computing, stack=True)
             _, second = run_rows(self.model, [rows[i] for i in others], None, stack=False)
