@@ -42,6 +42,8 @@ from minengine.model.step_path import NOT_RUN, StepPath, weights_label
 from minengine.model.transformer import Transformer
 from minengine.threads import model_thread
 
+_GENERAL_ONE = StepPath("torch general", "one token, but the cache is quantized, widened, borrowed or full")
+
 
 class ModelRunner:
     """A loaded `Transformer` and its decoders: `new_cache` for a request, then `forward` per step."""
@@ -53,6 +55,11 @@ class ModelRunner:
         self.eager_decoder = EagerDecoder(model)
         self.last_path: StepPath = NOT_RUN  # the path of the step that ran last (`pick`)
         self._label = weights_label(model.layers[0].qkv)  # "int16×q4_1": what the projections multiply
+        # The lean step's two paths, named once: `pick` runs before every decode step.
+        label, device = self._label, self.device.type
+        self._stacked = StepPath(f"c-stack {label}", f"one token on the CPU; {label} panels, every block in one C call")
+        no_stack = f"one token into scratch buffers; no C stack for {label} weights on {device}"
+        self._eager = StepPath("torch eager", no_stack)
         self.static_decoder: StaticDecoder | None = None
         self.use_static_decode(model.device.type == "cuda" if static_decode is None else static_decode)
         cpu = model.device.type == "cpu"
@@ -106,12 +113,8 @@ class ModelRunner:
             name = "cuda-graph" if static.capture else "static eager"
             return StepPath(name, "one token; the static arena holds this cache")
         if self.eager_decoder.serves(cache, start):
-            if self.eager_decoder.stack(cache) is not None:
-                why = f"one token on the CPU; {self._label} panels, every block in one C call"
-                return StepPath(f"c-stack {self._label}", why)
-            why = f"one token into scratch buffers; no C stack for {self._label} weights on {self.device.type}"
-            return StepPath("torch eager", why)
-        return StepPath("torch general", "one token, but the cache is quantized, widened, borrowed or full")
+            return self._stacked if self.eager_decoder.stack(cache) is not None else self._eager
+        return _GENERAL_ONE
 
     @torch.inference_mode()
     def _forward(self, ids: torch.Tensor, start: int, cache: KVCache | PagedKVCache, all_logits: bool) -> torch.Tensor:
