@@ -27,8 +27,22 @@ SCOPE = (
     "full causal attention with one K and one V vector per KV head (MHA/GQA/MQA); "
     "logical, unsharded KV payload; visible output only; times on one clock"
 )
-_KV_FLAGS = ("layers", "kv_heads", "head_dim", "kv_bytes")
-_WINDOW_FLAGS = ("window_seconds", "attempted", "successful", "slo_passing")
+# Each group's flags (name, type, help): a group counts when all its flags are given, and some
+# without the rest is an error (`_group_given`).
+_KV_INPUTS = (
+    ("layers", whole_number, "transformer layers"),
+    ("kv_heads", whole_number, "KV heads per layer (not query heads)"),
+    ("head_dim", whole_number, "dimension of one head"),
+    ("kv_bytes", positive, "bytes per stored element (bf16 = 2)"),
+)
+_WINDOW_INPUTS = (
+    ("window_seconds", positive, "measurement window length"),
+    ("attempted", whole_number, "requests attempted in the window"),
+    ("successful", whole_number, "requests that succeeded"),
+    ("slo_passing", whole_number, "successful requests meeting SLOs"),
+)
+_KV_FLAGS = tuple(name for name, _, _ in _KV_INPUTS)
+_WINDOW_FLAGS = tuple(name for name, _, _ in _WINDOW_INPUTS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,16 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("timeline", nargs="?", help="request timeline CSV (event,time_ms,detail)")
     parser.add_argument("--output-tokens", type=whole_number, help="visible output tokens (O)")
     kv = parser.add_argument_group("KV footprint")
-    kv.add_argument("--layers", type=whole_number, help="transformer layers")
-    kv.add_argument("--kv-heads", type=whole_number, help="KV heads per layer (not query heads)")
-    kv.add_argument("--head-dim", type=whole_number, help="dimension of one head")
-    kv.add_argument("--kv-bytes", type=positive, help="bytes per stored element (bf16 = 2)")
+    for name, kind, text in _KV_INPUTS:
+        kv.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
     kv.add_argument("--input-tokens", type=whole_number, help="prompt tokens")
     window = parser.add_argument_group("system window")
-    window.add_argument("--window-seconds", type=positive, help="measurement window length")
-    window.add_argument("--attempted", type=whole_number, help="requests attempted in the window")
-    window.add_argument("--successful", type=whole_number, help="requests that succeeded")
-    window.add_argument("--slo-passing", type=whole_number, help="successful requests meeting SLOs")
+    for name, kind, text in _WINDOW_INPUTS:
+        window.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
 
 
 def run(args: argparse.Namespace) -> int:

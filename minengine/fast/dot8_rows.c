@@ -195,7 +195,7 @@ static void d8_reference16_rows(const Acts *a, long M, long r0, long K, const ui
 #define DOT8_NATIVE 1
 /* RT rows (at most 8) x a group's DW columns over the whole input: 2 x RT float sums in registers,
  * each block's integer sums 4 rows at a time (8 x 2 int32 sums would not fit beside them). */
-#define D_TILE(NAME, BLOCK, WEIGHTS, FINISH)                                                      \
+#define D_TILE(NAME, BLOCK, WEIGHTS, FINISH)                                                     \
 static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, long r0, long K, const uint8_t *G, float *t, long ldt) { \
     long blocks = K / QB;                                                                        \
     __m512 acc[8][2];                                                                            \
@@ -211,7 +211,7 @@ static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, l
             WEIGHTS                                                                              \
             for (int r = 0; r < n; r++) {                                                        \
                 long row = (r0 + h + r) * blocks + b;                                            \
-                __m512 dx = _mm512_set1_ps(a->d[row]);                                         \
+                __m512 dx = _mm512_set1_ps(a->d[row]);                                           \
                 FINISH                                                                           \
             }                                                                                    \
         }                                                                                        \
@@ -226,56 +226,57 @@ static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, l
         s[r][0] = _mm512_dpbusd_epi32(s[r][0], w0, xq);                                          \
         s[r][1] = _mm512_dpbusd_epi32(s[r][1], w1, xq);                                          \
     }
+/* Block `blk`'s weight lanes for quads 4j..4j+3: columns 0..15 in v0, 16..31 in v1. */
+#define LANES(BITS, AT, j)                                                                       \
+    __m512i v0 = _mm512_loadu_si512(BITS(blk) + AT(0, 4 * (j)));                                \
+    __m512i v1 = _mm512_loadu_si512(BITS(blk) + AT(16, 4 * (j)));
 #define D4_WEIGHTS                                                                               \
-    const __m512i low = _mm512_set1_epi8(15);                                                   \
+    const __m512i low = _mm512_set1_epi8(15);                                                    \
     for (int j4 = 0; j4 < 4; j4++) {                                                             \
-        __m512i v0 = _mm512_loadu_si512(D4_BITS(blk) + D4_AT(0, 4 * j4));  /* columns 0..15 */      \
-        __m512i v1 = _mm512_loadu_si512(D4_BITS(blk) + D4_AT(16, 4 * j4)); /* columns 16..31 */     \
+        LANES(D4_BITS, D4_AT, j4)                                                                \
         DOT_QUAD(_mm512_and_si512(v0, low), _mm512_and_si512(v1, low), j4)                       \
         DOT_QUAD(_mm512_and_si512(_mm512_srli_epi16(v0, 4), low), _mm512_and_si512(_mm512_srli_epi16(v1, 4), low), j4 + 4) \
     }
 #define D4_FINISH                                                                                \
-    __m512 sx = _mm512_set1_ps(a->s[row]);                                                     \
+    __m512 sx = _mm512_set1_ps(a->s[row]);                                                       \
     for (int v = 0; v < 2; v++) {                                                                \
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32 * v)));         \
         __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 2 * DW + 32 * v))); \
         acc[h + r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][v]), _mm512_mul_ps(d, dx), acc[h + r][v]); \
-        acc[h + r][v] = _mm512_fmadd_ps(m, sx, acc[h + r][v]);                                  \
+        acc[h + r][v] = _mm512_fmadd_ps(m, sx, acc[h + r][v]);                                   \
     }
 #define D8_WEIGHTS                                                                               \
     for (int j = 0; j < 8; j++)                                                                  \
         DOT_QUAD(_mm512_loadu_si512(D8_BITS(blk) + D8_AT(0, 4 * j)), _mm512_loadu_si512(D8_BITS(blk) + D8_AT(16, 4 * j)), j)
 #define D8_FINISH                                                                                \
-    __m512i bias = _mm512_set1_epi32(128 * a->n[row]);                                         \
+    __m512i bias = _mm512_set1_epi32(128 * a->n[row]);                                           \
     for (int v = 0; v < 2; v++) {                                                                \
         __m512 d = _mm512_loadu_ps((const float *)blk + 16 * v);                                 \
-        __m512 S = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r][v], bias));                         \
-        acc[h + r][v] = _mm512_fmadd_ps(S, _mm512_mul_ps(d, dx), acc[h + r][v]);                \
+        __m512 S = _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r][v], bias));                          \
+        acc[h + r][v] = _mm512_fmadd_ps(S, _mm512_mul_ps(d, dx), acc[h + r][v]);                 \
     }
 /* int16: quad `quad` of the rows' inputs, its even pair (x0, x2) and odd pair (x1, x3) broadcast, into
  * the n rows' sums against the weights' even (e) and odd (o) halves of columns 0..15 and 16..31. */
 #define PAIR_QUAD(e0, o0, e1, o1, quad)                                                          \
     for (int r = 0; r < n; r++) {                                                                \
         const int32_t *xp = (const int32_t *)(ROWS16(a) + (r0 + h + r) * K + b * QB + 4 * (quad));    \
-        __m512i xe = _mm512_set1_epi32(xp[0]), xo = _mm512_set1_epi32(xp[1]);                   \
-        s[r][0] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(s[r][0], e0, xe), o0, xo);            \
-        s[r][1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(s[r][1], e1, xe), o1, xo);            \
+        __m512i xe = _mm512_set1_epi32(xp[0]), xo = _mm512_set1_epi32(xp[1]);                    \
+        s[r][0] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(s[r][0], e0, xe), o0, xo);             \
+        s[r][1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(s[r][1], e1, xe), o1, xo);             \
     }
 /* A lane's bytes t = 0..3 as 16-bit weights: mask m keeps bits [0, w) of bytes 0 and 2 after a shift. */
 #define HALF(v, shift, m) _mm512_and_si512(_mm512_srli_epi32(v, shift), m)
 #define W4_WEIGHTS                                                                               \
-    const __m512i nib = _mm512_set1_epi32(0x000F000F);                                          \
+    const __m512i nib = _mm512_set1_epi32(0x000F000F);                                           \
     for (int j4 = 0; j4 < 4; j4++) {                                                             \
-        __m512i v0 = _mm512_loadu_si512(D4_BITS(blk) + D4_AT(0, 4 * j4));                        \
-        __m512i v1 = _mm512_loadu_si512(D4_BITS(blk) + D4_AT(16, 4 * j4));                       \
-        PAIR_QUAD(HALF(v0, 0, nib), HALF(v0, 8, nib), HALF(v1, 0, nib), HALF(v1, 8, nib), j4)   \
+        LANES(D4_BITS, D4_AT, j4)                                                                \
+        PAIR_QUAD(HALF(v0, 0, nib), HALF(v0, 8, nib), HALF(v1, 0, nib), HALF(v1, 8, nib), j4)    \
         PAIR_QUAD(HALF(v0, 4, nib), HALF(v0, 12, nib), HALF(v1, 4, nib), HALF(v1, 12, nib), j4 + 4) \
     }
 #define W8_WEIGHTS                                                                               \
-    const __m512i byte = _mm512_set1_epi32(0x00FF00FF);                                         \
+    const __m512i byte = _mm512_set1_epi32(0x00FF00FF);                                          \
     for (int j = 0; j < 8; j++) {                                                                \
-        __m512i v0 = _mm512_loadu_si512(D8_BITS(blk) + D8_AT(0, 4 * j));                         \
-        __m512i v1 = _mm512_loadu_si512(D8_BITS(blk) + D8_AT(16, 4 * j));                        \
+        LANES(D8_BITS, D8_AT, j)                                                                 \
         PAIR_QUAD(HALF(v0, 0, byte), HALF(v0, 8, byte), HALF(v1, 0, byte), HALF(v1, 8, byte), j) \
     }
 D_TILE(d4_tile, D4_BLOCK, D4_WEIGHTS, D4_FINISH)
@@ -286,14 +287,14 @@ D_TILE(w8_tile, D8_BLOCK, W8_WEIGHTS, D8_FINISH)
 #define D_ROWS(TILE)                                                                             \
     static void TILE##_rows(const Acts *a, long RT, long r0, long K, const uint8_t *G, float *t, long ldt) {   \
         switch (RT) {                                                                            \
-            case 1: TILE(a, 1, r0, K, G, t, ldt); break;                                                 \
-            case 2: TILE(a, 2, r0, K, G, t, ldt); break;                                                 \
-            case 3: TILE(a, 3, r0, K, G, t, ldt); break;                                                 \
-            case 4: TILE(a, 4, r0, K, G, t, ldt); break;                                                 \
-            case 5: TILE(a, 5, r0, K, G, t, ldt); break;                                                 \
-            case 6: TILE(a, 6, r0, K, G, t, ldt); break;                                                 \
-            case 7: TILE(a, 7, r0, K, G, t, ldt); break;                                                 \
-            default: TILE(a, 8, r0, K, G, t, ldt); break;                                                \
+            case 1: TILE(a, 1, r0, K, G, t, ldt); break;                                         \
+            case 2: TILE(a, 2, r0, K, G, t, ldt); break;                                         \
+            case 3: TILE(a, 3, r0, K, G, t, ldt); break;                                         \
+            case 4: TILE(a, 4, r0, K, G, t, ldt); break;                                         \
+            case 5: TILE(a, 5, r0, K, G, t, ldt); break;                                         \
+            case 6: TILE(a, 6, r0, K, G, t, ldt); break;                                         \
+            case 7: TILE(a, 7, r0, K, G, t, ldt); break;                                         \
+            default: TILE(a, 8, r0, K, G, t, ldt); break;                                        \
         }                                                                                        \
     }
 D_ROWS(d4_tile)

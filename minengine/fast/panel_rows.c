@@ -45,7 +45,7 @@
  * (8 rows: about 10% faster a sweep). One row streams fast enough without (measured slower with
  * it), and q8_0's tiles are bound by dequantizing, not by memory. The figures: docs/performance.md,
  * "How far ahead the kernels ask for memory". */
-#define PREFETCH(RT, BASE, K_BYTES)                                                               \
+#define PREFETCH(RT, BASE, K_BYTES)                                                              \
     if ((RT) > 1 && ((k * (K_BYTES)) & 63) == 0) _mm_prefetch((const char *)(BASE) + PF_BYTES, _MM_HINT_T0);
 
 /* RT rows x NP panels, the whole input: RT*NP sums in registers, each one FMA chain in k order.
@@ -55,24 +55,32 @@
  * memory, a store of each sum every k (4 rows: 11% slower a sweep). */
 #define LOAD_F32(P, at) _mm256_loadu_ps((P) + (at))
 #define LOAD_F16(P, at) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((P) + (at))))
+/* A tile's RT x NP float32 accumulators `a`: zeroed, fed row r's broadcast input (at XAT) times
+ * the NP weight vectors `w` of one k, and stored to y's rows. */
+#define ACC_ZERO(RT, NP)                                                                         \
+    for (int r = 0; r < RT; r++)                                                                 \
+        for (int p = 0; p < NP; p++) a[r][p] = _mm256_setzero_ps();
+#define ACC_FMA(RT, NP, XAT, w)                                                                  \
+    for (int r = 0; r < RT; r++) {                                                               \
+        __m256 b = _mm256_broadcast_ss(XAT);                                                     \
+        for (int p = 0; p < NP; p++) a[r][p] = _mm256_fmadd_ps(b, w[p], a[r][p]);                \
+    }
+#define ACC_STORE(RT, NP)                                                                        \
+    for (int r = 0; r < RT; r++)                                                                 \
+        for (int p = 0; p < NP; p++) _mm256_storeu_ps(y + r * ldy + p * PW, a[r][p]);
 #define TILE(KIND, WT, LOAD, RT, NP)                                                             \
 static inline __attribute__((always_inline)) void KIND##_##RT##x##NP(const float *x, long K, const WT *P, float *y, long ldy) { \
     __m256 a[RT][NP];                                                                            \
-    for (int r = 0; r < RT; r++)                                                                 \
-        for (int p = 0; p < NP; p++) a[r][p] = _mm256_setzero_ps();                              \
+    ACC_ZERO(RT, NP)                                                                             \
     for (long k = 0; k < K; k++) {                                                               \
         __m256 w[NP];                                                                            \
         for (int p = 0; p < NP; p++) {                                                           \
             PREFETCH(RT, P + (p * K + k) * PW, PW * (long)sizeof(WT))                            \
             w[p] = LOAD(P, (p * K + k) * PW);                                                    \
         }                                                                                        \
-        for (int r = 0; r < RT; r++) {                                                           \
-            __m256 b = _mm256_broadcast_ss(x + k * RT + r);                                      \
-            for (int p = 0; p < NP; p++) a[r][p] = _mm256_fmadd_ps(b, w[p], a[r][p]);            \
-        }                                                                                        \
+        ACC_FMA(RT, NP, x + k * RT + r, w)                                                       \
     }                                                                                            \
-    for (int r = 0; r < RT; r++)                                                                 \
-        for (int p = 0; p < NP; p++) _mm256_storeu_ps(y + r * ldy + p * PW, a[r][p]);            \
+    ACC_STORE(RT, NP)                                                                            \
 }
 #define F32_TILE(RT, NP) TILE(f32, float, LOAD_F32, RT, NP)
 #define F16_TILE(RT, NP) TILE(f16, uint16_t, LOAD_F16, RT, NP)
@@ -82,9 +90,9 @@ static inline __attribute__((always_inline)) void KIND##_##RT##x##NP(const float
  * two loads and an insert), so a tile of RT rows x NP panels keeps RT * NP / 2 sums and spends
  * half the FMAs and broadcasts on the same products. Each lane is still one FMA chain in k order,
  * the AVX2 tiles' bits: a product is the same on either build (tests/engine/test_panel_kernels.py). */
-#define LOAD2_F32(P, at, gap)                                                                     \
+#define LOAD2_F32(P, at, gap)                                                                    \
     _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps((P) + (at))), _mm256_loadu_ps((P) + (at) + (gap)), 1)
-#define LOAD2_F16(P, at, gap)                                                                     \
+#define LOAD2_F16(P, at, gap)                                                                    \
     _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)((P) + (at)))), \
                                             _mm_loadu_si128((const __m128i *)((P) + (at) + (gap))), 1))
 /* A block-format wide tile asks, at each block of QB inputs, for its group's block BLOCKS_AHEAD
@@ -97,17 +105,17 @@ static inline __attribute__((always_inline)) void KIND##_##RT##x##NP(const float
  * prefetch never faults. The figures: docs/performance.md, "How far ahead the kernels ask for
  * memory". */
 #define BLOCKS_AHEAD 16
-#define PREFETCH_GROUP(blk, BLOCK_BYTES)                                                          \
+#define PREFETCH_GROUP(blk, BLOCK_BYTES)                                                         \
     for (int at = 0; at < GP * (BLOCK_BYTES); at += 64)                                          \
         _mm_prefetch((const char *)((uintptr_t)(blk) + BLOCKS_AHEAD * GP * (BLOCK_BYTES) + at), _MM_HINT_T0);
 /* A wide tile's RT x NV zmm sums back into 2 * NV panels of y's rows (two 8-column stores each). */
-#define STORE_WIDE(RT, NV)                                                                        \
+#define STORE_WIDE(RT, NV)                                                                       \
     for (int r = 0; r < RT; r++)                                                                 \
         for (int v = 0; v < NV; v++) {                                                           \
             _mm256_storeu_ps(y + r * ldy + 2 * v * PW, _mm512_castps512_ps256(a[r][v]));         \
             _mm256_storeu_ps(y + r * ldy + (2 * v + 1) * PW, _mm512_extractf32x8_ps(a[r][v], 1)); \
         }
-#define WIDE_TILE(KIND, WT, LOAD2, RT, NP)                                                        \
+#define WIDE_TILE(KIND, WT, LOAD2, RT, NP)                                                       \
 static inline __attribute__((always_inline)) void KIND##_w##RT##x##NP(const float *x, long K, const WT *P, float *y, long ldy) { \
     __m512 a[RT][NP / 2];                                                                        \
     for (int r = 0; r < RT; r++)                                                                 \
@@ -126,7 +134,7 @@ static inline __attribute__((always_inline)) void KIND##_w##RT##x##NP(const floa
     }                                                                                            \
     STORE_WIDE(RT, NP / 2)                                                                       \
 }
-#define WIDE_TILES(KIND, WT, LOAD2)                                                               \
+#define WIDE_TILES(KIND, WT, LOAD2)                                                              \
     WIDE_TILE(KIND, WT, LOAD2, 1, 4) WIDE_TILE(KIND, WT, LOAD2, 2, 4) WIDE_TILE(KIND, WT, LOAD2, 3, 4)       \
     WIDE_TILE(KIND, WT, LOAD2, 4, 4) WIDE_TILE(KIND, WT, LOAD2, 5, 4) WIDE_TILE(KIND, WT, LOAD2, 6, 4)       \
     WIDE_TILE(KIND, WT, LOAD2, 7, 4) WIDE_TILE(KIND, WT, LOAD2, 8, 4)
@@ -159,8 +167,8 @@ static inline void q4_w##RT##x4(const float *x, long K, const uint8_t *G, long g
             }                                                                                    \
             for (int r = 0; r < RT; r++) {                                                       \
                 __m512 b0 = _mm512_set1_ps(x[r * K + k]), b1 = _mm512_set1_ps(x[r * K + k + 1]); \
-                for (int v = 0; v < 2; v++) a[r][v] = _mm512_fmadd_ps(b0, w0[v], a[r][v]);      \
-                for (int v = 0; v < 2; v++) a[r][v] = _mm512_fmadd_ps(b1, w1[v], a[r][v]);      \
+                for (int v = 0; v < 2; v++) a[r][v] = _mm512_fmadd_ps(b0, w0[v], a[r][v]);       \
+                for (int v = 0; v < 2; v++) a[r][v] = _mm512_fmadd_ps(b1, w1[v], a[r][v]);       \
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \
@@ -186,7 +194,7 @@ static inline void q8_w##RT##x4(const float *x, long K, const uint8_t *G, long g
             }                                                                                    \
             for (int r = 0; r < RT; r++) {                                                       \
                 __m512 b = _mm512_set1_ps(x[r * K + k]);                                         \
-                for (int v = 0; v < 2; v++) a[r][v] = _mm512_fmadd_ps(b, w[v], a[r][v]);        \
+                for (int v = 0; v < 2; v++) a[r][v] = _mm512_fmadd_ps(b, w[v], a[r][v]);         \
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \
@@ -197,7 +205,7 @@ WIDE_Q8_TILE(5) WIDE_Q8_TILE(6) WIDE_Q8_TILE(7) WIDE_Q8_TILE(8)
 WIDE_Q4_TILE(1) WIDE_Q4_TILE(2) WIDE_Q4_TILE(3) WIDE_Q4_TILE(4)
 WIDE_Q4_TILE(5) WIDE_Q4_TILE(6) WIDE_Q4_TILE(7) WIDE_Q4_TILE(8)
 /* A whole group of GP panels in one wide tile, whatever its rows (up to 8 x 2 zmm sums). */
-#define WIDE_BLOCK_GROUP(KIND, ARGS)                                                              \
+#define WIDE_BLOCK_GROUP(KIND, ARGS)                                                             \
     if (n == GP) {                                                                               \
         switch (rows) {                                                                          \
             case 1: KIND##_w1x4(xr, K, ARGS(0), yr, ldy); break;                                 \
@@ -225,8 +233,7 @@ WIDE_Q4_TILE(5) WIDE_Q4_TILE(6) WIDE_Q4_TILE(7) WIDE_Q4_TILE(8)
 #define Q8_TILE(RT, NP)                                                                          \
 static inline void q8_##RT##x##NP(const float *x, long K, const uint8_t *G, long gp, long j0, float *y, long ldy) { \
     __m256 a[RT][NP];                                                                            \
-    for (int r = 0; r < RT; r++)                                                                 \
-        for (int p = 0; p < NP; p++) a[r][p] = _mm256_setzero_ps();                              \
+    ACC_ZERO(RT, NP)                                                                             \
     for (long kb = 0; kb < K; kb += QB) {                                                        \
         const uint8_t *blk = Q8_BLOCK(G, gp, kb);                                                \
         __m256 s[NP];                                                                            \
@@ -237,14 +244,10 @@ static inline void q8_##RT##x##NP(const float *x, long K, const uint8_t *G, long
                 __m128i q = _mm_loadl_epi64((const __m128i *)Q8_AT(blk, gp, k - kb, j0 + p));    \
                 w[p] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s[p]);         \
             }                                                                                    \
-            for (int r = 0; r < RT; r++) {                                                       \
-                __m256 b = _mm256_broadcast_ss(x + r * K + k);                                   \
-                for (int p = 0; p < NP; p++) a[r][p] = _mm256_fmadd_ps(b, w[p], a[r][p]);        \
-            }                                                                                    \
+            ACC_FMA(RT, NP, x + r * K + k, w)                                                    \
         }                                                                                        \
     }                                                                                            \
-    for (int r = 0; r < RT; r++)                                                                 \
-        for (int p = 0; p < NP; p++) _mm256_storeu_ps(y + r * ldy + p * PW, a[r][p]);            \
+    ACC_STORE(RT, NP)                                                                            \
 }
 
 /* The same over q4_1 panels: NP panels from j0 of a group of gp (Q4_1 LAYOUT). Each pair of weight
@@ -253,8 +256,7 @@ static inline void q8_##RT##x##NP(const float *x, long K, const uint8_t *G, long
 static inline void q4_##RT##x##NP(const float *x, long K, const uint8_t *G, long gp, long j0, float *y, long ldy) { \
     __m256 a[RT][NP];                                                                            \
     const __m256i low = _mm256_set1_epi32(15);                                                   \
-    for (int r = 0; r < RT; r++)                                                                 \
-        for (int p = 0; p < NP; p++) a[r][p] = _mm256_setzero_ps();                              \
+    ACC_ZERO(RT, NP)                                                                             \
     for (long kb = 0; kb < K; kb += QB) {                                                        \
         const uint8_t *blk = Q4_BLOCK(G, gp, kb);                                                \
         const uint16_t *dm = (const uint16_t *)blk;                                              \
@@ -274,8 +276,7 @@ static inline void q4_##RT##x##NP(const float *x, long K, const uint8_t *G, long
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \
-    for (int r = 0; r < RT; r++)                                                                 \
-        for (int p = 0; p < NP; p++) _mm256_storeu_ps(y + r * ldy + p * PW, a[r][p]);            \
+    ACC_STORE(RT, NP)                                                                            \
 }
 
 F32_TILE(1, 4) F32_TILE(2, 4) F32_TILE(3, 2) F32_TILE(4, 2)
@@ -292,7 +293,7 @@ Q4_TILE(1, 1) Q4_TILE(2, 1) Q4_TILE(3, 1) Q4_TILE(4, 1)
 Q4_TILE(5, 1) Q4_TILE(6, 1) Q4_TILE(7, 1) Q4_TILE(8, 1)
 
 /* Rows [r, end) (at most 8 a pass) against panels [p, p + n) of one group (n <= GP). */
-#define GROUP_ROWS(KIND, ARGS, N2, N4, WIDE)                                                             \
+#define GROUP_ROWS(KIND, ARGS, N2, N4, WIDE)                                                     \
     for (long r = r0; r < end;) {                                                                \
         long rows = end - r < 8 ? end - r : 8;                                                   \
         const float *xr = x + r * K;                                                             \

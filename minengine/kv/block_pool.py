@@ -239,45 +239,21 @@ class BlockPool:
         self._lock = threading.RLock()
         self._owned: Counter[str] = Counter()  # blocks per holder
         self._owned_bytes: Counter[str] = Counter()
-        self._held_bytes = 0  # blocks with any holder, each once
-        self._request_bytes = 0  # blocks at least one request holds, each once
-        self._prefix_only_bytes = 0  # blocks only the prefix cache holds
-        self._shared_blocks = 0  # blocks with two holders or more
-        self._committed_bytes = 0  # every segment's bytes
+        # The counters below are the pool's alone to write; readers take them as they stand.
+        self.held_bytes = 0  # blocks with any holder, each once
+        self.request_bytes = 0  # blocks at least one request holds, each once
+        self.prefix_only_bytes = 0  # blocks only the prefix cache holds
+        self.shared_blocks = 0  # blocks with two holders or more
+        self.committed_bytes = 0  # every segment's bytes
         # References taken or dropped so far: who shares a cache's blocks (`sharing`) changes only with it.
         self.changes = 0
 
     # -- counters -------------------------------------------------------------------------------
 
     @property
-    def committed_bytes(self) -> int:
-        """Bytes of storage allocated so far (segments), held or free."""
-        return self._committed_bytes
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of the blocks someone holds (a shared block once)."""
-        return self._held_bytes
-
-    @property
     def free_bytes(self) -> int:
         """Budget no block takes (free blocks and storage not yet allocated)."""
-        return self.budget_bytes - self._held_bytes
-
-    @property
-    def request_bytes(self) -> int:
-        """Bytes of the blocks at least one request holds (a shared block once)."""
-        return self._request_bytes
-
-    @property
-    def prefix_only_bytes(self) -> int:
-        """Bytes of the blocks only the prefix cache holds: what evicting it all would free."""
-        return self._prefix_only_bytes
-
-    @property
-    def shared_blocks(self) -> int:
-        """Blocks held by two holders or more."""
-        return self._shared_blocks
+        return self.budget_bytes - self.held_bytes
 
     def held_by(self, owner: str) -> int:
         """Blocks `owner` holds."""
@@ -296,7 +272,7 @@ class BlockPool:
         """The budget as `owner` sees it: its blocks, other requests', the prefix cache's alone, free."""
         with self._lock:
             own = self._owned_bytes[owner]
-            return PoolUsage(self.budget_bytes, own, self._request_bytes - own, self._prefix_only_bytes)
+            return PoolUsage(self.budget_bytes, own, self.request_bytes - own, self.prefix_only_bytes)
 
     def sharing(self, fmt: BlockFormat, blocks: Sequence[int]) -> BlockSharing:
         """One request's `blocks` by who else holds them: no one, another request, or the prefix cache only."""
@@ -325,7 +301,7 @@ class BlockPool:
         """Blocks of `fmt` that could be allocated now without evicting: free ones, and the room left to grow."""
         with self._lock:
             store = self.store(fmt)
-            return store.free_blocks + (self.budget_bytes - self._committed_bytes) // fmt.nbytes
+            return store.free_blocks + (self.budget_bytes - self.committed_bytes) // fmt.nbytes
 
     def can_allocate(self, fmt: BlockFormat, blocks: int) -> bool:
         """Whether `blocks` blocks of `fmt` fit now, evicting what `allocate` would evict: the
@@ -333,12 +309,12 @@ class BlockPool:
         nothing else."""
         with self._lock:
             store = self.store(fmt)
-            room = self.budget_bytes - self._committed_bytes + sum(
+            room = self.budget_bytes - self.committed_bytes + sum(
                 s.capacity_blocks * s.fmt.nbytes
                 for f, s in self._stores.items()
                 if f != fmt and s.held_blocks == s.prefix_only_blocks
             )
-            within = self.budget_bytes - self._held_bytes + self._prefix_only_bytes >= blocks * fmt.nbytes
+            within = self.budget_bytes - self.held_bytes + self.prefix_only_bytes >= blocks * fmt.nbytes
             return within and store.free_blocks + store.prefix_only_blocks + room // fmt.nbytes >= blocks
 
     def held_by_requests(self, fmt: BlockFormat, blocks: Sequence[int]) -> int:
@@ -368,7 +344,7 @@ class BlockPool:
                 self.reclaimer(fmt, b)
         while True:
             with self._lock:
-                within = self._held_bytes + count * fmt.nbytes <= self.budget_bytes  # the budget may have shrunk
+                within = self.held_bytes + count * fmt.nbytes <= self.budget_bytes  # the budget may have shrunk
                 blocks = self._place(store, owner, count, after, expect) if within else None
                 if blocks is not None:
                     for b in blocks:
@@ -377,8 +353,8 @@ class BlockPool:
                         self._ref(store, b, owner)
                     return blocks
                 short = max(
-                    (count - store.free_blocks) * fmt.nbytes - (self.budget_bytes - self._committed_bytes),
-                    self._held_bytes + count * fmt.nbytes - self.budget_bytes,
+                    (count - store.free_blocks) * fmt.nbytes - (self.budget_bytes - self.committed_bytes),
+                    self.held_bytes + count * fmt.nbytes - self.budget_bytes,
                 )
                 if self._drop_empty_stores(fmt):
                     continue
@@ -442,7 +418,7 @@ class BlockPool:
         if start is not None:
             return list(range(start, start + count))
         if store.free_blocks < count:
-            room = (self.budget_bytes - self._committed_bytes) // store.fmt.nbytes
+            room = (self.budget_bytes - self.committed_bytes) // store.fmt.nbytes
             if room <= 0 or store.free_blocks + room < count:
                 return None
             self._add_segment(store, room)
@@ -456,7 +432,7 @@ class BlockPool:
     def _grow(self, store: BlockStore, need: int) -> Segment | None:
         """A new segment with room for `need` blocks, when the budget has it."""
         fmt = store.fmt
-        room = (self.budget_bytes - self._committed_bytes) // fmt.nbytes
+        room = (self.budget_bytes - self.committed_bytes) // fmt.nbytes
         # A quarter of the budget at most, unless one need takes more.
         size = min(max(need, (self.first_segment_bytes << len(store.segments)) // fmt.nbytes),
                    max(need, self.budget_bytes // 4 // fmt.nbytes))  # fmt: skip
@@ -465,7 +441,7 @@ class BlockPool:
         return self._add_segment(store, min(size, room))
 
     def _add_segment(self, store: BlockStore, blocks: int) -> Segment:
-        self._committed_bytes += blocks * store.fmt.nbytes
+        self.committed_bytes += blocks * store.fmt.nbytes
         return store.add_segment(blocks)
 
     def _drop_empty_stores(self, keep: BlockFormat) -> bool:
@@ -473,7 +449,7 @@ class BlockPool:
         for fmt, store in self._stores.items():
             if fmt != keep and store.segments and not store.held_blocks:
                 dropped += store.drop_segments()
-        self._committed_bytes -= dropped
+        self.committed_bytes -= dropped
         return dropped > 0
 
     def _ref(self, store: BlockStore, b: int, owner: str) -> None:
@@ -486,19 +462,19 @@ class BlockPool:
                 raise ValueError(f"the prefix cache holds block {b} already")
             store.prefix[b] = 1
             if not requests:
-                self._prefix_only_bytes += nb
+                self.prefix_only_bytes += nb
                 store.prefix_only_blocks += 1
         elif not requests:
-            self._request_bytes += nb
+            self.request_bytes += nb
             if in_prefix:
-                self._prefix_only_bytes -= nb
+                self.prefix_only_bytes -= nb
                 store.prefix_only_blocks -= 1
         store.refs[b] = refs + 1
         if refs == 0:
-            self._held_bytes += nb
+            self.held_bytes += nb
             store.held_blocks += 1
         elif refs == 1:
-            self._shared_blocks += 1
+            self.shared_blocks += 1
         self._owned[owner] += 1
         self._owned_bytes[owner] += nb
 
@@ -513,19 +489,19 @@ class BlockPool:
         if owner == PREFIX:
             store.prefix[b] = 0
             if not requests:
-                self._prefix_only_bytes -= nb
+                self.prefix_only_bytes -= nb
                 store.prefix_only_blocks -= 1
         elif requests == 1:
-            self._request_bytes -= nb
+            self.request_bytes -= nb
             if in_prefix:
-                self._prefix_only_bytes += nb
+                self.prefix_only_bytes += nb
                 store.prefix_only_blocks += 1
         store.refs[b] = refs - 1
         if refs == 1:
-            self._held_bytes -= nb
+            self.held_bytes -= nb
             store.held_blocks -= 1
         elif refs == 2:
-            self._shared_blocks -= 1
+            self.shared_blocks -= 1
         self._owned[owner] -= 1
         self._owned_bytes[owner] -= nb
         return refs == 1

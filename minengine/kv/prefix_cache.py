@@ -153,16 +153,11 @@ class PrefixCache:
         self.pool = pool
         self._blocks: OrderedDict[bytes, tuple[BlockFormat, int]] = OrderedDict()  # least recently used first
         self._hash_of: dict[tuple[BlockFormat, int], bytes] = {}
-        self._bytes = 0
+        self.kept_bytes = 0  # every kept block's bytes (K, V and any FP8 scales); ours alone to write
         self._lock = threading.Lock()
         self.evicted_blocks = 0  # blocks dropped to make room, since the start
         pool.evictor = self.evict
         pool.reclaimer = self.let_go
-
-    @property
-    def kept_bytes(self) -> int:
-        """Bytes of every kept block (K, V and any FP8 scales)."""
-        return self._bytes
 
     @property
     def kept_blocks(self) -> int:
@@ -254,8 +249,8 @@ class PrefixCache:
                     if fresh.held:
                         self.pool.free(fresh.format, [block], PREFIX)
                     continue
-                self._evict(self._bytes + nbytes - room, spare=chain)
-                if self._bytes + nbytes > room:
+                self._evict(self.kept_bytes + nbytes - room, spare=chain)
+                if self.kept_bytes + nbytes > room:
                     if fresh.held:  # without this block, the ones after it could never be reached
                         self.pool.free(fresh.format, [b for _, b in fresh.new[n:]], PREFIX)
                     break
@@ -263,7 +258,7 @@ class PrefixCache:
                     self.pool.share(fresh.format, [block], PREFIX)
                 self._blocks[h] = (fresh.format, block)
                 self._hash_of[fresh.format, block] = h
-                self._bytes += nbytes
+                self.kept_bytes += nbytes
                 stored += 1
             self._touch([h for h in fresh.chain if h in self._blocks])
         return stored
@@ -280,7 +275,7 @@ class PrefixCache:
                 self.pool.free(fmt, [block], PREFIX)
             self._blocks.clear()
             self._hash_of.clear()
-            self._bytes = 0
+            self.kept_bytes = 0
         if self.pool.evictor == self.evict:
             self.pool.evictor = None
         if self.pool.reclaimer == self.let_go:
@@ -309,7 +304,7 @@ class PrefixCache:
         fmt, block = self._blocks.pop(h)
         del self._hash_of[fmt, block]
         self.pool.free(fmt, [block], PREFIX)
-        self._bytes -= fmt.nbytes
+        self.kept_bytes -= fmt.nbytes
         self.evicted_blocks += 1
         return fmt.nbytes
 

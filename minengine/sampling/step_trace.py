@@ -28,7 +28,6 @@ class Candidate:
 class StepTrace:
     """Why one decode step produced the token it did."""
 
-    order: tuple[str, ...]
     params: SamplingParams
     candidates: tuple[Candidate, ...]  # top_n by raw logit, best first
     chosen_id: int
@@ -41,3 +40,8 @@ class StepTrace:
     forced: bool  # the caller forced this token
     uniform: float | None = None  # the inverse-CDF draw in [0, 1), None when none was made
     vocab_size: int = 0
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The chain's stages in the order this step ran them (the params' order)."""
+        return self.params.order

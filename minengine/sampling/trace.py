@@ -109,7 +109,6 @@ def build_trace(
     chosen_final = float(final_probs[chosen])
     sample_logprob = math.log(chosen_final) if chosen_final > 0 else NEG_INF
     return StepTrace(
-        order=params.order,
         params=params,
         candidates=candidates,
         chosen_id=chosen,
@@ -182,7 +181,6 @@ def greedy_trace(
         [1.0 if k else 0.0 for k in kept],
     )
     return StepTrace(
-        order=params.order,
         params=params,
         candidates=candidates,
         chosen_id=chosen,

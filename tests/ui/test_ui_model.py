@@ -210,7 +210,7 @@ def test_cut_lines_sit_above_the_first_token_each_stage_dropped():
         Candidate(i, f"t{i}", 10.0 - i, 0.1, by, 0.5 + 0.1 * i, 0.5 if by is None else 0.0)
         for i, by in enumerate(dropped)
     )
-    trace = StepTrace(order=SamplingParams().order, params=SamplingParams(1.0, 4, 0.6, 0.0), candidates=cands,
+    trace = StepTrace(params=SamplingParams(1.0, 4, 0.6, 0.0), candidates=cands,
                       chosen_id=0, chosen_piece="t0", chosen_logprob=-0.5, sample_logprob=-0.7, entropy=1.0,
                       kept=2, top_p_cut=0.6, forced=False)
     assert cut_positions(trace) == {4: "top-k 4", 2: "top-p 0.6, kept 0.600"}
