@@ -7,11 +7,21 @@ engine's vocabulary) records: `client_send`, `connection_new` or `connection_reu
 visible text, `last_visible_token` and `completed`. Connection reuse is observed through
 aiohttp's tracing hooks; `new_connection=True` closes every connection after its request so
 each request pays for a fresh one and the cost shows.
+
+Where the server offers its own view (vLLM, llama-server: `reqscope.endpoint.server`), the client
+also reads the batch around the request while it runs (`BatchPoller`, on this same loop: the
+stream and the polls meet in one inbox, each stamped as it is read), the template and tokens the
+server made of the messages (once the stream has ended, so as not to load the server during it),
+and, with a trace receiver, the server's span for the request.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
+import time
+import uuid
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
@@ -20,12 +30,32 @@ import aiohttp
 from minengine.engine.events import Usage
 from minengine.engine.request import GenerationRequest
 from minengine.engine.timeline import Timeline
+from minengine.errors import ReqscopeError
 from reqscope.endpoint import events as ev
 from reqscope.endpoint.metrics import client_metrics, compare_tpot, compare_ttft, output_token_count
+from reqscope.endpoint.options import DEFAULT_POLL_MS
+from reqscope.endpoint.server.detect import detect_server
+from reqscope.endpoint.server.hints import off_views
+from reqscope.endpoint.server.llama import LlamaRouteError, llama_prompt
+from reqscope.endpoint.server.otlp import OtlpReceiver
+from reqscope.endpoint.server.poller import BatchPoller, pollable
+from reqscope.endpoint.server.reconcile import best_split
+from reqscope.endpoint.server.records import LLAMA_SERVER, VLLM, ServerKind, ServerPrompt, ServerView
+from reqscope.endpoint.server.vllm import ServerPromptError, vllm_prompt
 from reqscope.endpoint.settings import RequestSettings, token_limit_field
-from reqscope.endpoint.wire import SSE_DONE, StreamChunk, body_error, chat_body, parse_chunk, sse_data
+from reqscope.endpoint.wire import (
+    SSE_DONE,
+    StreamChunk,
+    body_error,
+    chat_body,
+    parse_chunk,
+    server_fields,
+    sse_data,
+)
 
 REQUEST_ID_HEADER = "x-request-id"
+SPAN_WAIT_S = 15.0  # vLLM's exporter sends spans in batches every 5 s; past this the span is called missing
+_END = object()  # closes a request's inbox: the response has been read
 
 
 class _ConnectionProbe:
@@ -85,11 +115,19 @@ class EndpointClient:
         api_key: str | None = None,
         new_connection: bool = False,
         timeout_s: float = 600.0,
+        poll_ms: float = DEFAULT_POLL_MS,
+        otlp_listen: tuple[str, int] | None = None,
+        span_wait_s: float = SPAN_WAIT_S,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.new_connection = new_connection
         self.timeout_s = timeout_s
+        self.poll_ms = poll_ms  # 0: do not read the server's batch
+        self.otlp_listen = otlp_listen  # where to receive the server's trace spans (OTLP/HTTP), if anywhere
+        self.otlp: OtlpReceiver | None = None  # the receiver, while the client is open
+        self.span_wait_s = span_wait_s
+        self.kind: ServerKind | None = None  # which server it is, asked once (`identify`)
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> EndpointClient:
@@ -98,13 +136,27 @@ class EndpointClient:
             trace_configs=[_trace_config()],
             timeout=aiohttp.ClientTimeout(total=None, connect=30, sock_read=self.timeout_s),
         )
+        if self.otlp_listen is not None:
+            host, port = self.otlp_listen
+            receiver = OtlpReceiver()
+            try:
+                await receiver.start(host, port)
+            except OSError as exc:
+                await self.close()
+                raise ReqscopeError(
+                    f"--otlp-listen {host}:{port}: cannot listen there ({exc.strerror or exc}); pick a free port"
+                ) from None
+            self.otlp = receiver
         return self
 
     async def __aexit__(self, *_exc) -> None:
         await self.close()
 
     async def close(self) -> None:
-        """Close the session and its pooled connections."""
+        """Close the session and its pooled connections, and stop the trace receiver."""
+        if self.otlp is not None:
+            await self.otlp.stop()
+            self.otlp = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -121,42 +173,143 @@ class EndpointClient:
         data = json.loads(body).get("data", [])
         return tuple(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
 
+    async def identify(self) -> ServerKind:
+        """Which server this is (asked once, before the first request, so no request's timing pays for it)."""
+        if self.kind is None:
+            self.kind = await detect_server(self._session, self.base_url, self._headers())
+        return self.kind
+
     async def stream_chat(
         self, request: GenerationRequest, model: str, settings: RequestSettings | None = None
     ) -> AsyncIterator[ev.ClientEvent]:
-        """Send `request`'s messages as a streaming chat completion; yield events, ending with StreamEnded.
+        """Send `request`'s messages as a streaming chat completion; yield events, ending with StreamEnded
+        (and a SpanReceived after it when a trace receiver listens and the server's span arrives).
 
         Of the sampling, only what `settings` sets goes in the body (none: the server's defaults
         throughout, and no logprobs); `request.sampling` and `request.max_tokens` are not read.
         """
         settings = settings or RequestSettings()
+        kind = await self.identify()
         url = self.base_url + "/chat/completions"
         limit_field = token_limit_field(self.base_url)
-        body = chat_body(request, model, settings, limit_field)
+        body = chat_body(request, model, settings, limit_field, server_fields(kind.name))
+        request_id = f"reqscope-{uuid.uuid4().hex[:16]}"
+        headers = {**self._headers(), REQUEST_ID_HEADER: request_id}
         timeline = Timeline()
-        yield ev.RequestSent(timeline.mark("client_send", url), url, model, settings, limit_field)
+        send_unix_ms = time.time() * 1000
+        t_send = timeline.mark("client_send", url)
+        yield ev.RequestSent(t_send, url, model, settings, limit_field, request_id, send_unix_ms)
         reading = _Reading(url, model, timeline)
+        inbox: asyncio.Queue = asyncio.Queue()
+        poller = None
+        tasks = []
+        if self.poll_ms > 0 and pollable(kind):
+            poller = BatchPoller(self._session, kind, self._headers(), timeline, self.poll_ms,
+                                 lambda sample: inbox.put_nowait(ev.BatchPolled(sample)))
+            tasks.append(asyncio.create_task(poller.run()))
+        tasks.append(asyncio.create_task(self._read(url, body, headers, reading, inbox)))
+        try:
+            while (event := await inbox.get()) is not _END:
+                reading.note(event)
+                yield event
+            if poller is not None:  # stop polling; one last reading: the batch as the request ended
+                tasks[0].cancel()
+                if (last := await poller.poll()) is not None:
+                    reading.note(final := ev.BatchPolled(last))
+                    yield final
+        finally:
+            for task in tasks:
+                task.cancel()
+        prompt, prompt_error = None, None
+        if reading.error is None:
+            prompt, prompt_error = await self._server_prompt(kind, request, model)
+        view = ServerView(
+            kind=kind,
+            request_id=request_id,
+            send_unix_ms=send_unix_ms,
+            poll_interval_ms=self.poll_ms if poller is not None else 0.0,
+            vllm_metrics=reading.vllm_metrics,
+            progress=tuple(reading.progress),
+            batch=tuple(reading.batch),
+            prompt=prompt,
+            prompt_error=prompt_error,
+            prompt_token_ids=reading.prompt_token_ids,
+        )
+        result = reading.result(view)
+        off = dict(cached_reported=reading.cached_reported, otlp_listen=self._otlp_listen(),
+                   metrics_off=poller is not None and poller.metrics_off,
+                   slots_off=poller is not None and poller.slots_off)
+        view = _settled(view, result, off_views(view, **off))
+        yield ev.StreamEnded(dataclasses.replace(result, server_view=view))
+        if self.otlp is not None and kind.name == VLLM and result.error is None:
+            span = await self.otlp.wait_for(request_id, self.span_wait_s)
+            view = dataclasses.replace(view, span=span)
+            yield ev.SpanReceived(_settled(view, result, off_views(view, **off, span_wait_s=self.span_wait_s)))
+
+    def _otlp_listen(self) -> str | None:
+        if self.otlp is None:
+            return None
+        host, port = self.otlp.bound
+        return f"{host}:{port}"
+
+    async def _read(
+        self, url: str, body: dict, headers: dict[str, str], reading: _Reading, inbox: asyncio.Queue
+    ) -> None:
+        """Send the request and read its response into `inbox`, closing it with `_END`."""
+        timeline = reading.timeline
         probe = _ConnectionProbe(timeline)
         try:
-            async with self._session.post(url, json=body, headers=self._headers(), trace_request_ctx=probe) as resp:
+            async with self._session.post(url, json=body, headers=headers, trace_request_ctx=probe) as resp:
                 reading.status = resp.status
                 reading.request_id = resp.headers.get(REQUEST_ID_HEADER)
                 t_first_byte = timeline.mark("first_byte", f"HTTP {resp.status}")
                 reading.connection = probe.ready()
                 if reading.connection is not None:
-                    yield reading.connection
-                yield ev.ResponseStarted(t_first_byte, resp.status, reading.request_id)
+                    inbox.put_nowait(reading.connection)
+                inbox.put_nowait(ev.ResponseStarted(t_first_byte, resp.status, reading.request_id))
                 if resp.status != 200:
                     reading.error = f"HTTP {resp.status}: {body_error(await resp.text())}"
                 elif resp.content_type == "application/json":  # a server that ignored `stream`
                     for event in reading.whole(json.loads(await resp.text())):
-                        yield event
+                        inbox.put_nowait(event)
                 else:
                     async for event in reading.stream(resp):
-                        yield event
+                        inbox.put_nowait(event)
         except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
             reading.error = f"{url}: {type(exc).__name__}: {exc}".rstrip(": ")
-        yield ev.StreamEnded(reading.result())
+        inbox.put_nowait(_END)
+
+    async def _server_prompt(
+        self, kind: ServerKind, request: GenerationRequest, model: str
+    ) -> tuple[ServerPrompt | None, str | None]:
+        """The template and tokens the server makes of the messages, or why they could not be read."""
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        try:
+            if kind.name == VLLM:
+                return await vllm_prompt(self._session, kind.root, model, messages, self._headers()), None
+            if kind.name == LLAMA_SERVER:
+                return await llama_prompt(self._session, kind.root, messages, self._headers()), None
+        except (ServerPromptError, LlamaRouteError) as exc:
+            return None, str(exc)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            return None, f"{type(exc).__name__}: {exc}"
+        return None, None
+
+
+def _settled(view: ServerView, result: ev.EndpointResult, off: tuple) -> ServerView:
+    """`view` with the TTFT split its reports allow and the views that were off."""
+    m, timings, report = result.metrics, result.timings, result.server
+    split = best_split(
+        m.ttft_ms if m is not None else None,
+        view.send_unix_ms,
+        span=view.span,
+        vllm_metrics=view.vllm_metrics,
+        llama_prompt_ms=timings.prompt_ms if timings is not None else None,
+        progress=view.progress,
+        reqscope_ttft_ms=report.ttft_ms if report is not None else None,
+        reqscope_queue_ms=report.queue_ms if report is not None else None,
+    )
+    return dataclasses.replace(view, ttft_split=split, off=off)
 
 
 class _Reading:
@@ -177,8 +330,18 @@ class _Reading:
         self.server: ev.ServerReport | None = None
         self.timings: ev.ServerTimings | None = None
         self.error: str | None = None
+        self.vllm_metrics = None
+        self.prompt_token_ids: tuple[int, ...] | None = None
+        self.cached_reported = False
+        self.progress: list = []
+        self.batch: list = []
 
-    async def stream(self, resp: aiohttp.ClientResponse) -> AsyncIterator[ev.ChunkReceived]:
+    def note(self, event: ev.ClientEvent) -> None:
+        """Keep what the result needs of an event from the inbox (the batch samples)."""
+        if isinstance(event, ev.BatchPolled):
+            self.batch.append(event.sample)
+
+    async def stream(self, resp: aiohttp.ClientResponse) -> AsyncIterator[ev.ChunkReceived | ev.ProgressReceived]:
         # A stream the server closed without [DONE] keeps what arrived.
         async for data in sse_data(resp):
             if data == SSE_DONE:
@@ -187,11 +350,10 @@ class _Reading:
             if chunk.error is not None:
                 self.error = chunk.error
                 break
-            event = self._take(chunk)
-            if event is not None:
+            for event in self._take(chunk):
                 yield event
 
-    def whole(self, body: object) -> list[ev.ChunkReceived]:
+    def whole(self, body: object) -> list[ev.ChunkReceived | ev.ProgressReceived]:
         """A non-streamed response: its whole text is one chunk."""
         choice = body.get("choices", [{}])[0] if isinstance(body, dict) else {}
         message = choice.get("message") if isinstance(choice, dict) else None
@@ -199,26 +361,34 @@ class _Reading:
         finish, logprobs = choice.get("finish_reason"), choice.get("logprobs")
         data = {"choices": [{"delta": {"content": text or ""}, "finish_reason": finish, "logprobs": logprobs}]}
         data.update({k: body[k] for k in ("usage", "reqscope", "timings") if isinstance(body, dict) and k in body})
-        event = self._take(parse_chunk(json.dumps(data)))
-        return [] if event is None else [event]
+        return self._take(parse_chunk(json.dumps(data)))
 
-    def _take(self, chunk: StreamChunk) -> ev.ChunkReceived | None:
+    def _take(self, chunk: StreamChunk) -> list[ev.ChunkReceived | ev.ProgressReceived]:
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.usage = chunk.usage or self.usage
         self.server = chunk.server or self.server
         self.timings = chunk.timings or self.timings  # llama.cpp may send them on every chunk: the last is whole
+        self.vllm_metrics = chunk.vllm_metrics or self.vllm_metrics
+        self.prompt_token_ids = chunk.prompt_token_ids or self.prompt_token_ids
+        self.cached_reported = self.cached_reported or chunk.cached_reported
         self.logprob_tokens += len(chunk.logprobs)
+        events: list[ev.ChunkReceived | ev.ProgressReceived] = []
+        if chunk.progress is not None:
+            progress = dataclasses.replace(chunk.progress, t_ms=self.timeline.now_ms())
+            self.progress.append(progress)
+            events.append(ev.ProgressReceived(progress))
         if not chunk.text:
-            return None
+            return events
         t = self.timeline.mark("token", f"chunk {len(self.texts)}")
         if not self.chunk_times:
             self.timeline.mark("first_visible_token", "chunk 0", t_ms=t)
         itl = t - self.chunk_times[-1] if self.chunk_times else None
         self.texts.append(chunk.text)
         self.chunk_times.append(t)
-        return ev.ChunkReceived(len(self.texts) - 1, t, chunk.text, itl, chunk.logprobs)
+        events.append(ev.ChunkReceived(len(self.texts) - 1, t, chunk.text, itl, chunk.logprobs))
+        return events
 
-    def result(self) -> ev.EndpointResult:
+    def result(self, view: ServerView | None = None) -> ev.EndpointResult:
         if self.chunk_times:
             self.timeline.mark("last_visible_token", f"chunk {len(self.chunk_times) - 1}", t_ms=self.chunk_times[-1])
         self.timeline.mark("completed", self.error or (self.finish_reason or "end of stream"))
@@ -245,4 +415,5 @@ class _Reading:
             timings=self.timings,
             logprob_tokens=self.logprob_tokens,
             tpot=compare_tpot(metrics, self.server, self.timings),
+            server_view=view,
         )

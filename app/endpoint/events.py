@@ -1,8 +1,11 @@
 """What the endpoint client emits while one request streams from an OpenAI-compatible server.
 
-A consumer (the plain and JSON printers, later the UI) receives, in order: RequestSent,
+A consumer (the plain and JSON printers, the UI) receives, in order: RequestSent,
 ConnectionReady, ResponseStarted, one ChunkReceived per chunk of visible text, and always a
-closing StreamEnded whose result says whether it failed. Every time is in milliseconds on the
+closing StreamEnded whose result says whether it failed. Between them, where the server offers
+them: BatchPolled (its /metrics read while the request runs) and ProgressReceived (llama-server's
+progress through the prompt). After StreamEnded, a SpanReceived when a trace receiver listens and
+the server's span for the request arrives. Every time is in milliseconds on the
 client's monotonic clock, counted from the send, so `RequestSent.t_ms` is 0. Events can arrive
 a little after the moment they record (the connection is known only once the response headers
 are in), so consumers should place them by `t_ms`, not by arrival.
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from minengine.engine.events import Usage
 from minengine.engine.metrics import RequestMetrics
 from minengine.engine.timeline import TimelineEvent
+from reqscope.endpoint.server.records import BatchSample, PromptProgress, ServerView
 from reqscope.endpoint.settings import RequestSettings
 from reqscope.openai.logprobs import TokenLogprob
 
@@ -28,6 +32,8 @@ class RequestSent:
     model: str
     settings: RequestSettings = RequestSettings()  # the fields not set were left out of the body
     token_limit_field: str = "max_tokens"  # or max_completion_tokens, the name OpenAI's own API wants
+    request_id: str = ""  # the X-Request-Id sent, by which the server's own records name the request
+    send_unix_ms: float = 0.0  # the client's wall clock at the send, to place a server's wall-clock times
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,20 @@ class ChunkReceived:
     text: str
     itl_ms: float | None  # gap since the previous chunk; None for the first
     logprobs: tuple[TokenLogprob, ...]  # one per token the chunk carries, when the server sends them
+
+
+@dataclass(frozen=True)
+class BatchPolled:
+    """One poll of the server's `/metrics` (and `/slots`) while the request ran: the batch around it."""
+
+    sample: BatchSample
+
+
+@dataclass(frozen=True)
+class ProgressReceived:
+    """llama-server's progress through the prompt (`prompt_progress`, asked for with `return_progress`)."""
+
+    progress: PromptProgress
 
 
 @dataclass(frozen=True)
@@ -163,6 +183,7 @@ class EndpointResult:
     timings: ServerTimings | None = None  # llama.cpp's timings
     logprob_tokens: int = 0  # tokens the server sent a logprob entry for
     tpot: DecodeComparison | None = None  # client TPOT against the server's, from either report
+    server_view: ServerView | None = None  # what the server said of this request and its batch
 
 
 @dataclass(frozen=True)
@@ -172,4 +193,16 @@ class StreamEnded:
     result: EndpointResult
 
 
-ClientEvent = RequestSent | ConnectionReady | ResponseStarted | ChunkReceived | StreamEnded
+@dataclass(frozen=True)
+class SpanReceived:
+    """The server's trace span for the request arrived, after the stream ended (vLLM exports spans in
+    batches, seconds later): `view` is the result's server view with the span and the TTFT split
+    it allows."""
+
+    view: ServerView
+
+
+ClientEvent = (
+    RequestSent | ConnectionReady | ResponseStarted | ChunkReceived | BatchPolled | ProgressReceived
+    | StreamEnded | SpanReceived
+)

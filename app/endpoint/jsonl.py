@@ -4,11 +4,16 @@ Records: `sent`, `connection`, `response`, one `chunk` per chunk of visible text
 (or `error`). Times are milliseconds on the client's clock from the send. `sent` names the
 sampling fields the body carried (by their body names) and those left to the server's default;
 `done` holds the server's view when it sent one: `server` (reqscope serve's report),
-`server_timings` (llama.cpp's `timings`, its field names) and `tpot_comparison`.
+`server_timings` (llama.cpp's `timings`, its field names), `tpot_comparison` and `server_view`
+(what vLLM or llama-server said of the request, each part with its source, and the views that
+were off with the flag for each). While the request runs, `batch` records carry each poll of the
+server's batch and `progress` records llama-server's progress through the prompt; after `done`,
+a `server_span` record carries vLLM's span when a trace receiver listens (`--otlp-listen`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
@@ -17,6 +22,7 @@ from typing import TextIO
 from minengine.plan.planner import Plan
 from reqscope.console.json_out import emit, metrics_json
 from reqscope.endpoint import events as ev
+from reqscope.endpoint.server.records import BatchSample, ServerView
 from reqscope.endpoint.settings import LOGPROBS_COST_NOTE, RequestSettings
 
 
@@ -45,14 +51,21 @@ async def print_endpoint_jsonl(
             emit(out, {**record, "t_ms": _ms(event.t_ms)})
         elif isinstance(event, ev.ChunkReceived):
             emit(out, chunk_record(event))
+        elif isinstance(event, ev.BatchPolled):
+            emit(out, {"event": "batch", **batch_record(event.sample)})
+        elif isinstance(event, ev.ProgressReceived):
+            emit(out, {"event": "progress", "source": "llama-server prompt_progress", **asdict(event.progress)})
         elif isinstance(event, ev.StreamEnded):
             result = event.result
+            if result.error:
+                emit(out, {"event": "error", "status": result.status, "message": result.error})
+            else:
+                plan = kv_plan_for(result) if kv_plan_for is not None and result.usage is not None else None
+                emit(out, done_record(result, plan, settings))
+        elif isinstance(event, ev.SpanReceived) and result is not None:
+            result = dataclasses.replace(result, server_view=event.view)
+            emit(out, {"event": "server_span", **span_record(event.view)})
     assert result is not None, "a stream always ends with StreamEnded"
-    if result.error:
-        emit(out, {"event": "error", "status": result.status, "message": result.error})
-    else:
-        plan = kv_plan_for(result) if kv_plan_for is not None and result.usage is not None else None
-        emit(out, done_record(result, plan, settings))
     return result
 
 
@@ -135,4 +148,40 @@ def done_record(r: ev.EndpointResult, plan: Plan | None, settings: RequestSettin
         "tpot_comparison": tpot,
         "logprobs": logprobs_record(settings, r.logprob_tokens),
         "kv_planned": kv,
+        "server_view": None if r.server_view is None else server_view_record(r.server_view),
+    }
+
+
+def batch_record(sample: BatchSample) -> dict:
+    """One poll of the server's batch, its fields by name (None: the server does not export it)."""
+    record = asdict(sample)
+    record["t_ms"], record["poll_ms"] = _ms(sample.t_ms), _ms(sample.poll_ms)
+    return record
+
+
+def span_record(view: ServerView) -> dict:
+    """The server's span for the request once it arrived, and the TTFT split it allows."""
+    return {
+        "span": None if view.span is None else {"source": "vLLM span llm_request (OTLP)", **asdict(view.span)},
+        "ttft_split": None if view.ttft_split is None else asdict(view.ttft_split),
+        "off": [asdict(o) for o in view.off],
+    }
+
+
+def server_view_record(view: ServerView) -> dict:
+    """What the server said of the request, each part with its source; the batch samples are their own records."""
+    metrics = view.vllm_metrics
+    return {
+        "server": asdict(view.kind),
+        "request_id_sent": view.request_id,
+        "send_unix_ms": round(view.send_unix_ms, 3),
+        "vllm_metrics": None if metrics is None else {"source": "vLLM per-request metrics", **asdict(metrics)},
+        "span": None if view.span is None else {"source": "vLLM span llm_request (OTLP)", **asdict(view.span)},
+        "ttft_split": None if view.ttft_split is None else asdict(view.ttft_split),
+        "prompt": None if view.prompt is None else asdict(view.prompt),
+        "prompt_error": view.prompt_error,
+        "prompt_token_ids_returned": None if view.prompt_token_ids is None else list(view.prompt_token_ids),
+        "batch_polls": {"count": len(view.batch), "interval_ms": view.poll_interval_ms,
+                        "mean_poll_ms": None if view.poll_cost_ms is None else _ms(view.poll_cost_ms)},
+        "off": [asdict(o) for o in view.off],
     }

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from reqscope.argtypes import whole_number
+from reqscope.argtypes import non_negative, whole_number
 
 API_KEY_ENV = "OPENAI_API_KEY"
+DEFAULT_POLL_MS = 500.0  # twice a second: the batch's changes show, and the server barely notices
 
 
 def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,3 +37,26 @@ def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--no-logprobs", dest="logprobs", action="store_const", const=None, help="do not ask for logprobs (the default)"
     )
+    e.add_argument(
+        "--poll-ms",
+        type=non_negative,
+        default=DEFAULT_POLL_MS,
+        metavar="MS",
+        help="read the server's /metrics (and llama-server's /slots) this often while the request runs, to show "
+        f"the batch around it; each read's cost is shown (0: never; default: {DEFAULT_POLL_MS:.0f})",
+    )
+    e.add_argument(
+        "--otlp-listen",
+        type=host_port,
+        metavar="HOST:PORT",
+        help="receive the server's trace spans here (OTLP/HTTP): start vLLM with "
+        "--otlp-traces-endpoint http://HOST:PORT/v1/traces and OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf",
+    )
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """HOST:PORT for a listening socket (argparse type)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, such as 127.0.0.1:4318 (got {text!r})")
+    return host.strip("[]"), int(port)

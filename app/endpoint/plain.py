@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import AsyncIterator, Callable
 from typing import TextIO
@@ -11,6 +12,9 @@ from minengine.plan.planner import Plan
 from reqscope.console.latency_lines import ChunkStream, latency_lines
 from reqscope.endpoint import events as ev
 from reqscope.endpoint.metrics import prompt_count
+from reqscope.endpoint.server.reconcile import spike_marks
+from reqscope.endpoint.server.records import VLLM, ServerView
+from reqscope.endpoint.server.words import batch_lines, prompt_line, split_line
 from reqscope.endpoint.settings import LOGPROBS_COST_NOTE, RequestSettings, logprobs_text, settings_text
 
 
@@ -45,6 +49,10 @@ async def print_endpoint_plain(
             out.flush()
         elif isinstance(event, ev.StreamEnded):
             result = event.result
+            if _waits_for_span(result):
+                note("· waiting for the server's trace span (vLLM exports them every few seconds)")
+        elif isinstance(event, ev.SpanReceived) and result is not None:
+            result = dataclasses.replace(result, server_view=event.view)
     assert result is not None, "a stream always ends with StreamEnded"
     out.write("\n")
     out.flush()
@@ -76,11 +84,22 @@ def endpoint_summary(
     return "\n".join(lines)
 
 
+def _waits_for_span(r: ev.EndpointResult) -> bool:
+    view = r.server_view
+    return view is not None and view.kind.name == VLLM and view.span is None and r.error is None and not any(
+        o.flag == "--otlp-traces-endpoint" for o in view.off
+    )
+
+
 def server_view_lines(r: ev.EndpointResult) -> list[str]:
-    """The server's own figures (reqscope serve's report, llama.cpp's timings) beside the client's."""
+    """The server's own figures (its report or timings, its span, metrics and batch) beside the client's,
+    and one line for each view it could give but did not."""
     if r.error:
         return []
     lines = []
+    view = r.server_view
+    if view is not None:
+        lines += _view_lines(view, r)
     if r.ttft is not None:
         t = r.ttft
         named = (("gateway", t.gateway_ms), ("queue", t.queue_ms), ("prefill", t.prefill_ms))
@@ -105,9 +124,47 @@ def server_view_lines(r: ev.EndpointResult) -> list[str]:
             f"TPOT {c.client_ms:.2f}: {c.outside_server_ms:.2f} ms/token outside its decode "
             "(streaming, network, client)"
         )
-    if r.server is None and r.timings is None:
-        lines.append("server    sent no timing report (reqscope serve and llama.cpp's server send one)")
+    if r.server is None and r.timings is None and (view is None or view.ttft_split is None):
+        lines.append("server    sent no timing report (reqscope serve, vLLM and llama.cpp's server can send one)")
+    if view is not None:
+        lines += [f"off       {o.line()}" for o in view.off]
     return lines
+
+
+def _view_lines(view: ServerView, r: ev.EndpointResult) -> list[str]:
+    kind = view.kind.name + (f" {view.kind.version}" if view.kind.version else "")
+    lines = [f"server    {kind} at {view.kind.root}, request id {view.request_id}"]
+    if view.ttft_split is not None:
+        lines.append(f"          {split_line(view.ttft_split)}")
+        if view.ttft_split.clock_note:
+            lines.append(f"          ! {view.ttft_split.clock_note}")
+    m = view.vllm_metrics
+    if m is not None:
+        figures = (("queue", m.queue_time_ms), ("TTFT from scheduling", m.time_to_first_token_ms),
+                   ("generation", m.generation_time_ms), ("mean ITL", m.mean_itl_ms))
+        shown = ", ".join(f"{name} {ms:.1f} ms" for name, ms in figures if ms is not None)
+        lines.append(f"          vLLM per-request metrics: {shown}")
+    if view.span is not None:
+        s = view.span
+        figures = (("queue", s.queue_ms), ("prefill", s.prefill_ms), ("decode", s.decode_ms), ("e2e", s.e2e_ms))
+        shown = ", ".join(f"{name} {ms:.1f} ms" for name, ms in figures if ms is not None)
+        lines.append(f"          vLLM span llm_request: {shown}")
+    if view.progress:
+        last = view.progress[-1]
+        lines.append(f"          prompt progress: {len(view.progress)} updates, {last.processed}/{last.total} tokens "
+                     f"({last.cache} from its cache) in {last.time_ms:.1f} ms (llama-server prompt_progress)")
+    lines += [f"batch     {line}" for line in batch_lines(view)]
+    for mark in spike_marks([t for t in _chunk_times(r)], view.batch):
+        lines.append(f"          ITL spike at chunk {mark.chunk}: {mark.itl_ms:.1f} ms "
+                     f"({mark.itl_ms / mark.median_ms:.1f}x the median): {mark.reason}")
+    prompt = prompt_line(view, r.usage.prompt_tokens if r.usage else None)
+    if prompt:
+        lines.append(f"prompt    {prompt}")
+    return lines
+
+
+def _chunk_times(r: ev.EndpointResult) -> list[float]:
+    return [e.t_ms for e in r.timeline if e.name == "token"]
 
 
 def timings_text(t: ev.ServerTimings) -> str:

@@ -17,7 +17,7 @@ import aiohttp
 
 from minengine.errors import ReqscopeError
 from reqscope.endpoint.client import EndpointClient
-from reqscope.endpoint.options import API_KEY_ENV
+from reqscope.endpoint.options import API_KEY_ENV, DEFAULT_POLL_MS
 
 
 @dataclass(frozen=True)
@@ -28,16 +28,31 @@ class EndpointTarget:
     api_key: str | None = None
     model: str | None = None  # None: the first model the server lists
     new_connection: bool = False
+    poll_ms: float = DEFAULT_POLL_MS  # how often the server's batch is read while a request runs (0: never)
+    otlp_listen: tuple[str, int] | None = None  # where the server's trace spans are received, if anywhere
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EndpointTarget:
         """The target the endpoint flags name; without --api-key, the key comes from $OPENAI_API_KEY."""
         api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-        return cls(args.endpoint, api_key=api_key, model=args.model, new_connection=args.new_connection)
+        return cls(
+            args.endpoint,
+            api_key=api_key,
+            model=args.model,
+            new_connection=args.new_connection,
+            poll_ms=args.poll_ms,
+            otlp_listen=args.otlp_listen,
+        )
 
     def client(self) -> EndpointClient:
         """A client for this target (not yet open: use `async with`, or await its `__aenter__`)."""
-        return EndpointClient(self.url, api_key=self.api_key, new_connection=self.new_connection)
+        return EndpointClient(
+            self.url,
+            api_key=self.api_key,
+            new_connection=self.new_connection,
+            poll_ms=self.poll_ms,
+            otlp_listen=self.otlp_listen,
+        )
 
 
 async def model_name(client: EndpointClient, target: EndpointTarget) -> str:

@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING
 from minengine.engine.events import Usage
 from minengine.engine.request import GenerationRequest
 from reqscope.endpoint.events import ServerReport, ServerTimings
+from reqscope.endpoint.server.llama import parse_progress
+from reqscope.endpoint.server.records import LLAMA_SERVER, VLLM, PromptProgress, VllmRequestMetrics
+from reqscope.endpoint.server.vllm import parse_request_metrics, prompt_token_ids
 from reqscope.endpoint.settings import RequestSettings
 from reqscope.openai.logprobs import TokenLogprob, parse_chat_logprobs
 
@@ -29,9 +32,14 @@ SSE_DONE = "[DONE]"  # the data of the event that ends an OpenAI stream
 
 
 def chat_body(
-    request: GenerationRequest, model: str, settings: RequestSettings, token_limit_field: str = "max_tokens"
+    request: GenerationRequest,
+    model: str,
+    settings: RequestSettings,
+    token_limit_field: str = "max_tokens",
+    extras: dict | None = None,
 ) -> dict:
-    """The JSON body of a streaming chat completion: the messages, and of the settings only those set."""
+    """The JSON body of a streaming chat completion: the messages, of the settings only those set, and
+    `extras`, the server's own fields that make it report on the request (`server_fields`)."""
     body: dict = {
         "model": model,
         "messages": [{"role": m.role, "content": m.content} for m in request.messages],
@@ -46,7 +54,23 @@ def chat_body(
         body["logprobs"] = True
         # Sent even when 0: llama.cpp's server reads a missing top_logprobs as 20 alternatives.
         body["top_logprobs"] = settings.top_logprobs
+    body.update(extras or {})
     return body
+
+
+def server_fields(kind: str) -> dict:
+    """The body fields that ask `kind` to report on this request as it streams.
+
+    vLLM's `return_token_ids` returns the prompt's token ids (what its template made); llama-server's
+    `return_progress` sends `prompt_progress` chunks while it processes the prompt. Both add a few
+    bytes to the stream and nothing to the server's work on the request; other servers get neither
+    (OpenAI's API refuses fields it does not know).
+    """
+    if kind == VLLM:
+        return {"return_token_ids": True}
+    if kind == LLAMA_SERVER:
+        return {"return_progress": True}
+    return {}
 
 
 class SseDecoder:
@@ -98,6 +122,10 @@ class StreamChunk:
     server: ServerReport | None
     error: str | None
     timings: ServerTimings | None = None
+    vllm_metrics: VllmRequestMetrics | None = None  # vLLM's per-request metrics (the final usage chunk)
+    progress: PromptProgress | None = None  # llama-server's prompt progress; its t_ms is set on arrival
+    prompt_token_ids: tuple[int, ...] | None = None  # vLLM's return_token_ids
+    cached_reported: bool = False  # the usage carried prompt_tokens_details
 
 
 def parse_chunk(data: str) -> StreamChunk:
@@ -120,7 +148,14 @@ def parse_chunk(data: str) -> StreamChunk:
         logprobs = parse_chat_logprobs(choice.get("logprobs"))
         finish = choice.get("finish_reason") if isinstance(choice.get("finish_reason"), str) else None
     usage, report, timings = parse_usage(raw.get("usage")), parse_server_report(raw), parse_timings(raw)
-    return StreamChunk(text, logprobs, finish, usage, report, None, timings)
+    raw_usage = raw.get("usage")
+    return StreamChunk(
+        text, logprobs, finish, usage, report, None, timings,
+        vllm_metrics=parse_request_metrics(raw),
+        progress=parse_progress(raw, 0.0),
+        prompt_token_ids=prompt_token_ids(raw),
+        cached_reported=isinstance(raw_usage, dict) and isinstance(raw_usage.get("prompt_tokens_details"), dict),
+    )
 
 
 def parse_usage(raw: object) -> Usage | None:

@@ -94,6 +94,10 @@ KEYS: tuple[Key, ...] = (
     Key("2", "view('kv')", "KV", "Show the KV cache panel (small terminals)", ENDPOINT_ONLY, footer=False),
     Key("3", "view('latency')", "Latency", "Show the latency panel (small terminals)", ENDPOINT_ONLY, footer=False),
     Key("4", "view('timeline')", "Timeline", "Show the timeline panel (small terminals)", ENDPOINT_ONLY, footer=False),
+    Key("5", "view('template')", "Template", "Show the template and tokens the server made of the messages (small "
+        "terminals)", ENDPOINT_ONLY, footer=False),
+    Key("6", "view('batch')", "Batch", "Show the server's batch around the request: its /metrics, poll by poll "
+        "(small terminals)", ENDPOINT_ONLY, footer=False),
     Key("question_mark,f1", "help", "Help", "List every key", EVERY),
     Key("q", "quit", "Quit", "Leave the explorer (cancels a running request)", EVERY),
 )

@@ -23,13 +23,16 @@ from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from minengine.plan.cards import Architecture
 from reqscope.endpoint.events import StreamEnded
+from reqscope.endpoint.server.poller import pollable
 from reqscope.endpoint.settings import RequestSettings
 from reqscope.endpoint.target import EndpointTarget
 from reqscope.ui.base import ExplorerBase, renewed
+from reqscope.ui.endpoint.batch_panel import EndpointBatchPanel
 from reqscope.ui.endpoint.frame import Baseline, EndpointFrame
 from reqscope.ui.endpoint.kv_panel import EndpointKVPanel
 from reqscope.ui.endpoint.latency_panel import EndpointLatencyPanel
 from reqscope.ui.endpoint.logprobs_panel import EndpointLogprobsPanel
+from reqscope.ui.endpoint.prompt_panel import ServerPromptPanel
 from reqscope.ui.endpoint.settings_form import EndpointSettingsForm
 from reqscope.ui.endpoint.status_line import endpoint_status
 from reqscope.ui.endpoint.stream_panel import AnswerPanel, EndpointPipelinePanel
@@ -46,8 +49,9 @@ class EndpointApp(ExplorerBase):
     BINDINGS = bindings(ENDPOINT)
     PIPELINE = EndpointPipelinePanel
     BODY = (("tokens", AnswerPanel), ("logits", EndpointLogprobsPanel), ("kv", EndpointKVPanel),
-            ("latency", EndpointLatencyPanel), ("timeline", EndpointTimelinePanel))
-    DETAIL_VIEWS = ("logits", "kv", "latency", "timeline")
+            ("latency", EndpointLatencyPanel), ("timeline", EndpointTimelinePanel),
+            ("template", ServerPromptPanel), ("batch", EndpointBatchPanel))
+    DETAIL_VIEWS = ("logits", "kv", "latency", "timeline", "template", "batch")
     VIEW_LABELS = {"logits": "logprobs"}  # the panel ids match the engine explorer's; the logits here are logprobs
     KEYS_SKIP_PACER = True  # the cursor and the panel keys show their change at once, even mid-stream
 
@@ -76,6 +80,7 @@ class EndpointApp(ExplorerBase):
     # -- the client ----------------------------------------------------------------------------
 
     def _begin(self) -> None:
+        self.query_one("#body").add_class("-server")  # the server's template and batch panels (explorer.tcss)
         self._connect()
 
     @work(thread=True, group="connect", exit_on_error=False)
@@ -96,6 +101,9 @@ class EndpointApp(ExplorerBase):
 
     def _connected(self, model: str) -> None:
         self.model = model
+        # The strip of the server's template and batch, where the server offers them (explorer.tcss).
+        kind = self.worker.kind if self.worker is not None else None
+        self.query_one("#body").set_class(kind is not None and pollable(kind), "-server-strip")
         self.load_error = None
         self._start(self.request, self.settings)
 
@@ -154,6 +162,7 @@ class EndpointApp(ExplorerBase):
             settings=self.settings,
             next_settings=self.next_settings,
             baseline=self._baseline() if self.settings.logprobs else None,
+            poll_ms=self.target.poll_ms,
         )
 
     def _baseline(self) -> Baseline | None:

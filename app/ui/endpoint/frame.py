@@ -33,3 +33,4 @@ class EndpointFrame:
     settings: RequestSettings = RequestSettings()  # what the request on screen was sent with (None: server default)
     next_settings: RequestSettings | None = None  # changed settings, waiting for the next send
     baseline: Baseline | None = None  # to measure the logprobs' cost against, when the request asks for them
+    poll_ms: float = 0.0  # how often the server's batch is read while a request runs (0: never)

@@ -12,8 +12,10 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from reqscope.endpoint.events import EndpointResult
+from reqscope.endpoint.server.records import ServerView
 from reqscope.endpoint.settings import LOGPROBS_COST_NOTE
 from reqscope.ui.endpoint.frame import Baseline, EndpointFrame
+from reqscope.ui.endpoint.ttft_bar import ttft_bar
 from reqscope.ui.glyphs import ms, pairs, rate
 from reqscope.ui.latency_lines import itl_chart, metric_figures
 from reqscope.ui.panel import Panel
@@ -64,13 +66,24 @@ def _heading(text: str) -> Text:
 
 
 def _server_lines(result: EndpointResult | None, width: int) -> list[Text]:
-    """The server's view: reqscope serve's TTFT split, llama.cpp's timings, and TPOT on both clocks."""
+    """The server's view: TTFT as one bar split by the server's figures, vLLM's metrics and span,
+    reqscope serve's stages, llama.cpp's timings, TPOT on both clocks, and the views that were off."""
     if result is None:
-        return [_dim("server's view: once the stream ends (reqscope serve and llama.cpp's server report one)")]
-    if result.server is None and result.timings is None:
-        why = "the server sent no timing report (reqscope serve and llama.cpp's server send one)"
-        return [_dim(f"server's view: {why}")]
+        return [_dim("server's view: once the stream ends (vLLM, llama.cpp's server and reqscope serve report one)")]
+    view = result.server_view
     lines = []
+    if view is not None and view.ttft_split is not None:
+        lines += ttft_bar(view.ttft_split, width)
+    if view is not None:
+        lines += _vllm_lines(view, width)
+    if result.server is None and result.timings is None and (view is None or view.ttft_split is None):
+        why = "the server sent no timing report (vLLM, llama.cpp's server and reqscope serve can send one)"
+        lines.append(_dim(f"server's view: {why}"))
+    if view is not None:
+        lines += [Text(o.line(), style="yellow", no_wrap=True, overflow="ellipsis") for o in view.off
+                  if o.flag not in ("--metrics", "--slots")]
+    if result.server is None and result.timings is None:
+        return lines
     t = result.ttft
     if t is not None:
         figures = [
@@ -93,6 +106,23 @@ def _server_lines(result: EndpointResult | None, width: int) -> list[Text]:
                    ("outside", ms(c.outside_server_ms, 2))]
         lines += [_heading("TPOT: client clock vs server clock"), *pairs(figures, width),
                   _dim("outside its decode: streaming each chunk, the network, the client's reading")]
+    return lines
+
+
+def _vllm_lines(view: ServerView, width: int) -> list[Text]:
+    """vLLM's per-request metrics and its span, on its clock."""
+    lines = []
+    m = view.vllm_metrics
+    if m is not None:
+        figures = [("queue", ms(m.queue_time_ms)), ("TTFT sched", ms(m.time_to_first_token_ms)),
+                   ("generation", ms(m.generation_time_ms)), ("mean ITL", ms(m.mean_itl_ms, 2)),
+                   ("decode", rate(m.tokens_per_second))]
+        lines += [_heading("server's view: vLLM per-request metrics (server clock)"), *pairs(figures, width)]
+    s = view.span
+    if s is not None:
+        figures = [("queue", ms(s.queue_ms)), ("prefill", ms(s.prefill_ms)), ("decode", ms(s.decode_ms)),
+                   ("inference", ms(s.inference_ms)), ("e2e", ms(s.e2e_ms))]
+        lines += [_heading("server's view: vLLM span llm_request (OTLP)"), *pairs(figures, width)]
     return lines
 
 

@@ -7,12 +7,14 @@ time is the gap between the two client events that bound it, all on the client's
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from minengine.engine.metrics import RequestMetrics
 from minengine.errors import ReqscopeError
 from reqscope.endpoint import events as ev
 from reqscope.endpoint.metrics import client_metrics, output_token_count
+from reqscope.endpoint.server.records import BatchSample, PromptProgress, ServerView
 from reqscope.openai.logprobs import TokenLogprob
 from reqscope.ui.request_view import RequestView
 
@@ -29,6 +31,8 @@ class EndpointView(RequestView[ev.ClientEvent]):
     connection: ev.ConnectionReady | None = None
     response: ev.ResponseStarted | None = None
     chunks: list[ev.ChunkReceived] = field(default_factory=list)
+    batch: list[BatchSample] = field(default_factory=list)  # the server's batch, poll by poll
+    progress: list[PromptProgress] = field(default_factory=list)  # llama-server's progress through the prompt
     result: ev.EndpointResult | None = None
     cancelled: bool = False  # the user closed the stream before it ended
 
@@ -42,8 +46,19 @@ class EndpointView(RequestView[ev.ClientEvent]):
             self.response = event
         elif isinstance(event, ev.ChunkReceived):
             self.chunks.append(event)
+        elif isinstance(event, ev.BatchPolled):
+            self.batch.append(event.sample)
+        elif isinstance(event, ev.ProgressReceived):
+            self.progress.append(event.progress)
         elif isinstance(event, ev.StreamEnded):
             self.result = event.result
+        elif isinstance(event, ev.SpanReceived) and self.result is not None:
+            self.result = dataclasses.replace(self.result, server_view=event.view)
+
+    @property
+    def server(self) -> ServerView | None:
+        """The server's view of the request, once the stream has ended (the span may come later)."""
+        return self.result.server_view if self.result is not None else None
 
     # -- derived -------------------------------------------------------------------------------
 

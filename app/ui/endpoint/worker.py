@@ -24,6 +24,7 @@ from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from reqscope.endpoint.client import EndpointClient
 from reqscope.endpoint.events import ClientEvent, StreamEnded
+from reqscope.endpoint.server.records import ServerKind
 from reqscope.endpoint.settings import RequestSettings
 from reqscope.endpoint.target import EndpointTarget, model_name
 from reqscope.wording import error_text
@@ -78,6 +79,7 @@ class EndpointWorker:
     def __init__(self, target: EndpointTarget) -> None:
         self.target = target
         self.model: str | None = None
+        self.kind: ServerKind | None = None  # which server answers, once connected
         self._loop = asyncio.new_event_loop()
         self._client: EndpointClient | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, name="reqscope-endpoint", daemon=True)
@@ -96,6 +98,7 @@ class EndpointWorker:
             self._client = self.target.client()
             await self._client.__aenter__()
         self.model = await model_name(self._client, self.target)
+        self.kind = await self._client.identify()
         return self.model
 
     def start(self, run: EndpointRequest) -> None:

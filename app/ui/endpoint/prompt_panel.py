@@ -1,0 +1,58 @@
+"""The chat template and tokens the server itself made of the messages, checked against its usage.
+
+Read once the stream has ended (vLLM's `/tokenize` with the messages, llama-server's
+`/apply-template` then `/tokenize`), so the reads never load the server during the request.
+"""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.text import Text
+
+from reqscope.endpoint.server.words import prompt_line
+from reqscope.ui.endpoint.frame import EndpointFrame
+from reqscope.ui.glyphs import show_piece
+from reqscope.ui.panel import Panel
+
+
+class ServerPromptPanel(Panel[EndpointFrame]):
+    """The count (against usage.prompt_tokens), cached tokens, then each token: id and piece."""
+
+    TITLE = "Server's template & tokens"
+    WAITING = "read from the server once the stream ends…"
+
+    def draw(self, frame: EndpointFrame, width: int, height: int) -> RenderableType:
+        view = frame.view
+        server = view.server
+        if server is None:
+            return Text("read from the server once the stream ends", style="dim")
+        result = view.result
+        usage = result.usage if result is not None else None
+        head = prompt_line(server, usage.prompt_tokens if usage else None)
+        lines = [Text(head or "this server does not say which tokens it used", no_wrap=True, overflow="ellipsis")]
+        lines.append(Text(_cached(frame), style="dim", no_wrap=True, overflow="ellipsis"))
+        prompt = server.prompt
+        if prompt is not None:
+            body = Text(overflow="fold")
+            for i, token in enumerate(prompt.token_ids):
+                body.append(f"{token}", style="dim")
+                piece = prompt.pieces[i] if i < len(prompt.pieces) else ""
+                body.append(show_piece(piece, 24) if piece else "", style="bold")
+                body.append(" ")
+            lines.append(body)
+        return Group(*lines)
+
+
+def _cached(frame: EndpointFrame) -> str:
+    result = frame.view.result
+    if result is None:
+        return ""
+    timings = result.timings
+    if timings is not None and timings.cache_n is not None:
+        return f"cached: {timings.cache_n} prompt tokens from its cache (llama-server timings.cache_n)"
+    server = result.server_view
+    if server is not None and any(o.flag == "--enable-prompt-tokens-details" for o in server.off):
+        return "cached: not reported (start vLLM with --enable-prompt-tokens-details)"
+    if result.usage is not None:
+        return f"cached: {result.usage.cached_tokens} prompt tokens (usage.prompt_tokens_details.cached_tokens)"
+    return ""
