@@ -198,7 +198,7 @@ class EndpointClient:
         timeline = Timeline()
         send_unix_ms = time.time() * 1000
         t_send = timeline.mark("client_send", url)
-        yield ev.RequestSent(t_send, url, model, settings, limit_field, request_id, send_unix_ms)
+        yield ev.RequestSent(t_send, url, model, settings, limit_field, request_id, send_unix_ms, request.messages)
         reading = _Reading(url, model, timeline)
         inbox: asyncio.Queue = asyncio.Queue()
         poller = None

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from minengine.engine.events import Usage
 from minengine.engine.metrics import RequestMetrics
+from minengine.engine.request import Message
 from minengine.engine.timeline import TimelineEvent
 from reqscope.endpoint.server.records import BatchSample, PromptProgress, ServerView
 from reqscope.endpoint.settings import RequestSettings
@@ -34,6 +35,7 @@ class RequestSent:
     token_limit_field: str = "max_tokens"  # or max_completion_tokens, the name OpenAI's own API wants
     request_id: str = ""  # the X-Request-Id sent, by which the server's own records name the request
     send_unix_ms: float = 0.0  # the client's wall clock at the send, to place a server's wall-clock times
+    messages: tuple[Message, ...] = ()  # what the body carried, so a replay shows the request it draws
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,8 @@ KEYS: tuple[Key, ...] = (
     Key("w", "compare_weights", "Formats", "Run the finished request in the next weight format beside its own: "
         "tok/s, TTFT, bytes per step, top-1 agreement and KL per step", LIVE_ONLY, footer=False),
     Key("x", "export", "Export", "Export the finished run (timeline CSV, metrics, trace, Perfetto) to a new folder"),
+    Key("x", "export", "Export", "Export the finished request (every client event and the server's view) to a new "
+        "folder, for reqscope replay", ENDPOINT_ONLY),
     Key("v", "next_view", "View", "Show the next detail panel (small terminals)", EVERY),
     Key("1", "view('logits')", "Logits", "Show the logits panel (small terminals)", footer=False),
     Key("2", "view('kv')", "KV", "Show the KV cache panel (small terminals)", footer=False),

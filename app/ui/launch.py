@@ -10,6 +10,7 @@ from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from minengine.progress import paced
 from minengine.record.trace_io import read_trace
+from reqscope.endpoint.trace import is_endpoint_trace, read_endpoint_trace
 from reqscope.run_options import ModelFolder, open_engine
 from reqscope.ui.outcome import outcome
 from reqscope.ui.run.live_app import LiveExplorer
@@ -51,7 +52,13 @@ def launch_explorer(args: argparse.Namespace, request: GenerationRequest, model:
 
 
 def launch_replay(trace: str | Path) -> int:
-    """Open the explorer on a trace written by an export (no model needed)."""
+    """Open the explorer on a trace written by an export (no model needed): the engine explorer's,
+    or the endpoint explorer's for a request sent to a server."""
+    if is_endpoint_trace(trace):
+        from reqscope.ui.endpoint.app import EndpointApp
+
+        endpoint_header, recorded = read_endpoint_trace(trace)
+        return EndpointApp.replaying(endpoint_header, recorded).run() or 0
     header, events = read_trace(trace)
     app = ReplayExplorer(header, events, source_name=Path(trace).name)
     return app.run() or 0

@@ -93,17 +93,18 @@ def trace_header(
     )
 
 
-def _encode(value):
+def encode_value(value):
+    """A dataclass (and what it holds) as plain JSON values, field by field."""
     if dataclasses.is_dataclass(value):
-        return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: encode_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, tuple | list):
-        return [_encode(v) for v in value]
+        return [encode_value(v) for v in value]
     return value
 
 
 def event_record(event) -> dict:
     """A JSON-ready record of one event."""
-    return {"type": type(event).__name__} | _encode(event)
+    return {"type": type(event).__name__} | encode_value(event)
 
 
 @cache
@@ -111,20 +112,22 @@ def _hints(cls: type) -> dict[str, object]:
     return typing.get_type_hints(cls)
 
 
-def _decode(tp, value):
+def decode_value(tp, value):
+    """`value` (from `encode_value`) rebuilt as type `tp`, led by the type hints."""
     if value is None:
         return None
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _decode(options[0], value) if len(options) == 1 else value
+        return decode_value(options[0], value) if len(options) == 1 else value
     if origin is tuple:
         args = typing.get_args(tp)
         inner = args[0] if args else object
-        return tuple(_decode(inner, v) for v in value)
+        return tuple(decode_value(inner, v) for v in value)
     if dataclasses.is_dataclass(tp):
         hints = _hints(tp)
-        return tp(**{f.name: _decode(hints[f.name], value[f.name]) for f in dataclasses.fields(tp) if f.name in value})
+        fields = (f.name for f in dataclasses.fields(tp) if f.name in value)
+        return tp(**{name: decode_value(hints[name], value[name]) for name in fields})
     if tp is float and isinstance(value, int):
         return float(value)
     return value
@@ -135,13 +138,13 @@ def event_from_record(record: dict):
     cls = EVENT_TYPES.get(record.get("type", ""))
     if cls is None:
         raise ReqscopeError(f"unknown event type {record.get('type')!r} in trace")
-    return _decode(cls, record)
+    return decode_value(cls, record)
 
 
 def write_trace(path: Path, header: TraceHeader, events: Iterable) -> None:
     """Write a header line and one line per event."""
     with path.open("w", encoding="utf-8") as out:
-        out.write(json.dumps({"type": HEADER_TYPE, "version": FORMAT_VERSION} | _encode(header)) + "\n")
+        out.write(json.dumps({"type": HEADER_TYPE, "version": FORMAT_VERSION} | encode_value(header)) + "\n")
         for event in events:
             out.write(json.dumps(event_record(event), ensure_ascii=False) + "\n")
 
@@ -161,7 +164,7 @@ def read_trace(path: str | Path) -> tuple[TraceHeader, list]:
     if not records or records[0].get("type") != HEADER_TYPE:
         raise NotATraceError(f"{path} is not a reqscope trace (export one with ", _EXPORT, ")")
     try:
-        header = _decode(TraceHeader, records[0])
+        header = decode_value(TraceHeader, records[0])
     except (KeyError, TypeError, ValueError) as exc:
         raise NotATraceError(f"{path} has a malformed header ({exc}); was it written by another version?") from None
     try:

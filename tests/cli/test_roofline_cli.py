@@ -94,7 +94,7 @@ def test_the_trace_keeps_the_bytes_and_the_ceiling_and_older_readers_skip_them(c
         "TraceHeader", [(f.name, f.type) for f in dataclasses.fields(trace_io.TraceHeader) if f.name not in newer]
     )
     record = json.loads((export / "request-trace.jsonl").read_text().splitlines()[0])
-    assert "read_ceiling" in record and not hasattr(trace_io._decode(old_header, record), "read_ceiling")
+    assert "read_ceiling" in record and not hasattr(trace_io.decode_value(old_header, record), "read_ceiling")
 
 
 def test_an_older_trace_reads_without_bytes_or_ceiling():

@@ -24,9 +24,10 @@ from minengine.errors import RequestError
 from minengine.kv.arithmetic import KIB, MIB, kv_bytes_per_token
 from minengine.plan.cards import Architecture
 from reqscope.cli import main
-from reqscope.endpoint.events import ChunkReceived, ConnectionReady, RequestSent, ResponseStarted
+from reqscope.endpoint.events import ChunkReceived, ConnectionReady, RequestSent, ResponseStarted, StreamEnded
 from reqscope.endpoint.settings import RequestSettings
 from reqscope.endpoint.target import EndpointTarget
+from reqscope.endpoint.trace import ENDPOINT_TRACE, read_endpoint_trace
 from reqscope.serve.runner import start_in_thread
 from reqscope.ui.endpoint.app import EndpointApp
 from reqscope.ui.endpoint.settings_form import EndpointSettingsForm, parse_settings, settings_values
@@ -463,3 +464,38 @@ async def test_llama_cpp_timings_are_drawn_as_the_servers_view():
             assert "generation                 46.00  4 tokens" in timeline
     finally:
         server.stop()
+
+
+async def test_an_endpoint_export_replays_in_the_explorer_with_the_servers_view(served, tmp_path, capsys):
+    folder = tmp_path / "run"
+    argv = ["--endpoint", served.v1, "--api-key", KEY, "--json", "--export", str(folder), "--max-tokens", "5",
+            "--temperature", "0", "Hi"]
+    code = await asyncio.to_thread(main, argv)  # the CLI runs its own event loop
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    done = next(json.loads(line) for line in captured.out.splitlines() if json.loads(line)["event"] == "done")
+    header, events = read_endpoint_trace(folder / ENDPOINT_TRACE)
+    assert header.url == served.v1 and isinstance(events[0], RequestSent) and events[0].messages[-1].content == "Hi"
+    result = next(e.result for e in events if isinstance(e, StreamEnded))
+    assert result.chunks == done["chunks"] and result.metrics.ttft_ms == pytest.approx(done["metrics"]["ttft_ms"])
+    view = result.server_view
+    assert view.kind.name == "reqscope" and view.request_id == done["server_view"]["request_id_sent"]
+    assert view.ttft_split.source == "reqscope serve report" and done["server_view"]["ttft_split"]["joined"]
+    app = EndpointApp.replaying(header, events)
+    async with app.run_test(size=LARGE) as pilot:
+        await wait_for(pilot, lambda: app.view.result is not None and not app.needs_repaint)
+        latency = screen_text(app, "#latency")
+        assert f"TTFT {view.ttft_split.client_ttft_ms:.1f} ms (client) split by the server: reqscope serve" in latency
+        assert app.state == "length" and "Hi" in screen_text(app, "#tokens")
+        await pilot.press("r")  # a replay sends nothing
+        assert app.worker is None
+
+
+async def test_x_exports_the_request_on_screen_for_replay(served, tmp_path):
+    app = endpoint_app(served, export_root=tmp_path)
+    async with app.run_test(size=SMALL) as pilot:
+        await finished(pilot, app)
+        await pilot.press("x")
+        assert app.last_export is not None and app.last_export.parent.parent == tmp_path
+        header, events = read_endpoint_trace(app.last_export)
+        assert events == app.view.events and header.model == app.model

@@ -16,16 +16,19 @@ engine explorer (both are `ExplorerBase`s).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import RenderableType
 from textual import work
 
 from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from minengine.plan.cards import Architecture
-from reqscope.endpoint.events import StreamEnded
+from reqscope.endpoint.events import ClientEvent, RequestSent, StreamEnded
 from reqscope.endpoint.server.poller import pollable
 from reqscope.endpoint.settings import RequestSettings
 from reqscope.endpoint.target import EndpointTarget
+from reqscope.endpoint.trace import EndpointTraceHeader, write_endpoint_trace
 from reqscope.ui.base import ExplorerBase, renewed
 from reqscope.ui.endpoint.batch_panel import EndpointBatchPanel
 from reqscope.ui.endpoint.frame import Baseline, EndpointFrame
@@ -40,6 +43,7 @@ from reqscope.ui.endpoint.timeline_panel import EndpointTimelinePanel
 from reqscope.ui.endpoint.view import EndpointView
 from reqscope.ui.endpoint.worker import EndpointRequest, EndpointWorker
 from reqscope.ui.keys import ENDPOINT, bindings
+from reqscope.ui.run.export_folder import DEFAULT_ROOT, claim_run_folder
 from reqscope.wording import error_text
 
 
@@ -63,7 +67,10 @@ class EndpointApp(ExplorerBase):
         settings: RequestSettings | None = None,
         arch: Architecture | None = None,
         repaint_hz: float = 20.0,
+        replay: list[ClientEvent] | None = None,
+        export_root: Path = DEFAULT_ROOT,
     ) -> None:
+        """`replay`: the recorded events of one request (`reqscope replay`), drawn instead of sending it."""
         super().__init__(mode=ENDPOINT, repaint_hz=repaint_hz)
         self.target = target
         self.request = request  # the request on screen: its messages
@@ -76,12 +83,34 @@ class EndpointApp(ExplorerBase):
         self.view = EndpointView()
         self.history: list[EndpointView] = []  # earlier requests of this session, newest last
         self.cursor: int | None = None
+        self.replay = replay
+        self.export_root = export_root
+        self.last_export: Path | None = None
 
     # -- the client ----------------------------------------------------------------------------
 
     def _begin(self) -> None:
         self.query_one("#body").add_class("-server")  # the server's template and batch panels (explorer.tcss)
-        self._connect()
+        if self.replay is None:
+            self._connect()
+            return
+        for event in self.replay:
+            self.view.apply(event)
+        sent = self.view.sent
+        self.model = sent.model if sent is not None else ""
+        server = self.view.server
+        self.query_one("#body").set_class(server is not None and pollable(server.kind), "-server-strip")
+        self._invalidate()
+
+    @classmethod
+    def replaying(cls, header: EndpointTraceHeader, events: list[ClientEvent]) -> EndpointApp:
+        """The explorer on a recorded request: its panels as they were when the request ended."""
+        sent = next((e for e in events if isinstance(e, RequestSent)), None)
+        request = GenerationRequest(messages=sent.messages if sent is not None else ())
+        server = next((e.result.server_view for e in events if isinstance(e, StreamEnded)), None)
+        poll_ms = server.poll_interval_ms if server is not None else 0.0
+        target = EndpointTarget(header.url, model=header.model, poll_ms=poll_ms)
+        return cls(target, request, settings=sent.settings if sent is not None else None, replay=events)
 
     @work(thread=True, group="connect", exit_on_error=False)
     def _connect(self) -> None:
@@ -185,6 +214,8 @@ class EndpointApp(ExplorerBase):
     def state(self) -> str:
         """Where the request on screen stands, in one word or two."""
         view = self.view
+        if self.replay is not None and view.result is not None:
+            return "error" if view.result.error else (view.result.finish_reason or "done")
         if self.load_error is not None or (self.run_ is not None and self.run_.failure):
             return "error"
         if self.run_ is None:
@@ -234,7 +265,27 @@ class EndpointApp(ExplorerBase):
             self.worker.close()
             self.worker = None
 
+    def action_export(self) -> None:
+        """Write the finished request's events into a new folder under the export root (`reqscope replay` reads it)."""
+        view = self.view
+        if not view.done:
+            self.notify("the request is still streaming: export when it ends (c cancels it)")
+            return
+        name = view.sent.request_id if view.sent is not None and view.sent.request_id else "endpoint-request"
+        try:
+            folder = claim_run_folder(self.export_root, name)
+            path = write_endpoint_trace(folder, EndpointTraceHeader(self.target.url, self.model), view.events)
+        except OSError as exc:
+            self.notify(f"cannot write to {self.export_root}: {exc.strerror or exc}", title="export failed",
+                        severity="error", timeout=15)
+            return
+        self.last_export = path
+        self.notify(f"{path}: reqscope replay {path}", title="exported", timeout=15)
+
     def _can_send(self) -> bool:
+        if self.replay is not None:
+            self.notify("a replay: nothing to send (reqscope --endpoint URL sends the request)")
+            return False
         if self.worker is None or not self.model:
             self.notify("not connected" + (f": {self.load_error}" if self.load_error else ""))
             return False

@@ -35,9 +35,11 @@ class EndpointView(RequestView[ev.ClientEvent]):
     progress: list[PromptProgress] = field(default_factory=list)  # llama-server's progress through the prompt
     result: ev.EndpointResult | None = None
     cancelled: bool = False  # the user closed the stream before it ended
+    events: list[ev.ClientEvent] = field(default_factory=list)  # every event so far, for an export
 
     def apply(self, event: ev.ClientEvent) -> None:
         """Fold one event in."""
+        self.events.append(event)
         if isinstance(event, ev.RequestSent):
             self.sent = event
         elif isinstance(event, ev.ConnectionReady):
