@@ -9,6 +9,13 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -51,3 +58,47 @@ def default_gguf() -> Path | None:
     or None where it is missing or not whole."""
     gguf = peers_dir() / DEFAULT_GGUF_NAME
     return gguf if gguf.is_file() and gguf.stat().st_size == DEFAULT_GGUF_BYTES else None
+
+
+@contextmanager
+def llama_server(*flags: str, start_s: float = 120.0) -> Iterator[str]:
+    """Run the provisioned llama-server on the default GGUF on a free loopback port, with `flags`
+    added; yields its root URL once `/health` answers 200, and stops it on the way out."""
+    binary, gguf = llama_server_binary(), default_gguf()
+    assert binary is not None and gguf is not None
+    port = free_port()
+    # Its libraries sit beside it; a binary built elsewhere names that build folder in its RUNPATH.
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(binary.parent), env.get("LD_LIBRARY_PATH")]))
+    # One thread: llama.cpp's threads spin-wait for each other, and on a 2-core machine shared with
+    # other work two of them ran 8x slower than one (5 against 41 tokens/s here).
+    command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "1", *flags]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        try:
+            _wait_healthy(f"http://127.0.0.1:{port}", proc, log, start_s)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_healthy(root: str, proc: subprocess.Popen, log, start_s: float) -> None:
+    deadline = time.monotonic() + start_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            tail = log.read().decode(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"llama-server exited with {proc.returncode}: " + " | ".join(tail))
+        try:
+            with urllib.request.urlopen(root + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (OSError, urllib.error.HTTPError):
+            pass  # not listening yet, or 503 while it loads the model
+        time.sleep(0.1)
+    raise RuntimeError(f"llama-server at {root} was not healthy within {start_s:.0f} s")

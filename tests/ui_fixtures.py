@@ -164,3 +164,16 @@ def batched_replay_app(**options) -> ReplayExplorer:
     """The explorer replaying the batched run (`batched_events`)."""
     header, events = batched_events()
     return ReplayExplorer(header, events, source_name=TRACE_NAME, **options)
+
+
+def panel_text(app, selector: str) -> str:
+    """What a panel (or any widget) of `app`'s screen draws, as plain text 300 columns wide."""
+    import io
+
+    from rich.console import Console
+    from textual.widgets import Static
+
+    widget = app.screen.query_one(selector)
+    console = Console(width=300, file=io.StringIO(), record=True, color_system=None)
+    console.print(widget.content if isinstance(widget, Static) else widget.render())
+    return console.export_text()

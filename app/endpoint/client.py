@@ -195,6 +195,10 @@ class EndpointClient:
         body = chat_body(request, model, settings, limit_field, server_fields(kind.name))
         request_id = f"reqscope-{uuid.uuid4().hex[:16]}"
         headers = {**self._headers(), REQUEST_ID_HEADER: request_id}
+        if kind.name == LLAMA_SERVER:
+            # llama-server closes the connection after each stream without saying so; kept in the
+            # pool, it would fail the next request on it. Asking for the close keeps it out.
+            headers["Connection"] = "close"
         timeline = Timeline()
         send_unix_ms = time.time() * 1000
         t_send = timeline.mark("client_send", url)

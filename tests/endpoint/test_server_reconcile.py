@@ -117,7 +117,7 @@ def test_each_view_left_off_names_its_flag():
     lines = [o.line() for o in off_views(llama, cached_reported=True, otlp_listen=None, metrics_off=True,
                                          slots_off=True)]
     assert lines == ["the batch (requests processing, deferred): off; start llama-server with --metrics",
-                     "the slots (each one's task and tokens): off; start llama-server with --slots"]
+                     "the slots (each one's task and tokens): off; start llama-server without --no-slots"]
 
 
 def test_a_poll_long_after_the_spike_is_not_taken_as_its_cause():

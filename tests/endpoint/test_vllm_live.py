@@ -1,7 +1,8 @@
 """reqscope.endpoint.server.vllm and .otlp against a real vLLM (0.32, CPU build) on the default model.
 
-One vLLM serves the module, with per-request metrics, prompt token details and its trace exporter
-pointed at an OtlpReceiver of ours (on a loop in a thread of its own). One streamed chat request
+The session's vLLM (tests/endpoint/conftest.py) serves the module, with per-request metrics, prompt
+token details and its trace exporter pointed at an OtlpReceiver of ours (on a loop in a thread of
+its own) while the module runs. One streamed chat request
 is sent while /metrics is polled around it; every test reads that exchange. vLLM comes from
 scripts/peers/vllm; where it has not been run, the module skips.
 """
@@ -11,21 +12,16 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import signal
-import subprocess
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from peers import free_port, vllm_python
+from peers import vllm_python
 from prometheus_client.parser import text_string_to_metric_families
 
 from reqscope.endpoint.server.otlp import OtlpReceiver
@@ -38,12 +34,10 @@ from reqscope.endpoint.server.vllm import (
     vllm_prompt,
 )
 
-VLLM_PYTHON = vllm_python()
-if VLLM_PYTHON is None:
+if vllm_python() is None:
     pytest.skip("vLLM is not provisioned: run scripts/peers/vllm", allow_module_level=True)
 
-MODEL = "smollm2"
-HEALTH_TIMEOUT_S = 240.0
+MODEL = "smollm2"  # the name the session's vLLM serves the default model under (conftest.py)
 SPAN_TIMEOUT_S = 15.0
 # Long enough (about 30 ms a token here) for a /metrics poll to land while it decodes.
 MAX_TOKENS = 96
@@ -72,69 +66,19 @@ class Vllm:
     root: str  # without /v1
     receiver: OtlpReceiver
     thread: LoopThread
-    log: Path
 
 
 @pytest.fixture(scope="module")
-def vllm(default_model_dir, tmp_path_factory) -> Iterator[Vllm]:
+def vllm(vllm_server) -> Iterator[Vllm]:
+    """The session's vLLM, with a receiver of this module's listening where its spans go."""
     thread = LoopThread()
     receiver = OtlpReceiver()
-    thread.call(receiver.start("127.0.0.1", 0))
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",  # its default is gRPC
-    }
-    command = [
-        str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(default_model_dir), "--served-model-name", MODEL,
-        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
-        "--enable-per-request-metrics", "--enable-prompt-tokens-details",
-        "--otlp-traces-endpoint", receiver.endpoint,
-    ]  # fmt: skip
-    with log.open("wb") as out:
-        # A session of its own: vLLM starts an engine core and a worker process, stopped with it.
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    root = f"http://127.0.0.1:{port}"
+    thread.call(receiver.start("127.0.0.1", vllm_server.otlp_port))
     try:
-        _wait_healthy(root, process, log)
-        yield Vllm(root, receiver, thread, log)
+        yield Vllm(vllm_server.root, receiver, thread)
     finally:
-        _stop(process)
         thread.call(receiver.stop())
         thread.close()
-
-
-def _wait_healthy(root: str, process: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + HEALTH_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"vLLM exited with {process.returncode} before /health answered:\n{_tail(log)}")
-        try:
-            with urllib.request.urlopen(root + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"vLLM's /health did not answer within {HEALTH_TIMEOUT_S:.0f} s:\n{_tail(log)}")
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
-
-
-def _tail(log: Path, lines: int = 30) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
 @dataclass(frozen=True)

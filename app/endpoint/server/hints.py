@@ -43,5 +43,7 @@ def off_views(
             off.append(OffView("the batch (requests processing, deferred)", "--metrics",
                                "start llama-server with --metrics"))
         if slots_off:
-            off.append(OffView("the slots (each one's task and tokens)", "--slots", "start llama-server with --slots"))
+            # /slots is on by default in llama-server: only --no-slots turns it off.
+            off.append(OffView("the slots (each one's task and tokens)", "--no-slots",
+                               "start llama-server without --no-slots"))
     return tuple(off)

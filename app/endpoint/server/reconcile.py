@@ -145,25 +145,47 @@ def spike_marks(chunk_times_ms: Sequence[float], samples: Sequence[BatchSample])
 
 def _batch_change(samples: Sequence[BatchSample], start: float, end: float) -> str:
     before = next((s for s in reversed(samples) if s.t_ms <= start), None)
-    # The first poll that answered after the gap began, no later than one poll interval past its end.
-    after = next((s for s in samples if s.t_ms > start), None)
-    interval = statistics.median(b.t_ms - a.t_ms for a, b in zip(samples, samples[1:], strict=False)) if len(
-        samples) > 1 else 0.0
-    if before is None or after is None or after.t_ms > end + interval:
+    # The polls that answered during the gap, up to the first one after its end: gauges by their
+    # peak (a queue may fill and drain within the gap), counters by where they stood after it.
+    window = []
+    for sample in samples:
+        if sample.t_ms > start:
+            window.append(sample)
+            if sample.t_ms >= end:
+                break
+    gaps = [b.t_ms - a.t_ms for a, b in zip(samples, samples[1:], strict=False)]
+    interval = statistics.median(gaps) if gaps else 0.0
+    # A poll sent within one interval of the gap's end speaks for it, however late it answered
+    # (a server busy with a long prompt answers its /metrics late too).
+    if before is None or not window or window[-1].t_ms - window[-1].poll_ms > end + interval:
         return "no poll of the batch around it"
+    after = window[-1]
     changes = []
-    if _rose(before.waiting, after.waiting):
-        changes.append(f"waiting rose {before.waiting:.0f}→{after.waiting:.0f}")
+    waiting = _peak(s.waiting for s in window)
+    if _rose(before.waiting, waiting):
+        changes.append(f"waiting rose {before.waiting:.0f}→{waiting:.0f}")
     if _rose(before.preemptions_total, after.preemptions_total):
         n = after.preemptions_total - before.preemptions_total
         changes.append("a preemption" if n == 1 else f"{n:.0f} preemptions")
-    if _rose(before.prompt_tokens_total, after.prompt_tokens_total):
-        added = after.prompt_tokens_total - before.prompt_tokens_total
-        if added >= LONG_PROMPT_TOKENS:
-            changes.append(f"a long prompt arrived (+{added:,.0f} prompt tokens)")
-    if _rose(before.running, after.running):
-        changes.append(f"running rose {before.running:.0f}→{after.running:.0f}")
+    # Prompt tokens taken in: vLLM counts a prompt in its prefix-cache queries when it schedules it,
+    # and in its prompt tokens once prefilled; llama-server in its prompt tokens.
+    added = max(_added(before.prompt_tokens_total, after.prompt_tokens_total),
+                _added(before.prefix_queries_total, after.prefix_queries_total))
+    if added >= LONG_PROMPT_TOKENS:
+        changes.append(f"a long prompt arrived (+{added:,.0f} prompt tokens)")
+    running = _peak(s.running for s in window)
+    if _rose(before.running, running):
+        changes.append(f"running rose {before.running:.0f}→{running:.0f}")
     return ", ".join(changes) or "no change in the batch seen"
+
+
+def _added(a: float | None, b: float | None) -> float:
+    return b - a if a is not None and b is not None else 0.0
+
+
+def _peak(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 def _rose(a: float | None, b: float | None) -> bool:

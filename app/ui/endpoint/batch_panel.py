@@ -49,7 +49,7 @@ class EndpointBatchPanel(Panel[EndpointFrame]):
                                f"{mark.reason}", "yellow"))
         server = view.server
         if server is not None:
-            lines += [_dim(o.line()) for o in server.off if o.flag in ("--metrics", "--slots")]
+            lines += [_dim(o.line()) for o in server.off if o.flag in ("--metrics", "--no-slots")]
         return Group(*lines[: max(height, 1)])
 
 

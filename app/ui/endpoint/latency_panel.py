@@ -81,7 +81,7 @@ def _server_lines(result: EndpointResult | None, width: int) -> list[Text]:
         lines.append(_dim(f"server's view: {why}"))
     if view is not None:
         lines += [Text(o.line(), style="yellow", no_wrap=True, overflow="ellipsis") for o in view.off
-                  if o.flag not in ("--metrics", "--slots")]
+                  if o.flag not in ("--metrics", "--no-slots")]
     if result.server is None and result.timings is None:
         return lines
     t = result.ttft

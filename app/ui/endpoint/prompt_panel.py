@@ -33,14 +33,42 @@ class ServerPromptPanel(Panel[EndpointFrame]):
         lines.append(Text(_cached(frame), style="dim", no_wrap=True, overflow="ellipsis"))
         prompt = server.prompt
         if prompt is not None:
+            byte_level = _byte_level(prompt.pieces)
             body = Text(overflow="fold")
             for i, token in enumerate(prompt.token_ids):
                 body.append(f"{token}", style="dim")
                 piece = prompt.pieces[i] if i < len(prompt.pieces) else ""
+                piece = _from_byte_level(piece) if byte_level else piece
                 body.append(show_piece(piece, 24) if piece else "", style="bold")
                 body.append(" ")
             lines.append(body)
         return Group(*lines)
+
+
+def _byte_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, read backwards: each stand-in character to the byte it stands for."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in kept}
+    shifted = 0
+    for b in range(256):
+        if b not in kept:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+_BYTES = _byte_table()
+
+
+def _byte_level(pieces: tuple[str, ...]) -> bool:
+    """Whether the pieces are a byte-level vocabulary's raw strings (vLLM's token_strs: `Ġare`, `Ċ`)."""
+    return any("Ġ" in p or "Ċ" in p for p in pieces)
+
+
+def _from_byte_level(piece: str) -> str:
+    if not all(ch in _BYTES for ch in piece):
+        return piece  # a special token such as <|im_start|>: its text is its own
+    return bytes(_BYTES[ch] for ch in piece).decode("utf-8", errors="replace")
 
 
 def _cached(frame: EndpointFrame) -> str:
