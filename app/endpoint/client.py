@@ -21,7 +21,7 @@ import asyncio
 import dataclasses
 import json
 import time
-import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
@@ -128,6 +128,7 @@ class EndpointClient:
         self.otlp: OtlpReceiver | None = None  # the receiver, while the client is open
         self.span_wait_s = span_wait_s
         self.kind: ServerKind | None = None  # which server it is, asked once (`identify`)
+        self._sent: Counter[str] = Counter()  # sends of each request id, so a resend gets an id of its own
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> EndpointClient:
@@ -193,7 +194,12 @@ class EndpointClient:
         url = self.base_url + "/chat/completions"
         limit_field = token_limit_field(self.base_url)
         body = chat_body(request, model, settings, limit_field, server_fields(kind.name))
-        request_id = f"reqscope-{uuid.uuid4().hex[:16]}"
+        # The request's own id, sent as X-Request-Id: the server's records (its span, its logs, vLLM's
+        # response id) then name the request as the screen does. The same request sent again gets a
+        # suffix, so no two of the server's records share an id.
+        self._sent[request.request_id] += 1
+        sends = self._sent[request.request_id]
+        request_id = request.request_id if sends == 1 else f"{request.request_id}-{sends}"
         headers = {**self._headers(), REQUEST_ID_HEADER: request_id}
         if kind.name == LLAMA_SERVER:
             # llama-server closes the connection after each stream without saying so; kept in the

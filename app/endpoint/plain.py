@@ -49,13 +49,13 @@ async def print_endpoint_plain(
             out.flush()
         elif isinstance(event, ev.StreamEnded):
             result = event.result
+            out.write("\n")  # the answer ends here: what follows on stderr starts on a line of its own
+            out.flush()
             if _waits_for_span(result):
                 note("· waiting for the server's trace span (vLLM exports them every few seconds)")
         elif isinstance(event, ev.SpanReceived) and result is not None:
             result = dataclasses.replace(result, server_view=event.view)
     assert result is not None, "a stream always ends with StreamEnded"
-    out.write("\n")
-    out.flush()
     plan = kv_plan_for(result) if kv_plan_for is not None and result.usage is not None else None
     settings = sent.settings if sent is not None else None
     note(endpoint_summary(result, plan, planner_asked=kv_plan_for is not None, settings=settings))

@@ -40,9 +40,10 @@ def _span(start_after_send_ms: float, ttft: float, queue: float, prefill: float)
 
 def test_a_span_places_the_server_inside_the_clients_ttft_and_the_parts_add_up():
     split = split_from_span(120.0, SEND, _span(start_after_send_ms=4.0, ttft=100.0, queue=30.0, prefill=65.0))
-    assert split.connection_http_ms == pytest.approx(4.0)
+    # 4 ms to arrive, then 5 ms in vLLM's API (100 - 30 - 65) before the queue: both before the engine.
+    assert split.connection_http_ms == pytest.approx(9.0) and split.server_api_ms == pytest.approx(5.0)
     assert split.queue_ms == 30.0
-    assert split.prefill_first_token_ms == pytest.approx(70.0)  # from arrival to first token, less the queue
+    assert split.prefill_first_token_ms == pytest.approx(65.0)  # the engine's own: vLLM's time_in_model_prefill
     assert split.delivery_ms == pytest.approx(16.0)
     parts = [ms for _, ms in split_parts(split)]
     assert sum(parts) == pytest.approx(split.client_ttft_ms) and not split.joined and split.clock_note is None
@@ -75,6 +76,9 @@ def test_llama_progress_gives_the_prompts_start_on_the_clients_clock():
     assert sum(ms for _, ms in split_parts(split) if ms is not None) == pytest.approx(70.0)
     alone = split_from_llama(70.0, prompt_ms=32.0)
     assert alone.joined and alone.outside_ms == pytest.approx(38.0)
+    # A progress chunk that reached the client late leaves no room for delivery: the start moves back.
+    late = split_from_llama(70.0, prompt_ms=32.0, progress=[PromptProgress(45.0, 40, 0, 8, 5.0)])
+    assert late.connection_http_ms == pytest.approx(38.0) and late.delivery_ms == 0.0 and late.clock_note is None
 
 
 def test_the_finest_report_wins():

@@ -128,7 +128,8 @@ async def test_the_explorer_draws_vllms_batch_tokens_and_split(vllm_server):
         await wait_for(pilot, lambda: not app.needs_repaint)
         assert app.query_one("#body").has_class("-server-strip")
         view = app.view.server
-        latency, batch, template = (panel_text(app, f"#{name}") for name in ("latency", "batch", "template"))
+        latency, batch, template = (panel_text(app, f"#{name}").replace("\u00a0", " ")
+                                    for name in ("latency", "batch", "template"))
         assert f"TTFT {view.ttft_split.client_ttft_ms:.1f} ms (client) split by the server: vLLM span" in latency
         named = [name for name, ms in split_parts(view.ttft_split) if ms is not None]
         assert all(name in latency for name in named) and "vLLM per-request metrics" in latency

@@ -291,8 +291,8 @@ def test_the_cli_opens_the_endpoint_explorer_on_a_terminal(served, monkeypatch, 
     err = capsys.readouterr().err
     assert code == 0, err
     line = err.strip().splitlines()[-1]
-    # The id is the one the client sent (X-Request-Id), which reqscope serve keeps as the request's own.
-    assert line.startswith("reqscope: reqscope-") and "length: 5 tokens in" in line and "TTFT" in line
+    # The request's own id, sent as X-Request-Id, which reqscope serve keeps as the request's.
+    assert line.startswith("reqscope: req-") and "length: 5 tokens in" in line and "TTFT" in line
 
 
 def test_the_cli_reports_a_refused_key_as_one_line_and_exit_code_1(served, monkeypatch, capsys):

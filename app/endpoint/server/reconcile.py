@@ -26,27 +26,35 @@ CLOCK_SLACK_MS = 2.0
 
 
 def split_from_span(client_ttft_ms: float, send_unix_ms: float, span: ServerSpan) -> TtftSplit | None:
-    """vLLM's span: its start (arrival) and TTFT on the wall clock place the server inside the client's TTFT."""
+    """vLLM's span: its start (arrival) and TTFT on the wall clock place the server inside the client's TTFT.
+
+    The span's TTFT counts from arrival; what it holds before the queue (vLLM's API: the chat
+    template, tokenizing) goes with connection and HTTP, so that "prefill and first token" is the
+    engine's own, as vLLM's `time_in_model_prefill`.
+    """
     if span.ttft_ms is None:
         return None
     queue = span.queue_ms or 0.0
-    connection = span.start_unix_ms - send_unix_ms
-    delivery = client_ttft_ms - connection - span.ttft_ms
+    prefill = span.prefill_ms if span.prefill_ms is not None else span.ttft_ms - queue
+    api = span.ttft_ms - queue - prefill
+    to_arrival = span.start_unix_ms - send_unix_ms
+    delivery = client_ttft_ms - to_arrival - span.ttft_ms
     note = None
-    if connection < -CLOCK_SLACK_MS:
-        note = f"the server's span starts {-connection:.1f} ms before the client sent: the two clocks disagree"
+    if to_arrival < -CLOCK_SLACK_MS:
+        note = f"the server's span starts {-to_arrival:.1f} ms before the client sent: the two clocks disagree"
     elif delivery < -CLOCK_SLACK_MS:
         note = (f"the server's first token comes {-delivery:.1f} ms after the client read it: "
                 "the two clocks disagree")
     return TtftSplit(
         client_ttft_ms=client_ttft_ms,
-        connection_http_ms=connection,
+        connection_http_ms=to_arrival + api,
         queue_ms=span.queue_ms,
-        prefill_first_token_ms=span.ttft_ms - queue,
+        prefill_first_token_ms=prefill,
         delivery_ms=delivery,
         outside_ms=client_ttft_ms - span.ttft_ms,
         source="vLLM span llm_request (OTLP)",
         clock_note=note,
+        server_api_ms=api,
     )
 
 
@@ -70,7 +78,9 @@ def split_from_llama(
         return None
     if progress:
         first = progress[0]
-        started = first.t_ms - first.time_ms  # the client's clock when the server began the prompt
+        # When the server began the prompt, on the client's clock: read late by the progress
+        # chunk's own trip to the client, so where it leaves no room for delivery it is moved back.
+        started = min(first.t_ms - first.time_ms, client_ttft_ms - prompt_ms)
         return TtftSplit(
             client_ttft_ms=client_ttft_ms,
             connection_http_ms=started,
@@ -79,7 +89,7 @@ def split_from_llama(
             delivery_ms=client_ttft_ms - started - prompt_ms,
             outside_ms=client_ttft_ms - prompt_ms,
             source="llama-server timings + prompt_progress",
-            clock_note=_over(client_ttft_ms, started + prompt_ms, "prompt start and time"),
+            clock_note=_over(client_ttft_ms, prompt_ms, "prompt time"),
         )
     return _joined(client_ttft_ms, None, prompt_ms, prompt_ms, "llama-server timings")
 

@@ -135,6 +135,9 @@ class TtftSplit:
     source: str  # where the server's part came from
     joined: bool = False
     clock_note: str | None = None
+    # Of connection and HTTP, the part inside the server before its queue (its API: the chat
+    # template, tokenizing); known from vLLM's span only.
+    server_api_ms: float | None = None
 
 
 @dataclass(frozen=True)

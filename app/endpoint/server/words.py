@@ -29,7 +29,14 @@ def split_line(split: TtftSplit) -> str:
     """TTFT as the sum of its parts, in one line, with the source."""
     parts = " + ".join(f"{name} {ms:.1f}" for name, ms in split_parts(split) if ms is not None)
     joined = " (connection, HTTP and delivery together: no shared clock)" if split.joined else ""
-    return f"TTFT {split.client_ttft_ms:.1f} ms = {parts} ms, from {split.source}{joined}"
+    return f"TTFT {split.client_ttft_ms:.1f} ms = {parts} ms, from {split.source}{joined}{api_note(split)}"
+
+
+def api_note(split: TtftSplit) -> str:
+    """Where known, how much of connection and HTTP the server spent before its queue."""
+    if split.server_api_ms is None:
+        return ""
+    return f"; of connection + HTTP, {split.server_api_ms:.1f} ms inside the server before its queue (template, tokens)"
 
 
 def batch_change(first: BatchSample, last: BatchSample) -> str:

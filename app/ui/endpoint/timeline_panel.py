@@ -1,8 +1,9 @@
 """The client's timeline, event by event, and the server's stages when it reports them.
 
-Client events are on the client's clock from the send; the server's are on its own clock from
-the moment its handler saw the request, so the two columns are never subtracted from each
-other, only their spans compared (that is the latency panel's TTFT split).
+Client events are on the client's clock from the send; a server's stages are on its own clock
+from the moment its handler saw the request, so the two columns are never subtracted from each
+other, only their spans compared (that is the latency panel's TTFT split). vLLM's span is the
+exception: its times are wall-clock times, so its moments are placed on the client's clock.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from rich.text import Text
 
 from minengine.engine.timeline import TimelineEvent
 from reqscope.endpoint.events import ServerReport, ServerTimings
+from reqscope.endpoint.server.records import ServerView
 from reqscope.ui.endpoint.frame import EndpointFrame
 from reqscope.ui.endpoint.view import EndpointView
 from reqscope.ui.panel import Panel
@@ -35,7 +37,11 @@ class EndpointTimelinePanel(Panel[EndpointFrame]):
             lines.append(line)
             previous = event.t_ms
         result = view.result
-        lines += _server(result.server if result else None, result.timings if result else None, view.done)
+        server = view.server
+        if server is not None and (server.span is not None or server.vllm_metrics is not None):
+            lines += _vllm(server)
+        else:
+            lines += _server(result.server if result else None, result.timings if result else None, view.done)
         if frame.new_connection:
             lines.append(Text("--new-connection: each request opens (and pays for) its own connection", style="dim",
                               no_wrap=True, overflow="ellipsis"))
@@ -68,6 +74,43 @@ def client_events(view: EndpointView) -> list[TimelineEvent]:
                   len(folded))
         folded.insert(at, row)
     return sorted(folded, key=lambda e: e.t_ms)
+
+
+def _vllm(view: ServerView) -> list[Text]:
+    """vLLM's view: its span's moments placed on the client's clock (both are wall clocks on one
+    machine, and the client's origin is its send), or else its per-request durations."""
+    span = view.span
+    if span is None:
+        m = view.vllm_metrics
+        lines = [Text(""), Text(f"{'server stage':<22}{'ms':>10}  own clock (vLLM per-request metrics)",
+                                style="dim underline", no_wrap=True, overflow="ellipsis")]
+        for name, value in (("queue", m.queue_time_ms), ("prefill (from schedule)", m.time_to_first_token_ms),
+                            ("generation", m.generation_time_ms)):
+            if value is not None:
+                lines.append(Text(f"{name:<22}{value:>10.2f}", no_wrap=True, overflow="ellipsis"))
+        return lines
+    arrival = span.start_unix_ms - view.send_unix_ms
+    api = view.ttft_split.server_api_ms if view.ttft_split is not None else None
+    moments = [("server arrival", arrival, "vLLM's API has the request")]
+    if api is not None:
+        moments.append(("server queued", arrival + api, "template and tokens done"))
+        if span.queue_ms is not None:
+            moments.append(("server scheduled", arrival + api + span.queue_ms, "prefill starts"))
+    if span.ttft_ms is not None:
+        moments.append(("server first token", arrival + span.ttft_ms, ""))
+    if span.e2e_ms is not None:
+        moments.append(("server end", arrival + span.e2e_ms, ""))
+    lines = [Text(""), Text(f"{'server event':<22}{'t ms':>10}{'+ms':>9}  vLLM span, on the client's clock",
+                            style="dim underline", no_wrap=True, overflow="ellipsis")]
+    previous = 0.0
+    for name, t, detail in moments:
+        line = Text(no_wrap=True, overflow="ellipsis")
+        line.append(f"{name:<22}", style="bold")
+        line.append(f"{t:>10.2f}{t - previous:>9.2f}  ")
+        line.append(detail, style="dim")
+        lines.append(line)
+        previous = t
+    return lines
 
 
 def _server(report: ServerReport | None, timings: ServerTimings | None, done: bool) -> list[Text]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from reqscope.endpoint.server.records import TtftSplit
-from reqscope.endpoint.server.words import split_parts
+from reqscope.endpoint.server.words import api_note, split_parts
 
 _STYLE = {
     "connection + HTTP": "blue",
@@ -29,15 +29,17 @@ def ttft_bar(split: TtftSplit, width: int) -> list[Text]:
         cells = max(0, min(cells, width - used))
         bar.append("█" * cells, style=_STYLE[name])
         used += cells
-    legend = Text(no_wrap=True, overflow="ellipsis")
+    legend = Text()  # wraps: each part's figure stays readable in a narrow panel
     for i, (name, value) in enumerate(parts):
         legend.append(" · " if i else "")
         legend.append("■ ", style=_STYLE[name])
-        legend.append(f"{name} {value:.1f}")
-    legend.append(" ms")
+        legend.append(f"{name} {value:.1f} ms".replace(" ", "\u00a0"))  # an entry never breaks across lines
     head = Text(no_wrap=True, overflow="ellipsis", style="dim underline")
     head.append(f"TTFT {split.client_ttft_ms:.1f} ms (client) split by the server: {split.source}")
     lines = [head, bar, legend]
+    if split.server_api_ms is not None:
+        note = api_note(split).removeprefix("; ")
+        lines.append(Text(note[:1].upper() + note[1:], style="dim", no_wrap=True, overflow="ellipsis"))
     if split.joined:
         lines.append(Text("connection, HTTP and delivery are one figure: the server gives durations, not times",
                           style="dim", no_wrap=True, overflow="ellipsis"))
