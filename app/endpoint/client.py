@@ -40,7 +40,15 @@ from reqscope.endpoint.server.llama import LlamaRouteError, llama_prompt
 from reqscope.endpoint.server.otlp import OtlpReceiver
 from reqscope.endpoint.server.poller import BatchPoller, pollable
 from reqscope.endpoint.server.reconcile import best_split
-from reqscope.endpoint.server.records import LLAMA_SERVER, VLLM, ServerKind, ServerPrompt, ServerView
+from reqscope.endpoint.server.records import (
+    LLAMA_SERVER,
+    VLLM,
+    BatchSample,
+    PromptProgress,
+    ServerKind,
+    ServerPrompt,
+    ServerView,
+)
 from reqscope.endpoint.server.vllm import ServerPromptError, vllm_prompt
 from reqscope.endpoint.settings import RequestSettings, token_limit_field
 from reqscope.endpoint.wire import (
@@ -215,7 +223,7 @@ class EndpointClient:
         tasks = []
         if self.poll_ms > 0 and pollable(kind):
             poller = BatchPoller(self._session, kind, self._headers(), timeline, self.poll_ms,
-                                 lambda sample: inbox.put_nowait(ev.BatchPolled(sample)))
+                                 inbox.put_nowait)
             tasks.append(asyncio.create_task(poller.run()))
         tasks.append(asyncio.create_task(self._read(url, body, headers, reading, inbox)))
         try:
@@ -225,8 +233,8 @@ class EndpointClient:
             if poller is not None:  # stop polling; one last reading: the batch as the request ended
                 tasks[0].cancel()
                 if (last := await poller.poll()) is not None:
-                    reading.note(final := ev.BatchPolled(last))
-                    yield final
+                    reading.note(last)
+                    yield last
         finally:
             for task in tasks:
                 task.cancel()
@@ -348,10 +356,10 @@ class _Reading:
 
     def note(self, event: ev.ClientEvent) -> None:
         """Keep what the result needs of an event from the inbox (the batch samples)."""
-        if isinstance(event, ev.BatchPolled):
-            self.batch.append(event.sample)
+        if isinstance(event, BatchSample):
+            self.batch.append(event)
 
-    async def stream(self, resp: aiohttp.ClientResponse) -> AsyncIterator[ev.ChunkReceived | ev.ProgressReceived]:
+    async def stream(self, resp: aiohttp.ClientResponse) -> AsyncIterator[ev.ChunkReceived | PromptProgress]:
         # A stream the server closed without [DONE] keeps what arrived.
         async for data in sse_data(resp):
             if data == SSE_DONE:
@@ -363,7 +371,7 @@ class _Reading:
             for event in self._take(chunk):
                 yield event
 
-    def whole(self, body: object) -> list[ev.ChunkReceived | ev.ProgressReceived]:
+    def whole(self, body: object) -> list[ev.ChunkReceived | PromptProgress]:
         """A non-streamed response: its whole text is one chunk."""
         choice = body.get("choices", [{}])[0] if isinstance(body, dict) else {}
         message = choice.get("message") if isinstance(choice, dict) else None
@@ -373,7 +381,7 @@ class _Reading:
         data.update({k: body[k] for k in ("usage", "reqscope", "timings") if isinstance(body, dict) and k in body})
         return self._take(parse_chunk(json.dumps(data)))
 
-    def _take(self, chunk: StreamChunk) -> list[ev.ChunkReceived | ev.ProgressReceived]:
+    def _take(self, chunk: StreamChunk) -> list[ev.ChunkReceived | PromptProgress]:
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.usage = chunk.usage or self.usage
         self.server = chunk.server or self.server
@@ -382,11 +390,11 @@ class _Reading:
         self.prompt_token_ids = chunk.prompt_token_ids or self.prompt_token_ids
         self.cached_reported = self.cached_reported or chunk.cached_reported
         self.logprob_tokens += len(chunk.logprobs)
-        events: list[ev.ChunkReceived | ev.ProgressReceived] = []
+        events: list[ev.ChunkReceived | PromptProgress] = []
         if chunk.progress is not None:
             progress = dataclasses.replace(chunk.progress, t_ms=self.timeline.now_ms())
             self.progress.append(progress)
-            events.append(ev.ProgressReceived(progress))
+            events.append(progress)
         if not chunk.text:
             return events
         t = self.timeline.mark("token", f"chunk {len(self.texts)}")

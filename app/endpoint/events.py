@@ -3,7 +3,7 @@
 A consumer (the plain and JSON printers, the UI) receives, in order: RequestSent,
 ConnectionReady, ResponseStarted, one ChunkReceived per chunk of visible text, and always a
 closing StreamEnded whose result says whether it failed. Between them, where the server offers
-them: BatchPolled (its /metrics read while the request runs) and ProgressReceived (llama-server's
+them: BatchSample (its /metrics read while the request runs) and PromptProgress (llama-server's
 progress through the prompt). After StreamEnded, a SpanReceived when a trace receiver listens and
 the server's span for the request arrives. Every time is in milliseconds on the
 client's monotonic clock, counted from the send, so `RequestSent.t_ms` is 0. Events can arrive
@@ -65,20 +65,6 @@ class ChunkReceived:
     text: str
     itl_ms: float | None  # gap since the previous chunk; None for the first
     logprobs: tuple[TokenLogprob, ...]  # one per token the chunk carries, when the server sends them
-
-
-@dataclass(frozen=True)
-class BatchPolled:
-    """One poll of the server's `/metrics` (and `/slots`) while the request ran: the batch around it."""
-
-    sample: BatchSample
-
-
-@dataclass(frozen=True)
-class ProgressReceived:
-    """llama-server's progress through the prompt (`prompt_progress`, asked for with `return_progress`)."""
-
-    progress: PromptProgress
 
 
 @dataclass(frozen=True)
@@ -204,7 +190,10 @@ class SpanReceived:
     view: ServerView
 
 
+# The server's batch (one poll of its /metrics, and llama-server's /slots) and llama-server's progress
+# through the prompt are records of their own (`reqscope.endpoint.server.records`), stamped on the
+# client's clock, and travel as events as they are.
 ClientEvent = (
-    RequestSent | ConnectionReady | ResponseStarted | ChunkReceived | BatchPolled | ProgressReceived
+    RequestSent | ConnectionReady | ResponseStarted | ChunkReceived | BatchSample | PromptProgress
     | StreamEnded | SpanReceived
 )

@@ -22,7 +22,7 @@ from typing import TextIO
 from minengine.plan.planner import Plan
 from reqscope.console.json_out import emit, metrics_json
 from reqscope.endpoint import events as ev
-from reqscope.endpoint.server.records import BatchSample, ServerView
+from reqscope.endpoint.server.records import BatchSample, PromptProgress, ServerView
 from reqscope.endpoint.settings import LOGPROBS_COST_NOTE, RequestSettings
 
 
@@ -51,10 +51,10 @@ async def print_endpoint_jsonl(
             emit(out, {**record, "t_ms": _ms(event.t_ms)})
         elif isinstance(event, ev.ChunkReceived):
             emit(out, chunk_record(event))
-        elif isinstance(event, ev.BatchPolled):
-            emit(out, {"event": "batch", **batch_record(event.sample)})
-        elif isinstance(event, ev.ProgressReceived):
-            emit(out, {"event": "progress", "source": "llama-server prompt_progress", **asdict(event.progress)})
+        elif isinstance(event, BatchSample):
+            emit(out, {"event": "batch", **batch_record(event)})
+        elif isinstance(event, PromptProgress):
+            emit(out, {"event": "progress", "source": "llama-server prompt_progress", **asdict(event)})
         elif isinstance(event, ev.StreamEnded):
             result = event.result
             if result.error:

@@ -17,14 +17,15 @@ from pathlib import Path
 from minengine.errors import NotATraceError, ReqscopeError
 from minengine.record.trace_io import decode_value, encode_value
 from reqscope.endpoint import events as ev
+from reqscope.endpoint.server.records import BatchSample, PromptProgress
 
 ENDPOINT_TRACE = "endpoint-trace.jsonl"
 HEADER_TYPE = "reqscope-endpoint-trace"
 FORMAT_VERSION = 1
 EVENT_TYPES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (ev.RequestSent, ev.ConnectionReady, ev.ResponseStarted, ev.ChunkReceived, ev.BatchPolled,
-                ev.ProgressReceived, ev.StreamEnded, ev.SpanReceived)
+    for cls in (ev.RequestSent, ev.ConnectionReady, ev.ResponseStarted, ev.ChunkReceived, BatchSample,
+                PromptProgress, ev.StreamEnded, ev.SpanReceived)
 }
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from minengine.engine.events import Usage
 from minengine.engine.request import GenerationRequest
 from reqscope.endpoint.events import ServerReport, ServerTimings
+from reqscope.endpoint.json_values import count, figures_from, number
 from reqscope.endpoint.server.llama import parse_progress
 from reqscope.endpoint.server.records import LLAMA_SERVER, VLLM, PromptProgress, VllmRequestMetrics
 from reqscope.endpoint.server.vllm import parse_request_metrics, prompt_token_ids
@@ -166,11 +167,11 @@ def parse_usage(raw: object) -> Usage | None:
     """
     if not isinstance(raw, dict):
         return None
-    prompt, completion = _count(raw.get("prompt_tokens")), _count(raw.get("completion_tokens"))
+    prompt, completion = count(raw.get("prompt_tokens")), count(raw.get("completion_tokens"))
     if prompt is None or completion is None:
         return None
     details = raw.get("prompt_tokens_details")
-    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    cached = count(details.get("cached_tokens")) if isinstance(details, dict) else None
     return Usage(prompt, completion, cached_tokens=min(cached or 0, prompt))
 
 
@@ -183,13 +184,13 @@ def parse_server_report(chunk: dict) -> ServerReport | None:
     events = raw.get("events_ms") if isinstance(raw.get("events_ms"), dict) else {}
     return ServerReport(
         request_id=raw.get("request_id") if isinstance(raw.get("request_id"), str) else None,
-        ttft_ms=_number(raw.get("ttft_ms")),
-        e2e_ms=_number(raw.get("e2e_ms")),
-        tpot_ms=_number(raw.get("tpot_ms")),
-        queue_ms=_number(raw.get("queue_wait_ms")),
+        ttft_ms=number(raw.get("ttft_ms")),
+        e2e_ms=number(raw.get("e2e_ms")),
+        tpot_ms=number(raw.get("tpot_ms")),
+        queue_ms=number(raw.get("queue_wait_ms")),
         output_tokens=raw.get("output_tokens") if isinstance(raw.get("output_tokens"), int) else None,
-        stages_ms=tuple((k, float(v)) for k, v in stages.items() if _number(v) is not None),
-        events_ms=tuple(sorted(((k, float(v)) for k, v in events.items() if _number(v) is not None), key=_second)),
+        stages_ms=tuple((k, float(v)) for k, v in stages.items() if number(v) is not None),
+        events_ms=tuple(sorted(((k, float(v)) for k, v in events.items() if number(v) is not None), key=_second)),
     )
 
 
@@ -198,18 +199,7 @@ def parse_timings(chunk: dict) -> ServerTimings | None:
     raw = chunk.get(TIMINGS_KEY)
     if not isinstance(raw, dict):
         return None
-    timings = ServerTimings(
-        prompt_n=_count(raw.get("prompt_n")),
-        prompt_ms=_number(raw.get("prompt_ms")),
-        prompt_per_second=_number(raw.get("prompt_per_second")),
-        predicted_n=_count(raw.get("predicted_n")),
-        predicted_ms=_number(raw.get("predicted_ms")),
-        predicted_per_token_ms=_number(raw.get("predicted_per_token_ms")),
-        predicted_per_second=_number(raw.get("predicted_per_second")),
-        cache_n=_count(raw.get("cache_n")),
-        draft_n=_count(raw.get("draft_n")),
-        draft_n_accepted=_count(raw.get("draft_n_accepted")),
-    )
+    timings = figures_from(ServerTimings, raw)  # its fields keep llama.cpp's names
     if timings.prompt_ms is None and timings.predicted_ms is None:
         return None  # nothing the client could set beside its own figures
     return timings
@@ -232,14 +222,6 @@ def body_error(body: str) -> str:
         return error_message(json.loads(body))
     except json.JSONDecodeError:
         return body.strip()[:300] or "(empty body)"
-
-
-def _number(value: object) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _count(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _second(pair: tuple[str, float]) -> float:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from reqscope.endpoint.json_values import count, number
 from reqscope.endpoint.server.prometheus import read_metrics
 from reqscope.endpoint.server.records import BatchSample, PromptProgress, ServerPrompt, SlotState
 
@@ -70,9 +71,9 @@ def parse_progress(chunk: dict, t_ms: float) -> PromptProgress | None:
     raw = chunk.get(PROGRESS_KEY)
     if not isinstance(raw, dict):
         return None
-    total, cache, processed = _int(raw.get("total")), _int(raw.get("cache")), _int(raw.get("processed"))
+    total, cache, processed = count(raw.get("total")), count(raw.get("cache")), count(raw.get("processed"))
     time_ms = raw.get("time_ms")
-    if total is None or cache is None or processed is None or not _is_number(time_ms):
+    if total is None or cache is None or processed is None or number(time_ms) is None:
         return None
     return PromptProgress(t_ms=t_ms, total=total, cache=cache, processed=processed, time_ms=float(time_ms))
 
@@ -87,15 +88,15 @@ def parse_slots(body: object) -> tuple[SlotState, ...]:
         return ()
     slots = []
     for raw in body:
-        if not isinstance(raw, dict) or _int(raw.get("id")) is None:
+        if not isinstance(raw, dict) or count(raw.get("id")) is None:
             continue
         processing = raw.get("is_processing") is True
         slots.append(
             SlotState(
                 id=raw["id"],
                 processing=processing,
-                task=_int(raw.get("id_task")) if processing else None,
-                n_ctx=_int(raw.get("n_ctx")),
+                task=count(raw.get("id_task")) if processing else None,
+                n_ctx=count(raw.get("n_ctx")),
                 decoded=_decoded(raw.get("next_token")) if processing else None,
             )
         )
@@ -148,7 +149,7 @@ async def llama_prompt(session: aiohttp.ClientSession, root: str, messages: list
     tokens = answer.get("tokens") if isinstance(answer, dict) else None
     if not isinstance(tokens, list):
         raise LlamaRouteError("/tokenize", 200, "no tokens in the answer")
-    kept = [t for t in tokens if isinstance(t, dict) and _int(t.get("id")) is not None]
+    kept = [t for t in tokens if isinstance(t, dict) and count(t.get("id")) is not None]
     return ServerPrompt(
         source="llama-server /apply-template + /tokenize",
         token_ids=tuple(t["id"] for t in kept),
@@ -187,12 +188,6 @@ def _decoded(raw: object) -> int | None:
     # `next_token` is a list of one object in this llama.cpp, a bare object in older ones.
     if isinstance(raw, list) and raw:
         raw = raw[0]
-    return _int(raw.get("n_decoded")) if isinstance(raw, dict) else None
+    return count(raw.get("n_decoded")) if isinstance(raw, dict) else None
 
 
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)

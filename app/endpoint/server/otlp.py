@@ -23,6 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
+from reqscope.endpoint.json_values import count
 from reqscope.endpoint.server.records import ServerSpan
 
 SPAN_NAME = "llm_request"
@@ -68,7 +69,7 @@ def spans_from_export(body: bytes) -> list[ServerSpan]:
                         start_unix_ms=span.start_time_unix_nano / 1e6,
                         end_unix_ms=span.end_time_unix_nano / 1e6,
                         **{field: _ms(attributes.get(key)) for field, key in _LATENCIES.items()},
-                        **{field: _count(attributes.get(key)) for field, key in _COUNTS.items()},
+                        **{field: count(attributes.get(key)) for field, key in _COUNTS.items()},
                     )
                 )
     return found
@@ -84,12 +85,6 @@ def _ms(seconds: object) -> float | None:
     if isinstance(seconds, bool) or not isinstance(seconds, int | float):
         return None
     return seconds * 1000.0
-
-
-def _count(value: object) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return int(value)
 
 
 class OtlpReceiver:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -28,26 +29,18 @@ def pollable(kind: ServerKind) -> bool:
     return kind.name in (VLLM, LLAMA_SERVER)
 
 
+@dataclass
 class BatchPoller:
     """Polls one server until cancelled, handing each sample to `put` as it arrives."""
 
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        kind: ServerKind,
-        headers: dict[str, str],
-        timeline: Timeline,
-        interval_ms: float,
-        put: Callable[[BatchSample], None],
-    ) -> None:
-        self.session = session
-        self.kind = kind
-        self.headers = headers
-        self.timeline = timeline
-        self.interval_ms = interval_ms
-        self.put = put
-        self.metrics_off = False  # the server said /metrics is off
-        self.slots_off = False  # the server said /slots is off
+    session: aiohttp.ClientSession
+    kind: ServerKind
+    headers: dict[str, str]
+    timeline: Timeline  # the request's: each sample is stamped on the client's clock
+    interval_ms: float
+    put: Callable[[BatchSample], None]
+    metrics_off: bool = False  # the server said /metrics is off
+    slots_off: bool = False  # the server said /slots is off
 
     async def run(self) -> None:
         """Poll now, then every interval, until the task is cancelled."""

@@ -22,6 +22,7 @@ import json
 
 import aiohttp
 
+from reqscope.endpoint.json_values import figures_from
 from reqscope.endpoint.server.prometheus import read_metrics
 from reqscope.endpoint.server.records import BatchSample, ServerPrompt, VllmRequestMetrics
 
@@ -50,13 +51,7 @@ def parse_request_metrics(chunk: dict) -> VllmRequestMetrics | None:
     metrics = chunk.get("metrics")
     if not isinstance(metrics, dict):
         return None
-    parsed = VllmRequestMetrics(
-        queue_time_ms=_number(metrics.get("queue_time_ms")),
-        time_to_first_token_ms=_number(metrics.get("time_to_first_token_ms")),
-        generation_time_ms=_number(metrics.get("generation_time_ms")),
-        mean_itl_ms=_number(metrics.get("mean_itl_ms")),
-        tokens_per_second=_number(metrics.get("tokens_per_second")),
-    )
+    parsed = figures_from(VllmRequestMetrics, metrics)  # its fields keep vLLM's names
     # Another server's `metrics` object, with none of these figures, is not vLLM's.
     return None if parsed == _NO_METRICS else parsed
 
@@ -119,12 +114,6 @@ async def vllm_prompt(
     # The pieces are kept only where there is one per token: a shorter list could not be lined up.
     keep = isinstance(pieces, list) and len(pieces) == len(tokens) and all(isinstance(p, str) for p in pieces)
     return ServerPrompt(source=TOKENIZE_SOURCE, token_ids=tuple(tokens), pieces=tuple(pieces) if keep else ())
-
-
-def _number(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
 
 
 def _error_message(text: str) -> str:

@@ -22,12 +22,10 @@ class ServerPromptPanel(Panel[EndpointFrame]):
     WAITING = "read from the server once the stream ends…"
 
     def draw(self, frame: EndpointFrame, width: int, height: int) -> RenderableType:
-        view = frame.view
-        server = view.server
-        if server is None:
-            return Text("read from the server once the stream ends", style="dim")
-        result = view.result
-        usage = result.usage if result is not None else None
+        server, result = frame.view.server, frame.view.result
+        if server is None or result is None:
+            return Text(self.WAITING, style="dim")
+        usage = result.usage
         head = prompt_line(server, usage.prompt_tokens if usage else None)
         lines = [Text(head or "this server does not say which tokens it used", no_wrap=True, overflow="ellipsis")]
         lines.append(Text(_cached(frame), style="dim", no_wrap=True, overflow="ellipsis"))

@@ -40,22 +40,23 @@ class EndpointView(RequestView[ev.ClientEvent]):
     def apply(self, event: ev.ClientEvent) -> None:
         """Fold one event in."""
         self.events.append(event)
-        if isinstance(event, ev.RequestSent):
-            self.sent = event
-        elif isinstance(event, ev.ConnectionReady):
-            self.connection = event
-        elif isinstance(event, ev.ResponseStarted):
-            self.response = event
-        elif isinstance(event, ev.ChunkReceived):
-            self.chunks.append(event)
-        elif isinstance(event, ev.BatchPolled):
-            self.batch.append(event.sample)
-        elif isinstance(event, ev.ProgressReceived):
-            self.progress.append(event.progress)
-        elif isinstance(event, ev.StreamEnded):
-            self.result = event.result
-        elif isinstance(event, ev.SpanReceived) and self.result is not None:
-            self.result = dataclasses.replace(self.result, server_view=event.view)
+        match event:
+            case ev.RequestSent():
+                self.sent = event
+            case ev.ConnectionReady():
+                self.connection = event
+            case ev.ResponseStarted():
+                self.response = event
+            case ev.ChunkReceived():
+                self.chunks.append(event)
+            case BatchSample():
+                self.batch.append(event)
+            case PromptProgress():
+                self.progress.append(event)
+            case ev.StreamEnded():
+                self.result = event.result
+            case ev.SpanReceived() if self.result is not None:
+                self.result = dataclasses.replace(self.result, server_view=event.view)
 
     @property
     def server(self) -> ServerView | None:
