@@ -192,6 +192,7 @@ class EndpointApp(ExplorerBase):
             next_settings=self.next_settings,
             baseline=self._baseline() if self.settings.logprobs else None,
             poll_ms=self.target.poll_ms,
+            otlp_listen=self.target.otlp_listen is not None and self.replay is None,
         )
 
     def _baseline(self) -> Baseline | None:

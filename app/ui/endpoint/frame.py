@@ -34,3 +34,4 @@ class EndpointFrame:
     next_settings: RequestSettings | None = None  # changed settings, waiting for the next send
     baseline: Baseline | None = None  # to measure the logprobs' cost against, when the request asks for them
     poll_ms: float = 0.0  # how often the server's batch is read while a request runs (0: never)
+    otlp_listen: bool = False  # a receiver waits for the server's trace spans (--otlp-listen)

@@ -12,7 +12,7 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from reqscope.endpoint.events import EndpointResult
-from reqscope.endpoint.server.records import ServerView
+from reqscope.endpoint.server.records import VLLM, ServerView
 from reqscope.endpoint.settings import LOGPROBS_COST_NOTE
 from reqscope.ui.endpoint.frame import Baseline, EndpointFrame
 from reqscope.ui.endpoint.ttft_bar import ttft_bar
@@ -41,6 +41,8 @@ class EndpointLatencyPanel(Panel[EndpointFrame]):
             lines.append(Text(logprobs_cost_text(m.tpot_ms if m else None, frame.baseline), style="bold yellow",
                               no_wrap=True, overflow="ellipsis"))
         lines += _server_lines(view.result, width)
+        if _span_pending(frame):
+            lines.append(_dim("vLLM's span: waiting for it (vLLM exports spans every few seconds)"))
         lines += itl_chart(tuple(gaps), width, height - len(lines), unit="chunks")
         return Group(*lines[: max(height, 1)])
 
@@ -107,6 +109,15 @@ def _server_lines(result: EndpointResult | None, width: int) -> list[Text]:
         lines += [_heading("TPOT: client clock vs server clock"), *pairs(figures, width),
                   _dim("outside its decode: streaming each chunk, the network, the client's reading")]
     return lines
+
+
+def _span_pending(frame: EndpointFrame) -> bool:
+    """A receiver listens, the server is vLLM, the stream has ended well, and its span has not come yet."""
+    view = frame.view.server
+    if not frame.otlp_listen or view is None or view.kind.name != VLLM or view.span is not None:
+        return False
+    gave_up = any(o.flag == "--otlp-traces-endpoint" for o in view.off)
+    return not gave_up and frame.view.error is None
 
 
 def _vllm_lines(view: ServerView, width: int) -> list[Text]:
