@@ -33,7 +33,10 @@ if TYPE_CHECKING:
     from reqscope.serve.runner import BackgroundServer
 
 SERVE_HOST = "127.0.0.1"  # the explorer's API answers this machine only (it has no key)
-MAX_BACKGROUND = 16  # the engine's queue holds 16 waiting requests
+# The engine admits by KV capacity now (its queue is bounded by memory); past the most sequences a
+# step runs by default (vLLM's 256, `step_loop.DEFAULT_MAX_NUM_SEQS`: not imported, it loads torch)
+# more background requests would only wait, so that, less the user's own request, is the cap.
+MAX_BACKGROUND = 255
 SOLO_STEPS = 2  # decode steps the user's request runs alone before the background requests join
 _RETRY_S = 0.5  # a background request that failed is sent again after this (never a busy loop)
 _PARAGRAPH = (
@@ -81,7 +84,7 @@ class LoadOptions:
         background = getattr(args, "background", 0) or 0
         port = getattr(args, "serve_port", None)
         if background > MAX_BACKGROUND:
-            raise LoadError(f"--background {background} is more than the engine's queue holds; "
+            raise LoadError(f"--background {background} is more than the engine's steps run at once with yours; "
                                 f"give at most {MAX_BACKGROUND}")  # fmt: skip
         if port is not None:
             if port > 65535:
