@@ -40,9 +40,9 @@ class EndpointLatencyPanel(Panel[EndpointFrame]):
         if frame.settings.logprobs:
             lines.append(Text(logprobs_cost_text(m.tpot_ms if m else None, frame.baseline), style="bold yellow",
                               no_wrap=True, overflow="ellipsis"))
-        lines += _server_lines(view.result, width)
-        if _span_pending(frame):
+        if _span_pending(frame):  # before the server's lines, where a short panel still shows it
             lines.append(_dim("vLLM's span: waiting for it (vLLM exports spans every few seconds)"))
+        lines += _server_lines(view.result, width)
         lines += itl_chart(tuple(gaps), width, height - len(lines), unit="chunks")
         return Group(*lines[: max(height, 1)])
 
