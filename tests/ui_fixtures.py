@@ -177,3 +177,10 @@ def panel_text(app, selector: str) -> str:
     console = Console(width=300, file=io.StringIO(), record=True, color_system=None)
     console.print(widget.content if isinstance(widget, Static) else widget.render())
     return console.export_text()
+
+
+def background_threads() -> list:
+    """The explorer's background-load threads still alive (`--background N` names them reqscope-bg-*)."""
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith("reqscope-bg-") and t.is_alive()]

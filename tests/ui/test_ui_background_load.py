@@ -11,12 +11,11 @@ fits whole, the step line included, so no figure is cut by the ellipsis; and the
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 from rich.cells import cell_len
 from test_ui import panel_text
-from ui_fixtures import finished, kyoto_request, live_app, wait_for
+from ui_fixtures import background_threads, finished, kyoto_request, live_app, wait_for
 
 from minengine.engine.engine import Engine
 from reqscope.engine_load import LoadOptions
@@ -45,10 +44,6 @@ def anyio_backend():
 def own_engine(chatty_tiny_dir):
     """An engine of this test's own, its KV room for every background request at once."""
     return Engine(chatty_tiny_dir, device="cpu", dtype="float32", weights="float32", kv_budget_bytes=64 << 20)
-
-
-def background_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("reqscope-bg-") and t.is_alive()]
 
 
 def batch_lines(app: LiveExplorer) -> list[str]:

@@ -14,6 +14,7 @@ from ui_fixtures import (
     SOLO_STEP_MS,
     TRACE,
     TRACE_NAME,
+    background_threads,
     batched_events,
     batched_replay_app,
     finished,
@@ -52,10 +53,6 @@ def anyio_backend():
 def own_engine(chatty_tiny_dir):
     """An engine of this test's own: serving it replaces its scheduler, which no other test must see."""
     return Engine(chatty_tiny_dir, device="cpu", dtype="float32", weights="float32", kv_budget_bytes=64 << 20)
-
-
-def background_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("reqscope-bg-") and t.is_alive()]
 
 
 # -- snapshots -----------------------------------------------------------------------------------
