@@ -145,3 +145,56 @@ async def test_the_explorer_draws_vllms_batch_tokens_and_split(vllm_server):
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
+
+
+async def _background_load(root: str, stop: asyncio.Event, clients: int = 3) -> None:
+    """Other clients' streamed requests, a new one as each ends, until `stop`."""
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 48,
+            "stream": True}
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            async with session.post(root + "/v1/chat/completions", json=body) as resp:
+                async for _ in resp.content:
+                    pass
+
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.create_task(client(session)) for _ in range(clients)]
+        await stop.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+async def test_under_another_clients_load_the_explorer_shows_vllms_side_at_small_sizes(vllm_server, size):
+    stop = asyncio.Event()
+    load = asyncio.create_task(_background_load(vllm_server.root, stop))
+    target = EndpointTarget(vllm_server.v1, poll_ms=100, otlp_listen=("127.0.0.1", vllm_server.otlp_port))
+    app = EndpointApp(target, GenerationRequest.from_prompt("Hi"),
+                      settings=RequestSettings(temperature=0, max_tokens=48))
+    try:
+        async with app.run_test(size=size) as pilot:
+            await wait_for(pilot, lambda: app.view.server is not None, timeout=60)
+            stop.set()
+            await pilot.press("3")  # the latency panel: the client's TTFT, split by vLLM's queue and prefill
+            await wait_for(pilot, lambda: not app.needs_repaint)
+            split = app.view.server.ttft_split
+            latency = panel_text(app, "#latency").replace("\u00a0", " ")
+            assert f"TTFT {split.client_ttft_ms:.1f} ms (client) split by the server" in latency
+            assert f"queue {split.queue_ms:.1f}" in latency
+            assert f"prefill + first token {split.prefill_first_token_ms:.1f}" in latency
+            await pilot.press("6")  # the batch: vLLM's running and waiting, its KV use across the request
+            await wait_for(pilot, lambda: not app.needs_repaint)
+            batch = panel_text(app, "#batch")
+            peak = max(s.running for s in app.view.batch)
+            assert peak >= 2, "the other clients' requests never ran beside this one"
+            assert f"running at most {peak:.0f}" in batch and "KV %" in batch and "now: running" in batch
+            await wait_for(pilot, lambda: app.view.server.span is not None, timeout=40)
+            await pilot.press("3")
+            await wait_for(pilot, lambda: not app.needs_repaint)
+            assert "split by the server: vLLM span" in panel_text(app, "#latency")
+    finally:
+        stop.set()
+        await load

@@ -85,7 +85,9 @@ def _slot(slot) -> str:
 def _sparks(samples: list[BatchSample], width: int) -> list[Text]:
     lines = []
     room = max(width - 10, 4)
-    for name, values in (("running", [s.running for s in samples]), ("waiting", [s.waiting for s in samples])):
+    series = (("running", [s.running for s in samples]), ("waiting", [s.waiting for s in samples]),
+              ("KV %", [None if s.kv_usage is None else 100 * s.kv_usage for s in samples]))
+    for name, values in series:
         known = [v for v in values if v is not None]
         if len(known) >= 2:
             line = Text(no_wrap=True, overflow="crop")

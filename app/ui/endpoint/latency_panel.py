@@ -40,6 +40,11 @@ class EndpointLatencyPanel(Panel[EndpointFrame]):
         if frame.settings.logprobs:
             lines.append(Text(logprobs_cost_text(m.tpot_ms if m else None, frame.baseline), style="bold yellow",
                               no_wrap=True, overflow="ellipsis"))
+        if view.progress:  # llama-server's progress through the prompt, live while it runs
+            last = view.progress[-1]
+            lines.append(Text(f"prompt progress: {last.processed}/{last.total} tokens ({last.cache} from its cache) "
+                              f"in {last.time_ms:.1f} ms, {len(view.progress)} updates (llama-server)",
+                              no_wrap=True, overflow="ellipsis"))
         if _span_pending(frame):  # before the server's lines, where a short panel still shows it
             lines.append(_dim("vLLM's span: waiting for it (vLLM exports spans every few seconds)"))
         lines += _server_lines(view.result, width)
