@@ -46,10 +46,15 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_BYTES = 98_362_432  # a partial copy is never taken for the model
 
 
+LLAMA_SERVER_ENV = "REQSCOPE_LLAMA_SERVER"  # names a llama-server binary built elsewhere
+
+
 def llama_server_binary() -> Path | None:
-    """llama.cpp's llama-server (`scripts/peers/llama-server`: `llama.cpp/bin/llama-server`, its shared
-    libraries beside it), or None where it is not installed."""
-    binary = peers_dir() / "llama.cpp" / "bin" / "llama-server"
+    """llama.cpp's llama-server: the binary $REQSCOPE_LLAMA_SERVER names, else the one
+    `scripts/peers/llama-server` provisions (`llama.cpp/bin/llama-server`, its shared libraries beside
+    it); None where neither is there."""
+    named = os.environ.get(LLAMA_SERVER_ENV)
+    binary = Path(named) if named else peers_dir() / "llama.cpp" / "bin" / "llama-server"
     return binary if os.access(binary, os.X_OK) else None
 
 
