@@ -252,6 +252,7 @@ class EndpointClient:
             prompt=prompt,
             prompt_error=prompt_error,
             prompt_token_ids=reading.prompt_token_ids,
+            sglang_meta=reading.sglang_meta,
         )
         result = reading.result(view)
         off = dict(cached_reported=reading.cached_reported, otlp_listen=self._otlp_listen(),
@@ -351,6 +352,7 @@ class _Reading:
         self.vllm_metrics = None
         self.prompt_token_ids: tuple[int, ...] | None = None
         self.cached_reported = False
+        self.sglang_meta = None
         self.progress: list = []
         self.batch: list = []
 
@@ -389,6 +391,7 @@ class _Reading:
         self.vllm_metrics = chunk.vllm_metrics or self.vllm_metrics
         self.prompt_token_ids = chunk.prompt_token_ids or self.prompt_token_ids
         self.cached_reported = self.cached_reported or chunk.cached_reported
+        self.sglang_meta = chunk.sglang_meta or self.sglang_meta
         self.logprob_tokens += len(chunk.logprobs)
         events: list[ev.ChunkReceived | PromptProgress] = []
         if chunk.progress is not None:

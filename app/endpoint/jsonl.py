@@ -165,6 +165,8 @@ def span_record(view: ServerView) -> dict:
         "span": None if view.span is None else {"source": "vLLM span llm_request (OTLP)", **asdict(view.span)},
         "ttft_split": None if view.ttft_split is None else asdict(view.ttft_split),
         "off": [asdict(o) for o in view.off],
+        "sglang_meta_info": None if view.sglang_meta is None else {
+            "source": "SGLang meta_info (untested against a live SGLang)", **asdict(view.sglang_meta)},
     }
 
 
@@ -184,4 +186,6 @@ def server_view_record(view: ServerView) -> dict:
         "batch_polls": {"count": len(view.batch), "interval_ms": view.poll_interval_ms,
                         "mean_poll_ms": None if view.poll_cost_ms is None else _ms(view.poll_cost_ms)},
         "off": [asdict(o) for o in view.off],
+        "sglang_meta_info": None if view.sglang_meta is None else {
+            "source": "SGLang meta_info (untested against a live SGLang)", **asdict(view.sglang_meta)},
     }

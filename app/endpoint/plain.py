@@ -14,6 +14,7 @@ from reqscope.endpoint import events as ev
 from reqscope.endpoint.metrics import prompt_count
 from reqscope.endpoint.server.reconcile import spike_marks
 from reqscope.endpoint.server.records import VLLM, ServerView
+from reqscope.endpoint.server.sglang import meta_info_line
 from reqscope.endpoint.server.words import batch_lines, prompt_line, split_line
 from reqscope.endpoint.settings import LOGPROBS_COST_NOTE, RequestSettings, logprobs_text, settings_text
 
@@ -149,6 +150,8 @@ def _view_lines(view: ServerView, r: ev.EndpointResult) -> list[str]:
         figures = (("queue", s.queue_ms), ("prefill", s.prefill_ms), ("decode", s.decode_ms), ("e2e", s.e2e_ms))
         shown = ", ".join(f"{name} {ms:.1f} ms" for name, ms in figures if ms is not None)
         lines.append(f"          vLLM span llm_request: {shown}")
+    if view.sglang_meta is not None:
+        lines.append(f"          {meta_info_line(view.sglang_meta)}")
     if view.progress:
         last = view.progress[-1]
         lines.append(f"          prompt progress: {len(view.progress)} updates, {last.processed}/{last.total} tokens "

@@ -19,7 +19,8 @@ from minengine.engine.request import GenerationRequest
 from reqscope.endpoint.events import ServerReport, ServerTimings
 from reqscope.endpoint.json_values import count, figures_from, number
 from reqscope.endpoint.server.llama import parse_progress
-from reqscope.endpoint.server.records import LLAMA_SERVER, VLLM, PromptProgress, VllmRequestMetrics
+from reqscope.endpoint.server.records import LLAMA_SERVER, VLLM, PromptProgress, SglangMetaInfo, VllmRequestMetrics
+from reqscope.endpoint.server.sglang import parse_meta_info
 from reqscope.endpoint.server.vllm import parse_request_metrics, prompt_token_ids
 from reqscope.endpoint.settings import RequestSettings
 from reqscope.openai.logprobs import TokenLogprob, parse_chat_logprobs
@@ -127,6 +128,7 @@ class StreamChunk:
     progress: PromptProgress | None = None  # llama-server's prompt progress; its t_ms is set on arrival
     prompt_token_ids: tuple[int, ...] | None = None  # vLLM's return_token_ids
     cached_reported: bool = False  # the usage carried prompt_tokens_details
+    sglang_meta: SglangMetaInfo | None = None  # SGLang's meta_info (untested against a live SGLang)
 
 
 def parse_chunk(data: str) -> StreamChunk:
@@ -156,6 +158,7 @@ def parse_chunk(data: str) -> StreamChunk:
         progress=parse_progress(raw, 0.0),
         prompt_token_ids=prompt_token_ids(raw),
         cached_reported=isinstance(raw_usage, dict) and isinstance(raw_usage.get("prompt_tokens_details"), dict),
+        sglang_meta=parse_meta_info(raw),
     )
 
 

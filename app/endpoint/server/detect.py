@@ -13,7 +13,7 @@ import json
 
 import aiohttp
 
-from reqscope.endpoint.server.records import LLAMA_SERVER, REQSCOPE, UNKNOWN, VLLM, ServerKind
+from reqscope.endpoint.server.records import LLAMA_SERVER, REQSCOPE, SGLANG, UNKNOWN, VLLM, ServerKind
 
 _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5)
 
@@ -40,6 +40,8 @@ async def detect_server(session: aiohttp.ClientSession, base_url: str, headers: 
         version_json = _json(version)
         number = version_json.get("version") if isinstance(version_json, dict) else None
         return ServerKind(VLLM, number if isinstance(number, str) else None, root)
+    if metrics is not None and "\nsglang:" in "\n" + metrics:  # untested against a live SGLang
+        return ServerKind(SGLANG, None, root)
     if metrics is not None and "\nreqscope:" in "\n" + metrics:
         return ServerKind(REQSCOPE, None, root)
     return ServerKind(UNKNOWN, None, root)

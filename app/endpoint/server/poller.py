@@ -17,7 +17,8 @@ import aiohttp
 
 from minengine.engine.timeline import Timeline
 from reqscope.endpoint.server.llama import llama_batch_sample, parse_slots
-from reqscope.endpoint.server.records import LLAMA_SERVER, VLLM, BatchSample, ServerKind, SlotState
+from reqscope.endpoint.server.records import LLAMA_SERVER, SGLANG, VLLM, BatchSample, ServerKind, SlotState
+from reqscope.endpoint.server.sglang import sglang_batch_sample
 from reqscope.endpoint.server.vllm import vllm_batch_sample
 
 _OFF = (404, 501)  # llama-server answers 501 to /metrics and /slots when started without the flag
@@ -26,7 +27,7 @@ _POLL_TIMEOUT = aiohttp.ClientTimeout(total=5)
 
 def pollable(kind: ServerKind) -> bool:
     """Whether the client knows how to read this server's batch."""
-    return kind.name in (VLLM, LLAMA_SERVER)
+    return kind.name in (VLLM, LLAMA_SERVER, SGLANG)
 
 
 @dataclass
@@ -55,10 +56,11 @@ class BatchPoller:
     async def poll(self) -> BatchSample | None:
         """One reading of the batch; None when the server answered nothing usable."""
         start = self.timeline.now_ms()
-        if self.kind.name == VLLM:
+        if self.kind.name in (VLLM, SGLANG):
             text = await self._get("/metrics")
             end = self.timeline.now_ms()
-            return None if text is None else vllm_batch_sample(text, end, end - start)
+            read = vllm_batch_sample if self.kind.name == VLLM else sglang_batch_sample
+            return None if text is None else read(text, end, end - start)
         metrics, slots_body = await asyncio.gather(self._get("/metrics"), self._get("/slots"))
         end = self.timeline.now_ms()
         slots: tuple[SlotState, ...] = ()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 VLLM = "vllm"
 LLAMA_SERVER = "llama-server"
 REQSCOPE = "reqscope"
+SGLANG = "sglang"
 UNKNOWN = "unknown"
 
 
@@ -20,7 +21,7 @@ UNKNOWN = "unknown"
 class ServerKind:
     """Which server answers at the endpoint, as its own routes tell (`GET /version`, `GET /props`)."""
 
-    name: str  # VLLM, LLAMA_SERVER, REQSCOPE or UNKNOWN
+    name: str  # VLLM, LLAMA_SERVER, SGLANG, REQSCOPE or UNKNOWN
     version: str | None = None
     root: str = ""  # the server's root URL: the base URL without its trailing /v1
 
@@ -154,6 +155,20 @@ class OffView:
 
 
 @dataclass(frozen=True)
+class SglangMetaInfo:
+    """SGLang's `meta_info` fields that reqscope reads, under SGLang's names (times as SGLang gives
+    them), from `reqscope.endpoint.server.sglang`: untested against a live SGLang."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    queue_time: float | None = None
+    prefill_launch_latency: float | None = None
+    e2e_latency: float | None = None
+    total_retractions: int | None = None
+
+
+@dataclass(frozen=True)
 class ServerView:
     """Everything the server said about this request and the batch around it, with the split of TTFT
     that follows, and the views it could give but did not (each with the flag that turns it on)."""
@@ -171,6 +186,7 @@ class ServerView:
     prompt_token_ids: tuple[int, ...] | None = None  # the ids the request itself returned (vLLM's return_token_ids)
     ttft_split: TtftSplit | None = None
     off: tuple[OffView, ...] = ()
+    sglang_meta: SglangMetaInfo | None = None  # untested against a live SGLang
 
     @property
     def poll_cost_ms(self) -> float | None:

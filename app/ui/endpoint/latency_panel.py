@@ -13,6 +13,7 @@ from rich.text import Text
 
 from reqscope.endpoint.events import EndpointResult
 from reqscope.endpoint.server.records import VLLM, ServerView
+from reqscope.endpoint.server.sglang import meta_info_line
 from reqscope.endpoint.settings import LOGPROBS_COST_NOTE
 from reqscope.ui.endpoint.frame import Baseline, EndpointFrame
 from reqscope.ui.endpoint.ttft_bar import ttft_bar
@@ -83,6 +84,8 @@ def _server_lines(result: EndpointResult | None, width: int) -> list[Text]:
         lines += ttft_bar(view.ttft_split, width)
     if view is not None:
         lines += _vllm_lines(view, width)
+        if view.sglang_meta is not None:
+            lines.append(_dim(meta_info_line(view.sglang_meta)))
     if result.server is None and result.timings is None and (view is None or view.ttft_split is None):
         why = "the server sent no timing report (vLLM, llama.cpp's server and reqscope serve can send one)"
         lines.append(_dim(f"server's view: {why}"))
