@@ -8,8 +8,8 @@ one streamed chat request sent with `X-Request-Id: cap-1` (12 tokens, greedy):
 - tests/data/vllm-otlp-load.bin: an export of load-time spans (`Warmup (CPU)`, `Allocate KV cache`).
 
 The live module checks the same functions against a running vLLM; these run everywhere.
-`scripts/record_vllm_payloads --out DIR` records them again from a real vLLM (the few figures
-pinned below are this recording's, to update with a new one).
+`scripts/record_vllm_payloads` records them again from a real vLLM (into tests/data, or
+`--out DIR`); the few figures pinned below are this recording's, to update with a new one.
 """
 
 from __future__ import annotations
