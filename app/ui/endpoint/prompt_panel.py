@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from rich.console import Group, RenderableType
 from rich.text import Text
+from tokenizers import decoders
 
 from reqscope.endpoint.server.words import prompt_line
 from reqscope.ui.endpoint.frame import EndpointFrame
@@ -43,32 +44,6 @@ class ServerPromptPanel(Panel[EndpointFrame]):
         return Group(*lines)
 
 
-def _byte_table() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, read backwards: each stand-in character to the byte it stands for."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {chr(b): b for b in kept}
-    shifted = 0
-    for b in range(256):
-        if b not in kept:
-            table[chr(256 + shifted)] = b
-            shifted += 1
-    return table
-
-
-_BYTES = _byte_table()
-
-
-def _byte_level(pieces: tuple[str, ...]) -> bool:
-    """Whether the pieces are a byte-level vocabulary's raw strings (vLLM's token_strs: `Ġare`, `Ċ`)."""
-    return any("Ġ" in p or "Ċ" in p for p in pieces)
-
-
-def _from_byte_level(piece: str) -> str:
-    if not all(ch in _BYTES for ch in piece):
-        return piece  # a special token such as <|im_start|>: its text is its own
-    return bytes(_BYTES[ch] for ch in piece).decode("utf-8", errors="replace")
-
-
 def _cached(frame: EndpointFrame) -> str:
     result = frame.view.result
     if result is None:
@@ -81,4 +56,16 @@ def _cached(frame: EndpointFrame) -> str:
         return "cached: not reported (start vLLM with --enable-prompt-tokens-details)"
     if result.usage is not None:
         return f"cached: {result.usage.cached_tokens} prompt tokens (usage.prompt_tokens_details.cached_tokens)"
-    return ""
+
+
+# GPT-2's byte-level alphabet read backwards (`Ġ` a space, `Ċ` a newline), by the tokenizers library.
+_BYTE_LEVEL = decoders.ByteLevel()
+
+
+def _byte_level(pieces: tuple[str, ...]) -> bool:
+    """Whether the pieces are a byte-level vocabulary's raw strings (vLLM's token_strs: `Ġare`, `Ċ`)."""
+    return any("Ġ" in p or "Ċ" in p for p in pieces)
+
+
+def _from_byte_level(piece: str) -> str:
+    return _BYTE_LEVEL.decode([piece])
