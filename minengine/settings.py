@@ -38,6 +38,7 @@ Value = str | int | float | bool | None
 HOME_ENV = "REQSCOPE_HOME"
 LAYOUT_CACHE_ENV = "REQSCOPE_LAYOUT_CACHE"
 ACTIVATIONS_ENV = "REQSCOPE_ACTIVATIONS"
+AMX_ENV = "REQSCOPE_AMX"
 FLOAT32_KERNEL_ENV = "REQSCOPE_FLOAT32_KERNEL"
 CC_ENV = "CC"
 OMP_WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
@@ -48,10 +49,13 @@ CPU_CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"
 CACHE_HOME_ENV = "XDG_CACHE_HOME"
 
 FLOAT32_KERNELS = ("dense", "onednn", "panels")
-LAYOUT_CACHE_OFF = ("0", "false", "no", "off")
+OFF_WORDS = ("0", "false", "no", "off")
+LAYOUT_CACHE_OFF = OFF_WORDS
 LAYOUT_CACHE_EVERYWHERE = ("1", "true", "yes", "on", "all")
 # The CPU flags the C kernels' build and paths depend on (`fast.cpu_kernels`), as /proc/cpuinfo names them.
-KERNEL_CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+KERNEL_CPU_FLAGS = (
+    "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "amx_tile", "amx_int8",
+)  # fmt: skip
 MIB = 1 << 20
 
 
@@ -136,6 +140,13 @@ def float32_kernel() -> SettingValue:
         return SettingValue("float32_kernel", asked, "panels", ENVIRONMENT, FLOAT32_KERNEL_ENV)
     why = f"{FLOAT32_KERNEL_ENV}={asked!r} is none of {', '.join(FLOAT32_KERNELS)}" if asked else ""
     return SettingValue("float32_kernel", "panels", "panels", DEFAULT, why)
+
+
+def amx_asked() -> str:
+    """What the environment says of AMX's tiles for the int16 products (`REQSCOPE_AMX`; one of
+    OFF_WORDS turns them off), as written ("" when nothing); `fast.panel_kernels.amx_setting` says
+    what runs."""
+    return (_env(AMX_ENV) or "").strip().lower()
 
 
 def activations_asked() -> str:

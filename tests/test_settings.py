@@ -11,7 +11,7 @@ import pytest
 
 from minengine import omp_env, settings
 from minengine.fast import cpu_kernels
-from minengine.fast.panel_kernels import activations_setting
+from minengine.fast.panel_kernels import activations_setting, amx_setting
 from minengine.record.trace_io import TraceHeader, read_trace, write_trace
 from reqscope import cli
 
@@ -121,6 +121,7 @@ def test_the_reader_check_catches_what_it_is_for():
         (settings.models_home, settings.HOME_ENV, "/tmp/reqscope-home"),
         (settings.threads, settings.OMP_NUM_THREADS_ENV, "1"),
         (activations_setting, settings.ACTIVATIONS_ENV, "float32"),
+        (amx_setting, settings.AMX_ENV, "off"),
     ],
     ids=lambda v: getattr(v, "__name__", None) if callable(v) else None,
 )
@@ -192,7 +193,7 @@ def test_a_machine_without_the_files_gets_no_value(monkeypatch):
 
 NAMED = {
     "python", "torch", "cuda", "cpu", "cpu_capability", "cpus", "threads", "omp_wait_policy", "c_compiler",
-    "c_kernels", "kernels_home", "activations", "float32_kernel", "kv_budget_bytes", "layout_cache", "home",
+    "c_kernels", "kernels_home", "activations", "amx", "float32_kernel", "kv_budget_bytes", "layout_cache", "home",
 }  # fmt: skip
 
 

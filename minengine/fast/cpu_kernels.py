@@ -1,8 +1,9 @@
 """reqscope's C kernels for the CPU, compiled once per machine and loaded with ctypes.
 
-Five sources make one library: `panel_rows.c` (the projections over weight panels,
+Six sources make one library: `panel_rows.c` (the projections over weight panels,
 `panel_kernels`), `dot8_rows.c` (the block formats' products with rows rounded to int16 or int8, integer dot
-products: `panel_kernels.activations`), `attention_rows.c` (decode attention read in place, `attention_rows`),
+products: `panel_kernels.activations`), `amx_rows.c` (those int16 products on AMX tiles from 16 rows, the
+same bits: `panel_kernels.amx_setting`), `attention_rows.c` (decode attention read in place, `attention_rows`),
 `row_ops.c` (RMSNorm, the rotary embedding and SiLU-gating over a step's rows, `ops.c_rms_norm` and its neighbours)
 and `decode_layers.c` (every block of a one-token step in one call, `eager_step.LayerStack`).
 They are built with the system compiler into the user cache (`library`), about two seconds,
@@ -25,9 +26,10 @@ from pathlib import Path
 from minengine import settings
 from minengine.settings import SettingValue
 
-_C_FILES = ("panel_rows.c", "dot8_rows.c", "attention_rows.c", "row_ops.c", "decode_layers.c")
+_C_FILES = ("panel_rows.c", "dot8_rows.c", "amx_rows.c", "attention_rows.c", "row_ops.c", "decode_layers.c")
 SOURCES = tuple(Path(__file__).with_name(name) for name in _C_FILES)
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("attention_rows.h", "block_layout.h"))  # in the key
+_H_FILES = ("amx_rows.h", "attention_rows.h", "block_layout.h")
+HEADERS = tuple(Path(__file__).with_name(name) for name in _H_FILES)  # in the key
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 # Where torch finds AVX-512 (F, BW, VL and DQ, its "AVX512" capability) the panel tiles take zmm
 # (`panel_rows.c`, __AVX512F__): the same bits, half the FMAs of a shared step.
@@ -35,6 +37,10 @@ AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 # Where the CPU also has AVX-512 VNNI (Linux's "avx512_vnni" flag), int16 and int8 activations take its
 # dot products (`dot8_rows.c`); elsewhere they run a plain C reference and are not offered.
 VNNI_FLAGS = ("-mavx512vnni",)
+# Where it also has AMX's tiles and their int8 products (Linux's "amx_tile" and "amx_int8"), the int16
+# products of 16 rows or more run on them (`amx_rows.c`); a build the compiler refuses them in is
+# made again without.
+AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
 _BUILD_TIMEOUT_S = 120
 
 
@@ -57,6 +63,10 @@ class KernelLibrary:
             lib.q4_1_dot8_pack.argtypes = lib.q8_0_dot8_pack.argtypes = lib.q4_1_unpack.argtypes  # Q, panels, K, V
             lib.dot8_bytes.argtypes, lib.dot8_bytes.restype = [c_int, c_long, c_long], c_long
             lib.dot8_native.argtypes, lib.dot8_native.restype = [], c_int
+            lib.amx_built.argtypes, lib.amx_built.restype = [], c_int
+            lib.amx_ready.argtypes, lib.amx_ready.restype = [], c_int
+            lib.amx_on.argtypes, lib.amx_on.restype = [], c_int
+            lib.amx_use.argtypes, lib.amx_use.restype = [c_int], None
             lib.attend_rows.argtypes = [ptr]  # an AttendArgs (attention_rows.AttendArgs)
             rows = [ptr, c_long, c_long, c_long, c_long, c_long]  # x, T, H, d, stride of T, stride of H
             lib.rms_norm_rows.argtypes = [*rows, ptr, ctypes.c_float, ptr, c_long, c_long]  # weight, eps, y, strides
@@ -83,8 +93,11 @@ def isa_flags(capability: str, cpu_flags: frozenset[str] | None = None) -> tuple
     """The build's flags for torch's CPU capability ("AVX2", "AVX512") and the CPU's own flags (/proc/cpuinfo's)."""
     if not capability.startswith("AVX512"):
         return FLAGS
-    vnni = "avx512_vnni" in (settings.cpu_flags() if cpu_flags is None else cpu_flags)
-    return FLAGS + AVX512_FLAGS + (VNNI_FLAGS if vnni else ())
+    flags = settings.cpu_flags() if cpu_flags is None else cpu_flags
+    if "avx512_vnni" not in flags:
+        return FLAGS + AVX512_FLAGS
+    amx = {"amx_tile", "amx_int8"} <= flags
+    return FLAGS + AVX512_FLAGS + VNNI_FLAGS + (AMX_FLAGS if amx else ())
 
 
 def _build(cc: str, home: Path, flags: tuple[str, ...]) -> Path:
@@ -126,8 +139,17 @@ def library() -> KernelLibrary:
     if cc is None:
         why = "reqscope's CPU kernels are compiled here and no C compiler (cc) was found; install gcc"
         return KernelLibrary(None, why)
+    flags = isa_flags(capability)
     try:
-        return KernelLibrary(ctypes.CDLL(str(_build(cc, kernels_home(), isa_flags(capability)))))
+        try:
+            path = _build(cc, kernels_home(), flags)
+        except RuntimeError:
+            if not set(AMX_FLAGS) <= set(flags):
+                raise
+            path = _build(cc, kernels_home(), tuple(f for f in flags if f not in AMX_FLAGS))  # an older compiler
+        kernels = KernelLibrary(ctypes.CDLL(str(path)))
+        kernels.lib.amx_use(int(settings.amx_asked() not in settings.OFF_WORDS))
+        return kernels
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return KernelLibrary(None, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
 

@@ -44,6 +44,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_rows.h"
 #include "block_layout.h"
 
 #define DW (GP * PW)                      /* columns of a group: two zmm of int32 lanes */
@@ -63,12 +64,18 @@
 #define D8_AT(col, i) (((col) / 16) * 512 + ((i) / 4) * 64 + 4 * ((col) % 16) + (i) % 4)
 
 /* A call's rows rounded to integers: q [M][K] (int8, or int16 in INT16 ORDER), per row and block its
- * scale d, d * the sum of its q (s) and that sum (n). Kept per calling thread and grown as needed. */
+ * scale d, d * the sum of its q (s) and that sum (n). Kept per calling thread and grown as needed.
+ * With `split` (int16 rows, from AMX_ROWS rows where the tiles run) each row also as its low bytes
+ * and high bytes in input order, amx_rows.c's operands, rows rounded up to a tile's 16. */
 typedef struct {
     int8_t *q;  /* int8 rows, or int16's bytes (ROWS16) */
     float *d, *s;
     int32_t *n;
     long cap_q, cap_b;  /* cap_q in bytes */
+    uint8_t *lo;
+    int8_t *hi;
+    long cap_split;
+    int split;
 } Acts;
 
 static __thread Acts acts;
@@ -87,6 +94,19 @@ static int reserve(long M, long K, long width) {
         acts.n = malloc(sizeof(int32_t) * nb);
         acts.cap_b = acts.d && acts.s && acts.n ? nb : 0;
     }
+    acts.split = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    long ns = (M + 15) / 16 * 16 * K;
+    if (width == 2 && M >= AMX_ROWS && amx_on()) {
+        if (ns > acts.cap_split) {
+            free(acts.lo), free(acts.hi);
+            acts.lo = aligned_alloc(64, (size_t)((ns + 63) / 64 * 64));
+            acts.hi = aligned_alloc(64, (size_t)((ns + 63) / 64 * 64));
+            acts.cap_split = acts.lo && acts.hi ? ns : 0;
+        }
+        acts.split = acts.cap_split >= ns;  /* no memory for them: the VNNI tiles, the same bits */
+    }
+#endif
     return acts.cap_q >= nq && acts.cap_b >= nb;
 }
 
@@ -130,6 +150,13 @@ static void quantize_block(Acts *a, const float *x, long K, long r, long b, int 
         int16_t *o = (int16_t *)a->q + r * K + b * QB;
         _mm256_storeu_si256((__m256i *)o, _mm512_cvtsepi32_epi16(_mm512_shuffle_epi32(q0, _MM_SHUFFLE(3, 1, 2, 0))));
         _mm256_storeu_si256((__m256i *)(o + 16), _mm512_cvtsepi32_epi16(_mm512_shuffle_epi32(q1, _MM_SHUFFLE(3, 1, 2, 0))));
+        if (a->split) {  /* x = 256 hi + lo: vpmovdb keeps each lane's low byte */
+            long at = r * K + b * QB;
+            _mm_storeu_si128((__m128i *)(a->lo + at), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(a->lo + at + 16), _mm512_cvtepi32_epi8(q1));
+            _mm_storeu_si128((__m128i *)(a->hi + at), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q0, 8)));
+            _mm_storeu_si128((__m128i *)(a->hi + at + 16), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q1, 8)));
+        }
     } else {
         _mm_storeu_si128((__m128i *)(a->q + r * K + b * QB), _mm512_cvtsepi32_epi8(q0));
         _mm_storeu_si128((__m128i *)(a->q + r * K + b * QB + 16), _mm512_cvtsepi32_epi8(q1));
@@ -314,15 +341,22 @@ typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8
 /* The groups of y [M, ldy] = the rounded rows of a times the DOT8 groups V of `panels` panels, block
  * bytes `block`, shared out among the threads of the enclosing parallel region (an orphaned loop):
  * each group (its weights in L1 for every 8 rows) goes to a thread, in shrinking runs as panel_rows.c's
- * block formats. Ends with the loop's barrier. */
+ * block formats. Where the rows were split for the tiles (int16 rows, `a->split`), amx_rows.c's
+ * tiles take them, q8_0's blocks (`q8`) or q4_1's: the same bits. Ends with the loop's barrier. */
 static void dot8_groups(const Acts *a, long M, long K, const uint8_t *V, long panels, float *y, long ldy, long block,
-                        GroupRows rows_of) {
+                        GroupRows rows_of, int wide, int q8) {
     long groups = (panels + GP - 1) / GP, per_group = K / QB * block;
     float t[8 * DW];
+    int tiles = wide && a->split;
+    if (tiles) amx_begin();
 #pragma omp for schedule(guided)
     for (long g = 0; g < groups; g++) {
         long columns = (panels - g * GP < GP ? panels - g * GP : GP) * PW;
-        for (long r0 = 0; r0 < M; r0 += 8) {
+        for (long r0 = 0; tiles && r0 < M; r0 += AMX_MAX_ROWS) {
+            long rows = M - r0 < AMX_MAX_ROWS ? M - r0 : AMX_MAX_ROWS;
+            amx_group(q8, a->lo, a->hi, a->d, a->s, a->n, rows, r0, K, V + g * per_group, y + g * DW, ldy, columns);
+        }
+        for (long r0 = 0; !tiles && r0 < M; r0 += 8) {
             long rows = M - r0 < 8 ? M - r0 : 8;
             if (columns == DW) {  /* a whole group: straight into y */
                 rows_of(a, rows, r0, K, V + g * per_group, y + r0 * ldy + g * DW, ldy);
@@ -332,13 +366,16 @@ static void dot8_groups(const Acts *a, long M, long K, const uint8_t *V, long pa
             for (long r = 0; r < rows; r++) memcpy(y + (r0 + r) * ldy + g * DW, t + r * DW, sizeof(float) * columns);
         }
     }
+    if (tiles) amx_end();
 }
 
 /* y [M, ldy] = x [M, K] times the DOT8 groups V of `panels` panels. The rows are rounded once, into
  * the calling thread's Acts; then `dot8_groups` shares the groups out. */
 static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy,
-                        int threads, long block, int wide, GroupRows rows_of) {
-    if (!reserve(M, K, wide ? 2 : 1)) {  /* no memory for the rounded rows: NaN, never another call's numbers */
+                        int threads, long block, int wide, GroupRows rows_of, int may_tile) {
+    int q8 = block == D8_BLOCK, ok = reserve(M, K, wide ? 2 : 1);
+    if (!may_tile) acts.split = 0;  /* the references' rows never take the tiles */
+    if (!ok) {  /* no memory for the rounded rows: NaN, never another call's numbers */
         for (long r = 0; r < M; r++)
             for (long c = 0; c < panels * PW; c++) y[r * ldy + c] = NAN;
         return;
@@ -353,7 +390,7 @@ static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long p
 #pragma omp for schedule(static)
             for (long rb = 0; rb < M * blocks; rb++) quantize_block(a, x, K, rb / blocks, rb % blocks, wide);
         }
-        dot8_groups(a, M, K, V, panels, y, ldy, block, rows_of);
+        dot8_groups(a, M, K, V, panels, y, ldy, block, rows_of, wide, q8);
     }
 }
 
@@ -366,16 +403,16 @@ static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long p
 #define TILE_OR_REFERENCE(tile, reference) reference
 #endif
 void q4_1_dot8(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) {
-    dot8_panels(x, M, K, V, panels, y, ldy, threads, D4_BLOCK, 0, TILE_OR_REFERENCE(d4_tile_rows, d4_reference_rows));
+    dot8_panels(x, M, K, V, panels, y, ldy, threads, D4_BLOCK, 0, TILE_OR_REFERENCE(d4_tile_rows, d4_reference_rows), 1);
 }
 void q8_0_dot8(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) {
-    dot8_panels(x, M, K, V, panels, y, ldy, threads, D8_BLOCK, 0, TILE_OR_REFERENCE(d8_tile_rows, d8_reference_rows));
+    dot8_panels(x, M, K, V, panels, y, ldy, threads, D8_BLOCK, 0, TILE_OR_REFERENCE(d8_tile_rows, d8_reference_rows), 1);
 }
 void q4_1_dot16(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) {
-    dot8_panels(x, M, K, V, panels, y, ldy, threads, D4_BLOCK, 1, TILE_OR_REFERENCE(w4_tile_rows, d4_reference16_rows));
+    dot8_panels(x, M, K, V, panels, y, ldy, threads, D4_BLOCK, 1, TILE_OR_REFERENCE(w4_tile_rows, d4_reference16_rows), 1);
 }
 void q8_0_dot16(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) {
-    dot8_panels(x, M, K, V, panels, y, ldy, threads, D8_BLOCK, 1, TILE_OR_REFERENCE(w8_tile_rows, d8_reference16_rows));
+    dot8_panels(x, M, K, V, panels, y, ldy, threads, D8_BLOCK, 1, TILE_OR_REFERENCE(w8_tile_rows, d8_reference16_rows), 1);
 }
 /* The same products inside a parallel region that every thread of it enters (decode_layers.c's stack,
  * one region for a whole step): `dot8_acts` readies the calling thread's Acts for M rows of up to K
@@ -395,20 +432,20 @@ void dot8_team(const void *a, int q8, int wide, long M, long K, const uint8_t *V
                                    : TILE_OR_REFERENCE(d8_tile_rows, d8_reference_rows))
                            : (wide ? TILE_OR_REFERENCE(w4_tile_rows, d4_reference16_rows)
                                    : TILE_OR_REFERENCE(d4_tile_rows, d4_reference_rows));
-    dot8_groups(a, M, K, V, panels, y, ldy, q8 ? D8_BLOCK : D4_BLOCK, rows_of);
+    dot8_groups(a, M, K, V, panels, y, ldy, q8 ? D8_BLOCK : D4_BLOCK, rows_of, wide, q8);
 }
 
 void q4_1_dot8_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
-    dot8_panels(x, M, K, V, panels, y, ldy, 1, D4_BLOCK, 0, d4_reference_rows);
+    dot8_panels(x, M, K, V, panels, y, ldy, 1, D4_BLOCK, 0, d4_reference_rows, 0);
 }
 void q8_0_dot8_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
-    dot8_panels(x, M, K, V, panels, y, ldy, 1, D8_BLOCK, 0, d8_reference_rows);
+    dot8_panels(x, M, K, V, panels, y, ldy, 1, D8_BLOCK, 0, d8_reference_rows, 0);
 }
 void q4_1_dot16_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
-    dot8_panels(x, M, K, V, panels, y, ldy, 1, D4_BLOCK, 1, d4_reference16_rows);
+    dot8_panels(x, M, K, V, panels, y, ldy, 1, D4_BLOCK, 1, d4_reference16_rows, 0);
 }
 void q8_0_dot16_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
-    dot8_panels(x, M, K, V, panels, y, ldy, 1, D8_BLOCK, 1, d8_reference16_rows);
+    dot8_panels(x, M, K, V, panels, y, ldy, 1, D8_BLOCK, 1, d8_reference16_rows, 0);
 }
 
 /* Bytes of the DOT8 copy of `panels` panels over K inputs. */

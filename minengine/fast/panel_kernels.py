@@ -129,6 +129,34 @@ def activations_setting() -> SettingValue:
     return SettingValue("activations", value, "int16", settings.PROBE, f"{asked_for}avx512_vnni probed: {lacking}")
 
 
+AMX_ROWS = 16  # from this many rows the int16 products take AMX's tiles, as amx_rows.h's AMX_ROWS
+
+
+def amx_takes(rows: int) -> bool:
+    """Whether int16 products over `rows` rows run on AMX's tiles here (`amx_setting`)."""
+    lib = library().lib
+    return rows >= AMX_ROWS and lib is not None and bool(lib.amx_on()) and activations() == "int16"
+
+
+def amx_setting() -> SettingValue:
+    """Whether the int16 products of 16 rows or more run on AMX's tiles (`amx_rows.c`, the same bits as
+    the VNNI tiles): on where the CPU has them and Linux grants them, unless `REQSCOPE_AMX` turns them off."""
+    lib, asked = library().lib, settings.amx_asked()
+
+    def off(source: str, why: str) -> SettingValue:
+        return SettingValue("amx", "off", "on", source, why)
+
+    if asked in settings.OFF_WORDS:
+        return off(settings.ENVIRONMENT, f"{settings.AMX_ENV}={asked}")
+    if lib is None or not lib.amx_built():
+        return off(settings.PROBE, library().why_not or "built without tiles: no amx_tile and amx_int8, or cc refused")
+    if not lib.amx_ready():
+        return off(settings.PROBE, "Linux refused this process the tile state (arch_prctl)")
+    if activations() != "int16":
+        return off(settings.PROBE, f"tiles granted, but the activations are {activations()}")
+    return SettingValue("amx", "on", "on", settings.PROBE, "amx_int8 probed, tiles granted: int16 from 16 rows")
+
+
 def panel_bytes(fmt: str, in_features: int) -> int:
     """A block format's bytes a panel (its scales inside) over `in_features` inputs."""
     return in_features * BLOCK_BYTES[fmt] // Q8_BLOCK

@@ -33,7 +33,7 @@ import torch
 from minengine.fast.cuda_graph import StaticDecoder
 from minengine.fast.decode_threads import StepThreads
 from minengine.fast.eager_step import EagerDecoder, LayerStack
-from minengine.fast.panel_kernels import UNPACK_ROWS
+from minengine.fast.panel_kernels import UNPACK_ROWS, amx_takes
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.request_cache import request_cache
@@ -161,7 +161,8 @@ class ModelRunner:
             return StepPath("torch rows", f"{n} decode rows: from {UNPACK_ROWS} the products are MKL's")
         if LayerStack.of(self.model) is None:
             return StepPath("torch rows", f"{n} decode rows; no C stack for {label} weights on {self.device.type}")
-        return StepPath(f"c-stack rows {label}", f"{n} decode rows in one pool segment, {label} panels")
+        tiles = " on AMX tiles" if label.startswith("int16") and amx_takes(n) else ""
+        return StepPath(f"c-stack rows {label}", f"{n} decode rows in one pool segment, {label} panels{tiles}")
 
     def forward_rows(self, rows: list[Row], computing: Callable[[], object] | None = None) -> list[torch.Tensor | None]:
         """One step over several sequences' rows (`batch_forward`); each row's logits or None.

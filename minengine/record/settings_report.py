@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from minengine import omp_env, settings
 from minengine.errors import Setting
 from minengine.fast import cpu_kernels
-from minengine.fast.panel_kernels import activations_setting
+from minengine.fast.panel_kernels import activations_setting, amx_setting
 from minengine.settings import Settings, SettingValue
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ def collect(
         cpu_kernels.kernels_setting(load=load_kernels),
         settings.kernels_home(),
         activations_setting() if kernels_loaded else _not_loaded("activations", "int16"),
+        amx_setting() if kernels_loaded else _not_loaded("amx", "on"),
         settings.float32_kernel(),
         settings.kv_budget(device) if kv_budget is None else kv_budget,
         settings.layout_cache(),

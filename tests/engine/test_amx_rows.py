@@ -1,0 +1,104 @@
+"""AMX's tiles under the int16 products (amx_rows.c): the VNNI tiles' bits and the plain C reference's, at
+every row count from 16 (where the tiles take over) through several 64-row calls, for q4_1 and q8_0
+blocks, in one call and inside the C stack's one region; and the setting that says whether they run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minengine import settings
+from minengine.config import ModelConfig
+from minengine.fast.cpu_kernels import library
+from minengine.fast.panel_kernels import ACTIVATIONS_ENV, PANEL, PanelLinear, amx_setting
+from minengine.kv.block_pool import BlockPool
+from minengine.kv.paged_cache import PagedKVCache
+from minengine.model.batch_forward import Row
+from minengine.model.runner import ModelRunner
+from minengine.model.transformer import Transformer
+
+CPU = torch.device("cpu")
+
+needs_tiles = pytest.mark.skipif(
+    library().lib is None or not library().lib.amx_ready(), reason="no AMX tiles granted on this CPU"
+)
+SHAPES = [(960, 576), (576, 1536), (100, 64)]  # whole groups, and a partial last group
+ROWS = (15, 16, 17, 31, 32, 33, 64, 65, 100, 130)  # either side of the threshold and of a 64-row call
+
+
+@pytest.fixture
+def int16(monkeypatch):
+    monkeypatch.setenv(ACTIVATIONS_ENV, "int16")
+
+
+def _x(rows: int, features: int, seed: int = 1) -> torch.Tensor:
+    x = torch.randn(rows, features, generator=torch.Generator().manual_seed(seed))
+    x[:, 5] *= 30  # an outlier channel: a block's scale follows it, so its other values round small
+    return x
+
+
+def _products(panel: PanelLinear, x: torch.Tensor, *, tiles: bool, reference: bool = False) -> torch.Tensor:
+    lib = library().lib
+    y = torch.empty(x.shape[0], panel.panel_count * PANEL)
+    args = [x.contiguous().data_ptr(), x.shape[0], panel.in_features, panel.dot8.data_ptr(), panel.panel_count]
+    lib.amx_use(int(tiles))
+    try:
+        if reference:
+            getattr(lib, f"{panel.format}_dot16_reference")(*args, y.data_ptr(), y.shape[1])
+        else:
+            getattr(lib, f"{panel.format}_dot16")(*args, y.data_ptr(), y.shape[1], 2)
+    finally:
+        lib.amx_use(1)
+    return y[:, : panel.out_features]
+
+
+@needs_tiles
+@pytest.mark.parametrize("fmt", ("q4_1", "q8_0"))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_tiles_give_the_vnni_tiles_bits_and_the_references(int16, fmt, shape):
+    weight = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 0.02
+    panel = PanelLinear(fmt, weight, 1)
+    assert panel.rounding == "int16"
+    for rows in ROWS:
+        x = _x(rows, shape[1], seed=rows)
+        tiles = _products(panel, x, tiles=True)
+        assert torch.equal(tiles, _products(panel, x, tiles=False)), rows
+        if rows in (16, 33):
+            assert torch.equal(tiles, _products(panel, x, tiles=False, reference=True)), rows
+
+
+@needs_tiles
+def test_a_shared_step_through_the_c_stack_gives_the_same_logits_with_and_without_the_tiles(tiny_models, int16):
+    """32 decode rows in one C-stack call (decode_layers.c's one region, each row split as it is rounded)."""
+    folder, _ = tiny_models["llama-gqa"]
+    cfg = ModelConfig.from_file(folder)
+    runner = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs="q4_1"), static_decode=False)
+    pool, lib = BlockPool(64 << 20, CPU), library().lib
+    caches = []
+    for i in range(32):
+        cache = PagedKVCache(pool, cfg, owner=f"row {i}", device=CPU, compute_dtype=torch.float32, expect_tokens=8)
+        runner.forward(torch.tensor([3 + i, 7, 11 + i]), 0, cache)
+        caches.append(cache)
+    outs = {}
+    for tiles in (True, False):
+        lib.amx_use(int(tiles))
+        try:
+            outs[tiles] = torch.stack(runner.forward_rows([Row((5 + i,), 3, caches[i], True) for i in range(32)]))
+            assert runner.last_path.name == "c-stack rows int16×q4_1"
+            assert ("on AMX tiles" in runner.last_path.why) == tiles  # the step says which ran
+        finally:
+            lib.amx_use(1)
+    assert torch.equal(outs[True], outs[False])  # both wrote position 3 of each cache, the same K/V
+
+
+def test_the_setting_says_whether_the_tiles_run_and_the_environment_turns_them_off(monkeypatch):
+    monkeypatch.setenv(settings.AMX_ENV, "off")
+    off = amx_setting()
+    assert (off.value, off.source) == ("off", settings.ENVIRONMENT) and settings.AMX_ENV in off.detail
+    monkeypatch.delenv(settings.AMX_ENV)
+    found = amx_setting()
+    lib = library().lib
+    if lib is not None and lib.amx_ready():
+        assert (found.value, found.source) == ("on", settings.PROBE)
+    else:
+        assert found.value == "off" and found.detail  # says why: no tiles built, granted or no int16
