@@ -11,8 +11,8 @@
  *
  * in the same instructions, so a row's outputs are the same bits on either path, alone or beside
  * any rows (the tests hold the two against each other). That chain, two FMAs per row, column and
- * block of 32 inputs, is now most of the work: a 32-row step's products take about 0.6x the VNNI
- * tiles' time (docs/performance.md, "AMX tiles").
+ * block of 32 inputs, is now most of the work, so the tiles gain far less than their width
+ * (measured: docs/performance.md, "AMX tiles").
  *
  * The B tile of a half group (16 columns, 32 inputs) is the DOT8 block's bytes as they lie: q8_0's
  * 8 quads x 64 bytes (weights + 128, unsigned) load straight; q4_1's nibbles are split into the

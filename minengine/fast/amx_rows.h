@@ -3,7 +3,7 @@
 #define REQSCOPE_AMX_ROWS_H
 #include <stdint.h>
 
-#define AMX_ROWS 16     /* from this many rows a product takes the tiles (at 8 they only match VNNI) */
+#define AMX_ROWS 16     /* from this many rows a product takes the tiles (below, VNNI is as fast) */
 #define AMX_MAX_ROWS 64 /* rows of one `amx_group` call: its sums stay in L1 */
 
 int amx_built(void);    /* compiled with the tiles (-mamx-int8) */
