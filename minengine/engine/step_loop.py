@@ -54,6 +54,8 @@ import torch
 
 from minengine.device import synchronize
 from minengine.engine.batch_facts import BatchStep, PrefillChunk
+from minengine.engine.burst import BURST_STEP_TOKENS, Bursts
+from minengine.engine.chunk_cost import ChunkCost
 from minengine.engine.roofline import StepBytes, kv_position_bytes
 from minengine.engine.run_ahead import Ahead, Chosen, Decoded, TokenChooser
 from minengine.errors import Mention, RequestError, Setting
@@ -94,13 +96,16 @@ class BatchLimits:
     `idle_batched_tokens`, when set, is the token budget of a step while no sequence decodes: the
     budget exists to keep decode steps short beside a long prompt, and with no one decoding
     chunks only cost (on the CPU a 1,025-token prompt prefilled in one step takes 0.7x the time
-    of 17 steps of 64). The CPU's default limits set it; a budget given by name stays a hard cap,
-    as in vLLM.
+    of 17 steps of 64). `attention_counted`: beside decoding sequences, a prompt chunk's attention
+    over its context counts against the budget too (`chunk_cost`), so that a chunk far into a long
+    prompt takes fewer tokens and the step stays near its usual cost. The CPU's default limits set
+    both; a budget given by name stays a hard cap on tokens alone, as in vLLM.
     """
 
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 64
     idle_batched_tokens: int | None = None
+    attention_counted: bool = False
 
     def check(self, block_size: int = 16) -> None:
         """Refuse limits no step can work under, for KV blocks of `block_size` tokens (a one-line
@@ -140,14 +145,17 @@ def default_limits(
     device: torch.device, max_num_seqs: int | None, max_num_batched_tokens: int | None
 ) -> BatchLimits:
     """The limits for the flags as given: a budget named stays a hard cap; the default one on a CPU
-    grows to 2,048 tokens (the GPU's) in a step while no sequence decodes. Without `max_num_seqs`
+    grows to 2,048 tokens (the GPU's) in a step while no sequence decodes, and beside decoding
+    sequences counts a prompt chunk's attention (`BatchLimits.attention_counted`). Without `max_num_seqs`
     as many sequences run as the KV pool holds and a step's token budget can give a token each
     (vLLM's 256 at most): admission is by capacity, not by a fixed count of slots."""
     tokens = default_token_budget(device) if max_num_batched_tokens is None else max_num_batched_tokens
     seqs = max(1, min(DEFAULT_MAX_NUM_SEQS, tokens)) if max_num_seqs is None else max_num_seqs
     if max_num_batched_tokens is not None:
         return BatchLimits(seqs, tokens)
-    return BatchLimits(seqs, tokens, IDLE_TOKEN_BUDGET if tokens < IDLE_TOKEN_BUDGET else None)
+    if tokens >= IDLE_TOKEN_BUDGET:
+        return BatchLimits(seqs, tokens)
+    return BatchLimits(seqs, tokens, IDLE_TOKEN_BUDGET, attention_counted=True)
 
 
 @dataclass(eq=False)
@@ -258,6 +266,8 @@ class StepLoop:
         limits.check()
         self.runner = runner
         self.limits = limits
+        self._chunk_cost = ChunkCost.of_model(runner.model.cfg)
+        self._bursts = Bursts()
         self.waiting = waiting
         self.pool = pool or (lambda m, _: PoolUsage(m.reserved_bytes, m.reserved_bytes, 0, 0))
         self.gather_s = gather_s
@@ -390,6 +400,8 @@ class StepLoop:
         while not done():
             self._gather()
             plan = self._room_for(self._plan())
+            if not plan and self._bursts.stop():  # a burst's prompts found no room: decode first
+                continue
             if not plan:
                 self._release()
                 if self._pending:
@@ -435,21 +447,53 @@ class StepLoop:
 
     def _plan(self) -> list[tuple[_Work, int]]:
         """Under the lock: the step's work and how many tokens of each, within the limits."""
-        budget, seqs = self.limits.max_num_batched_tokens, self.limits.max_num_seqs
-        idle = self.limits.idle_batched_tokens
-        if idle is not None and not any(m.decoding and not m.away for m in self._members):
-            budget = max(budget, idle)  # no decode step to keep short: prompts go in whole
+        for work in [w for w in self._pending if w.member.cancelled.is_set() and not w.member.decoding]:
+            work.error = StepCancelled()
+            self._finish(work)
+        budget: float = self.limits.max_num_batched_tokens
+        seqs, idle = self.limits.max_num_seqs, self.limits.idle_batched_tokens
+        decoding = sum(1 for m in self._members if m.decoding and not m.away)
+        if idle is not None:
+            # A burst runs at most two idle steps' worth before the decoders step again (a wave of
+            # 32 prompts of 64 tokens and their templates is about 2,500).
+            prefilling = [w.member for w in self._pending if not w.member.decoding]
+            burst = self._bursts.members(prefilling, decoding, 2 * idle)
+            if burst:
+                return self._burst_plan(burst, idle)
+            if not decoding:
+                budget = max(budget, idle)  # no decode step to keep short: prompts go in whole
+        # Beside decode rows a chunk's attention counts too, so the step stays near its usual cost.
+        cost = self._chunk_cost if decoding and self.limits.attention_counted else None
         plan: list[tuple[_Work, int]] = []
         for work in sorted(self._pending, key=lambda w: (not w.member.decoding, w.member.order)):
-            if work.member.cancelled.is_set() and not work.member.decoding:
-                work.error = StepCancelled()
-                self._finish(work)
+            if len(plan) >= seqs or budget < 1:
                 continue
-            if len(plan) >= seqs or budget <= 0:
-                continue
-            n = min(work.left, budget)
+            if cost is None or work.member.decoding:
+                n = min(work.left, int(budget))
+                budget -= n
+            else:
+                start = work.start + work.done
+                # A step's first chunk takes a token at least, however far into its prompt.
+                first = all(w.member.decoding for w, _ in plan)
+                n = max(cost.tokens(start, work.left, budget), 1 if first else 0)
+                if n == 0:
+                    continue
+                budget -= cost.rows(start, n)
             plan.append((work, n))
-            budget -= n
+        return plan
+
+    def _burst_plan(self, burst: set, idle: int) -> list[tuple[_Work, int]]:
+        """Under the lock: a burst's step (`burst.Bursts`), its prompts first come first served, whole,
+        up to `BURST_STEP_TOKENS` (a longer first one alone, up to the idle budget); no decode rows."""
+        plan: list[tuple[_Work, int]] = []
+        tokens = 0
+        for work in sorted((w for w in self._pending if w.member in burst), key=lambda w: w.member.order):
+            n = min(work.left, idle) if not plan else work.left
+            if plan and (tokens + n > BURST_STEP_TOKENS or len(plan) >= self.limits.max_num_seqs):
+                break
+            plan.append((work, n))
+            tokens += n
+        self._bursts.ran(tokens)
         return plan
 
     def _room_for(self, plan: list[tuple[_Work, int]]) -> list[tuple[_Work, int]]:

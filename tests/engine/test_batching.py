@@ -15,6 +15,8 @@ from concurrent_runs import run_all
 from tiny_models import SPECS
 
 from minengine.config import ModelConfig
+from minengine.engine.burst import Bursts
+from minengine.engine.chunk_cost import ChunkCost
 from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, PrefillEvent, PrefixCacheEvent, StepReady, TokenEvent
 from minengine.engine.request import GenerationRequest
@@ -178,16 +180,17 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_step_budget(chatty_tiny
 
 
 def test_the_cpu_default_budget_takes_a_prompt_whole_while_nothing_decodes(chatty_tiny_dir):
-    """The default limits on the CPU: 64 tokens a step beside a decoding sequence, 2,048 while
-    none decodes (chunks there only cost); a budget given by name stays a hard cap."""
+    """The default limits on the CPU: 64 rows a step beside a decoding sequence, a chunk's
+    attention counted among them, and 2,048 tokens while none decodes (chunks there only cost);
+    a budget given by name stays a hard cap on tokens alone."""
     from minengine.engine.step_loop import IDLE_TOKEN_BUDGET, default_limits
 
     cpu = torch.device("cpu")
     # Without a cap, as many sequences as a step's token budget gives a token each (vLLM's 256 at most).
-    assert default_limits(cpu, None, None) == BatchLimits(64, 64, IDLE_TOKEN_BUDGET)
+    assert default_limits(cpu, None, None) == BatchLimits(64, 64, IDLE_TOKEN_BUDGET, attention_counted=True)
     assert default_limits(torch.device("cuda"), None, None) == BatchLimits(256, 2048, None)
     assert default_limits(cpu, None, 20) == BatchLimits(20, 20, None)
-    assert default_limits(cpu, 8, None) == BatchLimits(8, 64, IDLE_TOKEN_BUDGET)
+    assert default_limits(cpu, 8, None) == BatchLimits(8, 64, IDLE_TOKEN_BUDGET, attention_counted=True)
     assert default_limits(cpu, 8, 64) == BatchLimits(8, 64, None)
     assert default_limits(torch.device("cuda"), 8, None) == BatchLimits(8, 2048, None)
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False)
@@ -207,8 +210,37 @@ def test_the_cpu_default_budget_takes_a_prompt_whole_while_nothing_decodes(chatt
     chunked = next(e for e in engine.start(_request(long_prompt)) if isinstance(e, PrefillEvent))
     decoding.cancel()
     beside.join(timeout=60)
-    assert len(chunked.chunks) == -(-chunked.prompt_tokens // 64)
-    assert all(c.tokens <= 64 for c in chunked.chunks) and any(c.step.sequences == 2 for c in chunked.chunks)
+    # Each chunk beside the decoding row takes what the rest of the budget holds, its attention
+    # over the positions before it counted, so the chunks shrink as the prompt goes on.
+    cost = ChunkCost.of_model(engine.model.cfg)
+    beside_decoder = [c for c in chunked.chunks if c.step.decode_tokens == 1]
+    assert len(beside_decoder) >= 3 and sum(c.tokens for c in chunked.chunks) == chunked.prompt_tokens
+    for c in beside_decoder:
+        left = chunked.prompt_tokens - c.start
+        assert c.tokens == min(left, max(1, cost.tokens(c.start, left, 64 - 1)))
+        assert c.step.sequences == 2 and cost.rows(c.start, c.tokens) <= 63 or c.tokens == 1
+    sizes = [c.tokens for c in beside_decoder if c.tokens < chunked.prompt_tokens - c.start]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+
+
+def test_a_chunk_costs_its_rows_and_its_attention():
+    """`ChunkCost` against its definition summed position by position, and the most tokens that fit."""
+    cost = ChunkCost(keys_per_row=100.0)
+    for start, n in [(0, 1), (0, 48), (37, 5), (3000, 12)]:
+        assert cost.rows(start, n) == pytest.approx(sum(1 + (p + 1) / 100.0 for p in range(start, start + n)))
+    for start, left, budget in [(0, 500, 48.0), (200, 500, 48.0), (3000, 500, 48.0), (0, 10, 48.0), (5000, 9, 3.5)]:
+        n = cost.tokens(start, left, budget)
+        assert n <= min(left, budget) and (n == 0 or cost.rows(start, n) <= budget)
+        assert n == left or n == int(budget) or cost.rows(start, n + 1) > budget
+    assert cost.tokens(0, 500, 48.0) > cost.tokens(200, 500, 48.0) > cost.tokens(3000, 500, 48.0)
+    assert cost.tokens(10_000, 5, 48.0) == 0  # not even one fits: the step loop still gives its first chunk one
+    # SmolLM2-135M's shape: about 900 positions weigh as one row's products.
+    smol = ModelConfig(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
+        max_position_embeddings=8192, tie_word_embeddings=True,
+    )  # fmt: skip
+    assert 850 < ChunkCost.of_model(smol).keys_per_row < 950
 
 
 def test_a_held_request_is_out_of_the_batch_while_the_others_go_on(chatty_tiny_dir):
@@ -257,3 +289,50 @@ def test_limits_no_step_can_work_under_are_refused_by_name(chatty_tiny_dir, limi
     assert named in error_text(caught.value) and "\n" not in error_text(caught.value)
     settings = {p.setting for p in caught.value.message.parts if isinstance(p, Mention)}
     assert settings & {Setting.MAX_NUM_SEQS, Setting.MAX_NUM_BATCHED_TOKENS}
+
+
+def test_a_burst_starts_with_a_wave_beside_few_decoders_and_ends_within_its_tokens():
+    """`Bursts`: a wave of prompts at least twice the decoding sequences runs first, prompts that
+    arrive meanwhile join it, it ends when none waits or at its token bound, and a decode step
+    always comes between two bursts; one long prompt beside streams is never one."""
+    bursts = Bursts()
+    assert bursts.members(["a"], decoding=16, max_tokens=100) == set()  # a long prompt beside streams
+    assert bursts.members(["a", "b"], decoding=2, max_tokens=100) == set()  # not twice the decoders
+    assert bursts.members(["a", "b"], decoding=0, max_tokens=100) == set()  # nothing decodes: the idle budget's
+    assert bursts.members(["a", "b", "c"], decoding=1, max_tokens=100) == {"a", "b", "c"}
+    bursts.ran(40)
+    assert bursts.members(["b", "c", "d"], decoding=2, max_tokens=100) == {"b", "c", "d"}  # d arrived meanwhile
+    bursts.ran(70)  # 110 tokens: past its bound
+    assert bursts.members(["d", "e", "f", "g"], decoding=2, max_tokens=100) == set()  # the decoders' step
+    assert bursts.members(["d", "e", "f", "g"], decoding=2, max_tokens=100) == {"d", "e", "f", "g"}
+    bursts.ran(10)
+    assert bursts.members([], decoding=6, max_tokens=100) == set()  # every prompt is in: this step decodes
+    assert bursts.members(["h", "i"], decoding=1, max_tokens=100) == {"h", "i"}  # so the next wave may start
+    bursts.ran(20)
+    assert bursts.members(["h"], decoding=2, max_tokens=100) == {"h"}  # a burst goes on below twice the decoders
+    assert bursts.stop() and not bursts.stop()  # its prompts found no room in the pool
+    assert bursts.members(["h", "j", "k", "l"], decoding=2, max_tokens=100) == set()  # the decoders step first
+
+
+def test_a_wave_beside_a_decoding_request_is_prefilled_first_and_keeps_its_tokens(chatty_tiny_dir):
+    """Under the CPU's default limits a wave of prompts arriving beside one decoding request runs
+    in prefill-only steps, several prompts a step, and every request's tokens are its solo run's."""
+    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False)
+    wave = [f"{p} Describe step-free routes between the stations of Kyoto." for p in PROMPTS * 2]
+    alone = [next(e for e in engine.start(_request(p)) if isinstance(e, DoneEvent)).result for p in wave]
+    decoding = engine.start(_request(PROMPTS[0], max_tokens=2000), steered=False)
+    events = iter(decoding)
+    while not isinstance(next(events), TokenEvent):
+        pass
+    rest: list = []
+    beside = threading.Thread(target=lambda: rest.extend(events))
+    beside.start()
+    together = run_all(engine, [_request(p) for p in wave], steered=False)
+    decoding.cancel()
+    beside.join(timeout=60)
+    assert [e[-1].result.token_ids for e in together] == [r.token_ids for r in alone]
+    chunks = [c for e in together for p in e if isinstance(p, PrefillEvent) for c in p.chunks]
+    # The decoding request never leaves, so a step without its row can only be a burst's.
+    burst = [c for c in chunks if c.step.decode_tokens == 0]
+    assert burst and any(c.step.sequences >= 2 for c in burst)
+    assert all(c.tokens == c.step.prefill_tokens or c.step.sequences >= 2 for c in burst)

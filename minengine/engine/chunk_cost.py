@@ -1,0 +1,63 @@
+"""What a prompt chunk costs a shared step, its attention over the context counted.
+
+A step's token budget counts rows, and a decode row and a prompt row cost about the same in the
+products. A prompt row also attends over every position before it, and far into a long prompt
+that attention outweighs its products: on the CPU a 48-token chunk beside 16 decoding streams
+took 53 ms at position 100 and 166 ms at position 3,840, so the streams' tokens came 2-6x apart
+while it prefilled. Counting each row's attention in the budget keeps every step near the same
+cost: a chunk gets fewer tokens as its prompt goes on.
+
+The unit is one row's products. Attending over `p` positions costs `p / keys_per_row` of them:
+the model's multiply-adds per row against those of one attended position, times how much more
+an attention multiply-add costs than a product's on the engine's CPU path (float32 against the
+rounded rows' integer tiles; docs/serving.md says how it was measured).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from minengine.config import ModelConfig
+
+# An attended position's multiply-add against a product's on the CPU path (float32 scores and
+# values against int16 x q4_1 tiles): the chunk steps of docs/serving.md fitted 0.56 ms a row and
+# 0.63 us a row and position for SmolLM2-135M, 900 positions a row, where the multiply-adds alone
+# give 3,880.
+ATTENTION_MAC_WEIGHT = 4.3
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """A prompt chunk's cost in rows: each token one row, plus its attention over the positions it sees."""
+
+    keys_per_row: float  # attended positions that cost as much as one row's products
+
+    @classmethod
+    def of_model(cls, cfg: ModelConfig) -> ChunkCost:
+        """The weights of `cfg`'s rows and attended positions (see the module docstring)."""
+        hidden, d = cfg.hidden_size, cfg.head_dim
+        q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * cfg.intermediate_size
+        row = cfg.num_hidden_layers * per_layer + cfg.vocab_size * hidden
+        position = 2 * cfg.num_hidden_layers * q  # q.k and the weighted value, every query head
+        return cls(row / position / ATTENTION_MAC_WEIGHT)
+
+    def rows(self, start: int, tokens: int) -> float:
+        """The cost of prompt positions start .. start + tokens - 1, each seeing itself and all before it."""
+        seen = tokens * start + tokens * (tokens + 1) / 2
+        return tokens + seen / self.keys_per_row
+
+    def tokens(self, start: int, left: int, budget: float) -> int:
+        """The most of `left` tokens from position `start` whose cost fits `budget` rows (never more
+        tokens than rows in it, and 0 where not even one fits)."""
+        most = min(left, math.floor(budget))
+        if most <= 0 or self.rows(start, most) <= budget:
+            return max(most, 0)
+        # rows(start, n) grows with n: solve n + (n*start + n(n+1)/2) / k = budget for n.
+        k = self.keys_per_row
+        b = 1 + (start + 0.5) / k
+        n = math.floor((-b + math.sqrt(b * b + 2 * budget / k)) * k)
+        while n > 0 and self.rows(start, n) > budget:  # the float root may land one over
+            n -= 1
+        return n
