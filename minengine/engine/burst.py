@@ -3,9 +3,9 @@
 Decode first, with prompt chunks in what is left of a small step budget, keeps every running
 stream moving while one prompt prefills beside it. It is the wrong order when a wave of requests
 arrives together (a benchmark's first requests, or the next wave as the first ones finish
-together): with one sequence decoding and 31 prompts waiting, the prompts crawled in at a few
-dozen tokens a step for 3 seconds, each step paying for the decode rows beside them, and every
-new stream's first token waited for all of it. A burst instead runs the waiting prompts first
+together): with one sequence decoding and 31 prompts waiting, the prompts crawled in a few dozen
+tokens a step, each step paying for the decode rows beside them, and every new stream's first
+token waited for all of it. A burst instead runs the waiting prompts first
 come first served in prefill-only steps, a few whole prompts a step, so that the k-th prompt's
 first token waits for k prompts' work, not for the whole wave; the few decoding sequences pay one
 longer gap instead of many slower steps.

@@ -2,9 +2,9 @@
 
 A step's token budget counts rows, and a decode row and a prompt row cost about the same in the
 products. A prompt row also attends over every position before it, and far into a long prompt
-that attention outweighs its products: on the CPU a 48-token chunk beside 16 decoding streams
-took 53 ms at position 100 and 166 ms at position 3,840, so the streams' tokens came 2-6x apart
-while it prefilled. Counting each row's attention in the budget keeps every step near the same
+that attention outweighs its products, so a fixed chunk size made the decoding streams' steps
+grow with every chunk (docs/serving.md, "Step planning for waves and long prompts"). Counting
+each row's attention in the budget keeps every step near the same
 cost: a chunk gets fewer tokens as its prompt goes on.
 
 The unit is one row's products. Attending over `p` positions costs `p / keys_per_row` of them:
@@ -21,9 +21,7 @@ from dataclasses import dataclass
 from minengine.config import ModelConfig
 
 # An attended position's multiply-add against a product's on the CPU path (float32 scores and
-# values against int16 x q4_1 tiles): the chunk steps of docs/serving.md fitted 0.56 ms a row and
-# 0.63 us a row and position for SmolLM2-135M, 900 positions a row, where the multiply-adds alone
-# give 3,880.
+# values against int16 x q4_1 tiles), fitted to chunk steps' times (docs/serving.md).
 ATTENTION_MAC_WEIGHT = 4.3
 
 

@@ -7,7 +7,9 @@ of the batch, cancellation between prompt chunks, bad limits).
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -127,6 +129,23 @@ def _request(prompt: str, max_tokens: int = 12) -> GenerationRequest:
     return GenerationRequest.from_prompt(prompt, sampling=GREEDY, max_tokens=max_tokens, ignore_eos=True)
 
 
+@contextlib.contextmanager
+def _decoding_beside(engine: Engine, max_tokens: int) -> Iterator[None]:
+    """A request decoding unsteered (as a server runs it) from its first token until the block ends."""
+    decoding = engine.start(_request("Tell me about Kyoto", max_tokens=max_tokens), steered=False)
+    events = iter(decoding)
+    while not isinstance(next(events), TokenEvent):
+        pass
+    rest: list = []
+    beside = threading.Thread(target=lambda: rest.extend(events))
+    beside.start()
+    try:
+        yield
+    finally:
+        decoding.cancel()
+        beside.join(timeout=60)
+
+
 PROMPTS = ("Tell me about Kyoto", "What is a KV cache?", "Hi", "Name three hotels with step-free access in Osaka")
 
 
@@ -200,16 +219,8 @@ def test_the_cpu_default_budget_takes_a_prompt_whole_while_nothing_decodes(chatt
     # Beside a request that decodes, the same prompt goes in chunks of the budget.
     # Unsteered, as a server runs it: the engine decodes it in every step without waiting for its
     # consumer thread, so the chunks share steps with it however busy the machine is.
-    decoding = engine.start(_request(PROMPTS[0], max_tokens=400), steered=False)
-    events = iter(decoding)
-    while not isinstance(next(events), TokenEvent):
-        pass
-    rest: list = []
-    beside = threading.Thread(target=lambda: rest.extend(events))
-    beside.start()
-    chunked = next(e for e in engine.start(_request(long_prompt)) if isinstance(e, PrefillEvent))
-    decoding.cancel()
-    beside.join(timeout=60)
+    with _decoding_beside(engine, max_tokens=400):
+        chunked = next(e for e in engine.start(_request(long_prompt)) if isinstance(e, PrefillEvent))
     # Each chunk beside the decoding row takes what the rest of the budget holds, its attention
     # over the positions before it counted, so the chunks shrink as the prompt goes on.
     cost = ChunkCost.of_model(engine.model.cfg)
@@ -320,16 +331,8 @@ def test_a_wave_beside_a_decoding_request_is_prefilled_first_and_keeps_its_token
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False)
     wave = [f"{p} Describe step-free routes between the stations of Kyoto." for p in PROMPTS * 2]
     alone = [next(e for e in engine.start(_request(p)) if isinstance(e, DoneEvent)).result for p in wave]
-    decoding = engine.start(_request(PROMPTS[0], max_tokens=2000), steered=False)
-    events = iter(decoding)
-    while not isinstance(next(events), TokenEvent):
-        pass
-    rest: list = []
-    beside = threading.Thread(target=lambda: rest.extend(events))
-    beside.start()
-    together = run_all(engine, [_request(p) for p in wave], steered=False)
-    decoding.cancel()
-    beside.join(timeout=60)
+    with _decoding_beside(engine, max_tokens=2000):
+        together = run_all(engine, [_request(p) for p in wave], steered=False)
     assert [e[-1].result.token_ids for e in together] == [r.token_ids for r in alone]
     chunks = [c for e in together for p in e if isinstance(p, PrefillEvent) for c in p.chunks]
     # The decoding request never leaves, so a step without its row can only be a burst's.
