@@ -53,6 +53,9 @@ from minengine.kv.usage import BlockSharing, PoolUsage
 
 PREFIX = "prefix cache"  # the holder name of the prefix cache's references
 FIRST_SEGMENT_BYTES = 256 * MIB
+# On the CPU the prefix cache gives up its least recently used blocks, down to this much, rather
+# than let a new request's run land on pages never written (see `BlockPool.allocate`).
+KEPT_BEFORE_FRESH_PAGES = 64 * MIB
 _USED, _FREE, _CLAIMED = 0, 1, 2  # a block's state; 0 also marks the gap between two segments
 _ANY_FREE = bytes.maketrans(b"\x02", b"\x01")
 
@@ -144,6 +147,7 @@ class BlockStore:
         self.free_blocks = 0  # free blocks, claimed or not
         self.held_blocks = 0
         self.prefix_only_blocks = 0  # held by the prefix cache alone: evicting them frees them
+        self.written = 0  # every block below this number was handed out once (on the CPU, its pages are resident)
 
     @property
     def capacity_blocks(self) -> int:
@@ -176,10 +180,11 @@ class BlockStore:
         self.segments, self._firsts, self.claims, self.free_blocks = [], [], {}, 0
         return freed
 
-    def find_run(self, n: int, *, claimed_too: bool = False, start: int = 0) -> int | None:
-        """The first block of `n` consecutive free blocks (unclaimed ones unless `claimed_too`)."""
+    def find_run(self, n: int, *, claimed_too: bool = False, start: int = 0, end: int | None = None) -> int | None:
+        """The first block of `n` consecutive free blocks (unclaimed ones unless `claimed_too`),
+        all of them below `end` where given."""
         hay = self.state.translate(_ANY_FREE) if claimed_too else self.state
-        i = hay.find(b"\x01" * n, start)
+        i = hay.find(b"\x01" * n, start, len(hay) if end is None else end)
         return None if i < 0 else i
 
     def extends(self, after: int, n: int, owner: str) -> bool:
@@ -337,6 +342,8 @@ class BlockPool:
         `PoolExhausted` when even that leaves too little.
         """
         store = self.store(fmt)
+        if after is None or not store.extends(after, count, owner):  # a new run (after a prefix hit, too)
+            self._written_pages_first(store, max(count, expect))
         if after is not None and self.reclaimer is not None:
             # The blocks after the owner's last one, kept by the prefix cache alone, are worth more
             # to it than to the cache: without them its table splits, and every step gathers it.
@@ -351,6 +358,7 @@ class BlockPool:
                         store.state[b] = _USED
                         store.free_blocks -= 1
                         self._ref(store, b, owner)
+                    store.written = max(store.written, max(blocks, default=-1) + 1)
                     return blocks
                 short = max(
                     (count - store.free_blocks) * fmt.nbytes - (self.budget_bytes - self.committed_bytes),
@@ -363,6 +371,25 @@ class BlockPool:
                 with self._lock:
                     if not self._drop_empty_stores(fmt):
                         raise PoolExhausted(owner, count, store.free_blocks, fmt)
+
+    def _written_pages_first(self, store: BlockStore, run: int) -> None:
+        """On the CPU, before a new run of `run` blocks would land on pages never written: evict the
+        prefix cache's least recently used blocks (down to `KEPT_BEFORE_FRESH_PAGES`) until a free
+        run of written blocks opens. The first write to a page costs a fault and a zeroed page,
+        several microseconds each here, and blocks are strided across every layer's tensor, so a
+        step in which 32 sequences each enter a fresh block faulted about 5,600 pages and took
+        twice its usual time; a cache that only grows (random prompts, a benchmark) kept every
+        request on fresh pages (measured: docs/serving.md, "Written pages first")."""
+        if self.device.type != "cpu" or self.evictor is None:
+            return
+        fmt = store.fmt
+        for _ in range(2):  # a run opens once a finished request's blocks go; fragments get no more
+            with self._lock:
+                if store.find_run(run, end=store.written) is not None or store.written < run:
+                    return
+                spare = self.prefix_only_bytes - KEPT_BEFORE_FRESH_PAGES
+            if spare < fmt.nbytes or not self.evictor(min(spare, run * fmt.nbytes)):
+                return
 
     def _kept_after(self, store: BlockStore, after: int, count: int) -> list[int]:
         """The blocks of the `count` after `after` that only the prefix cache holds, when every

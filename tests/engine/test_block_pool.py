@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from minengine.kv.arithmetic import kv_bytes_per_token
+from minengine.kv import block_pool
 from minengine.kv.block_pool import PREFIX, BlockFormat, BlockPool, PoolExhausted
 from reqscope.wording import worded
 
@@ -144,6 +145,32 @@ def test_exhaustion_evicts_the_prefix_cache_first_then_raises():
         pool.allocate(SMALL, "b", 1)
     assert caught.value.owner == "b" and caught.value.wanted == 1
     assert worded(caught.value.message).endswith("raise --kv-budget-mib")
+
+
+@pytest.mark.parametrize("floor_blocks", (0, 4))
+def test_a_new_run_takes_written_blocks_the_prefix_cache_gives_up_before_fresh_pages(monkeypatch, floor_blocks):
+    monkeypatch.setattr(block_pool, "KEPT_BEFORE_FRESH_PAGES", floor_blocks * SMALL.nbytes)
+    pool = pool_of(64)  # a first segment of 16 blocks, most of them never written
+    done = pool.allocate(SMALL, "done", 4, expect=4)
+    pool.share(SMALL, done, PREFIX)
+    pool.free(SMALL, done, "done")  # a finished request's blocks, kept by the prefix cache alone
+    kept = list(done)
+
+    def evictor(nbytes: int) -> int:  # least recently used first, as the prefix cache evicts
+        freed = 0
+        while kept and freed < nbytes:
+            pool.free(SMALL, [kept.pop(0)], PREFIX)
+            freed += SMALL.nbytes
+        return freed
+
+    pool.evictor = evictor
+    new = pool.allocate(SMALL, "new", 2, expect=4)
+    if floor_blocks:  # the cache keeps its floor: the new run goes to blocks never written
+        assert kept == done and new == [done[-1] + 1, done[-1] + 2]
+    else:  # the kept blocks go, and the new run (with its claim) lies on the pages they wrote
+        assert kept == [] and new == done[:2]
+        assert pool.allocate(SMALL, "new", 2, after=new[-1]) == done[2:]
+    assert pool.held_by("new") == len(new) + (0 if floor_blocks else 2)
 
 
 def test_formats_share_one_budget_and_an_empty_store_gives_its_room_back():
