@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minengine.kv.arithmetic import kv_bytes_per_token
 from minengine.kv import block_pool
+from minengine.kv.arithmetic import kv_bytes_per_token
 from minengine.kv.block_pool import PREFIX, BlockFormat, BlockPool, PoolExhausted
 from reqscope.wording import worded
 
