@@ -79,7 +79,7 @@ void amx_begin(void) { _tile_loadconfig(&config); }
 void amx_end(void) { _tile_release(); }
 
 void amx_group(int q8, const uint8_t *lo, const int8_t *hi, const float *dx, const float *sx, const int32_t *n,
-               long rows, long r0, long K, const uint8_t *G, float *y, long ldy, long columns) {
+               long rows, long r0, long K, const uint8_t *G, float *y, long ldy, long columns, int stream) {
     long blocks = K / QB, block = q8 ? D8_BLOCK : D4_BLOCK;
     /* The rows' sums live here, 16 floats a row and half: y's rows are a whole row of the output
      * apart (12 KiB for gate_up), so they would all fall in one L1 set. */
@@ -145,6 +145,14 @@ void amx_group(int q8, const uint8_t *lo, const int8_t *hi, const float *dx, con
             }
         }
     }
+    if (stream && columns == DW && (((uintptr_t)y | (uintptr_t)(ldy * sizeof(float))) & 63) == 0) {
+        for (long r = 0; r < rows; r++) {  /* whole lines, around the caches: y's old lines are never read */
+            _mm512_stream_ps(y + (r0 + r) * ldy, _mm512_load_ps(acc + r * DW));
+            _mm512_stream_ps(y + (r0 + r) * ldy + 16, _mm512_load_ps(acc + r * DW + 16));
+        }
+        _mm_sfence();  /* before another thread reads them */
+        return;
+    }
     for (long r = 0; r < rows; r++) memcpy(y + (r0 + r) * ldy, acc + r * DW, sizeof(float) * columns);
 }
 #else
@@ -154,8 +162,8 @@ int amx_on(void) { return 0; }
 void amx_begin(void) {}
 void amx_end(void) {}
 void amx_group(int q8, const uint8_t *lo, const int8_t *hi, const float *dx, const float *sx, const int32_t *n,
-               long rows, long r0, long K, const uint8_t *G, float *y, long ldy, long columns) {
+               long rows, long r0, long K, const uint8_t *G, float *y, long ldy, long columns, int stream) {
     (void)q8, (void)lo, (void)hi, (void)dx, (void)sx, (void)n, (void)rows, (void)r0, (void)K, (void)G, (void)y,
-        (void)ldy, (void)columns;
+        (void)ldy, (void)columns, (void)stream;
 }
 #endif

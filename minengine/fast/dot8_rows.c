@@ -348,13 +348,17 @@ static void dot8_groups(const Acts *a, long M, long K, const uint8_t *V, long pa
     long groups = (panels + GP - 1) / GP, per_group = K / QB * block;
     float t[8 * DW];
     int tiles = wide && a->split;
+    /* y's old lines are only overwritten: where y outgrows the caches, reading each line in before
+     * writing it cost 14% of a 256-row product (docs/performance.md, "AMX tiles"). */
+    int stream = M * ldy * (long)sizeof(float) >= AMX_STREAM_BYTES;
     if (tiles) amx_begin();
 #pragma omp for schedule(guided)
     for (long g = 0; g < groups; g++) {
         long columns = (panels - g * GP < GP ? panels - g * GP : GP) * PW;
         for (long r0 = 0; tiles && r0 < M; r0 += AMX_MAX_ROWS) {
             long rows = M - r0 < AMX_MAX_ROWS ? M - r0 : AMX_MAX_ROWS;
-            amx_group(q8, a->lo, a->hi, a->d, a->s, a->n, rows, r0, K, V + g * per_group, y + g * DW, ldy, columns);
+            amx_group(q8, a->lo, a->hi, a->d, a->s, a->n, rows, r0, K, V + g * per_group, y + g * DW, ldy, columns,
+                      stream);
         }
         for (long r0 = 0; !tiles && r0 < M; r0 += 8) {
             long rows = M - r0 < 8 ? M - r0 : 8;
