@@ -245,9 +245,15 @@ async def _stream(
                     # Tokens that made no text yet (half a character, a held-back stop prefix)
                     # ride along with the chunk that finally shows their text.
                     chunk = shape.text_chunk(item.token.text, _logprobs(api, waiting_logprobs), len(streamed))
-                    await send(sse(chunk))
+                    try:
+                        await send(sse(chunk))
+                    finally:
+                        if item.written is not None:  # the worker may end the session now (WRITTEN_WAIT_S)
+                            item.written.set()
                     streamed += item.token.text
                     waiting_logprobs = []
+                elif item.written is not None:
+                    item.written.set()
             elif isinstance(item, Ended | Crashed):
                 await send(_closing(api, shape, item, streamed, waiting_logprobs))
                 break

@@ -135,6 +135,9 @@ class TokenEvent:
     # The way the step behind this token ran (`minengine.model.step_path`; prefill's last chunk for
     # the first token); empty in traces recorded before it was kept.
     path: str = ""
+    # This token ends the request, as far as its stream knows: a stop token or string, or the
+    # max_tokens-th (not a cancel, nor the model's context running out; False in older traces).
+    last: bool = False
 
     @property
     def read_step_ms(self) -> float:

@@ -711,6 +711,7 @@ class RequestSession:
             batch=state.batch if index else None,
             inspection=inspection,
             path=self._step_path(state),
+            last=stops or stop_hit or count >= req.max_tokens,
         )
         state.previous_t = t
         return event, "stop" if stops else "stop_sequence" if stop_hit else None

@@ -94,6 +94,18 @@ def test_stop_tokens_min_tokens_and_stop_strings_end_it_where_a_steered_run_ends
         _pool_is_empty(engine)
 
 
+def test_only_the_token_that_ends_a_request_says_it_is_the_last(engine):
+    """`TokenEvent.last` (a server flushes that token's chunk before the request's end work)."""
+    probe = _run(engine, _request(max_tokens=16), steered=True)[1]
+    stop_id = probe.token_ids[5]
+    for extras, ending in (({}, 16), ({"stop_token_ids": (stop_id,)}, probe.token_ids.index(stop_id) + 1)):
+        for steered in (True, False):
+            events, result = _run(engine, _request(max_tokens=16, **extras), steered=steered)
+            tokens = [e for e in events if isinstance(e, TokenEvent)]
+            assert len(tokens) == len(result.token_ids) == ending
+            assert [e.last for e in tokens] == [False] * (ending - 1) + [True]
+
+
 def test_requests_unsteered_together_get_their_tokens_alone(engine):
     requests = [_request(p, sampling=GREEDY if i % 2 else SAMPLED, max_tokens=20) for i, p in enumerate(PROMPTS)]
     alone = [_run(engine, r, steered=True)[1] for r in requests]
