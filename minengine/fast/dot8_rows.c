@@ -349,7 +349,7 @@ static void dot8_groups(const Acts *a, long M, long K, const uint8_t *V, long pa
     float t[8 * DW];
     int tiles = wide && a->split;
     /* y's old lines are only overwritten: where y outgrows the caches, reading each line in before
-     * writing it cost 14% of a 256-row product (docs/performance.md, "AMX tiles"). */
+     * writing it cost 14% of a 256-row product (docs/performance.md, "AMX tiles under the int16 products"). */
     int stream = M * ldy * (long)sizeof(float) >= AMX_STREAM_BYTES;
     if (tiles) amx_begin();
 #pragma omp for schedule(guided)
