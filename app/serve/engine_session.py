@@ -49,9 +49,8 @@ class Generated:
 
 # How long a worker waits for its last token's chunk to be written before it lets the session end.
 # Ending is Python on the worker's thread (the prefix cache's blocks, the result, the metrics):
-# when 32 requests ended in one step, their 32 workers took the GIL from the event loop for about
-# 30 ms, and each last token reached its client two steps after the one before (docs/serving.md,
-# "The last token"). The bound keeps a client that reads slowly from holding the worker.
+# many workers ending in one step took the GIL from the event loop and delayed each last token
+# (docs/serving.md, "The last token"). The bound keeps a client that reads slowly from holding it.
 WRITTEN_WAIT_S = 0.05
 
 

@@ -342,8 +342,7 @@ class BlockPool:
         `PoolExhausted` when even that leaves too little.
         """
         store = self.store(fmt)
-        if after is None or not store.extends(after, count, owner):  # a new run (after a prefix hit, too)
-            self._written_pages_first(store, max(count, expect))
+        self._written_pages_first(store, owner, count, after, expect)
         if after is not None and self.reclaimer is not None:
             # The blocks after the owner's last one, kept by the prefix cache alone, are worth more
             # to it than to the cache: without them its table splits, and every step gathers it.
@@ -372,16 +371,18 @@ class BlockPool:
                     if not self._drop_empty_stores(fmt):
                         raise PoolExhausted(owner, count, store.free_blocks, fmt)
 
-    def _written_pages_first(self, store: BlockStore, run: int) -> None:
-        """On the CPU, before a new run of `run` blocks would land on pages never written: evict the
-        prefix cache's least recently used blocks (down to `KEPT_BEFORE_FRESH_PAGES`) until a free
-        run of written blocks opens. The first write to a page costs a fault and a zeroed page,
-        several microseconds each here, and blocks are strided across every layer's tensor, so a
-        step in which 32 sequences each enter a fresh block faulted about 5,600 pages and took
-        twice its usual time; a cache that only grows (random prompts, a benchmark) kept every
-        request on fresh pages (measured: docs/serving.md, "Written pages first")."""
+    def _written_pages_first(self, store: BlockStore, owner: str, count: int, after: int | None, expect: int) -> None:
+        """On the CPU, before a new run (none follows `after`, a prefix hit's last block included)
+        would land on pages never written: evict the prefix cache's least recently used blocks (down
+        to `KEPT_BEFORE_FRESH_PAGES`) until a free run of written blocks opens. A first write to a
+        page costs a fault and a zeroed page, and a cache that only grows kept every request on fresh
+        pages (measured: docs/serving.md, "Written pages first")."""
         if self.device.type != "cpu" or self.evictor is None:
             return
+        with self._lock:
+            if after is not None and store.extends(after, count, owner):
+                return
+        run = max(count, expect)
         fmt = store.fmt
         for _ in range(2):  # a run opens once a finished request's blocks go; fragments get no more
             with self._lock:
