@@ -18,7 +18,7 @@ import os
 import sys
 
 from minengine.errors import ReqscopeError
-from minengine.kv.arithmetic import KIB
+from minengine.kv.arithmetic import KIB, MIB
 from minengine.sampling.params import SamplingParams
 from reqscope.argtypes import non_negative, positive, positive_whole_number, whole_number
 from reqscope.engine_flags import add_engine_arguments
@@ -32,6 +32,9 @@ from reqscope.serve.runner import serve_forever
 from reqscope.serve.telemetry import TelemetryLog
 
 API_KEY_ENV = "REQSCOPE_API_KEY"
+# KV pages written at start (on the CPU): 32 streams of about 360 tokens each with the default
+# model's float32 KV (`Engine.prefault_kv`; docs/serving.md, "Pages written at start").
+RESIDENT_KV_BYTES = 512 * MIB
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     order = SamplingParams.parse_order(args.sampler_order)
     configure_logging(args.log_level)
     engine = open_engine(args, ModelFolder.of(args), progress=stderr_progress)
+    # The KV pages the first requests take are written now, not inside their first decode steps.
+    resident = engine.prefault_kv(RESIDENT_KV_BYTES)
     config = ServeConfig(
         model_name=args.served_model_name or engine.model_dir.name,
         gateway=GatewayConfig(
@@ -153,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         stderr_progress(
             f"serving {config.model_name!r} at {url}/v1 ({engine.describe()}; "
             f"up to {engine.steps.limits.max_num_seqs} requests decode together, "
-            f"queue {engine.scheduler.max_queue}; {auth}); Ctrl-C stops"
+            f"queue {engine.scheduler.max_queue}; {resident // MIB} MiB of KV pages written; {auth}); Ctrl-C stops"
         )
 
     try:

@@ -79,7 +79,7 @@ class ResponseShape:
         return self._envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], True)
 
     def text_chunk(self, text: str, logprobs: Sequence[TokenLogprob] | None, text_offset: int = 0) -> dict:
-        """A chunk of visible text, with the logprobs of the tokens that produced it."""
+        """One token's chunk: the text it made visible (empty while none shows yet), with its logprobs."""
         choice: dict = {"index": 0, "logprobs": self._logprobs(logprobs, text_offset), "finish_reason": None}
         if self.kind == "chat":
             choice["delta"] = {"content": text}

@@ -232,30 +232,26 @@ async def _stream(
         # The role chunk goes with the first token, as vLLM's does: load tools (vLLM's own client
         # among them) take TTFT at the first chunk, so one sent before prefill would hide it.
         role = api.kind == "chat"
-        streamed, waiting_logprobs = "", []
+        streamed = ""
         while True:
             item = await run.next()
             if role:
                 await send(sse(shape.role_chunk()))
                 role = False
             if isinstance(item, Generated):
-                if item.logprob is not None:
-                    waiting_logprobs.append(item.logprob)
-                if item.token.text:
-                    # Tokens that made no text yet (half a character, a held-back stop prefix)
-                    # ride along with the chunk that finally shows their text.
-                    chunk = shape.text_chunk(item.token.text, _logprobs(api, waiting_logprobs), len(streamed))
-                    try:
-                        await send(sse(chunk))
-                    finally:
-                        if item.written is not None:  # the worker may end the session now (WRITTEN_WAIT_S)
-                            item.written.set()
-                    streamed += item.token.text
-                    waiting_logprobs = []
-                elif item.written is not None:
-                    item.written.set()
+                # Every token has its chunk, as vLLM's server sends them: one that made no text yet
+                # (half a character, a held-back stop prefix) goes with empty content, so a client
+                # that times chunks sees each step, not a gap of two.
+                entries = [] if item.logprob is None else [item.logprob]
+                chunk = shape.text_chunk(item.token.text, _logprobs(api, entries), len(streamed))
+                try:
+                    await send(sse(chunk))
+                finally:
+                    if item.written is not None:  # the worker may end the session now (WRITTEN_WAIT_S)
+                        item.written.set()
+                streamed += item.token.text
             elif isinstance(item, Ended | Crashed):
-                await send(_closing(api, shape, item, streamed, waiting_logprobs))
+                await send(_closing(api, shape, item, streamed))
                 break
         await response.write_eof()
     except ConnectionError:  # the client went away mid-stream (a reset, or lost while a write waited)
@@ -281,17 +277,15 @@ async def write_or_drop(request: web.Request, response: web.StreamResponse, data
         raise ConnectionResetError(f"the client read nothing for {timeout_s:g} s") from None
 
 
-def _closing(
-    api: ApiRequest, shape: ResponseShape, item: Ended | Crashed, streamed: str, logprobs: list[TokenLogprob]
-) -> bytes:
+def _closing(api: ApiRequest, shape: ResponseShape, item: Ended | Crashed, streamed: str) -> bytes:
     """Everything after the last token: leftover text, finish (or error), usage, [DONE]."""
     if isinstance(item, Crashed):
         return sse(ApiError(500, item.message, kind="server_error").body()) + SSE_DONE
     result = item.result
     out = b""
     tail = result.text[len(streamed) :] if result.text.startswith(streamed) else ""
-    if tail or logprobs:
-        out += sse(shape.text_chunk(tail, _logprobs(api, logprobs), len(streamed)))
+    if tail:
+        out += sse(shape.text_chunk(tail, _logprobs(api, []), len(streamed)))
     if result.error:
         out += sse(ApiError(500, result.error, kind="server_error").body())
     else:

@@ -21,7 +21,8 @@ from minengine.engine.session import RequestSession
 from minengine.engine.step_loop import Member, StepLoop, default_limits
 from minengine.engine.timeline import Timeline
 from minengine.errors import ConfigError, Mention, ModelNotFoundError, Setting
-from minengine.kv.block_pool import BlockPool
+from minengine.kv.arithmetic import stored_kv_heads
+from minengine.kv.block_pool import BlockFormat, BlockPool
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache
 from minengine.kv.usage import PoolUsage
@@ -145,6 +146,14 @@ class Engine:
         own += arena.get(member, 0)
         others = pool.request_bytes + sum(arena.values()) - own
         return PoolUsage(self.scheduler.kv_budget_bytes, own, others, pool.prefix_only_bytes)
+
+    def prefault_kv(self, nbytes: int) -> int:
+        """Make the first `nbytes` of the KV pool resident in the default request's block format
+        (`BlockPool.prefault`: the CPU only); the bytes written."""
+        cfg, default = self.cfg, GenerationRequest  # its field defaults: the layout, blocks, KV dtype "auto"
+        heads = stored_kv_heads(default.kv_layout, cfg.num_attention_heads, cfg.num_key_value_heads)
+        fmt = BlockFormat(cfg.num_hidden_layers, heads, cfg.head_dim, default.block_size, self.dtype)
+        return model_thread().call(self.pool.prefault, fmt, nbytes) * fmt.nbytes  # the steps' OpenMP team
 
     def use_prefix_cache(self, enabled: bool) -> None:
         """Turn the prefix cache on or off for requests started from now on (off drops its blocks)."""

@@ -392,6 +392,29 @@ class BlockPool:
             if spare < fmt.nbytes or not self.evictor(min(spare, run * fmt.nbytes)):
                 return
 
+    def prefault(self, fmt: BlockFormat, nbytes: int) -> int:
+        """On the CPU, write the first `nbytes` of `fmt`'s blocks now (making its first segment where
+        it has none), so that the requests that first take them do not pay the first write to each
+        page inside a step; the blocks written (none off the CPU, where storage is real at once).
+
+        A block is a page in each layer's K and V of each head, so 32 sequences entering fresh
+        blocks in one decode step took thousands of faults there (docs/serving.md, "Pages written
+        at start"). The blocks stay free: this only makes their pages resident."""
+        if self.device.type != "cpu":
+            return 0
+        with self._lock:
+            store = self.store(fmt)
+            first = store.segments[0] if store.segments else self._grow(store, 1)
+            if first is None:
+                return 0
+            blocks = min(first.blocks, nbytes // fmt.nbytes)
+            tokens = blocks * fmt.block_size
+            for part in (first.k, first.v, first.k_scale, first.v_scale):
+                if part is not None:
+                    part[:, :, :tokens].zero_()
+            store.written = max(store.written, first.first + blocks)
+            return blocks
+
     def _kept_after(self, store: BlockStore, after: int, count: int) -> list[int]:
         """The blocks of the `count` after `after` that only the prefix cache holds, when every
         other one of them is free (else taking them would not keep the table in one run)."""

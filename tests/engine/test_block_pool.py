@@ -173,6 +173,27 @@ def test_a_new_run_takes_written_blocks_the_prefix_cache_gives_up_before_fresh_p
     assert pool.held_by("new") == len(new) + (0 if floor_blocks else 2)
 
 
+def test_prefault_makes_the_first_blocks_resident_and_counts_them_written(monkeypatch):
+    psutil = pytest.importorskip("psutil")
+    big = BlockFormat(layers=4, heads=2, head_dim=64, block_size=16, dtype=torch.float32)  # 64 KiB a block
+    pool = BlockPool(1024 * big.nbytes, CPU)  # a first segment of a quarter of the budget: 256 blocks
+    before = psutil.Process().memory_info().rss
+    assert pool.prefault(big, 512 * big.nbytes) == 256  # the first segment, made for it, and no more
+    assert psutil.Process().memory_info().rss - before >= 0.9 * 256 * big.nbytes
+    assert pool.committed_bytes == 256 * big.nbytes and pool.held_bytes == 0 and pool.free_blocks(big) == 1024
+    assert pool.store(big).written == pool.store(big).segments[0].first + 256
+
+    # Written pages count as written: a new run takes them rather than evict the prefix cache's blocks.
+    monkeypatch.setattr(block_pool, "KEPT_BEFORE_FRESH_PAGES", 0)  # no floor: only written pages spare them
+    small = pool_of(64)
+    done = small.allocate(SMALL, "done", 4, expect=4)
+    small.share(SMALL, done, PREFIX)
+    small.free(SMALL, done, "done")
+    assert small.prefault(SMALL, 10 * SMALL.nbytes) == 10
+    small.evictor = lambda nbytes: pytest.fail("nothing needed evicting")
+    assert small.allocate(SMALL, "new", 2, expect=4) == [done[-1] + 1, done[-1] + 2]
+
+
 def test_formats_share_one_budget_and_an_empty_store_gives_its_room_back():
     fp8 = BlockFormat(1, 1, 8, 16, torch.float8_e4m3fn)
     pool = BlockPool(4 * KIB, CPU, first_segment_bytes=1 << 20)

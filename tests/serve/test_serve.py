@@ -161,3 +161,20 @@ def test_sampling_parameters_and_stop_reach_the_engine(client, engine):
     assert seeded == complete(temperature=1.0, seed=7) and seeded[0] != greedy  # sampled, and reproducibly
     stop = greedy[len(greedy) // 2 : len(greedy) // 2 + 3]
     assert complete(temperature=0, stop=[stop]) == (greedy[: greedy.index(stop)], "stop")
+
+
+def test_every_token_has_its_chunk_even_one_whose_text_is_held_back(served, engine):
+    """As vLLM's server streams: a token that shows no text yet (here a stop string's start, held
+    back until the next token rules the stop out) still gets its chunk, with empty content, so a
+    client timing chunks sees every step rather than one gap of two."""
+    events = list(engine.generate(GenerationRequest.from_prompt("Hello there", sampling=GREEDY, max_tokens=8)))
+    texts = [e.text for e in events if isinstance(e, TokenEvent)]
+    held = next(i for i in range(1, 7) if texts[i].strip())
+    stop = texts[held] + "\u2603"  # starts like that token's text; the snowman never comes
+    body = chat_body(max_tokens=8, temperature=0, stream=True, stop=[stop])
+    resp = raw_request(served.url, "POST", "/v1/chat/completions", body, headers=authorized())
+    choices = [c["choices"][0] for c in map(json.loads, sse_payloads(resp.body)[:-1]) if c.get("choices")]
+    contents = [c["delta"]["content"] for c in choices if "role" not in c["delta"] and not c["finish_reason"]]
+    # One chunk per token, then whatever the end released (text held back at the last token).
+    assert len(contents) in (8, 9) and contents[held] == "" and contents[held + 1] == texts[held] + texts[held + 1]
+    assert "".join(contents) == events[-1].result.text

@@ -164,3 +164,6 @@ class _FakeEngine:
         name = "fake"
 
     model_dir = _Path()
+
+    def prefault_kv(self, nbytes: int) -> int:
+        return 0
