@@ -129,6 +129,7 @@ class StreamChunk:
     prompt_token_ids: tuple[int, ...] | None = None  # vLLM's return_token_ids
     cached_reported: bool = False  # the usage carried prompt_tokens_details
     sglang_meta: SglangMetaInfo | None = None  # SGLang's meta_info (untested against a live SGLang)
+    choice: bool = False  # it carried a choice: a token's chunk (its text may be empty) or a role's
 
 
 def parse_chunk(data: str) -> StreamChunk:
@@ -159,6 +160,7 @@ def parse_chunk(data: str) -> StreamChunk:
         prompt_token_ids=prompt_token_ids(raw),
         cached_reported=isinstance(raw_usage, dict) and isinstance(raw_usage.get("prompt_tokens_details"), dict),
         sglang_meta=parse_meta_info(raw),
+        choice=isinstance(choices, list) and bool(choices) and isinstance(choices[0], dict),
     )
 
 

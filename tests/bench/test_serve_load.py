@@ -45,6 +45,7 @@ class Fake:
     in_flight: int = 0
     most_in_flight: int = 0
     client_ports: set[int] = field(default_factory=set)  # one per connection the client opened
+    chunks: tuple[str, ...] = CHUNKS  # the texts sent, one chunk each on the schedule
 
 
 def _event(payload: dict | str) -> bytes:
@@ -73,7 +74,7 @@ def _fake_app(fake: Fake) -> web.Application:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             chat = "messages" in body
-            for i, text in enumerate(CHUNKS):
+            for i, text in enumerate(fake.chunks):
                 await asyncio.sleep(FIRST_S if i == 0 else GAP_S)
                 choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
                 await resp.write(_event({"choices": [{**choice, "finish_reason": None}]}))
@@ -198,6 +199,26 @@ def test_the_summary_is_vllms_block_and_the_chat_route_sends_messages(capsys, to
     assert all(b["messages"][0]["role"] == "user" and "ignore_eos" not in b for b in fake.bodies)
     assert url + "/v1/v1" not in json.dumps(result)  # the /v1 of the base URL is not doubled
     assert "requests" in err  # the progress line, on stderr
+
+
+@pytest.mark.parametrize("every_chunk", (False, True))
+def test_a_token_with_no_text_yet_is_one_gap_of_two_steps_or_two_with_time_every_chunk(
+    capsys, tokenizer_dir, every_chunk
+):
+    # A server sends a chunk for a token whose text it holds back (vLLM does, and reqscope serve):
+    # the seeds' points (visible text) see one gap of two steps there, vLLM's client two gaps.
+    fake = Fake(chunks=("Hello", "", " there", " end"))
+    flags = ("--time-every-chunk",) if every_chunk else ()
+    with fake_server(fake) as url:
+        common = ("--base-url", url, "--endpoint", "/v1/chat/completions", "--tokenizer", str(tokenizer_dir), *SMALL)
+        code, out, _ = bench_serve(capsys, *common, "--num-prompts", "2", *flags, "--json")
+        summary_code, summary, _ = bench_serve(capsys, *common, "--num-prompts", "1", *flags)
+    result = json.loads(out)
+    assert code == summary_code == 0 and result["completed"] == 2
+    assert result["timed_chunks"] == ("every" if every_chunk else "visible text")
+    for itls in result["itls_ms"]:
+        assert [round(gap / (GAP_S * 1000)) for gap in itls] == ([1, 1, 1] if every_chunk else [2, 1])
+    assert ("Timed chunks:                            every chunk with a choice" in summary) == every_chunk
 
 
 def test_max_concurrency_caps_the_requests_in_flight_over_kept_connections(capsys, tokenizer_dir):

@@ -103,6 +103,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--temperature", metavar="T", type=non_negative, default=0.0, help="sampling temperature sent (0: greedy)"
     )
     d.add_argument("--seed", metavar="N", type=whole_number, default=0, help="seed of the prompts and the arrivals")
+    d.add_argument(
+        "--time-every-chunk",
+        action="store_true",
+        help="time every chunk that carries a choice, as vLLM's client does, empty text included "
+        "(default: the chunks with visible text)",
+    )
     a = parser.add_argument_group("load")
     a.add_argument(
         "--request-rate",
@@ -182,6 +188,7 @@ def plan_from_args(args: argparse.Namespace) -> tuple[BenchSetup, LoadPlan]:
         token_limit_field=token_limit_field(url),
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
+        every_chunk=args.time_every_chunk,
     )
     plan = LoadPlan(
         target=target,
@@ -203,6 +210,7 @@ def plan_from_args(args: argparse.Namespace) -> tuple[BenchSetup, LoadPlan]:
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
         seed=args.seed,
+        every_chunk=args.time_every_chunk,
     )
     return setup, plan
 

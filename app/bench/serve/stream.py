@@ -1,7 +1,11 @@
 """One benchmark request: sent as a stream, every chunk timed on arrival, on the client's clock.
 
 The times are `time.perf_counter()` read when the line that ends a server-sent event arrives,
-so they hold what the network and the client's reading add, as a user would see them. A
+so they hold what the network and the client's reading add, as a user would see them. Timed are
+the chunks that carry visible text, the seeds' measurement points; with `every_chunk`, every chunk
+that carries a choice, as vLLM's client times them. The two part where a server sends a token
+whose text is still empty (half a character, a stop string held back): the first sees one gap of
+two steps, the second two gaps, and vLLM's role announcement becomes its first token. A
 request has failed when no response came (connection refused, a timeout), when the status is
 not 200, when the server sends an error object, when the stream ends before `[DONE]` (a
 server that closed mid-stream) or when no visible token arrived; the error says which.
@@ -35,6 +39,7 @@ class RequestTarget:
     token_limit_field: str = "max_tokens"
     ignore_eos: bool = True
     temperature: float | None = 0.0
+    every_chunk: bool = False  # time every chunk with a choice (vLLM's client), not visible text alone
 
     @property
     def chat(self) -> bool:
@@ -80,7 +85,7 @@ _SENDS = 4  # tries of a request whose connection failed before any byte of a re
 
 async def send_request(session: aiohttp.ClientSession, target: RequestTarget, prompt: BenchPrompt) -> RequestOutcome:
     """Send `prompt` and read its stream to the end; failures come back as an outcome, never raised."""
-    reading = _Reading()
+    reading = _Reading(target.every_chunk)
     send = _now_ms()
     for attempt in range(_SENDS):
         try:
@@ -104,7 +109,8 @@ async def send_request(session: aiohttp.ClientSession, target: RequestTarget, pr
 class _Reading:
     """One response being read: the chunk times so far, the usage, the first problem."""
 
-    def __init__(self) -> None:
+    def __init__(self, every_chunk: bool) -> None:
+        self.every_chunk = every_chunk
         self.times_ms: list[float] = []
         self.usage: Usage | None = None
         self.done = False
@@ -121,14 +127,14 @@ class _Reading:
                 self.error = chunk.error
                 return
             self.usage = chunk.usage or self.usage
-            if chunk.text:
+            if chunk.text or (self.every_chunk and chunk.choice):
                 self.times_ms.append(arrived)
 
     def outcome(self, prompt: BenchPrompt, send_ms: float) -> RequestOutcome:
         if self.error is None and not self.done:
             self.error = f"the server closed the stream before [DONE], after {len(self.times_ms)} chunks"
         if self.error is None and not self.times_ms:
-            self.error = "the stream ended without a visible token"
+            self.error = "the stream ended without a " + ("token" if self.every_chunk else "visible token")
         input_tokens = self.usage.prompt_tokens if self.usage is not None else prompt.prompt_len
         tokens, _source = output_token_count(self.usage, 0, len(self.times_ms))
         if self.error is not None:

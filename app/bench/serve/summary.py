@@ -43,6 +43,7 @@ class BenchSetup:
     burstiness: float
     max_concurrency: int | None
     seed: int
+    every_chunk: bool = False  # every chunk with a choice timed (vLLM's client), not visible text alone
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,8 @@ def summary_block(result: ServeBenchResult) -> str:
         lines.append(f"First error: {result.first_error}")
     if setup.max_concurrency is not None:
         lines.append(_row("Maximum request concurrency:", setup.max_concurrency))
+    if setup.every_chunk:  # not in vLLM's block: its client always times this way
+        lines.append(_row("Timed chunks:", "every chunk with a choice"))
     if not math.isinf(setup.request_rate):
         lines.append(_row("Request rate configured (RPS):", f"{setup.request_rate:.2f}"))
     lines += [
@@ -146,6 +149,7 @@ def result_dict(result: ServeBenchResult) -> dict:
         "burstiness": setup.burstiness,
         "max_concurrency": setup.max_concurrency,
         "seed": setup.seed,
+        "timed_chunks": "every" if setup.every_chunk else "visible text",
         "duration": result.duration_s,
         "completed": result.completed,
         "failed": result.failed,
