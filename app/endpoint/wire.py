@@ -144,7 +144,8 @@ def parse_chunk(data: str) -> StreamChunk:
         return StreamChunk("", (), None, None, None, error_message(raw))
     text, logprobs, finish = "", (), None
     choices = raw.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+    has_choice = isinstance(choices, list) and bool(choices) and isinstance(choices[0], dict)
+    if has_choice:
         choice = choices[0]
         delta = choice.get("delta")
         content = delta.get("content") if isinstance(delta, dict) else choice.get("text")
@@ -160,7 +161,7 @@ def parse_chunk(data: str) -> StreamChunk:
         prompt_token_ids=prompt_token_ids(raw),
         cached_reported=isinstance(raw_usage, dict) and isinstance(raw_usage.get("prompt_tokens_details"), dict),
         sglang_meta=parse_meta_info(raw),
-        choice=isinstance(choices, list) and bool(choices) and isinstance(choices[0], dict),
+        choice=has_choice,
     )
 
 
