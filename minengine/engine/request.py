@@ -8,7 +8,9 @@ from dataclasses import dataclass, field, replace
 from minengine.errors import RequestError
 from minengine.kv.usage import KV_DTYPE_ALIASES, KV_DTYPES, KV_LAYOUTS
 from minengine.sampling.params import SamplingParams
+from minengine.sampling.structured import StructuredOutput
 from minengine.text.chat_template import ROLES, Message
+from minengine.text.tools import Tool, ToolChoice
 
 MAX_PAYLOAD_BYTES = 1 << 20  # message text accepted by the gateway
 MAX_STOP_STRINGS = 8
@@ -61,6 +63,15 @@ class GenerationRequest:
     # Where each sampling value came from (shown in the header, --json and --plain); empty when
     # the caller did not say (a server request, a test).
     setting_sources: tuple[SettingSource, ...] = ()
+    # The functions the model may call, and how it may choose among them (OpenAI's fields).
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = True
+    # When the model's template has no tool syntax, reqscope writes the tools into a system block
+    # of its own (labelled as such); False refuses such a request instead.
+    generic_tools: bool = True
+    # The shape the output must take, enforced by a grammar (None: free text).
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # One name per storage type from here on (events, exports, the UI), whichever was asked.

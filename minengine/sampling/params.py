@@ -40,6 +40,11 @@ NAMED_ORDERS: dict[str, tuple[str, ...]] = {
 MIN_TEMPERATURE = 1e-4
 MAX_TEMPERATURE = 100.0
 _SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit value
+# vLLM's SamplingParams._verify_args: presence and frequency in [-2, 2], repetition in (0, 2];
+# OpenAI's logit_bias values in [-100, 100].
+MAX_ADDITIVE_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,24 @@ class SamplingParams:
     min_p: float = 0.0  # 0 = off
     seed: int | None = None
     order: tuple[str, ...] = HF_ORDER
+    # The stages before the filters, always in vLLM's order (the grammar's mask, min_tokens, then
+    # these): logit bias, then the penalties. `repetition_penalty` covers prompt and output as
+    # transformers' RepetitionPenaltyLogitsProcessor does; `frequency_penalty` and
+    # `presence_penalty` count the output only, as OpenAI and vLLM define them.
+    repetition_penalty: float = 1.0  # 1 = off
+    frequency_penalty: float = 0.0  # 0 = off
+    presence_penalty: float = 0.0  # 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids ascending
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any stage before the filters (bias, penalties) is on."""
+        return (
+            bool(self.logit_bias)
+            or self.repetition_penalty != 1
+            or self.frequency_penalty != 0
+            or self.presence_penalty != 0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +101,20 @@ class SamplingParams:
         m = _number("min_p", self.min_p)
         if not 0 <= m <= 1:
             raise RequestError(f"min_p must be in [0, 1] (0 = off); got {self.min_p!r}")
+        r = _number("repetition_penalty", self.repetition_penalty)
+        if not 0 < r <= MAX_REPETITION_PENALTY:
+            raise RequestError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off); "
+                f"got {self.repetition_penalty!r}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = _number(name, getattr(self, name))
+            if not -MAX_ADDITIVE_PENALTY <= value <= MAX_ADDITIVE_PENALTY:
+                raise RequestError(
+                    f"{name} must be between {-MAX_ADDITIVE_PENALTY:g} and {MAX_ADDITIVE_PENALTY:g} (0 = off); "
+                    f"got {getattr(self, name)!r}"
+                )
+        _check_logit_bias(self.logit_bias)
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _SEED_LIMIT):
             raise RequestError(f"seed must be an integer in [0, 2**64) or None; got {self.seed!r}")
         _check_order(self.order)
@@ -108,6 +145,23 @@ def _check_order(order: object) -> None:
             f"sampler order must be one of {', '.join(NAMED_ORDERS)} or list each of "
             f"{','.join(SAMPLER_STAGES)} exactly once; got {shown!r}"
         )
+
+
+def _check_logit_bias(bias: object) -> None:
+    """Ranges only; the ids against the vocabulary are the engine's to check (it knows its size)."""
+    if not isinstance(bias, tuple):
+        raise RequestError(f"logit_bias must be a tuple of (token id, bias) pairs; got {bias!r}")
+    for pair in bias:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise RequestError(f"logit_bias must hold (token id, bias) pairs; got {pair!r}")
+        token_id, value = pair
+        if not _is_int(token_id) or token_id < 0:
+            raise RequestError(f"logit_bias key {token_id!r} must be a token id, a whole number >= 0")
+        v = _number(f"logit_bias[{token_id}]", value)
+        if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            raise RequestError(
+                f"logit_bias[{token_id}] must be between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}; got {value!r}"
+            )
 
 
 def _is_int(value: object) -> bool:

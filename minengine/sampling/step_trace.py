@@ -25,6 +25,49 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class RemovedToken:
+    """A likely token a stage before the filters took away."""
+
+    token_id: int
+    piece: str
+    prob: float  # its probability before the stage (softmax of the raw logits)
+
+
+@dataclass(frozen=True)
+class GrammarFacts:
+    """What the grammar's mask did to one step."""
+
+    allowed: int  # vocabulary entries the grammar allowed
+    vocab_size: int
+    removed: tuple[RemovedToken, ...]  # the most likely tokens it forbade, most likely first
+    mass_removed: float  # raw probability mass on the forbidden tokens
+    state: str  # where the grammar is, in a few words ("inside a string", "done: only end of turn")
+
+
+@dataclass(frozen=True)
+class RankChange:
+    """A token whose rank the bias or penalties moved."""
+
+    token_id: int
+    piece: str
+    rank_before: int  # 1 = most likely, by raw logit
+    rank_after: int  # after bias and penalties
+    logit_before: float
+    logit_after: float
+
+
+@dataclass(frozen=True)
+class Adjustments:
+    """What the stages before the filters (grammar, min_tokens, bias, penalties) did to one step."""
+
+    grammar: GrammarFacts | None = None
+    min_tokens_masked: int = 0  # end tokens masked because min_tokens were not yet out
+    changes: tuple[RankChange, ...] = ()  # tokens whose rank bias or penalties moved, best after first
+    winner_before: int | None = None  # the raw argmax, when the stages changed the argmax
+    winner_after: int | None = None
+
+
+@dataclass(frozen=True)
 class StepTrace:
     """Why one decode step produced the token it did."""
 
@@ -40,6 +83,7 @@ class StepTrace:
     forced: bool  # the caller forced this token
     uniform: float | None = None  # the inverse-CDF draw in [0, 1), None when none was made
     vocab_size: int = 0
+    adjustments: Adjustments | None = None  # None when no stage before the filters was on
 
     @property
     def order(self) -> tuple[str, ...]:

@@ -25,6 +25,7 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 from minengine.errors import TokenizerError
+from minengine.text.tools import ToolCall
 
 ROLES = ("system", "user", "assistant", "tool")
 RENDER_SECONDS = 2.0  # a render that runs longer is stopped
@@ -35,10 +36,14 @@ _CHECK_EVERY = 1024  # range iterations between two looks at the clock
 
 @dataclass(frozen=True)
 class Message:
-    """One chat message."""
+    """One chat message: an assistant turn may carry the tool calls it made, a `tool` turn the
+    id of the call it answers."""
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None  # a `tool` message's function name, where the client gave it
 
 
 def _raise(message: str) -> None:
