@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from minengine.sampling.model_defaults import FILE, ModelSamplingDefaults
 from minengine.sampling.params import SamplingParams
 from reqscope.console.progress_line import ProgressLine
 from reqscope.engine_flags import MODEL_HELP, add_engine_arguments
+from reqscope.request_flags import add_request_arguments, check_penalties, read_request_flags
 
 if TYPE_CHECKING:
     from minengine.engine.engine import Engine
@@ -58,6 +60,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ORDER",
         help="hf, llama.cpp, vllm, or a comma list of temperature,top_k,top_p,min_p (default hf)",
     )
+    add_request_arguments(parser)
     k = parser.add_argument_group("KV cache")
     k.add_argument("--kv-layout", default="gqa", choices=KV_LAYOUTS)
     k.add_argument(
@@ -147,6 +150,8 @@ def request_from_args(args: argparse.Namespace, prompt: str, model: ModelFolder 
     `model` (None for an endpoint) when it sets one (as vLLM and transformers do), else from
     reqscope's defaults (LOCAL_SAMPLING); the request records which.
     """
+    check_penalties(args)
+    extras = read_request_flags(args, vocab_size=model_vocab_size(model))
     defaults = model_sampling_defaults(args, model)
     model_file = FILE
     sources: list[SettingSource] = []
@@ -169,7 +174,15 @@ def request_from_args(args: argparse.Namespace, prompt: str, model: ModelFolder 
         min_p=pick("min_p", args.min_p, defaults.min_p, d.min_p),
         seed=pick("seed", args.seed, None, d.seed),
         order=SamplingParams.parse_order(args.sampler_order),
+        logit_bias=extras.logit_bias,
     )
+    # The penalties are off unless their flag is given (vLLM reads repetition_penalty from
+    # generation_config.json too; the default model's sets none).
+    for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
+        value = getattr(args, name, None)
+        if value is not None:
+            sources.append(SettingSource(name, "flag"))
+            sampling = sampling.with_(**{name: value})
     max_tokens = pick("max_tokens", args.max_tokens, defaults.max_new_tokens, d.max_tokens)
     return GenerationRequest.from_prompt(
         prompt,
@@ -181,7 +194,22 @@ def request_from_args(args: argparse.Namespace, prompt: str, model: ModelFolder 
         kv_layout=args.kv_layout,
         kv_dtype=args.kv_dtype,
         block_size=args.block_size,
+        tools=extras.tools,
+        tool_choice=extras.tool_choice,
+        generic_tools=extras.generic_tools,
+        structured=extras.structured,
     )
+
+
+def model_vocab_size(model: ModelFolder | None) -> int | None:
+    """The vocabulary size in `model`'s config.json, read before the model loads; None when not known yet."""
+    if model is None:
+        return None
+    try:
+        value = json.loads((model.path / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None  # not pulled yet, or unreadable: the engine checks the ids once it has loaded
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCallback | None = None) -> Engine:
