@@ -14,6 +14,7 @@ from minengine.engine.events import (
     PreemptEvent,
     PrefillEvent,
     PrefixCacheEvent,
+    PromptEvent,
     RequestResult,
     StageEvent,
     TokenEvent,
@@ -23,6 +24,7 @@ from minengine.record.telemetry import block_sharing_json
 from reqscope.console.inspection_json import inspection_keys
 from reqscope.console.json_out import emit, metrics_json
 from reqscope.console.roofline_lines import done_keys, summary_of, token_keys
+from reqscope.console.tool_facts import adjustments_json, prompt_record, reply_calls, tool_calls_json
 
 if TYPE_CHECKING:
     from reqscope.bench.ceiling import CeilingLookup
@@ -58,6 +60,10 @@ def print_jsonl(
     (`--attention`, `--lens`) adds its `attention`, `lens` and `inspect_cost` (`inspection_json`).
     Given the engine's `settings` (`reqscope env`'s), the first record lists them as
     `engine_settings`: value, default, source and detail each (`settings` there is the request's sampling).
+    A `prompt` record gives each template part's tokens (a tools' block among them); a token whose
+    step ran a stage before the filters (the grammar, min_tokens, bias, penalties) carries their
+    `adjustments`; given a request with tools, the done record carries the reply's `content` and
+    `tool_calls`, read as the server reads them.
     """
     out = out or sys.stdout
     result: RequestResult | None = None
@@ -83,6 +89,8 @@ def print_jsonl(
                     "duration_ms": round(ev.duration_ms, 3),
                 },
             )
+        elif isinstance(ev, PromptEvent):
+            emit(out, prompt_record(ev))
         elif isinstance(ev, PrefixCacheEvent):
             emit(out, prefix_cache_record(ev))
         elif isinstance(ev, PrefillEvent) and ev.chunks:
@@ -108,6 +116,7 @@ def print_jsonl(
                 }
                 | token_keys(ev, read_ceiling)
                 | ({} if ev.batch is None else {"batch": step_record(ev.batch)})
+                | _adjustments_keys(ev)
                 | inspection_keys(ev.inspection),
             )
             tokens.append(ev)
@@ -123,8 +132,17 @@ def print_jsonl(
             record["weights"] = {"format": weights.format, "why": weights.why}
         if result.batch is not None:
             record["batch"] = asdict(result.batch)
+        calls = reply_calls(request, result.text)
+        if calls is not None:
+            record |= tool_calls_json(calls)
         emit(out, record)
     return result
+
+
+def _adjustments_keys(ev: TokenEvent) -> dict:
+    """`adjustments` (grammar, min_tokens, rank changes) when a stage before the filters ran this step."""
+    adjustments = ev.trace.adjustments if ev.trace is not None else None
+    return {} if adjustments is None else {"adjustments": adjustments_json(adjustments)}
 
 
 def step_record(step: BatchStep) -> dict:

@@ -13,6 +13,7 @@ from minengine.engine.request import GenerationRequest, settings_line
 from minengine.kv.arithmetic import KIB, MIB
 from reqscope.console.latency_lines import latency_lines
 from reqscope.console.roofline_lines import plain_lines, summary_of
+from reqscope.console.tool_facts import call_lines, reply_calls, step_lines
 
 if TYPE_CHECKING:
     from reqscope.bench.ceiling import CeilingLookup
@@ -32,6 +33,8 @@ def print_plain(
 
     Given this machine's read `ceiling`, the summary sets the decode steps' bytes against it.
     Given the `load` beside it (`--background`, `--serve-port`), a line says what shares the engine.
+    After the answer, a line per step that ran a stage before the filters (the grammar's mask, min_tokens,
+    bias, penalties) says what each did, and given a request with tools, a line per tool call read from it.
     """
     out = out or sys.stdout
     err = err or sys.stderr
@@ -77,6 +80,12 @@ def print_plain(
         out.write(result.text[len(streamed) :])
     out.write("\n")
     out.flush()
+    # After the answer, not beside it: stderr's lines would cut into the streamed text on a terminal.
+    for line in (line for token in tokens for line in step_lines(token)):
+        print(f"· {line}", file=err, flush=True)
+    calls = reply_calls(request, result.text)
+    for line in call_lines(calls) if calls is not None else ():
+        print(f"· {line}", file=err, flush=True)
     read_ceiling = None if ceiling is None else ceiling.ceiling
     roofline = plain_lines(summary_of(tokens, read_ceiling), "" if ceiling is None else ceiling.note)
     print(summary(engine, result, roofline), file=err, flush=True)

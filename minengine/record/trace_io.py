@@ -122,6 +122,8 @@ def decode_value(tp, value):
         return decode_value(options[0], value) if len(options) == 1 else value
     if origin is tuple:
         args = typing.get_args(tp)
+        if args and args[-1] is not Ellipsis and len(args) == len(value):  # a fixed shape: (token id, bias)
+            return tuple(decode_value(a, v) for a, v in zip(args, value, strict=True))
         inner = args[0] if args else object
         return tuple(decode_value(inner, v) for v in value)
     if dataclasses.is_dataclass(tp):

@@ -1,4 +1,5 @@
-"""The sampling settings form: the chain's parameters, seed, max tokens and order, checked as typed."""
+"""The sampling settings form: the chain's parameters, penalties and bias, seed, max tokens and order,
+checked as typed."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 from minengine.errors import RequestError
 from minengine.sampling.params import NAMED_ORDERS, SamplingParams
+from reqscope.request_flags import parse_bias
 from reqscope.ui.field_form import Field, FieldForm, field_reader
 
 
@@ -39,12 +41,38 @@ def _seed(text: str) -> int | None:
     return _number("seed", int)(text) if text.strip() else None  # blank: a new seed each run
 
 
+def bias_text(bias: tuple[tuple[int, float], ...]) -> str:
+    """`2=-100, 13=5`: logit bias as the form shows it (blank: none)."""
+    return ", ".join(f"{token_id}={value:g}" for token_id, value in bias)
+
+
+def parse_bias_text(text: str) -> tuple[tuple[int, float], ...]:
+    """Logit bias from `ID=BIAS, ID=BIAS` (blank: none); RequestError names the bad pair."""
+    pairs: dict[int, float] = {}
+    for word in (w for w in text.replace(";", ",").split(",") if w.strip()):
+        try:
+            token_id, bias = parse_bias(word.strip())
+        except RequestError as exc:
+            raise RequestError(f"logit bias {exc}") from None
+        pairs[token_id] = bias
+    return tuple(sorted(pairs.items()))
+
+
 FIELDS: tuple[Field[SamplingChoice], ...] = (
     Field("temperature", "temperature", "0 = greedy", lambda c: f"{c.params.temperature:g}",
           _number("temperature", float)),
     Field("top_k", "top-k", "0 = off", lambda c: str(c.params.top_k), _number("top_k", int)),
     Field("top_p", "top-p", "1 = off", lambda c: f"{c.params.top_p:g}", _number("top_p", float)),
     Field("min_p", "min-p", "0 = off", lambda c: f"{c.params.min_p:g}", _number("min_p", float)),
+    Field("repetition_penalty", "repetition", "1 = off; prompt and output",
+          lambda c: f"{c.params.repetition_penalty:g}",
+          _number("repetition_penalty", float)),
+    Field("frequency_penalty", "frequency", "0 = off; per output count", lambda c: f"{c.params.frequency_penalty:g}",
+          _number("frequency_penalty", float)),
+    Field("presence_penalty", "presence", "0 = off; once output", lambda c: f"{c.params.presence_penalty:g}",
+          _number("presence_penalty", float)),
+    Field("logit_bias", "logit bias", "ID=BIAS, ... (blank = none)", lambda c: bias_text(c.params.logit_bias),
+          parse_bias_text),
     Field("seed", "seed", "blank = random", lambda c: "" if c.params.seed is None else str(c.params.seed), _seed),
     Field("max_tokens", "max tokens", "applies on restart (r)", lambda c: str(c.max_tokens),
           _number("max_tokens", int)),
@@ -61,6 +89,10 @@ def parse_choice(values: Mapping[str, str], base: SamplingParams) -> SamplingCho
         top_k=read("top_k"),
         top_p=read("top_p"),
         min_p=read("min_p"),
+        repetition_penalty=read("repetition_penalty"),
+        frequency_penalty=read("frequency_penalty"),
+        presence_penalty=read("presence_penalty"),
+        logit_bias=read("logit_bias"),
         seed=read("seed"),
         order=read("order"),
     )

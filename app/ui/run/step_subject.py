@@ -7,6 +7,8 @@ settings differ from the recorded ones. Otherwise: the last committed token's ow
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from minengine.sampling.params import SamplingParams
 from minengine.sampling.trace import explain_candidates
 from reqscope.ui.run.frame import StepSubject
@@ -35,6 +37,9 @@ def replay_subject(replay: ReplayRun, params: SamplingParams) -> StepSubject | N
             recorded_temperature=trace.params.temperature, vocab_size=trace.vocab_size,
             chosen_piece=trace.chosen_piece, forced=trace.forced,
         )
+        # The recorded candidates are the raw logits; what the grammar and the penalties did to them
+        # was recorded beside them, and the filters re-run here cannot redo it: keep the record.
+        trace = replace(trace, adjustments=pending.trace.adjustments)
         label = f"step {pending.index + 1} · recorded, re-filtered"
     return StepSubject(trace, label, pickable=False)
 

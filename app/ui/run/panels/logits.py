@@ -9,10 +9,11 @@ from rich.text import Text
 
 from minengine.engine.events import TokenEvent
 from minengine.sampling.params import SamplingParams
-from minengine.sampling.step_trace import Candidate, StepTrace
+from minengine.sampling.step_trace import Adjustments, Candidate, StepTrace
 from reqscope.ui.glyphs import show_piece
 from reqscope.ui.panel import Panel
 from reqscope.ui.run.frame import Frame
+from reqscope.ui.run.panels.adjustments import adjustment_lines, stages_before
 
 _RECENT_MIN_ROWS = 4  # spare rows below the candidates before the recent steps are worth showing
 # Column headings, aligned with _candidate_line's fields. `p(T)` is the model's distribution at the
@@ -21,17 +22,22 @@ _RECENT_MIN_ROWS = 4  # spare rows below the candidates before the recent steps 
 _HEADER = f"{'':2}{'#':>2} {'token':<12} {'id':>6} {'logit':>6} {'p(T)':>6} {'Σtop-p':>6}  status"
 
 
-def chain_text(params: SamplingParams) -> str:
-    """The sampler chain in the order it runs, each stage with its value or `off`."""
+def chain_text(params: SamplingParams, adjustments: Adjustments | None = None) -> str:
+    """The sampler chain in the order it runs, each stage with its value or `off`.
+
+    The stages before the filters (the grammar, min_tokens, bias, the penalties: `stages_before`)
+    come first, named only when on.
+    """
+    before = stages_before(params, adjustments)
     if params.greedy:
-        return "logits -> argmax (temperature 0: greedy)"
+        return " -> ".join(["logits", *before, "argmax (temperature 0: greedy)"])
     values = {
         "temperature": f"temperature {params.temperature:g}" if params.temperature != 1 else "temperature off",
         "top_k": f"top_k {params.top_k}" if params.top_k else "top_k off",
         "top_p": f"top_p {params.top_p:g}" if params.top_p < 1 else "top_p off",
         "min_p": f"min_p {params.min_p:g}" if params.min_p else "min_p off",
     }
-    return " -> ".join(["logits", *(values[s] for s in params.order), "dist"])
+    return " -> ".join(["logits", *before, *(values[s] for s in params.order), "dist"])
 
 
 def cut_positions(trace: StepTrace) -> dict[int, str]:
@@ -86,11 +92,14 @@ class LogitsPanel(Panel):
 
     def draw(self, frame: Frame, width: int, height: int) -> RenderableType:
         subject = frame.subject
-        chain = Text(chain_text(frame.params), style="bold", no_wrap=True, overflow="ellipsis")
+        adjustments = subject.trace.adjustments if subject is not None else None
+        chain = Text(chain_text(frame.params, adjustments), style="bold", no_wrap=True, overflow="ellipsis")
         if subject is None:
             return Group(chain, Text("no step yet: logits appear after prefill", style="dim"))
         trace = subject.trace
         lines = [chain, _summary(subject.label, trace, subject.path)]
+        for line in adjustment_lines(adjustments):
+            lines.append(Text(line, style="magenta", no_wrap=True, overflow="ellipsis"))
         note = basis_note(trace.params, trace.vocab_size)
         if note is not None:
             lines.append(Text(note, style="dim", no_wrap=True, overflow="ellipsis"))
