@@ -3,7 +3,9 @@
 Prompts are made with the tokenizer of a local model folder (`--tokenizer`; by default
 `--model` when it is one, else the default model's, which is what `reqscope serve` serves);
 the server's own token counts, from `usage`, are the ones the summary adds up. The summary
-goes to stdout (or the result as JSON with `--json`), the progress bar to stderr.
+goes to stdout (or the result as JSON with `--json`), the progress bar to stderr. With
+`--response-format`/`--json-schema`, every request asks for structured output and every answer
+is checked against it once the run is over (`answers`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from reqscope.argtypes import non_negative, positive, positive_whole_number, who
 from reqscope.bench.serve.arrivals import send_offsets
 from reqscope.bench.serve.load import LoadPlan, run_load
 from reqscope.bench.serve.prompts import PromptShape, load_tokenizer, random_prompts
+from reqscope.bench.serve.response_format import FORMATS, json_schema_file, structured_from_flags
 from reqscope.bench.serve.stream import CHAT_SUFFIX, RequestTarget
 from reqscope.bench.serve.summary import BenchSetup, result_dict, summarize, summary_block
 from reqscope.console.progress_line import ProgressLine
@@ -95,9 +98,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="send ignore_eos, so each request generates --output-len tokens (vLLM, llama-server and reqscope "
-        "serve take it; default: on)",
+        "serve take it; default: on, but off with --response-format: a structured answer ends where its JSON does)",
     )
     d.add_argument(
         "--temperature", metavar="T", type=non_negative, default=0.0, help="sampling temperature sent (0: greedy)"
@@ -108,6 +111,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="time every chunk that carries a choice, as vLLM's client does, empty text included "
         "(default: the chunks with visible text)",
+    )
+    s = parser.add_argument_group("structured output (checked: every answer is validated after the run)")
+    s.add_argument(
+        "--response-format",
+        choices=FORMATS,
+        help="send response_format of this type; json_object answers must parse as a JSON object "
+        "(default: plain text, unchecked; json_schema with --json-schema)",
+    )
+    s.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        type=json_schema_file,
+        help="a JSON schema (or OpenAI's json_schema object around one), sent strict; every answer is validated "
+        "against it with jsonschema (default: none)",
     )
     a = parser.add_argument_group("load")
     a.add_argument(
@@ -176,6 +193,12 @@ def plan_from_args(args: argparse.Namespace) -> tuple[BenchSetup, LoadPlan]:
     """What the flags ask for, and the requests that do it (the model is asked of the server when not given)."""
     url = route_url(args.base_url, args.endpoint)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    try:
+        structured = structured_from_flags(args.response_format, args.json_schema)
+    except ValueError as exc:
+        raise ReqscopeError(str(exc)) from None
+    # A grammar ends its answer with the end of turn; ignoring it would run on past the JSON.
+    ignore_eos = args.ignore_eos if args.ignore_eos is not None else structured is None
     folder = tokenizer_folder(args)
     tokenizer = load_tokenizer(folder)
     model = args.model or _listed_model(api_root(url), api_key)
@@ -186,9 +209,10 @@ def plan_from_args(args: argparse.Namespace) -> tuple[BenchSetup, LoadPlan]:
         model=model,
         headers=(("Authorization", f"Bearer {api_key}"),) if api_key else (),
         token_limit_field=token_limit_field(url),
-        ignore_eos=args.ignore_eos,
+        ignore_eos=ignore_eos,
         temperature=args.temperature,
         every_chunk=args.time_every_chunk,
+        structured=structured,
     )
     plan = LoadPlan(
         target=target,
@@ -211,6 +235,7 @@ def plan_from_args(args: argparse.Namespace) -> tuple[BenchSetup, LoadPlan]:
         max_concurrency=args.max_concurrency,
         seed=args.seed,
         every_chunk=args.time_every_chunk,
+        structured=structured,
     )
     return setup, plan
 

@@ -10,7 +10,9 @@ request has failed when no response came (connection refused, a timeout), when t
 not 200, when the server sends an error object, when the stream ends before `[DONE]` (a
 server that closed mid-stream) or when no visible token arrived; the error says which.
 Otherwise its metrics are the seeds' formulas (`minengine.engine.metrics`) over the chunk times,
-with O from the server's `usage` (one token per chunk when it sends none).
+with O from the server's `usage` (one token per chunk when it sends none). A request for structured
+output carries `response_format`, and its answer's text is kept, with the finish reason, for
+`answers` to check once the run is over; plain runs keep no text.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import aiohttp
 
 from minengine.engine.events import Usage
 from minengine.engine.metrics import RequestMetrics, inter_token_gaps
+from minengine.sampling.structured import StructuredOutput
 from reqscope.bench.serve.prompts import BenchPrompt
+from reqscope.bench.serve.response_format import response_format_field
 from reqscope.endpoint.metrics import client_metrics, output_token_count
 from reqscope.endpoint.wire import SSE_DONE, body_error, parse_chunk, sse_data
 
@@ -40,6 +44,7 @@ class RequestTarget:
     ignore_eos: bool = True
     temperature: float | None = 0.0
     every_chunk: bool = False  # time every chunk with a choice (vLLM's client), not visible text alone
+    structured: StructuredOutput | None = None  # sent as response_format; the answers' text is then kept
 
     @property
     def chat(self) -> bool:
@@ -60,6 +65,8 @@ class RequestTarget:
             body["temperature"] = self.temperature
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.structured is not None:
+            body["response_format"] = response_format_field(self.structured)
         return body
 
 
@@ -73,6 +80,8 @@ class RequestOutcome:
     metrics: RequestMetrics | None
     gaps_ms: tuple[float, ...]  # every gap between consecutive chunks: the ITLs
     error: str | None = None
+    finish_reason: str | None = None  # the last one the stream sent
+    text: str | None = None  # the answer, kept only for a structured-output run
 
     @property
     def ok(self) -> bool:
@@ -85,7 +94,7 @@ _SENDS = 4  # tries of a request whose connection failed before any byte of a re
 
 async def send_request(session: aiohttp.ClientSession, target: RequestTarget, prompt: BenchPrompt) -> RequestOutcome:
     """Send `prompt` and read its stream to the end; failures come back as an outcome, never raised."""
-    reading = _Reading(target.every_chunk)
+    reading = _Reading(target.every_chunk, keep_text=target.structured is not None)
     send = _now_ms()
     for attempt in range(_SENDS):
         try:
@@ -109,8 +118,10 @@ async def send_request(session: aiohttp.ClientSession, target: RequestTarget, pr
 class _Reading:
     """One response being read: the chunk times so far, the usage, the first problem."""
 
-    def __init__(self, every_chunk: bool) -> None:
+    def __init__(self, every_chunk: bool, keep_text: bool = False) -> None:
         self.every_chunk = every_chunk
+        self.pieces: list[str] | None = [] if keep_text else None
+        self.finish_reason: str | None = None
         self.times_ms: list[float] = []
         self.usage: Usage | None = None
         self.done = False
@@ -127,8 +138,11 @@ class _Reading:
                 self.error = chunk.error
                 return
             self.usage = chunk.usage or self.usage
+            self.finish_reason = chunk.finish_reason or self.finish_reason
             if chunk.text or (self.every_chunk and chunk.choice):
                 self.times_ms.append(arrived)
+            if chunk.text and self.pieces is not None:
+                self.pieces.append(chunk.text)
 
     def outcome(self, prompt: BenchPrompt, send_ms: float) -> RequestOutcome:
         if self.error is None and not self.done:
@@ -140,7 +154,9 @@ class _Reading:
         if self.error is not None:
             return RequestOutcome(prompt.prompt_len, input_tokens, tokens, None, (), self.error)
         metrics = client_metrics(self.times_ms, tokens, send_ms=send_ms)
-        return RequestOutcome(prompt.prompt_len, input_tokens, tokens, metrics, inter_token_gaps(self.times_ms))
+        text = "".join(self.pieces) if self.pieces is not None else None
+        gaps = inter_token_gaps(self.times_ms)
+        return RequestOutcome(prompt.prompt_len, input_tokens, tokens, metrics, gaps, None, self.finish_reason, text)
 
 
 def _now_ms() -> float:

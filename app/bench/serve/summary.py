@@ -6,7 +6,9 @@ request with more than one output token, ITL over every gap of every request. Pe
 figures are the seeds' (`minengine.engine.metrics`, through `stream`); their distributions use
 its summary too (`itl_stats`: mean, median, population std, p99 by numpy's linear rule), so
 a P99 here reads as vLLM's. Input tokens are the server's `usage.prompt_tokens` where it sends
-them: a chat route counts its template's tokens too.
+them: a chat route counts its template's tokens too. A structured-output run adds what vLLM's
+block lacks: how many answers follow the format asked for (`answers`), and how many were cut by
+length.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import math
 from dataclasses import dataclass
 
 from minengine.engine.metrics import ItlStats, itl_stats
+from minengine.sampling.structured import StructuredOutput
+from reqscope.bench.serve.answers import AnswerTally, tally_answers
 from reqscope.bench.serve.load import LoadRun
 from reqscope.bench.serve.stream import RequestOutcome
 
@@ -44,6 +48,7 @@ class BenchSetup:
     max_concurrency: int | None
     seed: int
     every_chunk: bool = False  # every chunk with a choice timed (vLLM's client), not visible text alone
+    structured: StructuredOutput | None = None  # the response_format every request asked for
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class ServeBenchResult:
     itl: ItlStats | None
     e2el: ItlStats | None
     outcomes: tuple[RequestOutcome, ...]
+    answers: AnswerTally | None = None  # a structured-output run's checks
 
     @property
     def request_throughput(self) -> float:
@@ -100,6 +106,7 @@ def summarize(setup: BenchSetup, run: LoadRun) -> ServeBenchResult:
         itl=itl_stats([gap for o in done for gap in o.gaps_ms]),
         e2el=itl_stats([o.metrics.e2e_ms for o in done]),
         outcomes=run.outcomes,
+        answers=tally_answers(run.outcomes, setup.structured) if setup.structured is not None else None,
     )
 
 
@@ -110,10 +117,14 @@ def summary_block(result: ServeBenchResult) -> str:
     lines.append(_row("Failed requests:", result.failed))
     if result.first_error is not None:
         lines.append(f"First error: {result.first_error}")
+    if result.answers is not None:  # not in vLLM's block: its client checks no answer
+        lines += _answer_rows(result.answers)
     if setup.max_concurrency is not None:
         lines.append(_row("Maximum request concurrency:", setup.max_concurrency))
     if setup.every_chunk:  # not in vLLM's block: its client always times this way
         lines.append(_row("Timed chunks:", "every chunk with a choice"))
+    if setup.structured is not None:
+        lines.append(_row("Response format:", setup.structured.describe()))
     if not math.isinf(setup.request_rate):
         lines.append(_row("Request rate configured (RPS):", f"{setup.request_rate:.2f}"))
     lines += [
@@ -170,7 +181,35 @@ def result_dict(result: ServeBenchResult) -> dict:
     out["e2els_ms"] = [o.metrics.e2e_ms if o.metrics else None for o in result.outcomes]
     out["itls_ms"] = [list(o.gaps_ms) for o in result.outcomes]
     out["errors"] = [o.error or "" for o in result.outcomes]
+    if result.answers is not None:
+        out.update(_answer_fields(setup.structured, result.answers, result.outcomes))
     return out
+
+
+def _answer_rows(answers: AnswerTally) -> list[str]:
+    share = "n/a" if answers.share is None else f"({answers.share:.1%})"
+    rows = [_row("Valid answers:", f"{answers.valid} / {answers.validated} {share}")]
+    rows.append(_row("Cut by length:", answers.cut_by_length))
+    if answers.first_problem is not None:
+        rows.append(f"First invalid answer: {answers.first_problem}")
+    return rows
+
+
+def _answer_fields(structured: StructuredOutput, answers: AnswerTally, outcomes: tuple[RequestOutcome, ...]) -> dict:
+    """The checks in the result file: the counts, then each request's verdict and text (in prompt order)."""
+    return {
+        "response_format": structured.kind,
+        "json_schema_name": structured.name or None,
+        "valid_answers": answers.valid,
+        "validated_answers": answers.validated,
+        "valid_share": answers.share,
+        "cut_by_length": answers.cut_by_length,
+        "first_invalid_answer": answers.first_problem,
+        "answer_verdicts": [c.verdict if c is not None else "" for c in answers.checks],
+        "answer_problems": [c.problem if c is not None else "" for c in answers.checks],
+        "generated_texts": [o.text or "" for o in outcomes],
+        "finish_reasons": [o.finish_reason or "" for o in outcomes],
+    }
 
 
 def _row(label: str, value: object) -> str:
