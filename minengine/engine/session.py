@@ -98,6 +98,7 @@ from minengine.sampling.trace import explain, greedy_candidates
 from minengine.text.detokenizer import IncrementalDetokenizer
 from minengine.text.prompt_parts import count_parts, token_parts
 from minengine.text.stop import StopMatcher
+from minengine.text.tool_prompt import ChatInput, tool_spans
 from minengine.threads import OneThread, model_thread
 
 if TYPE_CHECKING:
@@ -185,6 +186,7 @@ class PromptText:
 
     text: str
     generation_prompt_start: int | None  # len(text) when the template adds none; None for a raw prompt
+    chat: ChatInput | None = None  # what the template was given (None for a raw prompt)
 
 
 @dataclass(frozen=True)
@@ -402,12 +404,15 @@ class RequestSession:
         if req.raw_prompt is not None:
             yield self._stage("templated", "raw prompt, no chat template")
             return PromptText(req.raw_prompt, None)
-        messages = list(req.messages)
-        rendered = tok.render(messages)
+        messages, tools, generic = list(req.messages), req.tools, req.generic_tools
+        chat = tok.chat_input(messages, tools, generic)  # refuses tools the template cannot take, before rendering
+        rendered = tok.render(messages, tools=tools, generic_tools=generic)
         # Where the generation prompt starts is known from the template itself for the usual
         # one (a fixed text appended at the end); only other templates render a second time.
-        prompt = PromptText(rendered, tok.generation_prompt_start(messages, rendered))
-        yield self._stage("templated", f"{len(rendered)} chars")
+        start = tok.generation_prompt_start(messages, rendered, tools=tools, generic_tools=generic)
+        prompt = PromptText(rendered, start, chat)
+        tools_note = f", tools {chat.rendering}" if tools else ""
+        yield self._stage("templated", f"{len(rendered)} chars{tools_note}")
         return prompt
 
     def _tokenize(self, prompt: PromptText) -> Generator[Event, None, tuple[int, ...]]:
@@ -415,10 +420,12 @@ class RequestSession:
         pieces = self.engine.tokenizer.encode_pieces(prompt.text)
         ids = tuple(p.token_id for p in pieces)
         yield self._stage("tokenized", f"{len(ids)} tokens")
-        if prompt.generation_prompt_start is None:  # a raw prompt is all the user's
+        if prompt.generation_prompt_start is None or prompt.chat is None:  # a raw prompt is all the user's
             names = ("user",) * len(pieces)
         else:
-            names = token_parts(prompt.text, prompt.generation_prompt_start, self.request.messages, pieces)
+            chat, start = prompt.chat, prompt.generation_prompt_start
+            spans = tool_spans(prompt.text, chat, start)
+            names = token_parts(prompt.text, start, chat.messages, pieces, chat.parts, spans)
         yield PromptEvent(prompt.text, tuple(pieces), count_parts(names), names)
         return ids
 

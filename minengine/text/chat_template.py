@@ -25,7 +25,7 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 from minengine.errors import TokenizerError
-from minengine.text.tools import ToolCall
+from minengine.text.tools import Tool, ToolCall
 
 ROLES = ("system", "user", "assistant", "tool")
 RENDER_SECONDS = 2.0  # a render that runs longer is stopped
@@ -191,28 +191,71 @@ def fixed_generation_prompt(source: str) -> str | None:
     return "".join(text)
 
 
+@lru_cache(maxsize=8)
+def template_supports_tools(source: str) -> bool:
+    """Whether the template `source` reads the `tools` variable (its own tool syntax), from its
+    syntax tree; False for a template that does not parse."""
+    try:
+        tree = _environment().parse(source)
+    except jinja2.TemplateSyntaxError:
+        return False
+    return any(name.name == "tools" and name.ctx == "load" for name in tree.find_all(nodes.Name))
+
+
+def _call_dict(call: ToolCall) -> dict:
+    # Arguments go to the template as a dict, as transformers documents them and as vLLM passes
+    # them (it parses OpenAI's JSON text): templates write them with `tojson`, which would quote
+    # the text a second time. Text that is not a JSON object stays text.
+    try:
+        arguments = json.loads(call.arguments)
+    except json.JSONDecodeError:
+        arguments = call.arguments
+    if not isinstance(arguments, dict):
+        arguments = call.arguments
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
+
+
+def message_dict(message: Message) -> dict:
+    """A message as a chat template reads it (OpenAI's keys, only those the message has)."""
+    out: dict = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [_call_dict(c) for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
 def render_chat(
     source: str,
     messages: list[Message],
     *,
     add_generation_prompt: bool,
     special_tokens: dict[str, str],
+    tools: tuple[Tool, ...] = (),
 ) -> str:
-    """Render `messages` with the model's template, as `apply_chat_template(tokenize=False)` does.
+    """Render `messages` with the model's template, as `apply_chat_template(tokenize=False)` does:
+    the same variables (`messages`, `tools` as OpenAI's `{"type": "function", ...}` dicts or None,
+    `documents`, `add_generation_prompt`, the special tokens).
 
     Raises TokenizerError, one line, for every way a template can fail: a syntax error, an unsafe
     operation, `raise_exception`, any error while rendering, a render past the time or size
     budget, or one that renders nothing.
     """
     template = _compile(source)
-    input_chars = sum(len(m.content) for m in messages)
+    tool_dicts = [t.as_dict() for t in tools] or None
+    input_chars = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in messages)
+    input_chars += sum(len(t.parameters) + len(t.description) for t in tools)
     budget = _Budget(time.monotonic() + RENDER_SECONDS, max(RENDER_MIN_CHARS, RENDER_CHARS_PER_INPUT * input_chars))
     _active.budget = budget
     chunks: list[str] = []
     size = 0
     try:
         for chunk in template.generate(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
+            messages=[message_dict(m) for m in messages],
+            tools=tool_dicts,
+            documents=None,
             add_generation_prompt=add_generation_prompt,
             **special_tokens,
         ):

@@ -16,6 +16,8 @@ from tokenizers import Tokenizer
 
 from minengine.errors import TokenizerError
 from minengine.text.chat_template import Message, fixed_generation_prompt, render_chat
+from minengine.text.tool_prompt import ChatInput, chat_input
+from minengine.text.tools import Tool
 
 
 @dataclass(frozen=True)
@@ -46,9 +48,13 @@ def _token_text(value: Any) -> str | None:
 
 
 class ModelTokenizer:
-    """Encode, decode and template for one model folder."""
+    """Encode, decode and template for one model folder.
 
-    def __init__(self, folder: Path) -> None:
+    `chat_template_file` (`--chat-template FILE`, as vLLM and llama-server take it) replaces the
+    folder's chat template; `use_chat_template_file` does the same on a built tokenizer.
+    """
+
+    def __init__(self, folder: Path, chat_template_file: Path | None = None) -> None:
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"no tokenizer.json in {folder}; the model folder is incomplete")
@@ -70,6 +76,20 @@ class ModelTokenizer:
         self.eos_ids = frozenset(self._eos_ids(folder, tcfg))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self._pieces: dict[int, str] = {}
+        if chat_template_file is not None:
+            self.use_chat_template_file(chat_template_file)
+
+    def use_chat_template_file(self, path: Path) -> None:
+        """Render with the template in `path` (a Jinja file) instead of the model folder's."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokenizerError(f"cannot read the chat template {path}: {exc}; give a readable Jinja file") from None
+        if not text.strip():
+            raise TokenizerError(f"the chat template {path} is empty; give a Jinja chat template file")
+        self.chat_template = text
+        self.template_origin = path
 
     @staticmethod
     def _find_template(folder: Path, tcfg: dict[str, Any]) -> str | None:
@@ -95,24 +115,41 @@ class ModelTokenizer:
             ids.add(eos_id)
         return ids
 
-    def render(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
-        """The prompt text the model sees, from its own chat template."""
+    def chat_input(
+        self, messages: list[Message] | tuple[Message, ...], tools: tuple[Tool, ...] = (), generic_tools: bool = True
+    ) -> ChatInput:
+        """What the chat template is given for these messages and tools (see `tool_prompt.chat_input`):
+        the tools natively, in reqscope's generic block, or a RequestError when refused."""
+        return chat_input(self.chat_template, tuple(messages), tools, generic_tools)
+
+    def render(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: tuple[Tool, ...] = (),
+        generic_tools: bool = True,
+    ) -> str:
+        """The prompt text the model sees, from its own chat template, with `tools` as `chat_input` places them."""
         if self.chat_template is None:
             raise TokenizerError(
                 "this model folder has no chat template (tokenizer_config.json chat_template); "
                 "use an instruct/chat model"
             )
+        chat = self.chat_input(messages, tools, generic_tools)
         try:
             return render_chat(
                 self.chat_template,
-                messages,
+                list(chat.messages),
                 add_generation_prompt=add_generation_prompt,
                 special_tokens=self.special_tokens,
+                tools=chat.tools,
             )
         except TokenizerError as exc:
             raise TokenizerError(f"{self.template_origin}: ", exc.message) from None
 
-    def generation_prompt_start(self, messages: list[Message], rendered: str) -> int:
+    def generation_prompt_start(
+        self, messages: list[Message], rendered: str, tools: tuple[Tool, ...] = (), generic_tools: bool = True
+    ) -> int:
         """Where the generation prompt begins in `rendered`, `messages` rendered with it (its
         length when the template adds none).
 
@@ -123,7 +160,7 @@ class ModelTokenizer:
         # An empty rest is left to the second render to report, as it always was.
         if fixed is not None and len(rendered) > len(fixed) and rendered.endswith(fixed):
             return len(rendered) - len(fixed)
-        without = self.render(messages, add_generation_prompt=False)
+        without = self.render(messages, add_generation_prompt=False, tools=tools, generic_tools=generic_tools)
         return len(without) if rendered.startswith(without) else len(rendered)
 
     def encode(self, text: str) -> list[int]:

@@ -78,7 +78,8 @@ def test_a_request_renders_its_chat_template_once(chatty_engine, monkeypatch):
     renders, render = [], chatty_engine.tokenizer.render
     monkeypatch.setattr(chatty_engine.tokenizer, "render", lambda *a, **k: renders.append(k) or render(*a, **k))
     events, _ = run(chatty_engine, sampling=GREEDY, max_tokens=1)
-    assert renders == [{}]  # the default model's template appends a fixed generation prompt
+    # One render, with the generation prompt: the default model's template appends a fixed one.
+    assert [k.get("add_generation_prompt", True) for k in renders] == [True]
     assert next(e for e in events if isinstance(e, PromptEvent)).parts[-1].name == "generation prompt"
 
 
