@@ -1,7 +1,7 @@
 """The flags that add tools, a grammar, penalties and logit bias to a run's request, read into its records.
 
-`--tools FILE`, `--tool-choice`, `--no-generic-tools`, `--json-schema FILE`, `--regex`, `--choice`,
-`--repetition-penalty`, `--frequency-penalty`, `--presence-penalty`, `--logit-bias ID=BIAS` and
+`--tools FILE`, `--tool-choice`, `--no-parallel-tool-calls`, `--no-generic-tools`, `--json-schema FILE`,
+`--regex`, `--choice`, `--repetition-penalty`, `--frequency-penalty`, `--presence-penalty`, `--logit-bias ID=BIAS` and
 `--chat-template FILE`, named as vLLM's request fields and server flags name them.
 
 The parsed flags stay the words the user typed (paths, `ID=BIAS`), so `reqscope web` can hand them
@@ -42,6 +42,10 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
         "--tool-choice", metavar="none|auto|required|NAME",
         help="how the model may use the tools: not at all, freely, at least one call, or the named function "
         "(required and a name are enforced by a grammar; default auto with --tools)",
+    )  # fmt: skip
+    t.add_argument(
+        "--no-parallel-tool-calls", dest="parallel_tool_calls", action="store_false", default=True,
+        help="at most one tool call in the reply (OpenAI's parallel_tool_calls: false; default: several allowed)",
     )  # fmt: skip
     t.add_argument(
         "--no-generic-tools", dest="generic_tools", action="store_false", default=True,
@@ -110,6 +114,7 @@ class RequestFlags:
 
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
+    parallel_tool_calls: bool = True
     generic_tools: bool = True
     structured: StructuredOutput | None = None
     chat_template: str | None = None  # the template text of --chat-template, None for the model's own
@@ -126,6 +131,7 @@ def read_request_flags(args: argparse.Namespace, vocab_size: int | None = None) 
     return RequestFlags(
         tools=tools,
         tool_choice=choice,
+        parallel_tool_calls=getattr(args, "parallel_tool_calls", True),
         generic_tools=getattr(args, "generic_tools", True),
         structured=_structured(args),
         chat_template=_read_text(args.chat_template, "--chat-template") if getattr(args, "chat_template", None)

@@ -196,6 +196,7 @@ def request_from_args(args: argparse.Namespace, prompt: str, model: ModelFolder 
         block_size=args.block_size,
         tools=extras.tools,
         tool_choice=extras.tool_choice,
+        parallel_tool_calls=extras.parallel_tool_calls,
         generic_tools=extras.generic_tools,
         structured=extras.structured,
     )

@@ -14,6 +14,7 @@ from minengine.kv.arithmetic import KIB, MIB
 from reqscope.console.latency_lines import latency_lines
 from reqscope.console.roofline_lines import plain_lines, summary_of
 from reqscope.console.tool_facts import call_lines, reply_calls, step_lines
+from reqscope.ui.run.panels.adjustments import stages_before
 
 if TYPE_CHECKING:
     from reqscope.bench.ceiling import CeilingLookup
@@ -88,7 +89,9 @@ def print_plain(
         print(f"· {line}", file=err, flush=True)
     read_ceiling = None if ceiling is None else ceiling.ceiling
     roofline = plain_lines(summary_of(tokens, read_ceiling), "" if ceiling is None else ceiling.note)
-    print(summary(engine, result, roofline), file=err, flush=True)
+    last = next((t.trace for t in reversed(tokens) if t.trace is not None), None)
+    before = tuple(stages_before(last.params, last.adjustments)) if last is not None else ()
+    print(summary(engine, result, roofline, before), file=err, flush=True)
     return result
 
 
@@ -139,8 +142,11 @@ def prefix_cache_line(event: ev.PrefixCacheEvent) -> str:
     )
 
 
-def summary(engine: Engine, r: ev.RequestResult, roofline: list[str] | None = None) -> str:
-    """A llama.cpp-style timing summary of a finished request (`roofline`: its lines, after the decode line)."""
+def summary(
+    engine: Engine, r: ev.RequestResult, roofline: list[str] | None = None, before: tuple[str, ...] = ()
+) -> str:
+    """A llama.cpp-style timing summary of a finished request (`roofline`: its lines, after the decode line;
+    `before`: the stages that ran before the filters, named on the sampler's line)."""
     lines = [""]
     if r.error:
         lines.append(f"error: {r.error}")
@@ -185,5 +191,5 @@ def summary(engine: Engine, r: ev.RequestResult, roofline: list[str] | None = No
     batch = batch_line(r.batch) if r.batch is not None else None
     if batch is not None:
         lines.append(batch)
-    lines.append(f"sampler   logits -> {' -> '.join(r.sampler_order)} -> dist")
+    lines.append(f"sampler   logits -> {' -> '.join((*before, *r.sampler_order))} -> dist")
     return "\n".join(lines)

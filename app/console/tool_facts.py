@@ -57,8 +57,7 @@ def tool_calls_json(calls: ReplyCalls) -> dict:
 
 def step_lines(token: TokenEvent) -> list[str]:
     """One token's step in `--plain`: `step 3  grammar: ...`, then its other lines indented; none without."""
-    adjustments = token.trace.adjustments if token.trace is not None else None
-    shown = [line.strip() for line in adjustment_lines(adjustments)]
+    shown = [line.strip() for line in adjustment_lines(token.trace)] if token.trace is not None else []
     if not shown:
         return []
     head = f"step {token.index + 1:<4} {show_piece(token.piece, 12):<12} "

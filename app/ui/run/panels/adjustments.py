@@ -9,11 +9,12 @@ which tokens they moved in rank, and whether the winner changed.
 from __future__ import annotations
 
 from minengine.sampling.params import SamplingParams
-from minengine.sampling.step_trace import Adjustments, GrammarFacts, RankChange
+from minengine.sampling.step_trace import Adjustments, GrammarFacts, RankChange, StepTrace
 from reqscope.ui.glyphs import show_piece
 
-REMOVED_SHOWN = 4  # the grammar's removed tokens named on its line
+REMOVED_SHOWN = 5  # the grammar's removed tokens named on its line
 CHANGES_SHOWN = 4  # the rank changes named on the bias and penalties' line
+SHOWN_PROB = 0.0005  # a removed token shown below this rounds to 0.0%: it says nothing
 
 
 def stages_before(params: SamplingParams, adjustments: Adjustments | None) -> list[str]:
@@ -43,11 +44,12 @@ def grammar_line(grammar: GrammarFacts) -> str:
 
 
 def removed_line(grammar: GrammarFacts, shown: int = REMOVED_SHOWN) -> str | None:
-    """`  removed: 'I' 41.2%, 'Here' 10.3%, ...`; None when it removed no likely token."""
-    if not grammar.removed:
+    """`  removed: I 41.2%, Here 10.3%, ...`, the likeliest tokens it forbade; None when none was likely."""
+    likely = [r for r in grammar.removed if r.prob >= SHOWN_PROB]
+    if not likely:
         return None
-    named = ", ".join(f"{show_piece(r.piece, 10)} {r.prob:.1%}" for r in grammar.removed[:shown])
-    more = f", +{len(grammar.removed) - shown} more" if len(grammar.removed) > shown else ""
+    named = ", ".join(f"{show_piece(r.piece, 10)} {r.prob:.1%}" for r in likely[:shown])
+    more = f", +{len(likely) - shown} more" if len(likely) > shown else ""
     return f"  removed: {named}{more}"
 
 
@@ -58,34 +60,47 @@ def min_tokens_line(adjustments: Adjustments) -> str | None:
 
 
 def rank_line(adjustments: Adjustments, shown: int = CHANGES_SHOWN) -> str | None:
-    """`bias/penalties: ' the' #3 -> #1, ' a' #1 -> #2 · winner ' a' -> ' the'`; None when no rank moved."""
-    if not adjustments.changes and adjustments.winner_after is None:
+    """`bias/penalties: the #3 -> #1, a #1 -> #2`; None when they moved no rank."""
+    if not adjustments.changes:
         return None
     moved = ", ".join(_change(c) for c in adjustments.changes[:shown])
     more = f", +{len(adjustments.changes) - shown} more" if len(adjustments.changes) > shown else ""
-    line = f"bias/penalties: {moved}{more}" if moved else "bias/penalties:"
-    winner = winner_text(adjustments)
-    return f"{line} · {winner}" if winner else line
+    return f"bias/penalties: {moved}{more}"
 
 
-def winner_text(adjustments: Adjustments) -> str | None:
-    """`winner ' a' -> ' the'` when the stages changed the argmax, else None."""
+def winner_line(trace: StepTrace) -> str | None:
+    """`winner changed: a -> the (by the grammar)` when the stages changed the argmax, else None."""
+    adjustments = trace.adjustments
+    if adjustments is None:
+        return None
     before, after = adjustments.winner_before, adjustments.winner_after
     if before is None or after is None or before == after:
         return None
-    pieces = {c.token_id: c.piece for c in adjustments.changes}
-    return f"winner {_named(before, pieces)} -> {_named(after, pieces)}"
+    pieces = _pieces(trace)
+    return f"winner changed: {_named(before, pieces)} -> {_named(after, pieces)}"
 
 
-def adjustment_lines(adjustments: Adjustments | None) -> list[str]:
-    """Every line above, in the stages' order (none when no stage before the filters ran)."""
+def adjustment_lines(trace: StepTrace) -> list[str]:
+    """Every line above for one step, in the stages' order (none when no stage before the filters ran)."""
+    adjustments = trace.adjustments
     if adjustments is None:
         return []
     lines: list[str | None] = []
     if adjustments.grammar is not None:
         lines += [grammar_line(adjustments.grammar), removed_line(adjustments.grammar)]
-    lines += [min_tokens_line(adjustments), rank_line(adjustments)]
+    lines += [min_tokens_line(adjustments), rank_line(adjustments), winner_line(trace)]
     return [line for line in lines if line is not None]
+
+
+def _pieces(trace: StepTrace) -> dict[int, str]:
+    """Every token's piece the step's record names: its candidates, what the grammar removed, the moved ones."""
+    assert trace.adjustments is not None
+    grammar = trace.adjustments.grammar
+    pieces = {c.token_id: c.piece for c in trace.candidates}
+    pieces |= {r.token_id: r.piece for r in (grammar.removed if grammar is not None else ())}
+    pieces |= {c.token_id: c.piece for c in trace.adjustments.changes}
+    pieces[trace.chosen_id] = trace.chosen_piece
+    return pieces
 
 
 def _change(c: RankChange) -> str:

@@ -98,7 +98,7 @@ class LogitsPanel(Panel):
             return Group(chain, Text("no step yet: logits appear after prefill", style="dim"))
         trace = subject.trace
         lines = [chain, _summary(subject.label, trace, subject.path)]
-        for line in adjustment_lines(adjustments):
+        for line in adjustment_lines(trace):
             lines.append(Text(line, style="magenta", no_wrap=True, overflow="ellipsis"))
         note = basis_note(trace.params, trace.vocab_size)
         if note is not None:
