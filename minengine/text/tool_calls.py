@@ -206,13 +206,7 @@ class ToolCallStream:
             self._mode = "block"
             return True
         keep = _partial_suffix(self._pending, TOOL_CALL_OPEN)
-        ready = self._pending[: len(self._pending) - keep]
-        if self._after_call:
-            ready = ready.lstrip()
-            if not ready and keep == 0:
-                self._pending = ""
-                return False
-        self._emit_outside(ready)
+        self._emit_outside(self._pending[: len(self._pending) - keep])
         self._pending = self._pending[len(self._pending) - keep :]
         return False
 
