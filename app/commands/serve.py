@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import os
 import sys
+from pathlib import Path
 
 from minengine.errors import ReqscopeError
 from minengine.kv.arithmetic import KIB, MIB
@@ -48,6 +49,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prefix_cache_argument(m)
     m.add_argument(
         "--sampler-order", default="vllm", metavar="ORDER", help="hf, llama.cpp, vllm or a comma list (default vllm)"
+    )
+    m.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template file used instead of the model's own (as vLLM and llama-server take it)",
+    )
+    m.add_argument(
+        "--no-generic-tools",
+        dest="generic_tools",
+        action="store_false",
+        default=True,
+        help="refuse tools when the template has no tool syntax (default: reqscope writes its own tools block)",
     )
     m.add_argument(
         "--default-max-tokens",
@@ -125,8 +138,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"reqscope: error: {keys}", file=sys.stderr)
         return 2
     order = SamplingParams.parse_order(args.sampler_order)
+    template = Path(args.chat_template) if args.chat_template else None
+    if template is not None and not template.is_file():
+        print(
+            f"reqscope: error: --chat-template {template} is not a file; give a Jinja chat template file",
+            file=sys.stderr,
+        )
+        return 2
     configure_logging(args.log_level)
     engine = open_engine(args, ModelFolder.of(args), progress=stderr_progress)
+    if template is not None:
+        engine.tokenizer.use_chat_template_file(template)
     # The KV pages the first requests take are written now, not inside their first decode steps.
     resident = engine.prefault_kv(RESIDENT_KV_BYTES)
     config = ServeConfig(
@@ -140,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         ),
         sampler_order=order,
         default_max_tokens=args.default_max_tokens,
+        generic_tools=args.generic_tools,
         max_queue=args.max_queue,
         limits=ConnectionLimits(
             header_timeout_s=args.header_timeout,

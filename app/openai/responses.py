@@ -5,6 +5,10 @@ of visible text, a chunk with the finish reason that also carries the server's o
 measurements under the `reqscope` extension key, a usage chunk with empty `choices` when
 `stream_options.include_usage` asked for one, and `data: [DONE]`. Clients that do not know
 the extension key ignore it.
+
+A chat request with tools streams its calls as `tool_calls` deltas in vLLM's shape: a call's
+first delta carries `index`, `id`, `type` and `function.name` (with `arguments` ""), the next
+ones `index` and a piece of `function.arguments`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from minengine.engine.events import Usage
+from minengine.text.tool_calls import ToolCallDelta
+from minengine.text.tools import ToolCall
 from reqscope.openai.logprobs import TokenLogprob, chat_logprobs_json, completion_logprobs_json
 from reqscope.openai.schema import Kind
 
@@ -22,11 +28,20 @@ EXTENSION_KEY = "reqscope"
 
 # The engine's finish reasons as the API names them ("abort" as vLLM reports a cancellation).
 _API_FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "cancelled": "abort"}
+TOOL_CALLS_FINISH = "tool_calls"
 
 
 def api_finish_reason(engine_reason: str) -> str:
     """The OpenAI finish reason for one of the engine's."""
     return _API_FINISH.get(engine_reason, engine_reason)
+
+
+def tool_call_delta_json(delta: ToolCallDelta) -> dict:
+    """One entry of a streamed `delta.tool_calls`: a call's opening (id, type, name) or a piece of its arguments."""
+    if delta.id is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    function = {"name": delta.name, "arguments": delta.arguments}
+    return {"index": delta.index, "id": delta.id, "type": "function", "function": function}
 
 
 def sse(payload: dict) -> bytes:
@@ -87,8 +102,21 @@ class ResponseShape:
             choice["text"] = text
         return self._envelope([choice], True)
 
+    def delta_chunk(
+        self, content: str, tool_calls: Sequence[ToolCallDelta], logprobs: Sequence[TokenLogprob] | None
+    ) -> dict:
+        """A chat chunk of a request with tools: content (when there is any) and tool-call deltas."""
+        delta: dict = {}
+        if content or not tool_calls:
+            delta["content"] = content
+        if tool_calls:
+            delta["tool_calls"] = [tool_call_delta_json(d) for d in tool_calls]
+        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs, 0), "finish_reason": None}
+        return self._envelope([choice], True)
+
     def finish_chunk(self, engine_reason: str, report: dict) -> dict:
-        """The chunk that ends the choice; `report` goes under the extension key."""
+        """The chunk that ends the choice; `report` goes under the extension key. `engine_reason`
+        may also be the API's "tool_calls"."""
         choice: dict = {"index": 0, "logprobs": None, "finish_reason": api_finish_reason(engine_reason)}
         if self.kind == "chat":
             choice["delta"] = {}
@@ -107,11 +135,16 @@ class ResponseShape:
         usage: Usage,
         logprobs: Sequence[TokenLogprob] | None,
         report: dict,
+        tool_calls: Sequence[ToolCall] | None = None,
     ) -> dict:
-        """The whole non-streaming response."""
+        """The whole non-streaming response. `tool_calls` (a request with tools) adds
+        `message.tool_calls`, and empty content is then null, as vLLM answers."""
         choice: dict = {"index": 0, "logprobs": self._logprobs(logprobs, 0)}
         choice["finish_reason"] = api_finish_reason(engine_reason)
-        if self.kind == "chat":
+        if self.kind == "chat" and tool_calls is not None:
+            calls = [call.as_dict() for call in tool_calls]
+            choice["message"] = {"role": "assistant", "content": text or None, "tool_calls": calls}
+        elif self.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text

@@ -3,10 +3,18 @@
 This is the validating half of the gateway: every problem with a body becomes an ApiError
 naming the offending field in `param`, answered with OpenAI's error object. Sampling
 parameters follow vLLM's reading of them: `top_k` -1 or 0 and `min_p` 0 switch the stage off,
-and `max_completion_tokens` wins over the older `max_tokens`. Of vLLM's extras, `ignore_eos`,
-`min_tokens` and `stop_token_ids` are honoured (by the engine). Every other field is refused
-by name rather than ignored: parameters that would change the output but are not implemented
-(penalties, logit bias, tools, n > 1, beam search, guided decoding, ...) unless sent at their
+and `max_completion_tokens` wins over the older `max_tokens`. Read and honoured besides:
+`repetition_penalty`, `frequency_penalty`, `presence_penalty` and `logit_bias` (within vLLM's and
+OpenAI's ranges, ids within the vocabulary); on chat, `tools` (or the older `functions`),
+`tool_choice` (or `function_call`), `parallel_tool_calls` and messages carrying `tool_calls` or
+answering one (`tools.py`); on both routes, `response_format` (text, json_object, json_schema) or
+vLLM's `structured_outputs` (`structured.py`), each schema, regex and grammar compiled at the door
+so that one the grammar library cannot build is a 400 here, not a failure inside the engine.
+Of vLLM's extras, `ignore_eos`, `min_tokens` and `stop_token_ids` are honoured (by the engine).
+
+Every other field is refused by name rather than ignored: vLLM's removed `guided_*` fields (with
+a hint to send `structured_outputs`: vLLM 0.32 ignores them silently), parameters that would
+change the output but are not implemented (n > 1, beam search, ...) unless sent at their
 neutral value, and any field this server does not know, so that a typo or a feature another
 server has never silently changes what the client gets. Only fields that cannot change the
 output (`user`, `metadata`, ...) are accepted and ignored.
@@ -23,40 +31,52 @@ from minengine.engine.request import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, Gener
 from minengine.errors import RequestError
 from minengine.sampling.params import SamplingParams
 from minengine.text.chat_template import ROLES, Message
+from minengine.text.tools import Tool, ToolChoice
+from reqscope.openai.errors import SHOWN_CHARS, ApiError, invalid, shown
+from reqscope.openai.logit_bias import parse_logit_bias
+from reqscope.openai.structured import parse_structured, refuse_guided
+from reqscope.openai.tools import parse_tool_calls, parse_tool_choice, parse_tools
 from reqscope.wording import error_text
 
+__all__ = [
+    "ApiError", "ApiRequest", "Kind", "ParseOptions", "invalid", "parse_messages", "parse_request",
+    "refuse_tools_without_syntax", "shown",
+]  # fmt: skip
+
 MAX_TOP_LOGPROBS = 20
-SHOWN_CHARS = 64  # the most of a client's value an error message echoes
 # OpenAI's default for /v1/completions; chat has no fixed default, so the server sets one.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 CHAT_ROUTE = "/v1/chat/completions"
 
 Kind = Literal["chat", "completion"]
-_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed")
+_SAMPLING_FIELDS = (
+    "temperature", "top_k", "top_p", "min_p", "seed",
+    "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
+)  # fmt: skip
 
 # Fields this server reads, for both routes and for each one.
 _READ = frozenset(
     {
         "model", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
         "top_p", "top_k", "min_p", "seed", "stop", "response_format", "logprobs",
+        "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
+        "structured_outputs",
         "ignore_eos", "min_tokens", "stop_token_ids",  # vLLM's extras the engine honours
     }
 )  # fmt: skip
 _READ_BY_KIND: dict[Kind, frozenset[str]] = {
-    "chat": _READ | {"messages", "top_logprobs"},
+    "chat": _READ | {"messages", "top_logprobs", "tools", "tool_choice", "functions", "function_call"},
     "completion": _READ | {"prompt"},
 }
 # Accepted and ignored: they label or route a request but cannot change its output.
+# (`parallel_tool_calls` is read on chat; on completions, which has no tools, it changes nothing.)
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 
 # Accepted only at their neutral value: anything else would change the output unannounced.
 _NEUTRAL: dict[str, object] = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
     "best_of": 1,
     "echo": False,
-    "logit_bias": None,
+    # Read on chat; on completions (no tools there) only their absence is accepted.
     "tools": None,
     "tool_choice": None,
     "functions": None,
@@ -78,56 +98,11 @@ _NEUTRAL: dict[str, object] = {
     "guided_choice": None,
     "guided_grammar": None,
     "guided_decoding_backend": None,
-    "guided_whitespace_pattern": None,
-    "structured_outputs": None,
+    "guided_whitespace_pattern": None,  # non-null guided_* are refused with a hint first (refuse_guided)
     "top_a": 0,
     "typical_p": 1,
     "priority": 0,  # one queue, first come first served
 }
-
-
-class ApiError(Exception):
-    """A request the API answers with an error status and OpenAI's error object."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        kind: str = "invalid_request_error",
-        code: str | None = None,
-        retry_after_s: int | None = None,
-        close_connection: bool = False,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.kind = kind
-        self.code = code
-        self.retry_after_s = retry_after_s
-        # Answer, then close the connection without waiting for the rest of the body (a stall).
-        self.close_connection = close_connection
-
-    def body(self) -> dict:
-        """`{"error": {"message", "type", "param", "code"}}`, as OpenAI answers errors."""
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def shown(value: object, limit: int = SHOWN_CHARS) -> str:
-    """`value`'s repr for an error message, cut to `limit` characters.
-
-    Errors echo what the client sent so the mistake is visible, but a 100,000-character model
-    name must not come back in full: the echo is for reading, not a copy of the request.
-    """
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[: limit - 1]}… ({len(text)} characters)"
-
-
-def invalid(param: str, message: str) -> ApiError:
-    """A 400 naming `param`."""
-    return ApiError(400, message, param=param)
 
 
 @dataclass(frozen=True)
@@ -137,7 +112,10 @@ class ParseOptions:
     model_name: str
     sampler_order: tuple[str, ...]
     default_max_tokens: int = 256
-    vocab_size: int | None = None  # bounds stop_token_ids when known
+    vocab_size: int | None = None  # bounds stop_token_ids and logit_bias ids when known
+    template_tools: bool = True  # whether the model's chat template has tool syntax of its own
+    # Without it, tools go into reqscope's own system block; False refuses such a request instead.
+    generic_tools: bool = True
 
 
 @dataclass(frozen=True)
@@ -165,21 +143,28 @@ def parse_request(kind: Kind, body: object, request_id: str, options: ParseOptio
             param="model",
             code="model_not_found",
         )
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise invalid("response_format", "only plain text output is supported; leave response_format out")
     n = fields.integer("n", 1)
     if n != 1:
         raise invalid("n", f"only n=1 is supported (got {n}); send separate requests instead")
     if kind == "chat":
-        messages, raw_prompt = _messages(body.get("messages")), None
+        messages, raw_prompt = parse_messages(body.get("messages")), None
         default_max = options.default_max_tokens
         top_logprobs = _chat_logprobs(fields)
     else:
         messages, raw_prompt = (), _prompt(body.get("prompt"))
         default_max = COMPLETIONS_DEFAULT_MAX_TOKENS
         top_logprobs = fields.integer("logprobs", None, low=0, high=MAX_TOP_LOGPROBS)
+    refuse_guided(body)
     _refuse_unsupported(kind, body)  # after the route's own content, so a body sent to the wrong route says so
+    tools, tool_choice, parallel = _tool_fields(kind, body, fields, options)
+    structured = parse_structured(body)
+    if structured is not None and tool_choice.forced:
+        raise invalid(
+            "tool_choice",
+            f"tool_choice {tool_choice.mode!r} constrains the output to a tool call, which "
+            f"{'response_format' if body.get('response_format') is not None else 'structured_outputs'} "
+            "constrains too; send one of them",
+        )
     stream = fields.boolean("stream", False)
     include_usage = _include_usage(body.get("stream_options"), stream)
     max_tokens = fields.integer("max_completion_tokens", None, low=1)
@@ -193,6 +178,10 @@ def parse_request(kind: Kind, body: object, request_id: str, options: ParseOptio
         min_p=fields.number("min_p", 0.0),
         seed=fields.integer("seed", None, low=0, high=2**64 - 1),
         order=options.sampler_order,
+        repetition_penalty=fields.number("repetition_penalty", 1.0),
+        frequency_penalty=fields.number("frequency_penalty", 0.0),
+        presence_penalty=fields.number("presence_penalty", 0.0),
+        logit_bias=parse_logit_bias(body.get("logit_bias"), options.vocab_size),
     )
     generation = GenerationRequest(
         messages=messages,
@@ -205,6 +194,11 @@ def parse_request(kind: Kind, body: object, request_id: str, options: ParseOptio
         ignore_eos=fields.boolean("ignore_eos", False),
         min_tokens=fields.integer("min_tokens", 0, low=0),
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel,
+        generic_tools=options.generic_tools,
+        structured=structured,
     )
     _check_sampling(sampling)
     try:
@@ -213,6 +207,29 @@ def parse_request(kind: Kind, body: object, request_id: str, options: ParseOptio
         message = error_text(exc)
         raise ApiError(400, message, param=_field_named(message, kind)) from None
     return ApiRequest(kind, model, generation, stream, include_usage, top_logprobs)
+
+
+def _tool_fields(
+    kind: Kind, body: dict, fields: _Fields, options: ParseOptions
+) -> tuple[tuple[Tool, ...], ToolChoice, bool]:
+    """The tools, the choice among them and whether calls may be parallel (none on completions)."""
+    if kind != "chat":
+        return (), ToolChoice("none"), True
+    tools = parse_tools(body)
+    choice = parse_tool_choice(body, tools)
+    parallel = fields.boolean("parallel_tool_calls", True)
+    refuse_tools_without_syntax(tools, "functions" if body.get("functions") is not None else "tools", options)
+    return tools, choice, parallel
+
+
+def refuse_tools_without_syntax(tools: tuple[Tool, ...], param: str, options: ParseOptions) -> None:
+    """A 400 naming `param` when tools meet a template without tool syntax and the generic block is off."""
+    if tools and not options.template_tools and not options.generic_tools:
+        raise invalid(
+            param,
+            f"{param} cannot be used with this model: its chat template has no tool syntax and the server "
+            "runs with --no-generic-tools; leave them out, or serve a template with tool syntax (--chat-template)",
+        )
 
 
 def _refuse_unsupported(kind: Kind, body: dict) -> None:
@@ -273,7 +290,8 @@ def _include_usage(raw: object, stream: bool) -> bool:
     return value
 
 
-def _messages(raw: object) -> tuple[Message, ...]:
+def parse_messages(raw: object) -> tuple[Message, ...]:
+    """`messages`: roles, text content, tool calls on assistant turns, tool results."""
     if not isinstance(raw, list) or not raw:
         raise invalid("messages", "messages must be a non-empty list of {role, content} objects")
     messages = []
@@ -286,7 +304,16 @@ def _messages(raw: object) -> tuple[Message, ...]:
             role = "system"
         if role not in ROLES:
             raise invalid(f"{where}.role", f"{where}.role {shown(role)} is unknown; use one of {', '.join(ROLES)}")
-        messages.append(Message(role, _content(item.get("content"), f"{where}.content")))
+        calls = parse_tool_calls(item.get("tool_calls"), f"{where}.tool_calls")
+        if calls and role != "assistant":
+            raise invalid(f"{where}.tool_calls", f"{where}.tool_calls belongs on an assistant message, not {role!r}")
+        call_id, name = item.get("tool_call_id"), item.get("name")
+        if call_id is not None and not isinstance(call_id, str):
+            raise invalid(f"{where}.tool_call_id", f"{where}.tool_call_id must be a string")
+        if name is not None and not isinstance(name, str):
+            raise invalid(f"{where}.name", f"{where}.name must be a string")
+        content = _content(item.get("content"), f"{where}.content")
+        messages.append(Message(role, content, calls, call_id if role == "tool" else None, name))
     return tuple(messages)
 
 

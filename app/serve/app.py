@@ -1,16 +1,19 @@
 """`reqscope serve`'s HTTP application: OpenAI-compatible routes over one minengine Engine.
 
 Routes: POST /v1/chat/completions and /v1/completions (streaming or not), GET /v1/models,
-GET /metrics (Prometheus) and GET /health. Every request first passes three middlewares:
-`access_log` (one log line when it is over), `openai_errors` (its request ID, and any error as
-OpenAI's JSON) and `track_requests` (the connection guard's view of requests). A
-completion request then passes the gateway (`Gateway.guard`), has its body read strictly
-(`body.read_json`, bounded in time), is parsed into a GenerationRequest, and runs as an engine
-session on a worker thread (`EngineRun`). The response status is decided only once the
-scheduler has admitted the request, so a full queue is a 503 and a request that can never fit
-is a 400, never a 200 stream that fails. The engine admits requests by capacity (what its KV pool holds,
-up to max_num_seqs), and they decode together in its shared steps; others wait in its queue,
-bounded by memory, and their wait is part of their TTFT.
+POST /tokenize and /detokenize (vLLM's), GET /metrics (Prometheus) and GET /health. Every
+request first passes three middlewares: `access_log` (one log line when it is over),
+`openai_errors` (its request ID, and any error as OpenAI's JSON) and `track_requests` (the
+connection guard's view of requests). A completion request then passes the gateway
+(`Gateway.guard`), has its body read strictly (`body.read_json`, bounded in time), is parsed
+into a GenerationRequest, and runs as an engine session on a worker thread (`EngineRun`). A
+request with a grammar (structured output, a tool it must call) has it compiled against the
+tokenizer first, so one that cannot compile is a 400. The response status is decided only
+once the scheduler has admitted the request, so a full queue is a 503 and a request that can
+never fit is a 400, never a 200 stream that fails. The engine admits requests by capacity
+(what its KV pool holds, up to max_num_seqs), and they decode together in its shared steps;
+others wait in its queue, bounded by memory, and their wait is part of their TTFT. A chat
+request with tools has its reply read for tool calls (`reply.py`).
 """
 
 from __future__ import annotations
@@ -27,16 +30,22 @@ from minengine.engine.scheduler import Scheduler
 from minengine.errors import AdmissionError, QueueFullError, RequestError
 from minengine.kv.budget_floor import smallest_request_bytes
 from minengine.sampling.params import VLLM_ORDER
+from minengine.text.chat_template import template_supports_tools
+from minengine.text.tool_calls import StreamPiece
+from reqscope.openai.errors import ApiError
+from reqscope.openai.grammar_check import door_check, needs_door_check
 from reqscope.openai.logprobs import TokenLogprob
 from reqscope.openai.responses import SSE_DONE, ResponseShape, sse
-from reqscope.openai.schema import ApiError, ApiRequest, Kind, ParseOptions, parse_request
+from reqscope.openai.schema import ApiRequest, Kind, ParseOptions, parse_request
 from reqscope.serve.access import access_entry, access_log
 from reqscope.serve.body import read_json
 from reqscope.serve.connections import CONNECTION_GUARD, ConnectionGuard, ConnectionLimits, track_requests
 from reqscope.serve.engine_session import Admitted, Crashed, Ended, EngineRun, Generated, SessionEnd
 from reqscope.serve.gateway import Arrival, Gateway, GatewayConfig, error_response, openai_errors
 from reqscope.serve.metrics import CONTENT_TYPE, ServeMetrics, scheduler_state
+from reqscope.serve.reply import StreamedReply, whole_reply
 from reqscope.serve.telemetry import ServedRequest, TelemetryLog, server_report
+from reqscope.serve.tokenize import DETOKENIZE_PATH, TOKENIZE_PATH, tokenize_routes
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -52,6 +61,8 @@ class ServeConfig:
     default_max_tokens: int = 256
     max_queue: int | None = None  # None: bounded by memory (`memory_queue_bound`)
     limits: ConnectionLimits = ConnectionLimits()
+    # Tools for a template without tool syntax go into reqscope's own block; False refuses them.
+    generic_tools: bool = True
 
 
 @dataclass(frozen=True)
@@ -106,7 +117,24 @@ def build_app(engine: Engine, config: ServeConfig, telemetry: TelemetryLog | Non
     app.router.add_get("/metrics", gateway.guard(_metrics))
     app.router.add_post(CHAT_PATH, gateway.guard(_chat))
     app.router.add_post(COMPLETIONS_PATH, gateway.guard(_completions))
+    tokenize, detokenize = tokenize_routes(engine, lambda: parse_options(engine, config), config.limits.body_timeout_s)
+    app.router.add_post(TOKENIZE_PATH, gateway.guard(tokenize))
+    app.router.add_post(DETOKENIZE_PATH, gateway.guard(detokenize))
     return app
+
+
+def parse_options(engine: Engine, config: ServeConfig) -> ParseOptions:
+    """How request bodies are read for this engine and configuration (the template is read now:
+    `--chat-template` may have replaced it after the engine loaded)."""
+    template = engine.tokenizer.chat_template
+    return ParseOptions(
+        config.model_name,
+        config.sampler_order,
+        config.default_max_tokens,
+        vocab_size=engine.cfg.vocab_size,
+        template_tools=template is not None and template_supports_tools(template),
+        generic_tools=config.generic_tools,
+    )
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -144,14 +172,10 @@ async def _completions(request: web.Request, arrival: Arrival) -> web.StreamResp
 
 async def _complete(request: web.Request, arrival: Arrival, kind: Kind) -> web.StreamResponse:
     state: _State = request.app[_STATE]
-    options = ParseOptions(
-        state.config.model_name,
-        state.config.sampler_order,
-        state.config.default_max_tokens,
-        vocab_size=state.engine.cfg.vocab_size,
-    )
     body = await read_json(request, state.config.limits.body_timeout_s)
-    api = parse_request(kind, body, arrival.request_id, options)
+    api = parse_request(kind, body, arrival.request_id, parse_options(state.engine, state.config))
+    if needs_door_check(api.generation):  # off the loop: the tokenizer's grammar view takes ~1 s to build once
+        await asyncio.to_thread(door_check, api.generation, state.engine.tokenizer)
     access = access_entry(request)
 
     def record(end: SessionEnd) -> None:
@@ -233,6 +257,7 @@ async def _stream(
         # among them) take TTFT at the first chunk, so one sent before prefill would hide it.
         role = api.kind == "chat"
         streamed = ""
+        reply = StreamedReply(api)
         while True:
             item = await run.next()
             if role:
@@ -241,17 +266,19 @@ async def _stream(
             if isinstance(item, Generated):
                 # Every token has its chunk, as vLLM's server sends them: one that made no text yet
                 # (half a character, a held-back stop prefix) goes with empty content, so a client
-                # that times chunks sees each step, not a gap of two.
+                # that times chunks sees each step, not a gap of two. A reply read for tool calls
+                # sends what its reader lets out (nothing while a possible tag is held back).
                 entries = [] if item.logprob is None else [item.logprob]
-                chunk = shape.text_chunk(item.token.text, _logprobs(api, entries), len(streamed))
                 try:
-                    await send(sse(chunk))
+                    data = _chunks(api, shape, reply.push(item.token.text), entries, len(streamed))
+                    if data:
+                        await send(data)
                 finally:
                     if item.written is not None:  # the worker may end the session now (WRITTEN_WAIT_S)
                         item.written.set()
                 streamed += item.token.text
             elif isinstance(item, Ended | Crashed):
-                await send(_closing(api, shape, item, streamed))
+                await send(_closing(api, shape, item, streamed, reply))
                 break
         await response.write_eof()
     except ConnectionError:  # the client went away mid-stream (a reset, or lost while a write waited)
@@ -277,19 +304,38 @@ async def write_or_drop(request: web.Request, response: web.StreamResponse, data
         raise ConnectionResetError(f"the client read nothing for {timeout_s:g} s") from None
 
 
-def _closing(api: ApiRequest, shape: ResponseShape, item: Ended | Crashed, streamed: str) -> bytes:
-    """Everything after the last token: leftover text, finish (or error), usage, [DONE]."""
+def _chunks(
+    api: ApiRequest, shape: ResponseShape, pieces: tuple[StreamPiece, ...], entries: list[TokenLogprob], offset: int
+) -> bytes:
+    """One token's chunks; its logprobs go with the first (a held-back token's with an empty one)."""
+    logprobs = _logprobs(api, entries)
+    if not pieces and entries and logprobs is not None:
+        pieces = (StreamPiece(),)
+    out = b""
+    for i, piece in enumerate(pieces):
+        chosen = logprobs if i == 0 else _logprobs(api, [])
+        if piece.tool_calls:
+            out += sse(shape.delta_chunk(piece.content, piece.tool_calls, chosen))
+        else:
+            out += sse(shape.text_chunk(piece.content, chosen, offset))
+    return out
+
+
+def _closing(
+    api: ApiRequest, shape: ResponseShape, item: Ended | Crashed, streamed: str, reply: StreamedReply
+) -> bytes:
+    """Everything after the last token: leftover text (and what the tool-call reader held back),
+    finish (or error), usage, [DONE]."""
     if isinstance(item, Crashed):
         return sse(ApiError(500, item.message, kind="server_error").body()) + SSE_DONE
     result = item.result
-    out = b""
     tail = result.text[len(streamed) :] if result.text.startswith(streamed) else ""
-    if tail:
-        out += sse(shape.text_chunk(tail, _logprobs(api, []), len(streamed)))
+    pieces = (reply.push(tail) if tail else ()) + reply.finish()
+    out = _chunks(api, shape, pieces, [], len(streamed))
     if result.error:
         out += sse(ApiError(500, result.error, kind="server_error").body())
     else:
-        out += sse(shape.finish_chunk(result.finish_reason, server_report(result)))
+        out += sse(shape.finish_chunk(reply.finish_reason(result.finish_reason), server_report(result)))
         if api.include_usage:
             out += sse(shape.usage_chunk(result.usage))
     return out + SSE_DONE
@@ -311,7 +357,13 @@ async def _collect(api: ApiRequest, run: EngineRun, shape: ResponseShape) -> web
             result = item.result
             if result.error:
                 return error_response(ApiError(500, result.error, kind="server_error"))
+            whole = whole_reply(api, result.text, result.finish_reason)
             body = shape.full_response(
-                result.text, result.finish_reason, result.usage, _logprobs(api, logprobs), server_report(result)
+                whole.content,
+                whole.finish_reason,
+                result.usage,
+                _logprobs(api, logprobs),
+                server_report(result),
+                whole.tool_calls,
             )
             return web.json_response(body)

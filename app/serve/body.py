@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from reqscope.openai.schema import ApiError
+from reqscope.openai.errors import ApiError
 
 MAX_DEPTH = 32  # the API's deepest legitimate value is messages[i].content[j].text: depth 4
 MAX_INT_DIGITS = 32  # seed, the largest integer field, fits in 20 digits

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from reqscope.openai.schema import ApiError
+from reqscope.openai.errors import ApiError
 from reqscope.serve.access import log_head_timeout
 from reqscope.serve.gateway import REQUEST_ID_HEADER, new_request_id
 

@@ -40,7 +40,7 @@ from aiohttp import web
 
 from minengine.engine.timeline import Timeline
 from reqscope.loopback import host_header_names_loopback
-from reqscope.openai.schema import ApiError, shown
+from reqscope.openai.errors import ApiError, shown
 
 REQUEST_ID_HEADER = "x-request-id"
 REQUEST_ID = web.RequestKey("reqscope_request_id", str)

@@ -53,7 +53,7 @@ def test_body_over_the_limit_is_413_declared_or_chunked(served):
         ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
         ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"stop": ["a"] * 9}, "stop"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
