@@ -41,6 +41,13 @@ def _seed(text: str) -> int | None:
     return _number("seed", int)(text) if text.strip() else None  # blank: a new seed each run
 
 
+def _penalty(name: str, off: float) -> Callable[[str], float]:
+    def read(text: str) -> float:
+        return float(_number(name, float)(text)) if text.strip() else off  # blank: the penalty is off
+
+    return read
+
+
 def bias_text(bias: tuple[tuple[int, float], ...]) -> str:
     """`2=-100, 13=5`: logit bias as the form shows it (blank: none)."""
     return ", ".join(f"{token_id}={value:g}" for token_id, value in bias)
@@ -64,13 +71,13 @@ FIELDS: tuple[Field[SamplingChoice], ...] = (
     Field("top_k", "top-k", "0 = off", lambda c: str(c.params.top_k), _number("top_k", int)),
     Field("top_p", "top-p", "1 = off", lambda c: f"{c.params.top_p:g}", _number("top_p", float)),
     Field("min_p", "min-p", "0 = off", lambda c: f"{c.params.min_p:g}", _number("min_p", float)),
-    Field("repetition_penalty", "repetition", "1 = off; prompt and output",
+    Field("repetition_penalty", "repetition", "1 = off; prompt + output",
           lambda c: f"{c.params.repetition_penalty:g}",
-          _number("repetition_penalty", float)),
+          _penalty("repetition_penalty", 1.0)),
     Field("frequency_penalty", "frequency", "0 = off; per output count", lambda c: f"{c.params.frequency_penalty:g}",
-          _number("frequency_penalty", float)),
+          _penalty("frequency_penalty", 0.0)),
     Field("presence_penalty", "presence", "0 = off; once output", lambda c: f"{c.params.presence_penalty:g}",
-          _number("presence_penalty", float)),
+          _penalty("presence_penalty", 0.0)),
     Field("logit_bias", "logit bias", "ID=BIAS, ... (blank = none)", lambda c: bias_text(c.params.logit_bias),
           parse_bias_text),
     Field("seed", "seed", "blank = random", lambda c: "" if c.params.seed is None else str(c.params.seed), _seed),

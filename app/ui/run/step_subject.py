@@ -7,9 +7,11 @@ settings differ from the recorded ones. Otherwise: the last committed token's ow
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from minengine.sampling.params import SamplingParams
+from minengine.sampling.step_trace import Candidate, StepTrace
 from minengine.sampling.trace import explain_candidates
 from reqscope.ui.run.frame import StepSubject
 from reqscope.ui.run.live import LiveRun
@@ -22,7 +24,8 @@ def held_subject(live: LiveRun, held: int, params: SamplingParams, path: str = "
     trace = live.preview(params)
     if trace is None:
         return None
-    return StepSubject(trace, f"step {held + 1} waiting · preview (enter picks)", pickable=True, path=path)
+    label = f"step {held + 1} waiting · preview (enter picks)"
+    return StepSubject(with_grammar_rows(trace), label, pickable=True, path=path)
 
 
 def replay_subject(replay: ReplayRun, params: SamplingParams) -> StepSubject | None:
@@ -41,12 +44,33 @@ def replay_subject(replay: ReplayRun, params: SamplingParams) -> StepSubject | N
         # was recorded beside them, and the filters re-run here cannot redo it: keep the record.
         trace = replace(trace, adjustments=pending.trace.adjustments)
         label = f"step {pending.index + 1} · recorded, re-filtered"
-    return StepSubject(trace, label, pickable=False)
+    return StepSubject(with_grammar_rows(trace), label, pickable=False)
 
 
 def last_token_subject(view: RunView) -> StepSubject | None:
     """The trace of the last committed token, if it has one."""
     for token in reversed(view.tokens):
         if token.trace is not None:
-            return StepSubject(token.trace, f"token {token.index + 1} committed", pickable=False, path=token.path)
+            return StepSubject(with_grammar_rows(token.trace), f"token {token.index + 1} committed", pickable=False,
+                               path=token.path)  # fmt: skip
     return None
+
+
+def with_grammar_rows(trace: StepTrace) -> StepTrace:
+    """`trace` with the tokens the grammar forbade shown as candidate rows, `× grammar`, at their raw probability.
+
+    A step's candidates are ranked after the grammar's mask: past the allowed tokens they are
+    arbitrary tokens at -inf, which say nothing. The likely tokens the grammar took away
+    (`GrammarFacts.removed`) say what it did, and may be picked, to see the engine refuse them.
+    """
+    grammar = trace.adjustments.grammar if trace.adjustments is not None else None
+    if grammar is None:
+        return trace
+    allowed = [c for c in trace.candidates if c.dropped_by == "grammar" or not math.isinf(c.logit)]
+    listed = {c.token_id for c in allowed}
+    last = allowed[-1].cumulative if allowed else 0.0
+    removed = tuple(
+        Candidate(r.token_id, r.piece, -math.inf, r.prob, "grammar", last, 0.0) for r in grammar.removed
+        if r.token_id not in listed
+    )  # fmt: skip
+    return replace(trace, candidates=(*allowed, *removed))

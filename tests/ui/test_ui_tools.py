@@ -1,0 +1,143 @@
+"""The explorer with tools, a grammar, penalties and bias, driven with Textual's Pilot on the real default model.
+
+The request is built from the command line the README shows
+(`reqscope --tools examples/search_hotels.json --tool-choice required "..."`).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from textual.widgets import Input, Static
+from ui_fixtures import held_at, kyoto_request, live_app, wait_for
+
+from minengine.record.export import TRACE_JSONL
+from minengine.record.trace_io import read_trace
+from reqscope.cli import build_parser, main
+from reqscope.run_options import DEFAULT_PROMPT, ModelFolder, request_from_args
+from reqscope.ui.run.replay_app import ReplayExplorer
+from reqscope.ui.run.sampling_form import SamplingForm
+
+pytestmark = pytest.mark.anyio
+HOTELS = Path(__file__).resolve().parents[2] / "examples" / "search_hotels.json"
+TOOLS_ARGV = ["--tools", str(HOTELS), "--tool-choice", "required", "--temperature", "0"]
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def panel_text(app, selector: str) -> str:
+    """What a widget on the current screen draws, as plain text."""
+    widget = app.screen.query_one(selector)
+    console = Console(width=300, file=io.StringIO(), record=True, color_system=None)
+    console.print(widget.content if isinstance(widget, Static) else widget.render())
+    return console.export_text()
+
+
+def tools_request(*extra: str):
+    """The README's request, built by the command line's own parser."""
+    args = build_parser("run").parse_args([*TOOLS_ARGV, *extra, DEFAULT_PROMPT])
+    return request_from_args(args, DEFAULT_PROMPT, ModelFolder.of(args))
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+async def test_the_tools_block_and_the_grammar_are_on_screen(default_engine, size):
+    app = live_app(default_engine, tools_request(), start_paused=True)
+    async with app.run_test(size=size) as pilot:
+        await held_at(pilot, app, 0)
+        trace = app.subject.trace
+        grammar = trace.adjustments.grammar
+        assert grammar is not None and grammar.allowed == 1  # `<tool_call>` must open the reply
+        logits = panel_text(app, "#logits")
+        assert "logits -> grammar -> argmax" in logits
+        assert f"grammar: 1 of {grammar.vocab_size:,} tokens allowed" in logits
+        assert f"removed {grammar.mass_removed:.1%} of the mass" in logits
+        assert grammar.removed[0].piece in logits.split("removed:")[1]  # the likeliest token it took away
+        assert "× grammar" in logits  # the raw top candidates it forbade, marked in their rows
+
+        await pilot.press("5")  # the template panel (in turn on a small screen)
+        await wait_for(pilot, lambda: not app.needs_repaint)
+        tools = {p.name: p.tokens for p in app.view.prompt.parts}["tools (reqscope)"]
+        template = panel_text(app, "#template")
+        assert f"{tools} tools (reqscope)" in template
+        assert f"[tools: {tools} tokens, reqscope's own block: this template has no tool syntax]" in template
+        readout = app.screen.query_one("#readout")
+        assert app.screen.region.contains_region(readout.region)
+
+
+async def test_a_token_the_grammar_forbids_is_refused_with_its_reason(default_engine):
+    app = live_app(default_engine, tools_request(), start_paused=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await held_at(pilot, app, 0)
+        candidates = app.subject.trace.candidates
+        forbidden = next(i for i, c in enumerate(candidates) if c.dropped_by == "grammar")
+        allowed = next(i for i, c in enumerate(candidates) if c.dropped_by is None)
+        await pilot.press(*["down"] * forbidden)
+        await pilot.press("enter")
+        await pilot.pause(0.3)
+        notes = [n.message for n in app._notifications]
+        assert any("is not allowed by the" in n and "grammar here" in n for n in notes), notes
+        assert app.view.tokens == [] and app.held_step == 0  # nothing committed: still held at step 1
+
+        moves = ["down"] * (allowed - forbidden) if allowed > forbidden else ["up"] * (forbidden - allowed)
+        await pilot.press(*moves)
+        await pilot.press("enter")
+        await held_at(pilot, app, 1)
+        token = app.view.tokens[0]
+        assert (token.token_id, token.forced) == (candidates[allowed].token_id, True)
+
+
+async def test_bias_and_a_penalty_set_while_paused_move_a_token_to_the_top(default_engine):
+    app = live_app(default_engine, kyoto_request(sampling=kyoto_request().sampling.with_(temperature=0)),
+                   start_paused=True)  # fmt: skip
+    async with app.run_test(size=(120, 40)) as pilot:
+        await held_at(pilot, app, 0)
+        fifth = app.subject.trace.candidates[4]
+        await pilot.press("o")
+        await wait_for(pilot, lambda: isinstance(app.screen, SamplingForm))
+        form = app.screen
+        form.query_one("#field-logit_bias", Input).value = f"{fifth.token_id}=20"
+        form.query_one("#field-repetition_penalty", Input).value = "1.3"
+        await pilot.pause()
+        await pilot.click("#apply")
+        await wait_for(pilot, lambda: app.screen is not form and not app.needs_repaint)
+        trace = app.subject.trace
+        assert trace.params.logit_bias == ((fifth.token_id, 20.0),) and trace.params.repetition_penalty == 1.3
+        moved = next(c for c in trace.adjustments.changes if c.token_id == fifth.token_id)
+        assert (moved.rank_before, moved.rank_after) == (5, 1)
+        logits = panel_text(app, "#logits")
+        assert "logits -> bias 1 token -> repetition 1.3 -> argmax" in logits
+        assert "#5 -> #1" in logits and "winner changed:" in logits
+
+        await pilot.press("s")
+        await held_at(pilot, app, 1)
+        assert app.view.tokens[0].token_id == fifth.token_id  # the bias made it the greedy choice
+
+
+@pytest.fixture(scope="module")
+def exported_tools_run(tmp_path_factory, default_model_dir):
+    """The README's request run headless for 10 tokens and exported (`--plain --export DIR`)."""
+    folder = tmp_path_factory.mktemp("tools-export")
+    argv = ["--plain", "--model", str(default_model_dir), *TOOLS_ARGV, "--max-tokens", "10",
+            "--export", str(folder), DEFAULT_PROMPT]  # fmt: skip
+    assert main(argv) == 0
+    return folder / TRACE_JSONL
+
+
+async def test_a_replayed_tools_run_shows_its_grammar_and_tools_block(exported_tools_run):
+    header, events = read_trace(exported_tools_run)
+    app = ReplayExplorer(header, events, source_name=TRACE_JSONL)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("s", "s")
+        await wait_for(pilot, lambda: not app.needs_repaint)
+        logits = panel_text(app, "#logits")
+        assert "logits -> grammar -> argmax" in logits and "tokens allowed" in logits
+        assert app.subject.trace.adjustments.grammar is not None
+        await pilot.press("5")
+        await wait_for(pilot, lambda: not app.needs_repaint)
+        assert "[tools: " in panel_text(app, "#template")
