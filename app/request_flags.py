@@ -128,12 +128,14 @@ def read_request_flags(args: argparse.Namespace, vocab_size: int | None = None) 
     """
     tools = read_tools(args.tools) if getattr(args, "tools", None) else ()
     choice = _tool_choice(getattr(args, "tool_choice", None), tools)
+    structured = _structured(args)
+    _check_compiles(args, tools, structured)
     return RequestFlags(
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=getattr(args, "parallel_tool_calls", True),
         generic_tools=getattr(args, "generic_tools", True),
-        structured=_structured(args),
+        structured=structured,
         chat_template=_read_text(args.chat_template, "--chat-template") if getattr(args, "chat_template", None)
         else None,
         logit_bias=_bias(getattr(args, "logit_bias", []), vocab_size),
@@ -201,6 +203,25 @@ def _structured(args: argparse.Namespace) -> StructuredOutput | None:
             raise FlagError(f"--choice {args.choice!r}: an answer is empty; give texts separated by commas")
         return StructuredOutput("choice", choices=choices)
     return None
+
+
+def _check_compiles(args: argparse.Namespace, tools: tuple[Tool, ...], structured: StructuredOutput | None) -> None:
+    """What a grammar will be built from compiles (llguidance, no tokenizer needed): refused here, before the
+    model loads, by the flag that gave it. The engine compiles the whole grammar again when the request comes."""
+    from reqscope.openai.grammar_check import grammar_problem  # llguidance: only when there is something to check
+
+    for tool in tools:
+        problem = grammar_problem("json_schema", tool.parameters)
+        if problem:
+            raise FlagError(f"--tools {args.tools}: the parameters of {tool.name} do not compile as a JSON schema "
+                            f"({problem})")  # fmt: skip
+    if structured is None or structured.kind == "choice":
+        return
+    problem = grammar_problem("json_schema" if structured.kind == "json_schema" else "regex", structured.spec)
+    if problem and structured.kind == "json_schema":
+        raise FlagError(f"--json-schema {args.json_schema}: the grammar library cannot compile it ({problem})")
+    if problem:
+        raise FlagError(f"--regex {structured.spec}: does not compile ({problem})")
 
 
 def _bias(words: list[str], vocab_size: int | None) -> tuple[tuple[int, float], ...]:

@@ -215,7 +215,8 @@ def model_vocab_size(model: ModelFolder | None) -> int | None:
 
 def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCallback | None = None) -> Engine:
     """Load `model` (pulled first when it is the default one, missing) with the flags' device,
-    dtype, weight format, KV budget, step limits and CUDA-graph choice.
+    dtype, weight format, KV budget, step limits and CUDA-graph choice, and the chat template of
+    `--chat-template` in place of the model's own.
 
     Step limits no request could run under are refused before the model loads, a KV budget
     that cannot hold the smallest request (one block of the run's KV storage) once it has
@@ -263,6 +264,9 @@ def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCa
     finally:
         if isinstance(progress, ProgressLine):
             progress.close()  # a stage cut short by an error leaves its line open on a terminal
+    template = getattr(args, "chat_template", None)
+    if template:  # --chat-template: every request this engine renders uses it
+        engine.tokenizer.use_chat_template_file(Path(template).expanduser())
     kv_dtype = KV_DTYPE_ALIASES.get(getattr(args, "kv_dtype", "auto"), getattr(args, "kv_dtype", "auto"))
     element = engine.dtype.itemsize if kv_dtype == "auto" else DTYPE_BYTES[kv_dtype]
     one_block = smallest_request_bytes(engine.cfg, getattr(args, "kv_layout", "gqa"), element, block_size)

@@ -61,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
         print("reqscope: error: --background and --serve-port load this process's engine; with --endpoint "
               "the server is elsewhere (drive it with `reqscope bench serve --base-url`)", file=sys.stderr)
         return 2
+    if args.endpoint and args.chat_template:
+        print("reqscope: error: --chat-template replaces this process's template; with --endpoint the server "
+              "renders the prompt (start it with its own --chat-template)", file=sys.stderr)
+        return 2
     if args.endpoint:  # --model names the served model, not a folder
         from reqscope.endpoint.run import run_endpoint
 

@@ -84,7 +84,7 @@ def print_plain(
     # After the answer, not beside it: stderr's lines would cut into the streamed text on a terminal.
     for line in (line for token in tokens for line in step_lines(token)):
         print(f"· {line}", file=err, flush=True)
-    calls = reply_calls(request, result.text)
+    calls = reply_calls(request, result.text) if not result.error else None
     for line in call_lines(calls) if calls is not None else ():
         print(f"· {line}", file=err, flush=True)
     read_ceiling = None if ceiling is None else ceiling.ceiling

@@ -67,7 +67,7 @@ def step_lines(token: TokenEvent) -> list[str]:
 def call_lines(calls: ReplyCalls) -> list[str]:
     """`tool call  search_hotels({"city": "Kyoto", ...})` a call, or a line saying the reply made none."""
     if not calls.calls:
-        return ["tool call none: the reply is text"]
+        return ["tool call none read from the reply"]
     return [f"tool call {c.name}({_compact(c.arguments)})  id {c.id}" for c in calls.calls]
 
 

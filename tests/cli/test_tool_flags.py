@@ -85,12 +85,19 @@ def test_penalties_and_bias_reach_the_sampling_params_and_say_where_they_came_fr
         (["--json-schema", "{bad}"], "not valid JSON"),
         (["--chat-template", "no-such.jinja"], "--chat-template no-such.jinja: no such file"),
         (["--choice", "a,,b"], "an answer is empty"),
+        (["--regex", "(("], "--regex ((: does not compile (at 1(8): invalid regex"),
+        (["--json-schema", "{objekt}"], "the grammar library cannot compile it (Invalid type: objekt)"),
+        (["--tools", "{objekt}"], "the parameters of f do not compile as a JSON schema (Invalid type: objekt)"),
         (["--regex", "a", "--choice", "a,b"], "not allowed with argument"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, default_model_dir, argv, needle):
+    argv = list(argv)
     files = {"{bad}": "[{", "{list}": '"search_hotels"', "{noname}": '[{"type": "function", "function": {}}]',
-             "{params}": '[{"type": "function", "function": {"name": "f", "parameters": "x"}}]'}  # fmt: skip
+             "{params}": '[{"type": "function", "function": {"name": "f", "parameters": "x"}}]',
+             "{objekt}": '{"type": "objekt"}'}  # fmt: skip
+    if argv[0] == "--tools" and argv[1] == "{objekt}":
+        files["{objekt}"] = '[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]'
     for i, word in enumerate(argv):
         if word in files:
             (tmp_path / f"{i}.json").write_text(files[word])

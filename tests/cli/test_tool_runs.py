@@ -85,3 +85,14 @@ def test_the_exported_trace_keeps_the_adjustments_and_the_tools_part(forced_run)
         assert grammar.mass_removed == pytest.approx(record["grammar"]["mass_removed"])
     prompt = next(e for e in events if isinstance(e, PromptEvent))
     assert "tools (reqscope)" in prompt.token_parts
+
+
+def test_a_chat_template_file_with_tool_syntax_renders_the_tools_itself(default_model_dir, capsys):
+    """`--chat-template` (Qwen2.5's, whose template writes the tools in its own words): no generic block."""
+    template = Path(__file__).resolve().parents[1] / "data" / "qwen2.5-chat-template.jinja"
+    argv = ["--json", "--model", str(default_model_dir), "--max-tokens", "1", "--chat-template", str(template),
+            "--tools", str(HOTELS), DEFAULT_PROMPT]  # fmt: skip
+    assert main(argv) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    parts = {p["name"]: p["tokens"] for p in next(r for r in records if r["event"] == "prompt")["parts"]}
+    assert parts["tools"] > 100 and "tools (reqscope)" not in parts
