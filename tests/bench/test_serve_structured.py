@@ -17,7 +17,9 @@ import jsonschema
 import llguidance
 import pytest
 from aiohttp import web
+from serve_harness import KEY, serving
 
+from minengine.engine.engine import Engine
 from reqscope.cli import main
 from reqscope.serve.runner import start_in_thread
 
@@ -279,3 +281,51 @@ def test_a_missing_schema_file_and_an_unknown_format_are_usage_errors(capsys, tm
             main(["bench", "serve", *flags])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and err.count("\n") == 1 and says in err
+
+
+# -- against reqscope serve ------------------------------------------------------------------------
+
+# Every answer this schema allows is short (enums, a boolean, at most two items, no free text), so a
+# tiny random model's answers all end inside --output-len and each one is checked.
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "districts": {
+            "type": "array",
+            "items": {"enum": ["Higashiyama", "Nakagyo", "Shimogyo"]},
+            "minItems": 1,
+            "maxItems": 2,
+        },
+        "accessibility": {
+            "type": "object",
+            "properties": {"wheelchair": {"type": "boolean"}},
+            "required": ["wheelchair"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["districts", "accessibility"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def served(chatty_tiny_dir):
+    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20)
+    with serving(engine) as s:
+        yield s
+
+
+def test_against_reqscope_serve_every_answer_follows_the_schema(capsys, served, chatty_tiny_dir, tmp_path):
+    schema_file = tmp_path / "bounded.json"
+    schema_file.write_text(json.dumps(BOUNDED))
+    code = main([
+        "bench", "serve", "--base-url", served.url, "--endpoint", "/v1/chat/completions", "--api-key", KEY,
+        "--tokenizer", str(chatty_tiny_dir), "--num-prompts", "4", "--max-concurrency", "2", "--input-len", "24",
+        "--output-len", "64", "--json-schema", str(schema_file), "--json",
+    ])  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and (result["completed"], result["failed"]) == (4, 0), result["errors"]
+    # A random model, held to the schema by the server's grammar: every answer ends, and jsonschema agrees.
+    assert result["finish_reasons"] == ["stop"] * 4 and result["cut_by_length"] == 0
+    assert all(jsonschema_says(text, BOUNDED) for text in result["generated_texts"])
+    assert (result["valid_answers"], result["validated_answers"], result["valid_share"]) == (4, 4, 1.0)
