@@ -98,7 +98,7 @@ def validate(
 ) -> None:
     """The gateway's checks; raises RequestError naming the first bad field.
 
-    `vocab_size`, when known, bounds `stop_token_ids`.
+    `vocab_size`, when known, bounds `stop_token_ids` and `logit_bias`'s ids.
     """
     if request.raw_prompt is not None:
         if not request.raw_prompt.strip():
@@ -124,6 +124,7 @@ def validate(
     if request.block_size < 1:
         raise RequestError(f"block size must be at least 1 (got {request.block_size})")
     request.sampling.validate()
+    _check_logit_bias_ids(request.sampling.logit_bias, vocab_size)
 
 
 def _check_stop_token_ids(ids: tuple[int, ...], vocab_size: int | None) -> None:
@@ -136,6 +137,17 @@ def _check_stop_token_ids(ids: tuple[int, ...], vocab_size: int | None) -> None:
             raise RequestError(f"stop_token_ids[{i}] must be a token id, a whole number >= 0 (got {token_id!r})")
         if high is not None and token_id > high:
             raise RequestError(f"stop_token_ids[{i}] = {token_id} is outside the vocabulary (0..{high})")
+
+
+def _check_logit_bias_ids(bias: tuple[tuple[int, float], ...], vocab_size: int | None) -> None:
+    """The ids against the vocabulary (their form and the values' range are `SamplingParams.validate`'s)."""
+    if vocab_size is None:
+        return
+    for token_id, _ in bias:
+        if token_id >= vocab_size:
+            raise RequestError(
+                f"logit_bias key {token_id} is outside the vocabulary (0..{vocab_size - 1}); use ids the model has"
+            )
 
 
 def _messages_size(messages: tuple[Message, ...]) -> int:

@@ -12,11 +12,11 @@ caches), feeds it back at the next position at once, and posts a `Decoded` to th
 `Ahead`. The consumer streams the tokens as they come, while the next step runs; this is how
 vLLM's engine core runs every request, with sampling in the step and detokenizing apart from it.
 
-The chooser applies the request's own rules (its sampler, seed and sampler order, min_tokens'
-mask, the tokens and the length that end it), so the loop feeds back only a token that does not
-end the request. A stop string is only seen by the consumer, after detokenizing: the loop may
-then have run one step too many for it, whose token is never streamed (vLLM's async scheduling
-does the same).
+The chooser applies the request's own rules (its `LogitStages`: grammar, min_tokens' mask, bias
+and penalties, then its sampler, seed and sampler order; the tokens and the length that end it),
+so the loop feeds back only a token that does not end the request. A stop string is only seen by
+the consumer, after detokenizing: the loop may then have run one step too many for it, whose
+token is never streamed (vLLM's async scheduling does the same).
 """
 
 from __future__ import annotations
@@ -27,15 +27,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from minengine.sampling.sampler import Sampler
 from minengine.sampling.step_trace import StepTrace
 from minengine.sampling.trace import greedy_candidates
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
 
     from minengine.engine.batch_facts import BatchStep
     from minengine.engine.request import GenerationRequest
+    from minengine.sampling.logit_stages import LogitStages
     from minengine.sampling.logit_summary import LogitSummary
 
 
@@ -132,49 +131,26 @@ def length_reached(request: GenerationRequest, count: int, next_position: int, c
     return count >= request.max_tokens or next_position + 1 >= context
 
 
-def min_tokens_mask(
-    logits: torch.Tensor, request: GenerationRequest, eos_ids: frozenset[int] | set[int], generated: int
-) -> torch.Tensor:
-    """`logits`, with EOS and stop_token_ids masked to -inf while fewer than min_tokens are out.
-
-    A copy: the logits themselves (what a consumer previews, what logprobs report) stay the
-    model's own, as vLLM reports logprobs before its logits processors.
-    """
-    if generated >= request.min_tokens:
-        return logits
-    ending = sorted(set(eos_ids) | set(request.stop_token_ids))
-    masked = logits.clone()
-    masked[..., torch.tensor(ending, device=logits.device, dtype=torch.long)] = float("-inf")
-    return masked
-
-
 class RequestChooser:
-    """A request's `TokenChooser`: its sampler, mask and ending rules, counting the tokens it chose."""
+    """A request's `TokenChooser`: its stages and sampler (`LogitStages`, shared with its session, so
+    the tokens the session chose before are counted) and its ending rules."""
 
     def __init__(
         self,
         request: GenerationRequest,
-        sampler: Sampler,
+        stages: LogitStages,
         eos_ids: frozenset[int] | set[int],
-        piece: Callable[[int], str],
         context: int,
-        generated: int,
     ) -> None:
-        """`generated`: tokens the request has produced before the first one this chooses."""
-        self.request, self.sampler, self.eos_ids, self.piece = request, sampler, eos_ids, piece
+        self.request, self.stages, self.eos_ids = request, stages, eos_ids
         self.context = context
-        self.count = generated
-        self.summarize = greedy_candidates(request.top_n) if request.trace and sampler.params.greedy else None
+        greedy = stages.sampler.params.greedy
+        self.summarize = greedy_candidates(request.top_n) if request.trace and greedy else None
 
     def choose(self, logits: torch.Tensor, summary: LogitSummary | None, fed_at: int) -> Chosen:
-        """Sample the next token as the session would (its trace too, when asked), and say whether it ends."""
+        """Pick the next token as the session would (its trace too, when asked), and say whether it ends."""
         req = self.request
-        masked = min_tokens_mask(logits, req, self.eos_ids, self.count)
-        trace = None
-        if req.trace:
-            token, trace = self.sampler.sample_traced(masked, self.piece, req.top_n, summary=summary)
-        else:
-            token = self.sampler.sample(masked)
-        self.count += 1
-        ends = stops_at(req, self.eos_ids, token, self.count)
-        return Chosen(token, trace, ends or length_reached(req, self.count, fed_at + 1, self.context))
+        token, trace = self.stages.pick(logits, traced=req.trace, top_n=req.top_n, summary=summary)
+        count = self.stages.count
+        ends = stops_at(req, self.eos_ids, token, count)
+        return Chosen(token, trace, ends or length_reached(req, count, fed_at + 1, self.context))

@@ -74,7 +74,6 @@ from minengine.engine.run_ahead import (
     Decoded,
     RequestChooser,
     length_reached,
-    min_tokens_mask,
     stops_at,
 )
 from minengine.engine.scheduler import Admission, Scheduler
@@ -91,6 +90,8 @@ from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache, PrefixHit
 from minengine.kv.usage import KVUsage
 from minengine.sampling.chain import filter_logits
+from minengine.sampling.grammar import Grammar, GrammarMatcher, compile_grammar
+from minengine.sampling.logit_stages import LogitStages
 from minengine.sampling.params import SamplingParams
 from minengine.sampling.sampler import Sampler
 from minengine.sampling.step_trace import StepTrace
@@ -260,6 +261,8 @@ class RequestSession:
         self._held_step: tuple[int, int] | None = None  # (token fed, its position) behind the waiting logits
         self._ahead: Ahead | None = None  # the run ahead the step loop posts this request's tokens to (unsteered)
         self._chooser: RequestChooser | None = None
+        self._grammar: Grammar | None = None  # the request's, compiled at the gateway
+        self._stages: LogitStages | None = None  # grammar, min_tokens, bias, penalties: made when decode starts
 
     # -- control, from the consumer (or, for cancel, any thread) -----------------------------
 
@@ -289,6 +292,8 @@ class RequestSession:
         self._steering("force a token")
         if not 0 <= token_id < self.engine.cfg.vocab_size:
             raise RequestError(f"token id {token_id} is outside the vocabulary (0..{self.engine.cfg.vocab_size - 1})")
+        if self._stages is not None:  # refused before it is committed: the grammar cannot take it back
+            self._stages.refuse_forbidden(token_id)
         self._forced = token_id
 
     def update_sampling(self, params: SamplingParams) -> None:
@@ -315,7 +320,7 @@ class RequestSession:
         if self.pending_logits is None or self._held_step is None or self._member is None:
             return None
         if token is None:
-            filtered, _ = filter_logits(self.pending_logits, self.sampling)
+            filtered, _ = filter_logits(self._adjusted(self.sampling), self.sampling)
             token = self._forced if self._forced is not None else int(filtered.argmax())
         fed, position = self._held_step
         model, cache = self.engine.runner.model, self._member.cache
@@ -330,16 +335,23 @@ class RequestSession:
         if self.pending_logits is None:
             return None
         params = params or self.sampling
-        filtered, _ = filter_logits(self.pending_logits, params)
+        top_n = top_n or self.request.top_n
+        logits, adjustments = self.pending_logits, None
+        if self._stages is not None:  # what the stages before the filters would do to it, unchanged
+            logits, adjustments = self._stages.adjust_traced(logits, params, top_n)
+        filtered, _ = filter_logits(logits, params)
         chosen = self._forced if self._forced is not None else int(filtered.argmax())
-        return explain(
-            self.pending_logits,
-            params,
-            chosen,
-            self.engine.tokenizer.piece,
-            top_n=top_n or self.request.top_n,
-            forced=self._forced is not None,
+        trace = explain(
+            logits, params, chosen, self.engine.tokenizer.piece, top_n=top_n, forced=self._forced is not None
         )
+        return trace if adjustments is None else replace(trace, adjustments=adjustments)
+
+    def _adjusted(self, params: SamplingParams) -> torch.Tensor:
+        """The waiting logits as the filters would see them under `params` (the stages before them applied)."""
+        assert self.pending_logits is not None
+        if self._stages is None:
+            return self.pending_logits
+        return self._stages.adjust(self.pending_logits, params)
 
     # -- the lifecycle -------------------------------------------------------------------------
 
@@ -396,6 +408,8 @@ class RequestSession:
         if self.timeline.time_of("server_arrival") is None:  # a server marks it itself, when the HTTP request lands
             self.timeline.mark("server_arrival", self.request.request_id)
         validate(self.request, vocab_size=self.engine.cfg.vocab_size)
+        # Compiled here, before the request is queued: a grammar that cannot compile fails at once.
+        self._grammar = compile_grammar(self.request, self.engine.tokenizer)
         yield self._stage("validated", self.request.request_id)
 
     def _template(self) -> Generator[Event, None, PromptText]:
@@ -564,6 +578,7 @@ class RequestSession:
         # The sampler starts from the parameters in force now: the consumer may have changed
         # them while paused after prefill.
         self._sampler = Sampler(self.sampling, self.engine.device)
+        self._stages = self._new_stages(state)
         state.weight_bytes = self.engine.runner.model.decode_weight_bytes  # once: it sums every tensor
         chosen: Chosen | None = None  # what the step chose from `logits`, when the engine samples (unsteered)
         while True:
@@ -575,7 +590,7 @@ class RequestSession:
                 finish = "cancelled"
                 break
             if chosen is None:
-                token, trace, forced = self._sample(self._min_tokens_mask(logits, len(state.generated)))
+                token, trace, forced = self._sample(logits)
             else:
                 token, trace, forced = chosen.token, chosen.trace, False
             self.pending_logits = None
@@ -610,10 +625,10 @@ class RequestSession:
         member = self._member
         assert member is not None
         if self._ahead is None:
+            assert self._stages is not None
             self._chooser = RequestChooser(
-                self.request, self._sampler, self.engine.tokenizer.eos_ids, self.engine.tokenizer.piece,
-                self.engine.cfg.max_position_embeddings, len(state.generated),
-            )  # fmt: skip
+                self.request, self._stages, self.engine.tokenizer.eos_ids, self.engine.cfg.max_position_embeddings
+            )
             self._ahead = member.run_ahead((token,), state.pos, self._chooser)
             unconfirmed: tuple[int, ...] | None = (token,)  # fed by the run ahead, its step not yet seen
         else:
@@ -653,18 +668,29 @@ class RequestSession:
         # the model thread: a parallel region here would give this thread an OpenMP team of its
         # own, and once teams outnumber the cores every worker sleeps between regions
         # (`threads.ModelThread`), so each region of a step would wait for a wake-up.
-        req, trace = self.request, None
+        # The stages before the filters (grammar, min_tokens, bias, penalties) come first, and the
+        # token is committed to them; even a forced one is drawn for, so the generator advances as
+        # in the traced path.
+        req, stages = self.request, self._stages
+        assert stages is not None
         with OneThread(logits.device):
-            if req.trace:
-                summary = self._member.summary if self._member is not None else None  # for these very logits only
-                token, trace = self._sampler.sample_traced(
-                    logits, self.engine.tokenizer.piece, req.top_n, force=forced, summary=summary
-                )
-            else:
-                # Draw even when forced, so the generator advances as in the traced path.
-                token = self._sampler.sample(logits)
-                token = forced if forced is not None else token
+            summary = self._member.summary if req.trace and self._member is not None else None  # these logits only
+            token, trace = stages.pick(logits, traced=req.trace, top_n=req.top_n, force=forced, summary=summary)
         return token, trace, forced is not None
+
+    def _new_stages(self, state: DecodeState) -> LogitStages:
+        """The request's stages before the filters, from the first decode step: the prompt is every
+        position fed so far (repetition_penalty's), and the grammar's matcher starts at its beginning."""
+        assert self._sampler is not None
+        tok, req = self.engine.tokenizer, self.request
+        return LogitStages(
+            self._sampler,
+            tok.piece,
+            prompt_ids=state.fed,
+            end_ids=set(tok.eos_ids) | set(req.stop_token_ids),
+            min_tokens=req.min_tokens,
+            grammar=None if self._grammar is None else GrammarMatcher(self._grammar, tok),
+        )
 
     def _stream(
         self,
@@ -737,10 +763,6 @@ class RequestSession:
         if shared is not None and shared.sequences > 1 and shared.bytes_read is not None:
             return shared.bytes_read
         return step_bytes(state.weight_bytes, state.peak)
-
-    def _min_tokens_mask(self, logits: torch.Tensor, generated: int) -> torch.Tensor:
-        """`logits` as sampling sees them after `generated` tokens (`run_ahead.min_tokens_mask`)."""
-        return min_tokens_mask(logits, self.request, self.engine.tokenizer.eos_ids, generated)
 
     def _stop_after_step(self, state: DecodeState) -> str | None:
         """Why decode ends after a token that did not end it itself: "length", "cancelled" or None."""
