@@ -39,6 +39,8 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "run": (
         'reqscope "Show me wheelchair-accessible hotels in Kyoto"',
         'reqscope --plain --temperature 0 --max-tokens 64 "Explain a KV cache"',
+        'reqscope --tools examples/search_hotels.json --tool-choice required "Show me accessible hotels in Kyoto"',
+        'reqscope --plain --json-schema examples/hotel_schema.json --repetition-penalty 1.2 "Hotels in Kyoto"',
         'reqscope --json --kv-layout mha "Hello" > run.jsonl',
         'reqscope --endpoint http://127.0.0.1:8000/v1 --plain "Hello"',
         'reqscope --background 3 --serve-port 8001 "Write a long story"',

@@ -60,10 +60,13 @@ def min_tokens_line(adjustments: Adjustments) -> str | None:
 
 
 def rank_line(adjustments: Adjustments, shown: int = CHANGES_SHOWN) -> str | None:
-    """`bias/penalties: the #3 -> #1, a #1 -> #2`; None when they moved no rank."""
+    """`bias/penalties: the #9 -> #1, a #1 -> #2`, the farthest moves first; None when they moved no rank."""
     if not adjustments.changes:
         return None
-    moved = ", ".join(_change(c) for c in adjustments.changes[:shown])
+    # The farthest moves first: the token a penalty pushed down (or a bias pulled up), not its neighbours
+    # that each moved up one place behind it.
+    ranked = sorted(adjustments.changes, key=lambda c: (-abs(c.rank_after - c.rank_before), c.rank_after))
+    moved = ", ".join(_change(c) for c in ranked[:shown])
     more = f", +{len(adjustments.changes) - shown} more" if len(adjustments.changes) > shown else ""
     return f"bias/penalties: {moved}{more}"
 
