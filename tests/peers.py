@@ -93,17 +93,57 @@ def llama_server(*flags: str, start_s: float = 120.0) -> Iterator[str]:
 
 
 def _wait_healthy(root: str, proc: subprocess.Popen, log, start_s: float) -> None:
+    _wait_answers(root + "/health", proc, log, start_s, "llama-server")
+
+
+def _wait_answers(url: str, proc: subprocess.Popen, log, start_s: float, name: str) -> None:
     deadline = time.monotonic() + start_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             log.seek(0)
             tail = log.read().decode(errors="replace").strip().splitlines()[-3:]
-            raise RuntimeError(f"llama-server exited with {proc.returncode}: " + " | ".join(tail))
+            raise RuntimeError(f"{name} exited with {proc.returncode}: " + " | ".join(tail))
         try:
-            with urllib.request.urlopen(root + "/health", timeout=2) as resp:
+            with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
                     return
         except (OSError, urllib.error.HTTPError):
             pass  # not listening yet, or 503 while it loads the model
         time.sleep(0.1)
-    raise RuntimeError(f"llama-server at {root} was not healthy within {start_s:.0f} s")
+    raise RuntimeError(f"{name} at {url} did not answer within {start_s:.0f} s")
+
+
+LLAMA_CPP_PYTHON_SCRIPT = "scripts/peers/llama-cpp-python"
+
+
+def llama_cpp_python() -> Path | None:
+    """The python of llama-cpp-python's venv (`scripts/peers/llama-cpp-python`), or None where its server
+    is not installed. Checked by its files, as `vllm_python` is: the import loads the native library."""
+    venv = peers_dir() / "llama-cpp-python"
+    python = venv / "bin" / "python"
+    installed = any((venv / "lib").glob("python3*/site-packages/llama_cpp/server/__main__.py"))
+    return python if python.exists() and installed and (venv / "recipe").is_file() else None
+
+
+@contextmanager
+def llama_cpp_python_server(*flags: str, start_s: float = 120.0) -> Iterator[str]:
+    """Run llama-cpp-python's OpenAI server on the default GGUF on a free loopback port, with `flags`
+    added; yields its root URL once `/v1/models` answers, and stops it on the way out."""
+    python, gguf = llama_cpp_python(), default_gguf()
+    assert python is not None and gguf is not None
+    port = free_port()
+    # One thread, as llama_server: llama.cpp's threads spin-wait for each other on a shared 2-core machine.
+    command = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+               "--port", str(port), "--n_threads", "1", *flags]  # fmt: skip
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            _wait_answers(f"http://127.0.0.1:{port}/v1/models", proc, log, start_s, "llama-cpp-python's server")
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import json
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -32,6 +33,7 @@ from minengine.engine.request import GenerationRequest
 from minengine.engine.timeline import Timeline
 from minengine.errors import ReqscopeError
 from reqscope.endpoint import events as ev
+from reqscope.endpoint.controls import OPENAI_API, OutputControls
 from reqscope.endpoint.metrics import client_metrics, compare_tpot, compare_ttft, output_token_count
 from reqscope.endpoint.options import DEFAULT_POLL_MS
 from reqscope.endpoint.server.detect import detect_server
@@ -48,14 +50,17 @@ from reqscope.endpoint.server.records import (
     ServerKind,
     ServerPrompt,
     ServerView,
+    ToolsCost,
 )
 from reqscope.endpoint.server.vllm import ServerPromptError, vllm_prompt
 from reqscope.endpoint.settings import RequestSettings, token_limit_field
+from reqscope.endpoint.tool_calls import ToolCallAssembler
 from reqscope.endpoint.wire import (
     SSE_DONE,
     StreamChunk,
     body_error,
     chat_body,
+    message_dict,
     parse_chunk,
     server_fields,
     sse_data,
@@ -64,6 +69,11 @@ from reqscope.endpoint.wire import (
 REQUEST_ID_HEADER = "x-request-id"
 SPAN_WAIT_S = 15.0  # vLLM's exporter sends spans in batches every 5 s; past this the span is called missing
 _END = object()  # closes a request's inbox: the response has been read
+
+
+def header_request_id() -> str:
+    """A fresh X-Request-Id: a UUID in its dashed form, the one id every server accepts."""
+    return str(uuid.uuid4())
 
 
 class _ConnectionProbe:
@@ -189,25 +199,38 @@ class EndpointClient:
         return self.kind
 
     async def stream_chat(
-        self, request: GenerationRequest, model: str, settings: RequestSettings | None = None
+        self,
+        request: GenerationRequest,
+        model: str,
+        settings: RequestSettings | None = None,
+        controls: OutputControls | None = None,
     ) -> AsyncIterator[ev.ClientEvent]:
         """Send `request`'s messages as a streaming chat completion; yield events, ending with StreamEnded
         (and a SpanReceived after it when a trace receiver listens and the server's span arrives).
 
         Of the sampling, only what `settings` sets goes in the body (none: the server's defaults
-        throughout, and no logprobs); `request.sampling` and `request.max_tokens` are not read.
+        throughout, and no logprobs); `request.sampling`'s filters and `request.max_tokens` are not
+        read. The output controls (tools, structured output, penalties, logit bias) are `controls`,
+        else those `request` carries (`OutputControls.of`). Raises ReqscopeError, before sending,
+        where the server is known not to read one of them.
         """
         settings = settings or RequestSettings()
+        controls = controls if controls is not None else OutputControls.of(request)
         kind = await self.identify()
         url = self.base_url + "/chat/completions"
         limit_field = token_limit_field(self.base_url)
-        body = chat_body(request, model, settings, limit_field, server_fields(kind.name))
-        # The request's own id, sent as X-Request-Id: the server's records (its span, its logs, vLLM's
-        # response id) then name the request as the screen does. The same request sent again gets a
-        # suffix, so no two of the server's records share an id.
+        controls.check(OPENAI_API if limit_field != "max_tokens" else kind.name)
+        body = chat_body(
+            request, model, settings, limit_field, server_fields(kind.name), controls.body_fields(kind.name)
+        )
+        # Each send carries a fresh UUID as X-Request-Id: the server's records (its span, its logs,
+        # vLLM's `chatcmpl-ID` response id) are matched by it. A UUID because llama-cpp-python's
+        # server refuses any other form with an empty 400; vLLM and llama-server take any string.
+        # The screens keep the request's own `req-…` name (a resend gets a suffix).
         self._sent[request.request_id] += 1
         sends = self._sent[request.request_id]
-        request_id = request.request_id if sends == 1 else f"{request.request_id}-{sends}"
+        display_id = request.request_id if sends == 1 else f"{request.request_id}-{sends}"
+        request_id = header_request_id()
         headers = {**self._headers(), REQUEST_ID_HEADER: request_id}
         if kind.name == LLAMA_SERVER:
             # llama-server closes the connection after each stream without saying so; kept in the
@@ -216,7 +239,10 @@ class EndpointClient:
         timeline = Timeline()
         send_unix_ms = time.time() * 1000
         t_send = timeline.mark("client_send", url)
-        yield ev.RequestSent(t_send, url, model, settings, limit_field, request_id, send_unix_ms, request.messages)
+        yield ev.RequestSent(
+            t_send, url, model, settings, limit_field, request_id, send_unix_ms, request.messages, display_id,
+            controls, kind.name,
+        )
         reading = _Reading(url, model, timeline)
         inbox: asyncio.Queue = asyncio.Queue()
         poller = None
@@ -238,12 +264,13 @@ class EndpointClient:
         finally:
             for task in tasks:
                 task.cancel()
-        prompt, prompt_error = None, None
+        prompt, prompt_error, cost, cost_error = None, None, None, None
         if reading.error is None:
-            prompt, prompt_error = await self._server_prompt(kind, request, model)
+            prompt, prompt_error, cost, cost_error = await self._server_prompt(kind, request, model, controls)
         view = ServerView(
             kind=kind,
             request_id=request_id,
+            display_id=display_id,
             send_unix_ms=send_unix_ms,
             poll_interval_ms=self.poll_ms if poller is not None else 0.0,
             vllm_metrics=reading.vllm_metrics,
@@ -253,6 +280,8 @@ class EndpointClient:
             prompt_error=prompt_error,
             prompt_token_ids=reading.prompt_token_ids,
             sglang_meta=reading.sglang_meta,
+            tools_cost=cost,
+            tools_cost_error=cost_error,
         )
         result = reading.result(view)
         off = dict(cached_reported=reading.cached_reported, otlp_listen=self._otlp_listen(),
@@ -299,20 +328,36 @@ class EndpointClient:
         inbox.put_nowait(_END)
 
     async def _server_prompt(
-        self, kind: ServerKind, request: GenerationRequest, model: str
-    ) -> tuple[ServerPrompt | None, str | None]:
-        """The template and tokens the server makes of the messages, or why they could not be read."""
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        self, kind: ServerKind, request: GenerationRequest, model: str, controls: OutputControls
+    ) -> tuple[ServerPrompt | None, str | None, ToolsCost | None, str | None]:
+        """The template and tokens the server made of the request (with its tools, where it offered
+        any), or why they could not be read; and, with tools, what they cost in prompt tokens (the
+        same messages counted without them), or why that could not be counted."""
+        messages = [message_dict(m) for m in request.messages]
+        tools = controls.body_fields().get("tools")
+        if kind.name not in (VLLM, LLAMA_SERVER):
+            return None, None, None, None
         try:
-            if kind.name == VLLM:
-                return await vllm_prompt(self._session, kind.root, model, messages, self._headers()), None
-            if kind.name == LLAMA_SERVER:
-                return await llama_prompt(self._session, kind.root, messages, self._headers()), None
+            prompt = await self._count_prompt(kind, model, messages, tools)
         except (ServerPromptError, LlamaRouteError) as exc:
-            return None, str(exc)
+            return None, str(exc), None, None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            return None, f"{type(exc).__name__}: {exc}"
-        return None, None
+            return None, f"{type(exc).__name__}: {exc}", None, None
+        if not tools:
+            return prompt, None, None, None
+        try:
+            bare = await self._count_prompt(kind, model, messages, None)
+        except (ServerPromptError, LlamaRouteError, aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            return prompt, None, None, f"the prompt without the tools could not be counted: {exc}"
+        source = "vLLM /tokenize" if kind.name == VLLM else "llama-server /apply-template + /tokenize"
+        return prompt, None, ToolsCost(len(prompt.token_ids), len(bare.token_ids), source), None
+
+    async def _count_prompt(
+        self, kind: ServerKind, model: str, messages: list[dict], tools: list[dict] | None
+    ) -> ServerPrompt:
+        if kind.name == VLLM:
+            return await vllm_prompt(self._session, kind.root, model, messages, self._headers(), tools)
+        return await llama_prompt(self._session, kind.root, messages, self._headers(), tools)
 
 
 def _settled(view: ServerView, result: ev.EndpointResult, off: tuple) -> ServerView:
@@ -355,6 +400,7 @@ class _Reading:
         self.sglang_meta = None
         self.progress: list = []
         self.batch: list = []
+        self.tool_calls = ToolCallAssembler()
 
     def note(self, event: ev.ClientEvent) -> None:
         """Keep what the result needs of an event from the inbox (the batch samples)."""
@@ -378,8 +424,12 @@ class _Reading:
         choice = body.get("choices", [{}])[0] if isinstance(body, dict) else {}
         message = choice.get("message") if isinstance(choice, dict) else None
         text = message.get("content") if isinstance(message, dict) else None
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
         finish, logprobs = choice.get("finish_reason"), choice.get("logprobs")
-        data = {"choices": [{"delta": {"content": text or ""}, "finish_reason": finish, "logprobs": logprobs}]}
+        delta = {"content": text or ""}
+        if isinstance(calls, list):  # each whole call as one piece, indexed by its place in the list
+            delta["tool_calls"] = calls
+        data = {"choices": [{"delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
         data.update({k: body[k] for k in ("usage", "reqscope", "timings") if isinstance(body, dict) and k in body})
         return self._take(parse_chunk(json.dumps(data)))
 
@@ -398,15 +448,17 @@ class _Reading:
             progress = dataclasses.replace(chunk.progress, t_ms=self.timeline.now_ms())
             self.progress.append(progress)
             events.append(progress)
-        if not chunk.text:
+        # A tool call's pieces are output the model wrote as much as text is: timed alike.
+        if not chunk.text and not chunk.tool_calls:
             return events
+        self.tool_calls.add(chunk.tool_calls)
         t = self.timeline.mark("token", f"chunk {len(self.texts)}")
         if not self.chunk_times:
             self.timeline.mark("first_visible_token", "chunk 0", t_ms=t)
         itl = t - self.chunk_times[-1] if self.chunk_times else None
         self.texts.append(chunk.text)
         self.chunk_times.append(t)
-        events.append(ev.ChunkReceived(len(self.texts) - 1, t, chunk.text, itl, chunk.logprobs))
+        events.append(ev.ChunkReceived(len(self.texts) - 1, t, chunk.text, itl, chunk.logprobs, chunk.tool_calls))
         return events
 
     def result(self, view: ServerView | None = None) -> ev.EndpointResult:
@@ -437,4 +489,5 @@ class _Reading:
             logprob_tokens=self.logprob_tokens,
             tpot=compare_tpot(metrics, self.server, self.timings),
             server_view=view,
+            tool_calls=self.tool_calls.calls(),
         )

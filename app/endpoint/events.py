@@ -1,7 +1,7 @@
 """What the endpoint client emits while one request streams from an OpenAI-compatible server.
 
 A consumer (the plain and JSON printers, the UI) receives, in order: RequestSent,
-ConnectionReady, ResponseStarted, one ChunkReceived per chunk of visible text, and always a
+ConnectionReady, ResponseStarted, one ChunkReceived per chunk of visible text or of tool calls, and always a
 closing StreamEnded whose result says whether it failed. Between them, where the server offers
 them: BatchSample (its /metrics read while the request runs) and PromptProgress (llama-server's
 progress through the prompt). After StreamEnded, a SpanReceived when a trace receiver listens and
@@ -19,8 +19,11 @@ from minengine.engine.events import Usage
 from minengine.engine.metrics import RequestMetrics
 from minengine.engine.request import Message
 from minengine.engine.timeline import TimelineEvent
+from minengine.text.tools import ToolCall
+from reqscope.endpoint.controls import OutputControls
 from reqscope.endpoint.server.records import BatchSample, PromptProgress, ServerView
 from reqscope.endpoint.settings import RequestSettings
+from reqscope.endpoint.tool_calls import ToolCallPiece
 from reqscope.openai.logprobs import TokenLogprob
 
 
@@ -33,9 +36,12 @@ class RequestSent:
     model: str
     settings: RequestSettings = RequestSettings()  # the fields not set were left out of the body
     token_limit_field: str = "max_tokens"  # or max_completion_tokens, the name OpenAI's own API wants
-    request_id: str = ""  # the X-Request-Id sent, by which the server's own records name the request
+    request_id: str = ""  # the X-Request-Id sent (a UUID), by which the server's own records name the request
     send_unix_ms: float = 0.0  # the client's wall clock at the send, to place a server's wall-clock times
     messages: tuple[Message, ...] = ()  # what the body carried, so a replay shows the request it draws
+    display_id: str = ""  # the request's own name on the screens (`req-…`); request_id is the UUID sent
+    controls: OutputControls = OutputControls()  # tools, output shape, penalties, bias: what the body asked
+    server: str = ""  # the server's kind (ServerKind.name), for which the controls' fields were shaped
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class ChunkReceived:
     text: str
     itl_ms: float | None  # gap since the previous chunk; None for the first
     logprobs: tuple[TokenLogprob, ...]  # one per token the chunk carries, when the server sends them
+    tool_calls: tuple[ToolCallPiece, ...] = ()  # the pieces of tool calls it carried (its text may then be "")
 
 
 @dataclass(frozen=True)
@@ -172,6 +179,7 @@ class EndpointResult:
     logprob_tokens: int = 0  # tokens the server sent a logprob entry for
     tpot: DecodeComparison | None = None  # client TPOT against the server's, from either report
     server_view: ServerView | None = None  # what the server said of this request and its batch
+    tool_calls: tuple[ToolCall, ...] = ()  # the calls the answer made, put together from the stream
 
 
 @dataclass(frozen=True)

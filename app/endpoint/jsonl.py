@@ -22,6 +22,7 @@ from typing import TextIO
 from minengine.plan.planner import Plan
 from reqscope.console.json_out import emit, metrics_json
 from reqscope.endpoint import events as ev
+from reqscope.endpoint.controls import OutputControls, shape_line
 from reqscope.endpoint.server.records import BatchSample, PromptProgress, ServerView
 from reqscope.endpoint.settings import LOGPROBS_COST_NOTE, RequestSettings
 
@@ -39,9 +40,10 @@ async def print_endpoint_jsonl(
     out = out or sys.stdout
     result: ev.EndpointResult | None = None
     settings: RequestSettings | None = None
+    controls: OutputControls | None = None
     async for event in events:
         if isinstance(event, ev.RequestSent):
-            settings = event.settings
+            settings, controls = event.settings, event.controls
             emit(out, sent_record(event))
         elif isinstance(event, ev.ConnectionReady):
             record = {"event": "connection", "reused": event.reused, "connect_ms": _ms(event.connect_ms)}
@@ -61,7 +63,7 @@ async def print_endpoint_jsonl(
                 emit(out, {"event": "error", "status": result.status, "message": result.error})
             else:
                 plan = kv_plan_for(result) if kv_plan_for is not None and result.usage is not None else None
-                emit(out, done_record(result, plan, settings))
+                emit(out, done_record(result, plan, settings, controls))
         elif isinstance(event, ev.SpanReceived) and result is not None:
             result = dataclasses.replace(result, server_view=event.view)
             emit(out, {"event": "server_span", **span_record(event.view)})
@@ -82,6 +84,7 @@ def sent_record(event: ev.RequestSent) -> dict:
         "sampling": {field(name): value for name, value in event.settings.sent()},
         "server_default": [field(name) for name in event.settings.server_default()],
         "logprobs": logprobs_record(event.settings),
+        "controls": event.controls.body_fields(event.server),  # the body's fields for them, as sent
     }
 
 
@@ -101,6 +104,8 @@ def chunk_record(event: ev.ChunkReceived) -> dict:
     record = {
         "event": "chunk", "index": event.index, "text": event.text, "t_ms": _ms(event.t_ms), "itl_ms": _ms(event.itl_ms)
     }  # fmt: skip
+    if event.tool_calls:
+        record["tool_calls"] = [asdict(piece) for piece in event.tool_calls]
     if event.logprobs:
         record["tokens"] = len(event.logprobs)
         record["logprobs"] = [
@@ -110,8 +115,14 @@ def chunk_record(event: ev.ChunkReceived) -> dict:
     return record
 
 
-def done_record(r: ev.EndpointResult, plan: Plan | None, settings: RequestSettings | None = None) -> dict:
-    """The closing record: counts, client metrics, the server's view, the logprobs asked and planned KV."""
+def done_record(
+    r: ev.EndpointResult,
+    plan: Plan | None,
+    settings: RequestSettings | None = None,
+    controls: OutputControls | None = None,
+) -> dict:
+    """The closing record: counts, the tool calls, the output's shape, client metrics, the server's view,
+    the logprobs asked and planned KV."""
     server = None
     if r.server is not None:
         server = {**asdict(r.server), "stages_ms": dict(r.server.stages_ms), "events_ms": dict(r.server.events_ms)}
@@ -136,6 +147,9 @@ def done_record(r: ev.EndpointResult, plan: Plan | None, settings: RequestSettin
         "event": "done",
         "finish_reason": r.finish_reason,
         "request_id": r.request_id,
+        "tool_calls": [asdict(call) for call in r.tool_calls],
+        "output_shape": None if controls is None or controls.structured is None else shape_line(
+            controls.structured, r.text),
         "usage": None if r.usage is None else asdict(r.usage),
         "output_tokens": r.output_tokens,
         "output_tokens_source": r.output_tokens_source,
@@ -176,6 +190,10 @@ def server_view_record(view: ServerView) -> dict:
     return {
         "server": asdict(view.kind),
         "request_id_sent": view.request_id,
+        "request_name": view.display_id,
+        "tools_cost": None if view.tools_cost is None else {
+            **asdict(view.tools_cost), "tokens": view.tools_cost.tokens, "dropped": view.tools_cost.dropped},
+        "tools_cost_error": view.tools_cost_error,
         "send_unix_ms": round(view.send_unix_ms, 3),
         "vllm_metrics": None if metrics is None else {"source": "vLLM per-request metrics", **asdict(metrics)},
         "span": None if view.span is None else {"source": "vLLM span llm_request (OTLP)", **asdict(view.span)},

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from minengine.engine.request import GenerationRequest
 from reqscope.argtypes import non_negative, whole_number
+from reqscope.endpoint.controls import PENALTIES, OutputControls
 
 API_KEY_ENV = "OPENAI_API_KEY"
 DEFAULT_POLL_MS = 500.0  # twice a second: the batch's changes show, and the server barely notices
@@ -60,3 +62,11 @@ def host_port(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, such as 127.0.0.1:4318 (got {text!r})")
     return host.strip("[]"), int(port)
+
+
+def controls_from(args: argparse.Namespace, request: GenerationRequest) -> OutputControls:
+    """The output controls to send: those `request` carries (the shared flags --tools, --tool-choice,
+    --json-schema, --regex, the penalties and --logit-bias build them into it), a penalty or the tool
+    choice also when its flag was given with the neutral value (it then overrides a server default)."""
+    given = [name for name in (*PENALTIES, "tool_choice") if getattr(args, name, None) is not None]
+    return OutputControls.of(request, given)

@@ -11,12 +11,14 @@ from minengine.kv.arithmetic import KIB, MIB
 from minengine.plan.planner import Plan
 from reqscope.console.latency_lines import ChunkStream, latency_lines
 from reqscope.endpoint import events as ev
+from reqscope.endpoint.controls import OutputControls, shape_line
 from reqscope.endpoint.metrics import prompt_count
 from reqscope.endpoint.server.reconcile import spike_marks
 from reqscope.endpoint.server.records import VLLM, ServerView
 from reqscope.endpoint.server.sglang import meta_info_line
 from reqscope.endpoint.server.words import batch_lines, prompt_line, split_line
 from reqscope.endpoint.settings import LOGPROBS_COST_NOTE, RequestSettings, logprobs_text, settings_text
+from reqscope.endpoint.tool_calls import tool_call_text
 
 
 async def print_endpoint_plain(
@@ -40,6 +42,8 @@ async def print_endpoint_plain(
             note(f"· endpoint  {event.url}  model {event.model}")
             asked = settings_text(event.settings, event.token_limit_field)
             note(f"· sent      {asked}; {logprobs_text(event.settings)}")
+            for line in event.controls.lines():
+                note(f"· asked     {line}")
         elif isinstance(event, ev.ConnectionReady):
             how = "reused connection" if event.reused else f"new connection, opened in {event.connect_ms or 0:.2f} ms"
             note(f"· connect   {event.t_ms:9.2f} ms  {how}")
@@ -51,6 +55,8 @@ async def print_endpoint_plain(
         elif isinstance(event, ev.StreamEnded):
             result = event.result
             out.write("\n")  # the answer ends here: what follows on stderr starts on a line of its own
+            for i, call in enumerate(result.tool_calls):  # a tool call is the answer, so it goes to stdout
+                out.write(f"[tool call {i}] {tool_call_text(call)}\n")
             out.flush()
             if _waits_for_span(result):
                 note("· waiting for the server's trace span (vLLM exports them every few seconds)")
@@ -59,14 +65,20 @@ async def print_endpoint_plain(
     assert result is not None, "a stream always ends with StreamEnded"
     plan = kv_plan_for(result) if kv_plan_for is not None and result.usage is not None else None
     settings = sent.settings if sent is not None else None
-    note(endpoint_summary(result, plan, planner_asked=kv_plan_for is not None, settings=settings))
+    controls = sent.controls if sent is not None else None
+    note(endpoint_summary(result, plan, planner_asked=kv_plan_for is not None, settings=settings, controls=controls))
     return result
 
 
 def endpoint_summary(
-    r: ev.EndpointResult, plan: Plan | None = None, planner_asked: bool = False, settings: RequestSettings | None = None
+    r: ev.EndpointResult,
+    plan: Plan | None = None,
+    planner_asked: bool = False,
+    settings: RequestSettings | None = None,
+    controls: OutputControls | None = None,
 ) -> str:
-    """The client-side timing summary, the server's view beside it when it sent one, and the logprobs' cost."""
+    """The client-side timing summary, the tool calls and output shape, the server's view beside it when it
+    sent one, and the logprobs' cost."""
     lines = [""]
     if r.error:
         lines.append(f"error: {r.error}")
@@ -75,6 +87,7 @@ def endpoint_summary(
         f"finish    {r.finish_reason or '-'}   {usage}output {r.output_tokens} tokens "
         f"(counted from {r.output_tokens_source}), {r.chunks} chunks"
     )
+    lines += output_lines(r, controls)
     m = r.metrics
     if m is not None:
         lines += latency_lines(m, ChunkStream(r.chunks, r.output_tokens))
@@ -83,6 +96,19 @@ def endpoint_summary(
         lines.append(logprobs_cost_line(r, settings))
     lines.append(_kv_line(plan, planner_asked))
     return "\n".join(lines)
+
+
+def output_lines(r: ev.EndpointResult, controls: OutputControls | None) -> list[str]:
+    """The tool calls the answer made, whether its text took the shape asked for, and the tools' prompt cost."""
+    lines = [f"tool call {i}  {call.id or '(no id)'}  {tool_call_text(call)}" for i, call in enumerate(r.tool_calls)]
+    if controls is not None and controls.structured is not None and not r.error:
+        lines.append(f"output    {shape_line(controls.structured, r.text)}")
+    view = r.server_view
+    if view is not None and view.tools_cost is not None:
+        lines.append(f"tools     {view.tools_cost.line()}")
+    elif view is not None and view.tools_cost_error is not None:
+        lines.append(f"tools     prompt cost not counted: {view.tools_cost_error}")
+    return lines
 
 
 def _waits_for_span(r: ev.EndpointResult) -> bool:
@@ -134,7 +160,8 @@ def server_view_lines(r: ev.EndpointResult) -> list[str]:
 
 def _view_lines(view: ServerView, r: ev.EndpointResult) -> list[str]:
     kind = view.kind.name + (f" {view.kind.version}" if view.kind.version else "")
-    lines = [f"server    {kind} at {view.kind.root}, request id {view.request_id}"]
+    name = f"{view.display_id} (X-Request-Id {view.request_id})" if view.display_id else view.request_id
+    lines = [f"server    {kind} at {view.kind.root}, request {name}"]
     if view.ttft_split is not None:
         lines.append(f"          {split_line(view.ttft_split)}")
         if view.ttft_split.clock_note:

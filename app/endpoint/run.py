@@ -19,6 +19,7 @@ from minengine.plan.planner import Plan
 from minengine.record.export import prepare_export_folder
 from reqscope.endpoint.events import ClientEvent, EndpointResult
 from reqscope.endpoint.kv import architecture_for, planned_kv
+from reqscope.endpoint.options import controls_from
 from reqscope.endpoint.settings import RequestSettings
 from reqscope.endpoint.target import EndpointTarget, model_name
 from reqscope.endpoint.trace import EndpointTraceHeader, write_endpoint_trace
@@ -53,7 +54,7 @@ async def _run(args: argparse.Namespace, request: GenerationRequest, kv_plan_for
     target = EndpointTarget.from_args(args)
     async with target.client() as client:
         model = await model_name(client, target)
-        events = client.stream_chat(request, model, RequestSettings.from_args(args))
+        events = client.stream_chat(request, model, RequestSettings.from_args(args), controls_from(args, request))
         recorded: list[ClientEvent] = []
         if args.export:
             events = _recording(events, recorded)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from minengine.engine.events import Usage
 from minengine.engine.request import GenerationRequest
+from minengine.text.chat_template import Message
 from reqscope.endpoint.events import ServerReport, ServerTimings
 from reqscope.endpoint.json_values import count, figures_from, number
 from reqscope.endpoint.server.llama import parse_progress
@@ -23,6 +24,7 @@ from reqscope.endpoint.server.records import LLAMA_SERVER, VLLM, PromptProgress,
 from reqscope.endpoint.server.sglang import parse_meta_info
 from reqscope.endpoint.server.vllm import parse_request_metrics, prompt_token_ids
 from reqscope.endpoint.settings import RequestSettings
+from reqscope.endpoint.tool_calls import ToolCallPiece, parse_tool_call_pieces
 from reqscope.openai.logprobs import TokenLogprob, parse_chat_logprobs
 
 if TYPE_CHECKING:
@@ -39,12 +41,14 @@ def chat_body(
     settings: RequestSettings,
     token_limit_field: str = "max_tokens",
     extras: dict | None = None,
+    controls: dict | None = None,
 ) -> dict:
-    """The JSON body of a streaming chat completion: the messages, of the settings only those set, and
+    """The JSON body of a streaming chat completion: the messages, of the settings only those set,
+    `controls`, the fields of the output controls asked for (`OutputControls.body_fields`), and
     `extras`, the server's own fields that make it report on the request (`server_fields`)."""
     body: dict = {
         "model": model,
-        "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+        "messages": [message_dict(m) for m in request.messages],
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -56,8 +60,21 @@ def chat_body(
         body["logprobs"] = True
         # Sent even when 0: llama.cpp's server reads a missing top_logprobs as 20 alternatives.
         body["top_logprobs"] = settings.top_logprobs
+    body.update(controls or {})
     body.update(extras or {})
     return body
+
+
+def message_dict(message: Message) -> dict:
+    """One message in OpenAI's form, with an assistant turn's tool calls and a tool result's call id."""
+    out: dict = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [call.as_dict() for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
 
 
 def server_fields(kind: str) -> dict:
@@ -130,6 +147,7 @@ class StreamChunk:
     cached_reported: bool = False  # the usage carried prompt_tokens_details
     sglang_meta: SglangMetaInfo | None = None  # SGLang's meta_info (untested against a live SGLang)
     choice: bool = False  # it carried a choice: a token's chunk (its text may be empty) or a role's
+    tool_calls: tuple[ToolCallPiece, ...] = ()  # the pieces of tool calls its delta carried
 
 
 def parse_chunk(data: str) -> StreamChunk:
@@ -142,7 +160,7 @@ def parse_chunk(data: str) -> StreamChunk:
         return StreamChunk("", (), None, None, None, "the server sent a chunk that is not a JSON object")
     if "error" in raw:
         return StreamChunk("", (), None, None, None, error_message(raw))
-    text, logprobs, finish = "", (), None
+    text, logprobs, finish, pieces = "", (), None, ()
     choices = raw.get("choices")
     has_choice = isinstance(choices, list) and bool(choices) and isinstance(choices[0], dict)
     if has_choice:
@@ -150,6 +168,7 @@ def parse_chunk(data: str) -> StreamChunk:
         delta = choice.get("delta")
         content = delta.get("content") if isinstance(delta, dict) else choice.get("text")
         text = content if isinstance(content, str) else ""
+        pieces = parse_tool_call_pieces(delta.get("tool_calls")) if isinstance(delta, dict) else ()
         logprobs = parse_chat_logprobs(choice.get("logprobs"))
         finish = choice.get("finish_reason") if isinstance(choice.get("finish_reason"), str) else None
     usage, report, timings = parse_usage(raw.get("usage")), parse_server_report(raw), parse_timings(raw)
@@ -162,6 +181,7 @@ def parse_chunk(data: str) -> StreamChunk:
         cached_reported=isinstance(raw_usage, dict) and isinstance(raw_usage.get("prompt_tokens_details"), dict),
         sglang_meta=parse_meta_info(raw),
         choice=has_choice,
+        tool_calls=pieces,
     )
 
 

@@ -130,17 +130,25 @@ def llama_batch_sample(
     )
 
 
-async def llama_prompt(session: aiohttp.ClientSession, root: str, messages: list[dict], headers: dict) -> ServerPrompt:
-    """The prompt llama-server makes of `messages`: its chat template's text (`POST /apply-template`)
-    and that text's tokens with their pieces (`POST /tokenize`). Raises LlamaRouteError on an error
-    status.
+async def llama_prompt(
+    session: aiohttp.ClientSession, root: str, messages: list[dict], headers: dict, tools: list[dict] | None = None
+) -> ServerPrompt:
+    """The prompt llama-server makes of `messages` (and `tools`, where given): its chat template's
+    text (`POST /apply-template`) and that text's tokens with their pieces (`POST /tokenize`).
+    Raises LlamaRouteError on an error status.
+
+    With `--jinja`, /apply-template renders `tools` as a chat request does: in the template's own
+    tool syntax, or, for a template without one, in a system block of llama.cpp's generic format.
 
     The tokens are those a chat request gets: a chat completion tokenizes the rendered prompt
     with special tokens parsed (`<|im_start|>` is one token, not seven) and a BOS added where the
     model asks for one, so /tokenize is asked the same (its own default adds none). A piece that is
     not valid UTF-8 alone (part of a character) comes as its bytes, shown here as `<0xE6><0x97>`.
     """
-    rendered = await _post(session, root, "/apply-template", {"messages": messages}, headers)
+    template_body: dict = {"messages": messages}
+    if tools:
+        template_body["tools"] = tools
+    rendered = await _post(session, root, "/apply-template", template_body, headers)
     text = rendered.get("prompt") if isinstance(rendered, dict) else None
     if not isinstance(text, str):
         raise LlamaRouteError("/apply-template", 200, "no prompt in the answer")
@@ -151,7 +159,7 @@ async def llama_prompt(session: aiohttp.ClientSession, root: str, messages: list
         raise LlamaRouteError("/tokenize", 200, "no tokens in the answer")
     kept = [t for t in tokens if isinstance(t, dict) and count(t.get("id")) is not None]
     return ServerPrompt(
-        source="llama-server /apply-template + /tokenize",
+        source="llama-server /apply-template" + (" (messages + tools)" if tools else "") + " + /tokenize",
         token_ids=tuple(t["id"] for t in kept),
         pieces=tuple(_piece(t.get("piece")) for t in kept),
         text=text,

@@ -117,6 +117,37 @@ class ServerPrompt:
 
 
 @dataclass(frozen=True)
+class ToolsCost:
+    """What the request's tools cost in prompt tokens, by the server's own template and tokenizer:
+    the same messages counted with the tools and without them."""
+
+    with_tools: int
+    without_tools: int
+    source: str  # the routes that counted, e.g. "vLLM /tokenize"
+
+    @property
+    def tokens(self) -> int:
+        """The prompt tokens the tools add."""
+        return self.with_tools - self.without_tools
+
+    @property
+    def dropped(self) -> bool:
+        """The server's template rendered the prompt without the tools (the counts are equal): the
+        model never saw them (vLLM does that silently for a template without tool syntax)."""
+        return self.with_tools == self.without_tools
+
+    def line(self) -> str:
+        """"tools cost 123 prompt tokens (240 with, 117 without; vLLM /tokenize)", or the drop."""
+        if self.dropped:
+            return (
+                f"the server's template dropped the tools: the prompt is {self.with_tools} tokens "
+                f"with them and without ({self.source})"
+            )
+        counts = f"{self.with_tools} with, {self.without_tools} without"
+        return f"tools cost {self.tokens} prompt tokens ({counts}; {self.source})"
+
+
+@dataclass(frozen=True)
 class TtftSplit:
     """The client's TTFT as one bar: connection and HTTP, the server's queue, its prefill and first
     token, and delivery back to the client.
@@ -174,8 +205,9 @@ class ServerView:
     that follows, and the views it could give but did not (each with the flag that turns it on)."""
 
     kind: ServerKind
-    request_id: str  # the X-Request-Id the client sent, to match the server's records
+    request_id: str  # the X-Request-Id the client sent (a UUID), to match the server's records
     send_unix_ms: float  # the client's wall clock at the send (the timeline's origin)
+    display_id: str = ""  # the request's own name on the screens (`req-…`)
     poll_interval_ms: float = 0.0  # how often /metrics was read while the request ran (0: not read)
     vllm_metrics: VllmRequestMetrics | None = None
     span: ServerSpan | None = None
@@ -187,6 +219,8 @@ class ServerView:
     ttft_split: TtftSplit | None = None
     off: tuple[OffView, ...] = ()
     sglang_meta: SglangMetaInfo | None = None  # untested against a live SGLang
+    tools_cost: ToolsCost | None = None  # where the request offered tools and the server could count them
+    tools_cost_error: str | None = None  # why they could not be counted
 
     @property
     def poll_cost_ms(self) -> float | None:

@@ -36,6 +36,7 @@ PROMPT_TOKENS = "vllm:prompt_tokens_total"
 VLLM_METRICS: tuple[str, ...] = (RUNNING, WAITING, KV_USAGE, PREEMPTIONS, PREFIX_QUERIES, PREFIX_HITS, PROMPT_TOKENS)
 METRICS_SOURCE = "vLLM /metrics"
 TOKENIZE_SOURCE = "vLLM /tokenize (messages)"
+TOKENIZE_TOOLS_SOURCE = "vLLM /tokenize (messages + tools)"
 _NO_METRICS = VllmRequestMetrics(None, None, None, None, None)
 
 
@@ -89,12 +90,23 @@ def vllm_batch_sample(text: str, t_ms: float, poll_ms: float) -> BatchSample:
 
 
 async def vllm_prompt(
-    session: aiohttp.ClientSession, root: str, model: str, messages: list[dict], headers: dict
+    session: aiohttp.ClientSession,
+    root: str,
+    model: str,
+    messages: list[dict],
+    headers: dict,
+    tools: list[dict] | None = None,
 ) -> ServerPrompt:
-    """The tokens vLLM makes of `messages` with its chat template (`POST {root}/tokenize`, with the
-    generation prompt added, as a chat request has it). `root` is the server's root URL, without
-    /v1; `headers` go with the request (an API key). Raises ServerPromptError on any failure."""
+    """The tokens vLLM makes of `messages` (and `tools`, where given) with its chat template
+    (`POST {root}/tokenize`, with the generation prompt added, as a chat request has it). `root` is
+    the server's root URL, without /v1; `headers` go with the request (an API key). Raises
+    ServerPromptError on any failure.
+
+    vLLM hands `tools` to the template as a chat request does; a template without tool syntax
+    (the default SmolLM2's) renders without them, and says nothing."""
     body = {"model": model, "messages": messages, "add_generation_prompt": True, "return_token_strs": True}
+    if tools:
+        body["tools"] = tools
     url = root.rstrip("/") + "/tokenize"
     try:
         async with session.post(url, json=body, headers=headers) as response:
@@ -113,7 +125,8 @@ async def vllm_prompt(
     pieces = answer.get("token_strs")
     # The pieces are kept only where there is one per token: a shorter list could not be lined up.
     keep = isinstance(pieces, list) and len(pieces) == len(tokens) and all(isinstance(p, str) for p in pieces)
-    return ServerPrompt(source=TOKENIZE_SOURCE, token_ids=tuple(tokens), pieces=tuple(pieces) if keep else ())
+    source = TOKENIZE_TOOLS_SOURCE if tools else TOKENIZE_SOURCE
+    return ServerPrompt(source=source, token_ids=tuple(tokens), pieces=tuple(pieces) if keep else ())
 
 
 def _error_message(text: str) -> str:

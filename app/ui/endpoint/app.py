@@ -272,7 +272,8 @@ class EndpointApp(ExplorerBase):
         if not view.done:
             self.notify("the request is still streaming: export when it ends (c cancels it)")
             return
-        name = view.sent.request_id if view.sent is not None and view.sent.request_id else "endpoint-request"
+        sent = view.sent
+        name = (sent.display_id or sent.request_id) if sent is not None and sent.request_id else "endpoint-request"
         try:
             folder = claim_run_folder(self.export_root, name)
             path = write_endpoint_trace(folder, EndpointTraceHeader(self.target.url, self.model), view.events)

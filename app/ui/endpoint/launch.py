@@ -27,7 +27,7 @@ def launch_endpoint_explorer(args: argparse.Namespace, request: GenerationReques
         return 1
     result = app.view.result
     if result is not None:
-        print(f"reqscope: {result.request_id or app.request.request_id} {endpoint_outcome(app.view)}", file=sys.stderr)
+        print(f"reqscope: {app.request.request_id} {endpoint_outcome(app.view)}", file=sys.stderr)
         if result.error:
             return 1
     return code or 0

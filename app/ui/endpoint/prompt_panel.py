@@ -17,7 +17,7 @@ from reqscope.ui.panel import Panel
 
 
 class ServerPromptPanel(Panel[EndpointFrame]):
-    """The count (against usage.prompt_tokens), cached tokens, then each token: id and piece."""
+    """The count (against usage.prompt_tokens), cached tokens, what the tools cost, then each token: id and piece."""
 
     TITLE = "Server's template & tokens"
     WAITING = "read from the server once the stream ends…"
@@ -30,6 +30,11 @@ class ServerPromptPanel(Panel[EndpointFrame]):
         head = prompt_line(server, usage.prompt_tokens if usage else None)
         lines = [Text(head or "this server does not say which tokens it used", no_wrap=True, overflow="ellipsis")]
         lines.append(Text(_cached(frame), style="dim", no_wrap=True, overflow="ellipsis"))
+        if server.tools_cost is not None:
+            style = "bold yellow" if server.tools_cost.dropped else ""
+            lines.append(Text(server.tools_cost.line(), style=style, no_wrap=True, overflow="ellipsis"))
+        elif server.tools_cost_error is not None:
+            lines.append(Text(f"tools' prompt cost not counted: {server.tools_cost_error}", style="dim"))
         prompt = server.prompt
         if prompt is not None:
             byte_level = _byte_level(prompt.pieces)

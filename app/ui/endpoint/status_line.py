@@ -28,8 +28,9 @@ def endpoint_status(frame: EndpointFrame, number: int = 1) -> Text:
     state = frame.state
     shown = state if state in _STATE_STYLE else f"done ({state})"
     text.append(f" {shown} ", style=_STATE_STYLE.get(state, "bold"))
-    server_id = view.response.request_id if view.response is not None else None
-    text.append(f" #{number} {server_id or frame.request.request_id} · ")
+    # The request's own name: the X-Request-Id sent (and echoed) is a UUID, for matching, not reading.
+    name = view.sent.display_id if view.sent is not None and view.sent.display_id else frame.request.request_id
+    text.append(f" #{number} {name} · ")
     if settings.logprobs:  # ahead of the settings, so a narrow line cuts them rather than the warning
         text.append(f"logprobs top {settings.top_logprobs}: may slow the server", style="bold yellow")
         text.append(" · ")

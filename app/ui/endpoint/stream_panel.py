@@ -6,6 +6,7 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from reqscope.endpoint.metrics import prompt_count
+from reqscope.endpoint.tool_calls import tool_call_text
 from reqscope.ui.endpoint.frame import EndpointFrame
 from reqscope.ui.endpoint.view import CLIENT_PIPELINE
 from reqscope.ui.glyphs import duration_text, fit_cell
@@ -36,7 +37,8 @@ class EndpointPipelinePanel(Panel[EndpointFrame]):
 
 
 class AnswerPanel(Panel[EndpointFrame]):
-    """The messages sent, a count line, then the streamed answer with its chunks shaded apart."""
+    """The messages sent, a count line (with the tools, output shape and penalties asked), then the streamed
+    answer with its chunks shaded apart, and the tool calls it makes."""
 
     TITLE = "Request & answer"
     WAITING = "sending…"
@@ -59,9 +61,16 @@ class AnswerPanel(Panel[EndpointFrame]):
             counts.append(f" · {tokens / len(view.chunks):.2f} tokens per chunk", style="dim")
         if limit is None:
             counts.append(" · max tokens: server default", style="dim")
+        asked = view.sent.controls.lines() if view.sent is not None else ()
+        if asked:
+            counts.append(" · asked: " + "; ".join(asked), style="dim")
         answer = Text()
         for chunk in view.chunks:
             answer.append(chunk.text, style=_CHUNK_STYLES[chunk.index % 2])
+        calls = view.tool_calls
+        for i, call in enumerate(calls):  # the calls are the answer too: shown as they stream
+            answer.append(("\n" if answer.plain else "") + f"tool call {i}: ", style="bold cyan")
+            answer.append(tool_call_text(call))
         if not view.chunks:
             answer = Text("no text yet" if not view.done else "no text came back", style="dim")
         lines = answer.wrap(self.app.console, width)

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 
 from minengine.engine.metrics import RequestMetrics
 from minengine.errors import ReqscopeError
+from minengine.text.tools import ToolCall
 from reqscope.endpoint import events as ev
 from reqscope.endpoint.metrics import client_metrics, output_token_count
 from reqscope.endpoint.server.records import BatchSample, PromptProgress, ServerView
+from reqscope.endpoint.tool_calls import ToolCallAssembler
 from reqscope.openai.logprobs import TokenLogprob
 from reqscope.ui.request_view import RequestView
 
@@ -74,6 +76,16 @@ class EndpointView(RequestView[ev.ClientEvent]):
     def text(self) -> str:
         """The answer as streamed so far."""
         return self.result.text if self.result is not None else "".join(c.text for c in self.chunks)
+
+    @property
+    def tool_calls(self) -> tuple[ToolCall, ...]:
+        """The tool calls the answer made: put together from the chunks so far, the result's once it ended."""
+        if self.result is not None:
+            return self.result.tool_calls
+        assembler = ToolCallAssembler()
+        for chunk in self.chunks:
+            assembler.add(chunk.tool_calls)
+        return assembler.calls()
 
     @property
     def error(self) -> str | None:
