@@ -46,10 +46,12 @@ KEYS: tuple[Key, ...] = (
     Key("b,left", "step_back", "Back", "Replay: one step back", REPLAY_ONLY),
     Key("home", "first_step", "First", "Replay: back to the first step", REPLAY_ONLY, footer=False),
     Key("end", "last_step", "Last", "Replay: jump to the end", REPLAY_ONLY, footer=False),
-    Key("o", "sampling", "Sample", "Change temperature, top-k, top-p, min-p, seed, max tokens or sampler order"),
+    Key("o", "sampling", "Sample", "Change temperature, top-k, top-p, min-p, the penalties, logit bias, seed, max "
+        "tokens or sampler order; turn the tools and schema off or on for the next run"),
     Key("up,k", "cursor(-1)", "Up", "Move the candidate cursor up", footer=False),
     Key("down,j", "cursor(1)", "Down", "Move the candidate cursor down", footer=False),
-    Key("enter", "pick", "Pick", "Commit the highlighted candidate as the next token (while paused)", LIVE_ONLY),
+    Key("enter", "pick", "Pick", "Commit the highlighted candidate as the next token (while paused; one the "
+        "grammar forbids is refused, with the reason)", LIVE_ONLY),
     Key("o", "sampling", "Sample", "Change sampling (blank = server default) or logprobs for the next request",
         ENDPOINT_ONLY),
     Key("up,k", "cursor(-1)", "Up", "Show an earlier chunk's logprobs", ENDPOINT_ONLY, footer=False),

@@ -141,3 +141,38 @@ async def test_a_replayed_tools_run_shows_its_grammar_and_tools_block(exported_t
         await pilot.press("5")
         await wait_for(pilot, lambda: not app.needs_repaint)
         assert "[tools: " in panel_text(app, "#template")
+
+
+async def test_tools_and_schema_turn_off_and_on_for_the_next_run(default_engine):
+    """The grammar is fixed for a running request: the form's switch applies when it runs again (r)."""
+    app = live_app(default_engine, tools_request("--max-tokens", "3"), start_paused=True)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await held_at(pilot, app, 0)
+        await pilot.press("o")
+        await wait_for(pilot, lambda: isinstance(app.screen, SamplingForm))
+        form = app.screen
+        form.query_one("#field-constraints", Input).value = "off"
+        await pilot.pause()
+        await pilot.click("#apply")
+        await wait_for(pilot, lambda: app.screen is not form)
+        assert any("from the next run (r)" in n.message for n in app._notifications)
+        assert app.subject.trace.adjustments.grammar is not None  # this run keeps its grammar
+
+        await pilot.press("r")
+        await held_at(pilot, app, 0)
+        assert app.request.tools == () and app.request.structured is None
+        assert "tools (reqscope)" not in {p.name for p in app.view.prompt.parts}
+        assert app.subject.trace.adjustments is None
+        assert "grammar" not in panel_text(app, "#logits")
+
+        await pilot.press("o")
+        await wait_for(pilot, lambda: isinstance(app.screen, SamplingForm))
+        form = app.screen
+        form.query_one("#field-constraints", Input).value = "on"
+        await pilot.pause()
+        await pilot.click("#apply")
+        await wait_for(pilot, lambda: app.screen is not form)
+        await pilot.press("r")
+        await held_at(pilot, app, 0)
+        assert app.request.tools == app.offered.tools and app.request.tool_choice.mode == "required"
+        assert app.subject.trace.adjustments.grammar.allowed == 1

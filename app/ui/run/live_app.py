@@ -24,6 +24,7 @@ from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from minengine.progress import StatusCallback
 from minengine.record.trace_io import trace_header
+from minengine.text.tools import ToolChoice
 from minengine.threads import ModelThread
 from reqscope.bench.ceiling import stored_ceiling
 from reqscope.engine_load import NO_LOAD, EngineLoad, LoadNote, LoadOptions
@@ -64,6 +65,7 @@ class LiveExplorer(RunExplorer):
         if load.any:
             self.compact_view = "batch"  # what the load is for: small terminals start on the batch panel
         self.request = request
+        self.offered = request  # its tools and output schema, which the form may leave out of a rerun and bring back
         self.start_paused = start_paused
         self.engine: Engine | None = None
         self.shown: RunOnScreen | None = None  # None until the engine has loaded
@@ -119,7 +121,7 @@ class LiveExplorer(RunExplorer):
             previous.cancel()
         self.formats.cancel()  # a comparison of the run before would hold this one back
         self.request = request
-        self.sampling = SamplingChoice(request.sampling, request.max_tokens)
+        self.sampling = SamplingChoice(request.sampling, request.max_tokens, self.sampling.constraints)
         self.view = RunView()
         self.cursor = 0
         # The background requests join after its first steps and end with it, followed from the
@@ -138,7 +140,8 @@ class LiveExplorer(RunExplorer):
             return
         if "messages" in changes:
             self.history.measured.clear()  # measurements of another prompt do not compare
-        request = renewed(self.request, sampling=self.sampling.params, max_tokens=self.sampling.max_tokens, **changes)
+        request = renewed(self.request, sampling=self.sampling.params, max_tokens=self.sampling.max_tokens,
+                          **(self._constraints() | changes))
         self._start(request, paused=self._stepping())
 
     def _take_events(self) -> None:
@@ -179,6 +182,13 @@ class LiveExplorer(RunExplorer):
             self.notify(error_text(exc), title="sampling not changed", severity="error")
             self.sampling = replace(self.sampling, params=shown.applied)
         self._invalidate()
+
+    def _constraints(self) -> dict[str, object]:
+        """The request's tools and output schema as the form last set them: the offered ones, or none."""
+        if self.sampling.constraints:
+            offered = self.offered
+            return {"tools": offered.tools, "tool_choice": offered.tool_choice, "structured": offered.structured}
+        return {"tools": (), "tool_choice": ToolChoice(), "structured": None}
 
     def _streaming(self) -> bool:
         return self.shown is not None and self.view.result is None and self.shown.held is None
@@ -295,6 +305,11 @@ class LiveExplorer(RunExplorer):
         super().action_sampling()
 
     def _use(self, choice: SamplingChoice) -> None:
+        if choice.constraints != self.sampling.constraints:
+            offered = self.offered.tools or self.offered.structured
+            self.notify(("tools and schema " + ("on" if choice.constraints else "off") + " from the next run (r): "
+                         "a request's grammar is fixed when it starts") if offered
+                        else "this request has no tools and no schema to turn on or off")  # fmt: skip
         self.sampling = choice
         if self.shown is not None and self.shown.held is not None:
             self._apply_params(self.shown)

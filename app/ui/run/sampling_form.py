@@ -14,10 +14,13 @@ from reqscope.ui.field_form import Field, FieldForm, field_reader
 
 @dataclass(frozen=True)
 class SamplingChoice:
-    """What the form returns: parameters for the next steps and the token limit for the next run."""
+    """What the form returns: parameters for the next steps, and the token limit and the grammar for the next run."""
 
     params: SamplingParams
     max_tokens: int
+    # Whether the next run sends the request's tools and output schema. A request's grammar is
+    # fixed when it starts (the engine builds its matcher then), so this applies on restart.
+    constraints: bool = True
 
 
 def order_text(order: tuple[str, ...]) -> str:
@@ -46,6 +49,13 @@ def _penalty(name: str, off: float) -> Callable[[str], float]:
         return float(_number(name, float)(text)) if text.strip() else off  # blank: the penalty is off
 
     return read
+
+
+def _on_off(text: str) -> bool:
+    word = text.strip().lower()
+    if word not in ("on", "off", ""):
+        raise RequestError(f"tools+schema must be on or off; got {text.strip()!r}")
+    return word != "off"
 
 
 def bias_text(bias: tuple[tuple[int, float], ...]) -> str:
@@ -83,6 +93,8 @@ FIELDS: tuple[Field[SamplingChoice], ...] = (
     Field("seed", "seed", "blank = random", lambda c: "" if c.params.seed is None else str(c.params.seed), _seed),
     Field("max_tokens", "max tokens", "applies on restart (r)", lambda c: str(c.max_tokens),
           _number("max_tokens", int)),
+    Field("constraints", "tools+schema", "on or off; fixed for a run: applies on restart (r)",
+          lambda c: "on" if c.constraints else "off", _on_off),
     Field("order", "sampler order", "hf, llama.cpp, vllm or a comma list", lambda c: order_text(c.params.order),
           SamplingParams.parse_order),
 )
@@ -107,7 +119,7 @@ def parse_choice(values: Mapping[str, str], base: SamplingParams) -> SamplingCho
     max_tokens = read("max_tokens")
     if max_tokens < 1:
         raise RequestError(f"max tokens must be at least 1; got {max_tokens}")
-    return SamplingChoice(params, max_tokens)
+    return SamplingChoice(params, max_tokens, read("constraints"))
 
 
 class SamplingForm(FieldForm[SamplingChoice]):
