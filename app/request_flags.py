@@ -1,6 +1,6 @@
 """The flags that add tools, a grammar, penalties and logit bias to a run's request, read into its records.
 
-`--tools FILE`, `--tool-choice`, `--no-parallel-tool-calls`, `--no-generic-tools`, `--json-schema FILE`,
+`--min-tokens`, `--tools FILE`, `--tool-choice`, `--no-parallel-tool-calls`, `--no-generic-tools`, `--json-schema FILE`,
 `--regex`, `--choice`, `--repetition-penalty`, `--frequency-penalty`, `--presence-penalty`, `--logit-bias ID=BIAS` and
 `--chat-template FILE`, named as vLLM's request fields and server flags name them.
 
@@ -20,6 +20,7 @@ from minengine.errors import RequestError
 from minengine.sampling.params import MAX_ADDITIVE_PENALTY, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY
 from minengine.sampling.structured import StructuredOutput
 from minengine.text.tools import Tool, ToolChoice
+from reqscope.argtypes import whole_number
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 
@@ -60,7 +61,11 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
         "--chat-template", metavar="FILE",
         help="a Jinja chat template file used instead of the model's own, as vLLM and llama-server take it",
     )  # fmt: skip
-    p = parser.add_argument_group("penalties and bias (before temperature, in vLLM's order)")
+    p = parser.add_argument_group("min tokens, bias and penalties (after the grammar, before temperature, as vLLM)")
+    p.add_argument(
+        "--min-tokens", type=whole_number, metavar="N",
+        help="mask the end of turn (and EOS) until N tokens are out, as vLLM's min_tokens (default 0)",
+    )  # fmt: skip
     p.add_argument(
         "--repetition-penalty", type=float, metavar="R",
         help=f"divide positive logits and multiply negative ones of every token already in the prompt or the "

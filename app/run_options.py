@@ -17,7 +17,7 @@ from minengine.sampling.model_defaults import FILE, ModelSamplingDefaults
 from minengine.sampling.params import SamplingParams
 from reqscope.console.progress_line import ProgressLine
 from reqscope.engine_flags import MODEL_HELP, add_engine_arguments
-from reqscope.request_flags import add_request_arguments, check_penalties, read_request_flags
+from reqscope.request_flags import FlagError, add_request_arguments, check_penalties, read_request_flags
 
 if TYPE_CHECKING:
     from minengine.engine.engine import Engine
@@ -184,12 +184,16 @@ def request_from_args(args: argparse.Namespace, prompt: str, model: ModelFolder 
             sources.append(SettingSource(name, "flag"))
             sampling = sampling.with_(**{name: value})
     max_tokens = pick("max_tokens", args.max_tokens, defaults.max_new_tokens, d.max_tokens)
+    min_tokens = getattr(args, "min_tokens", None) or 0
+    if min_tokens > max_tokens:
+        raise FlagError(f"--min-tokens {min_tokens} is over max_tokens ({max_tokens}); lower it or raise --max-tokens")
     return GenerationRequest.from_prompt(
         prompt,
         system=args.system,
         sampling=sampling,
         setting_sources=tuple(sources),
         max_tokens=max_tokens,
+        min_tokens=min_tokens,
         stop=tuple(args.stop),
         kv_layout=args.kv_layout,
         kv_dtype=args.kv_dtype,

@@ -13,8 +13,7 @@ from minengine.engine.request import GenerationRequest, settings_line
 from minengine.kv.arithmetic import KIB, MIB
 from reqscope.console.latency_lines import latency_lines
 from reqscope.console.roofline_lines import plain_lines, summary_of
-from reqscope.console.tool_facts import call_lines, reply_calls, step_lines
-from reqscope.ui.run.panels.adjustments import stages_before
+from reqscope.console.tool_facts import call_lines, reply_calls, run_stages, step_lines
 
 if TYPE_CHECKING:
     from reqscope.bench.ceiling import CeilingLookup
@@ -89,9 +88,7 @@ def print_plain(
         print(f"· {line}", file=err, flush=True)
     read_ceiling = None if ceiling is None else ceiling.ceiling
     roofline = plain_lines(summary_of(tokens, read_ceiling), "" if ceiling is None else ceiling.note)
-    last = next((t.trace for t in reversed(tokens) if t.trace is not None), None)
-    before = tuple(stages_before(last.params, last.adjustments)) if last is not None else ()
-    print(summary(engine, result, roofline, before), file=err, flush=True)
+    print(summary(engine, result, roofline, run_stages(tokens)), file=err, flush=True)
     return result
 
 

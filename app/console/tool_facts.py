@@ -17,7 +17,7 @@ from minengine.sampling.step_trace import Adjustments
 from minengine.text.tool_calls import parse_tool_calls
 from minengine.text.tools import ToolCall
 from reqscope.ui.glyphs import show_piece
-from reqscope.ui.run.panels.adjustments import adjustment_lines
+from reqscope.ui.run.panels.adjustments import adjustment_lines, stages_before
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,16 @@ def step_lines(token: TokenEvent) -> list[str]:
         return []
     head = f"step {token.index + 1:<4} {show_piece(token.piece, 12):<12} "
     return [head + shown[0]] + [" " * len(head) + line for line in shown[1:]]
+
+
+def run_stages(tokens: list[TokenEvent]) -> tuple[str, ...]:
+    """The stages before the filters that ran at any step of a run (the summary's sampler line names them)."""
+    traces = [t.trace for t in tokens if t.trace is not None]
+    if not traces:
+        return ()
+    grammar = next((t.adjustments.grammar for t in traces if t.adjustments and t.adjustments.grammar), None)
+    masked = max((t.adjustments.min_tokens_masked for t in traces if t.adjustments), default=0)
+    return tuple(stages_before(traces[-1].params, Adjustments(grammar=grammar, min_tokens_masked=masked)))
 
 
 def call_lines(calls: ReplyCalls) -> list[str]:

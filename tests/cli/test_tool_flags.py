@@ -53,6 +53,10 @@ def test_schema_regex_and_choice_become_structured_outputs(tmp_path):
     assert choice == StructuredOutput("choice", choices=("yes", "no", "maybe"))
 
 
+def test_min_tokens_reach_the_request():
+    assert request_of("--min-tokens", "5").min_tokens == 5 and request_of().min_tokens == 0
+
+
 def test_penalties_and_bias_reach_the_sampling_params_and_say_where_they_came_from():
     request = request_of("--repetition-penalty", "1.3", "--frequency-penalty", "0.5", "--presence-penalty", "-1",
                          "--logit-bias", "28=5", "--logit-bias", "2=-100", "--logit-bias", "28=-2.5")  # fmt: skip
@@ -85,6 +89,7 @@ def test_penalties_and_bias_reach_the_sampling_params_and_say_where_they_came_fr
         (["--json-schema", "{bad}"], "not valid JSON"),
         (["--chat-template", "no-such.jinja"], "--chat-template no-such.jinja: no such file"),
         (["--choice", "a,,b"], "an answer is empty"),
+        (["--min-tokens", "300", "--max-tokens", "10"], "--min-tokens 300 is over max_tokens (10)"),
         (["--regex", "(("], "--regex ((: does not compile (at 1(8): invalid regex"),
         (["--json-schema", "{objekt}"], "the grammar library cannot compile it (Invalid type: objekt)"),
         (["--tools", "{objekt}"], "the parameters of f do not compile as a JSON schema (Invalid type: objekt)"),

@@ -96,3 +96,20 @@ def test_a_chat_template_file_with_tool_syntax_renders_the_tools_itself(default_
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     parts = {p["name"]: p["tokens"] for p in next(r for r in records if r["event"] == "prompt")["parts"]}
     assert parts["tools"] > 100 and "tools (reqscope)" not in parts
+
+
+def test_plain_names_each_step_a_penalty_moved_and_the_stages_on_the_sampler_line(default_model_dir, capsys):
+    """The same greedy run in --json and --plain: a `step N` line for each token whose ranks the penalty moved."""
+    argv = ["--model", str(default_model_dir), "--temperature", "0", "--max-tokens", "16", "--min-tokens", "2",
+            "--repetition-penalty", "1.5", "Hotels in Kyoto"]  # fmt: skip
+    assert main(["--json", *argv]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    moved = [r["index"] + 1 for r in records if r["event"] == "token" and r.get("adjustments", {}).get("changes")]
+    masked = [r["index"] + 1 for r in records if r["event"] == "token"
+              and r.get("adjustments", {}).get("min_tokens_masked")]  # fmt: skip
+    assert moved and masked == [1, 2]
+    assert main(["--plain", *argv]) == 0
+    err = capsys.readouterr().err
+    steps = [int(line.split()[2]) for line in err.splitlines() if line.startswith("· step ")]
+    assert sorted(set(steps)) == sorted(set(moved) | set(masked))
+    assert "sampler   logits -> min_tokens -> repetition 1.5 -> temperature -> top_k" in err
