@@ -18,7 +18,7 @@ from reqscope.endpoint.server.records import VLLM, ServerView
 from reqscope.endpoint.server.sglang import meta_info_line
 from reqscope.endpoint.server.words import batch_lines, prompt_line, split_line
 from reqscope.endpoint.settings import LOGPROBS_COST_NOTE, RequestSettings, logprobs_text, settings_text
-from reqscope.endpoint.tool_calls import tool_call_text
+from reqscope.endpoint.tool_calls import arguments_problem, tool_call_text
 
 
 async def print_endpoint_plain(
@@ -100,7 +100,12 @@ def endpoint_summary(
 
 def output_lines(r: ev.EndpointResult, controls: OutputControls | None) -> list[str]:
     """The tool calls the answer made, whether its text took the shape asked for, and the tools' prompt cost."""
-    lines = [f"tool call {i}  {call.id or '(no id)'}  {tool_call_text(call)}" for i, call in enumerate(r.tool_calls)]
+    lines = []
+    for i, call in enumerate(r.tool_calls):
+        lines.append(f"tool call {i}  {call.id or '(no id)'}  {tool_call_text(call)}")
+        if (problem := arguments_problem(call)) is not None:
+            cut = " (finish_reason length: the answer was cut off)" if r.finish_reason == "length" else ""
+            lines.append(f"          ! {problem}{cut}")
     if controls is not None and controls.structured is not None and not r.error:
         lines.append(f"output    {shape_line(controls.structured, r.text)}")
     view = r.server_view

@@ -9,6 +9,7 @@ the same `index` and the next part of `function.arguments`. Calls are told apart
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from minengine.text.tools import ToolCall
@@ -85,3 +86,14 @@ class ToolCallAssembler:
 def tool_call_text(call: ToolCall) -> str:
     """`get_weather({"city": "Paris"})`, for the plain printer and the stream panel."""
     return f"{call.name or '?'}({call.arguments})"
+
+
+def arguments_problem(call: ToolCall) -> str | None:
+    """Why the call's arguments are not a JSON object (cut off by max_tokens, malformed), or None."""
+    try:
+        value = json.loads(call.arguments)
+    except json.JSONDecodeError as exc:
+        return f"its arguments are not JSON ({exc.msg} at character {exc.pos})"
+    if not isinstance(value, dict):
+        return f"its arguments are JSON but not an object ({type(value).__name__})"
+    return None

@@ -1,6 +1,7 @@
 """The real vLLM the live endpoint tests share: one per session, started on first use.
 
-It runs with every per-request view on (per-request metrics, prompt token details) and its trace
+It runs with every per-request view on (per-request metrics, prompt token details), tool calls
+(hermes's parser, auto tool choice) and its trace
 exporter pointed at `otlp_port` on loopback, where each test module that wants spans listens
 while it runs (a receiver of its own, or the CLI's `--otlp-listen`). Starting vLLM takes about
 70 s here, so the modules share it rather than start one each.
@@ -56,6 +57,8 @@ def vllm_server(default_model_dir, tmp_path_factory) -> Iterator[VllmServer]:
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
         "--enable-per-request-metrics", "--enable-prompt-tokens-details",
         "--otlp-traces-endpoint", f"http://127.0.0.1:{otlp_port}/v1/traces",
+        # Tools: vLLM 0.32 refuses any tool_choice (a named one and "required" included) without a parser.
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     ]  # fmt: skip
     with log.open("wb") as out:
         # A session of its own: vLLM starts an engine core and a worker process, stopped with it.
