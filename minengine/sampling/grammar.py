@@ -21,10 +21,12 @@ from __future__ import annotations
 import json
 import threading
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import llguidance
+import numpy as np
 import torch
 from llguidance.gbnf_to_lark import any_to_lark
 
@@ -41,7 +43,6 @@ if TYPE_CHECKING:
 # whitespace: a small model offered spaces and newlines between tokens fills them.
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 _ANY_OBJECT = '{"type": "object"}'
-_BITS = torch.arange(8, dtype=torch.uint8)
 _SHOWN_CHARS = 24  # forced text shown in a grammar's state, at most
 
 _tokenizers: weakref.WeakKeyDictionary[ModelTokenizer, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
@@ -212,35 +213,59 @@ def _literal(text: str, tokenizer: ModelTokenizer) -> str:
 
 
 class GrammarMatcher:
-    """One request's place in its grammar: which tokens may come next, and each token it took."""
+    """One request's place in its grammar: which tokens may come next, and each token it took.
 
-    def __init__(self, grammar: Grammar, tokenizer: ModelTokenizer) -> None:
+    The next step's mask is computed while the model runs that step: `accept` (and the start)
+    hand llguidance's mask to a worker thread, and the step's sampling waits for it. llguidance's
+    Rust releases the GIL for it, and the worker makes no torch call (a torch parallel region
+    would give it an OpenMP team of its own: `threads.ModelThread` says why that throttles every
+    step), so it costs the forward nothing but the core it briefly takes. `overlap=False` computes
+    it in place, when asked for.
+    """
+
+    def __init__(self, grammar: Grammar, tokenizer: ModelTokenizer, *, overlap: bool = True) -> None:
         self.grammar = grammar
         self.tokenizer = ll_tokenizer(tokenizer)
         self.end_ids = tuple(sorted(tokenizer.eos_ids))
-        self.matcher = llguidance.LLMatcher(self.tokenizer, grammar.text)
+        # Silent: a forbidden token is refused by the engine with its own message, not on stderr (a TUI's screen).
+        self.matcher = llguidance.LLMatcher(self.tokenizer, grammar.text, log_level=0)
         if self.matcher.is_error():
             raise RequestError(f"the grammar does not compile: {_one_line(self.matcher.get_error())}")
-        words = (self.tokenizer.vocab_size + 31) // 32
-        self._bitmask = torch.zeros(words, dtype=torch.int32)
+        self.overlap = overlap
+        self._bitmask = np.zeros((self.tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+        self._pending: Future[None] | None = None  # the next mask, being computed
         self._allowed: torch.Tensor | None = None  # this step's, over the tokenizer's vocabulary
+        self._ahead()
+
+    def _fill(self) -> None:
+        # What `llguidance.torch.fill_next_token_bitmask` calls (importing that module costs 2.4 s of
+        # torch.compile set-up for a kernel not used here).
+        self.matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
+
+    def _ahead(self) -> None:
+        if self.overlap and not self.matcher.is_error():
+            self._pending = _mask_worker().submit(self._fill)
+
+    def _settle(self) -> None:
+        """Wait for a mask being computed: the matcher is not to be touched meanwhile."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
 
     def allowed(self) -> torch.Tensor:
-        """This step's mask: a bool per token of the tokenizer's vocabulary (computed once per step).
-
-        llguidance fills the bitmask as `llguidance.torch.fill_next_token_bitmask` does (the same
-        `unsafe_compute_mask_ptr` call, which releases the GIL); importing that module costs 2.4 s
-        of torch.compile set-up for a kernel not used here.
-        """
+        """This step's mask: a bool per token of the tokenizer's vocabulary (computed once per step)."""
         if self._allowed is None:
+            computed = self._pending is not None
+            self._settle()
             if self.matcher.is_error():  # nothing valid can follow: end the turn
                 allowed = torch.zeros(self.tokenizer.vocab_size, dtype=torch.bool)
                 allowed[list(self.end_ids)] = True
             else:
-                self.matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._bitmask.numel() * 4)
-                # Little-endian words: bit b of byte k is token 8k + b.
-                bits = (self._bitmask.view(torch.uint8).unsqueeze(-1) >> _BITS) & 1
-                allowed = bits.flatten()[: self.tokenizer.vocab_size].bool()
+                if not computed:
+                    self._fill()
+                # Bit b of word w is token 32w + b: little-endian bytes, each unpacked low bit first.
+                bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")[: self.tokenizer.vocab_size]
+                allowed = torch.from_numpy(bits.view(np.bool_))
             self._allowed = allowed
         return self._allowed
 
@@ -249,7 +274,7 @@ class GrammarMatcher:
         the tokenizer's vocabulary (a padded head) are never allowed."""
         allowed = self.allowed()
         n = min(row.numel(), allowed.numel())
-        row[:n].masked_fill_(~allowed[:n].to(row.device, non_blocking=True), float("-inf"))
+        row[:n].masked_fill_(~allowed[:n].to(row.device), float("-inf"))
         if row.numel() > n:
             row[n:] = float("-inf")
 
@@ -259,17 +284,21 @@ class GrammarMatcher:
         return 0 <= token < allowed.numel() and bool(allowed[token])
 
     def accept(self, token: int) -> None:
-        """Advance past `token`, the one committed."""
+        """Advance past `token`, the one committed, and start on the next step's mask."""
+        self._settle()
         self.matcher.consume_token(token)  # on a forbidden token it errs and stays so: only the end follows
         self._allowed = None
+        self._ahead()
 
     @property
     def done(self) -> bool:
         """Whether nothing but the end of turn may follow."""
+        self._settle()
         return self.matcher.is_stopped() or self.matcher.is_error()
 
     def state(self) -> str:
         """Where the grammar is, in a few words."""
+        self._settle()
         if self.matcher.is_error():
             return f"error: {_one_line(self.matcher.get_error())}"
         if self.matcher.is_stopped():
@@ -281,3 +310,16 @@ class GrammarMatcher:
         if self.matcher.is_accepting():
             return "complete: may end or go on"
         return f"free: {int(self.allowed().sum())} tokens allowed"
+
+
+_worker: ThreadPoolExecutor | None = None
+_worker_lock = threading.Lock()
+
+
+def _mask_worker() -> ThreadPoolExecutor:
+    """The one thread every request's next mask is computed on (made on first use)."""
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        return _worker

@@ -271,9 +271,84 @@ def test_a_constrained_request_beside_others_gets_its_tokens_alone(engine):
     assert run(engine, constrained, steered=True).token_ids == alone.token_ids  # the session picks the same
 
 
+def test_preempted_requests_with_penalties_and_grammars_count_each_token_once(chatty_tiny_dir, engine):
+    # Preempted, a request recomputes its positions; its stages must not see its tokens twice (the
+    # penalties would grow, the grammar would refuse), so it ends as it does alone.
+    penalised = GREEDY.with_(repetition_penalty=1.3, frequency_penalty=0.8, presence_penalty=0.4)
+    reqs = [
+        request("Tell me about Kyoto", sampling=penalised, max_tokens=48, ignore_eos=True),
+        request("Name three hotels", sampling=penalised.with_(logit_bias=((11, 3.0),)), max_tokens=48, ignore_eos=True),
+        request(structured=schema_output(), sampling=penalised, max_tokens=48),
+        request("Hi", structured=schema_output(), max_tokens=48),
+    ]
+    alone = [run(engine, r) for r in reqs]
+    worst = max(r.kv_peak.physical_bytes for r in alone)
+    tight = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=int(worst * 1.5), prefix_cache=False)
+    together = run_all(tight, reqs, steered=False)
+    assert tight.steps.preemptions > 0
+    for events, reference in zip(together, alone, strict=True):
+        assert events[-1].result.token_ids == reference.token_ids
+    assert together[3][-1].result.text.startswith('{"name": "')
+
+
 def test_reference_kernels_give_the_same_constrained_text(chatty_tiny_dir, engine):
     reference = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, kernels="reference")
     for structured in (schema_output(), StructuredOutput("regex", r"[A-Z][a-z]{2,6}-\d{3}")):
         fast = run(engine, request(structured=structured, max_tokens=60))
         plain = run(reference, request(structured=structured, max_tokens=60))
         assert plain.text == fast.text and plain.finish_reason == fast.finish_reason == "stop"
+
+
+# -- the real default model ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_the_default_model_writes_json_that_validates_against_the_schema(default_engine, sampling):
+    result = run(default_engine, request(structured=schema_output(), sampling=sampling, max_tokens=120), steered=False)
+    assert result.finish_reason == "stop", result.text
+    hotel = validates(result.text)
+    assert hotel["kind"] in ("hotel", "ryokan", "hostel") and hotel["address"]["city"] in ("Kyoto", "Osaka")
+
+
+@pytest.mark.slow
+def test_the_default_model_follows_a_regex_and_a_choice(default_engine):
+    pattern = r"\d{3}-\d{4}"
+    phone = run(default_engine, request("The hotel's phone number?", structured=StructuredOutput("regex", pattern)))
+    assert phone.finish_reason == "stop" and re.fullmatch(pattern, phone.text), phone.text
+    choices = ("yes", "no")
+    answer = run(default_engine, request("Is Kyoto in Japan?", structured=StructuredOutput("choice", choices=choices)))
+    assert answer.finish_reason == "stop" and answer.text in choices
+
+
+@pytest.mark.slow
+def test_the_default_model_calls_the_required_and_the_named_tool(default_engine):
+    prompt = "Show me wheelchair-accessible hotels in Kyoto"
+    schemas = {t.name: json.loads(t.parameters) for t in (SEARCH, WEATHER)}
+    required = request(prompt, tools=(SEARCH, WEATHER), tool_choice=ToolChoice("required"), parallel_tool_calls=False)
+    named = request(prompt, tools=(SEARCH, WEATHER), tool_choice=ToolChoice("function", "get_weather"))
+    for req in (required, named):
+        result = run(default_engine, req)
+        assert result.finish_reason == "stop", result.text
+        (call,) = calls_in(result.text)
+        jsonschema.validate(call["arguments"], schemas[call["name"]])
+    assert call["name"] == "get_weather"
+
+
+@pytest.mark.slow
+def test_the_default_models_constrained_text_is_the_same_in_a_batch_and_on_the_reference_kernels(
+    default_model_dir, default_engine
+):
+    constrained = request(structured=schema_output(), max_tokens=120)
+    alone = run(default_engine, constrained, steered=False)
+    assert alone.finish_reason == "stop"
+    others = [
+        request("Tell me about Osaka", max_tokens=40),
+        request("Name a ryokan", structured=StructuredOutput("regex", r"[A-Z][a-z]{3,9}")),
+        request("Hi", max_tokens=30, sampling=SAMPLED),
+    ]
+    together = run_all(default_engine, [constrained, *others], steered=False)
+    assert together[0][-1].result.text == alone.text
+    assert any(isinstance(e, TokenEvent) and e.batch is not None and e.batch.sequences > 1 for e in together[0])
+    reference = Engine(default_model_dir, device="cpu", dtype="float32", kv_budget_bytes=1 << 30, kernels="reference")
+    assert run(reference, constrained).text == alone.text
