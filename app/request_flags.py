@@ -115,14 +115,13 @@ def parse_bias(text: str, error: type[Exception] = RequestError) -> tuple[int, f
 
 @dataclass(frozen=True)
 class RequestFlags:
-    """What the flags add to a request: its tools, how it may choose them, its grammar, its template."""
+    """What the flags add to a request: its tools, how it may choose them, its grammar, its logit bias."""
 
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = ToolChoice()
     parallel_tool_calls: bool = True
     generic_tools: bool = True
     structured: StructuredOutput | None = None
-    chat_template: str | None = None  # the template text of --chat-template, None for the model's own
     logit_bias: tuple[tuple[int, float], ...] = ()
 
 
@@ -135,14 +134,14 @@ def read_request_flags(args: argparse.Namespace, vocab_size: int | None = None) 
     choice = _tool_choice(getattr(args, "tool_choice", None), tools)
     structured = _structured(args)
     _check_compiles(args, tools, structured)
+    if getattr(args, "chat_template", None):  # read by the engine's tokenizer once it loads; checked before
+        _check_template(args.chat_template)
     return RequestFlags(
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=getattr(args, "parallel_tool_calls", True),
         generic_tools=getattr(args, "generic_tools", True),
         structured=structured,
-        chat_template=_read_text(args.chat_template, "--chat-template") if getattr(args, "chat_template", None)
-        else None,
         logit_bias=_bias(getattr(args, "logit_bias", []), vocab_size),
     )
 
@@ -262,6 +261,11 @@ def _read_text(path: str, flag: str) -> str:
         raise FlagError(f"{flag} {path}: not UTF-8 text") from None
     except OSError as exc:
         raise FlagError(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def _check_template(path: str) -> None:
+    if not _read_text(path, "--chat-template").strip():
+        raise FlagError(f"--chat-template {path}: the file is empty; give a Jinja chat template")
 
 
 def _read_json(path: str, flag: str) -> object:
