@@ -3,8 +3,8 @@
 vLLM is the session's (tests/endpoint/conftest.py: hermes's tool parser, auto tool choice); llama-server
 is this module's own, on the default GGUF. Each part skips where its peer is not provisioned
 (scripts/peers/vllm, scripts/peers/llama-server). The default model's template has no tool syntax:
-vLLM renders the prompt without the tools (and says nothing), llama-server writes them into a system
-block of llama.cpp's generic format; the client tells the two apart by counting the prompt both ways.
+both vLLM and llama-server render the prompt without the tools and say nothing; the client finds it out
+by counting the prompt both ways with the server's own routes.
 """
 
 from __future__ import annotations
@@ -105,17 +105,17 @@ def test_vllm_applies_logit_bias_and_takes_the_penalties(vllm_server):
 
 
 @needs_llama
-def test_llama_server_writes_the_tools_into_the_prompt_and_their_cost_is_counted(llama_v1):
+def test_llama_server_drops_the_tools_from_the_default_template_and_the_client_says_so(llama_v1):
+    # llama.cpp's jinja engine (the sdist's vendored build) renders the default template as it is: without
+    # the tools, and it enforces no call for tool_choice "required" either. Both counts agree with the
+    # usage the request itself reports, so the drop is the server's, not the client's counting.
     request = GenerationRequest.from_prompt(QUESTION, tools=(WEATHER,), tool_choice=ToolChoice("required"))
-    result = _result(llama_v1, request, max_tokens=60)
+    result = _result(llama_v1, request, max_tokens=8)
     assert result.error is None, result.error
     cost = result.server_view.tools_cost
-    assert cost is not None and not cost.dropped and cost.tokens > 0, cost
-    # The prompt the client shows is the one with the tools: its count is the usage's.
+    assert cost is not None and cost.dropped, cost
     assert len(result.server_view.prompt.token_ids) == cost.with_tools == result.usage.prompt_tokens
-    [call] = result.tool_calls
-    assert call.name == "get_weather"
-    jsonschema.validate(json.loads(call.arguments), PARAMETERS)
+    assert result.tool_calls == () and result.finish_reason == "length" and result.text
 
 
 @needs_llama
