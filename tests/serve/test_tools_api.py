@@ -14,6 +14,7 @@ from openai import OpenAI
 from serve_harness import KEY, MODEL, authorized, chat_body, raw_request, serving, sse_payloads
 
 from minengine.engine.engine import Engine
+from reqscope.cli import build_parser, main
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 KYOTO = "Show me wheelchair-accessible hotels in Kyoto"
@@ -217,3 +218,14 @@ def test_without_the_generic_block_tools_need_a_template_with_tool_syntax(engine
         assert resp.status == 400, resp.body
         assert resp.json()["error"]["param"] == "tools" and "--no-generic-tools" in resp.json()["error"]["message"]
     assert taken.status == 200, taken.body
+
+
+def test_serve_flags_for_templates_and_the_generic_block(monkeypatch, capsys, tmp_path):
+    args = build_parser("serve").parse_args(["--chat-template", "t.jinja", "--no-generic-tools"])
+    assert args.chat_template == "t.jinja" and args.generic_tools is False
+    assert build_parser("serve").parse_args([]).generic_tools is True
+    monkeypatch.delenv("REQSCOPE_API_KEY", raising=False)
+    missing = tmp_path / "missing.jinja"
+    code = main(["serve", "--model", "/nonexistent", "--chat-template", str(missing)])  # before any model opens
+    err = capsys.readouterr().err
+    assert code == 2 and str(missing) in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
