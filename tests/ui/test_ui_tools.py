@@ -14,12 +14,14 @@ from rich.console import Console
 from textual.widgets import Input, Static
 from ui_fixtures import held_at, kyoto_request, live_app, wait_for
 
+from minengine.errors import RequestError
 from minengine.record.export import TRACE_JSONL
 from minengine.record.trace_io import read_trace
+from minengine.sampling.params import SamplingParams
 from reqscope.cli import build_parser, main
 from reqscope.run_options import DEFAULT_PROMPT, ModelFolder, request_from_args
 from reqscope.ui.run.replay_app import ReplayExplorer
-from reqscope.ui.run.sampling_form import SamplingForm
+from reqscope.ui.run.sampling_form import SamplingForm, bias_text, parse_choice
 
 pytestmark = pytest.mark.anyio
 HOTELS = Path(__file__).resolve().parents[2] / "examples" / "search_hotels.json"
@@ -176,3 +178,35 @@ async def test_tools_and_schema_turn_off_and_on_for_the_next_run(default_engine)
         await held_at(pilot, app, 0)
         assert app.request.tools == app.offered.tools and app.request.tool_choice.mode == "required"
         assert app.subject.trace.adjustments.grammar.allowed == 1
+
+
+FORM = {"temperature": "0", "top_k": "0", "top_p": "1", "min_p": "0", "seed": "", "max_tokens": "16", "order": "hf"}
+
+
+def test_the_form_reads_penalties_bias_and_the_tools_switch():
+    fields = {"repetition_penalty": "1.2", "frequency_penalty": "-0.5", "presence_penalty": "2",
+              "logit_bias": "13=5, 2=-100; 13=7", "constraints": "off"}  # fmt: skip
+    choice = parse_choice(FORM | fields, SamplingParams())
+    p = choice.params
+    assert (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) == (1.2, -0.5, 2.0)
+    assert p.logit_bias == ((2, -100.0), (13, 7.0)) and bias_text(p.logit_bias) == "2=-100, 13=7"
+    assert choice.constraints is False
+    blank = parse_choice(FORM, SamplingParams())  # blank fields: every stage off, tools and schema on
+    assert not blank.params.adjusts_logits and blank.constraints
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("repetition_penalty", "0", "repetition_penalty must be in (0, 2]"),
+        ("presence_penalty", "3", "presence_penalty must be between -2 and 2"),
+        ("frequency_penalty", "lots", "frequency_penalty must be a number"),
+        ("logit_bias", "5=101", "the bias must be between -100 and 100"),
+        ("logit_bias", "five=1", "the token id must be a whole number"),
+        ("constraints", "maybe", "tools+schema must be on or off"),
+    ],
+)
+def test_the_form_names_a_bad_penalty_bias_or_switch(field, value, message):
+    with pytest.raises(RequestError) as info:
+        parse_choice(FORM | {field: value}, SamplingParams())
+    assert message in str(info.value)
