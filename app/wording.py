@@ -50,6 +50,8 @@ WORDS: dict[Setting, Words] = {
     Setting.MAX_NUM_SEQS: Words("--max-num-seqs"),
     Setting.MAX_NUM_BATCHED_TOKENS: Words("--max-num-batched-tokens"),
     Setting.KERNELS: Words("--kernels"),
+    Setting.CHAT_TEMPLATE_FILE: Words("--chat-template", placeholder="FILE"),
+    Setting.GENERIC_TOOLS: Words("leaving out --no-generic-tools"),
 }
 
 

@@ -36,6 +36,8 @@ class Setting(Enum):
     MAX_NUM_SEQS = "max_num_seqs"
     MAX_NUM_BATCHED_TOKENS = "max_num_batched_tokens"
     KERNELS = "kernels"
+    CHAT_TEMPLATE_FILE = "chat_template_file"
+    GENERIC_TOOLS = "generic_tools=True"
 
 
 @dataclass(frozen=True)

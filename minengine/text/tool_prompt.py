@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-from minengine.errors import RequestError
+from minengine.errors import RequestError, Setting
 from minengine.text.chat_template import Message, template_supports_tools
 from minengine.text.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Tool, ToolCall
 
@@ -128,8 +128,11 @@ def chat_input(
     native = template_source is not None and template_supports_tools(template_source)
     if tools and rendering == "none":
         raise RequestError(
-            "the model's chat template has no tool syntax; leave out `tools`, give a template that has one "
-            "(--chat-template FILE), or let reqscope write its generic tool block"
+            "the model's chat template has no tool syntax; leave out `tools`, give a template that has one (",
+            Setting.CHAT_TEMPLATE_FILE,
+            "), or let reqscope write its generic tool block (",
+            Setting.GENERIC_TOOLS,
+            ")",
         )
     if native or not (generic and (tools or has_tool_turns(messages))):
         return ChatInput(messages, tuple(m.role for m in messages), tools if native else (), rendering)
