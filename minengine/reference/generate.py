@@ -21,6 +21,7 @@ import torch
 
 from minengine.errors import ReqscopeError
 from minengine.reference.model import ReferenceModel
+from minengine.sampling.logit_stages import LogitStages
 from minengine.sampling.params import SamplingParams
 from minengine.sampling.sampler import Sampler
 from minengine.text.chat_template import Message
@@ -46,12 +47,13 @@ def generate(
     text = tokenizer.render([Message("user", prompt)])  # the chat template, as the model was trained
     ids = tokenizer.encode(text)  # the token ids prefill runs over
     cache = model.new_cache(len(ids) + max_tokens)  # room for the prompt and every answer token
-    sampler = Sampler(params, model.device)
+    # The stages before the filters (logit bias, the penalties over the prompt and the answer) and the sampler.
+    stages = LogitStages(Sampler(params, model.device), tokenizer.piece, prompt_ids=ids)
     # Prefill: every prompt position in one forward, their K/V cached; the last one's logits.
     logits = model.forward(torch.tensor(ids, device=model.device), 0, cache)
     answer: list[int] = []
     for position in range(len(ids), len(ids) + max_tokens):
-        token = sampler.sample(logits)  # temperature, top-k, top-p, min-p, then a draw (or argmax)
+        token, _ = stages.pick(logits, traced=False)  # bias, penalties, then temperature, top-k, top-p, min-p, a draw
         if token in tokenizer.eos_ids:
             return
         answer.append(token)

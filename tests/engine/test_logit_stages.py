@@ -149,3 +149,31 @@ def test_a_forced_token_is_counted_like_a_sampled_one():
     stages = stages_for(params)
     assert stages.pick(row, traced=False, force=5)[0] == 5
     assert stages.adjust(row, params)[5].item() == -1.0
+
+
+def test_greedy_decode_under_a_repetition_penalty_equals_transformers_generate(chatty_tiny_dir, chatty_engine):
+    from transformers import AutoModelForCausalLM
+
+    from minengine.engine.events import DoneEvent
+    from minengine.engine.request import GenerationRequest
+    from minengine.reference.generate import generate
+    from minengine.reference.model import ReferenceModel
+    from minengine.text.chat_template import Message
+    from minengine.text.tokenizer import ModelTokenizer
+
+    params = SamplingParams(temperature=0, repetition_penalty=1.8)
+    model, tok = ReferenceModel.load(chatty_tiny_dir), ModelTokenizer(chatty_tiny_dir)
+    # A prompt holding the model's own greedy words, so that the penalty over the prompt decides.
+    plain_answer = generate(model, tok, "Hello", params.with_(repetition_penalty=1.0), max_tokens=12)
+    echo = "Hello" + tok.decode([s.token for s in plain_answer])
+    ids = tok.encode(tok.render([Message("user", echo)]))
+    hf = AutoModelForCausalLM.from_pretrained(chatty_tiny_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        prompt, greedy = torch.tensor([ids]), {"max_new_tokens": 12, "do_sample": False, "eos_token_id": None}
+        want = hf.generate(prompt, repetition_penalty=1.8, pad_token_id=0, **greedy)[0, len(ids) :].tolist()
+        plain = hf.generate(prompt, pad_token_id=0, **greedy)[0, len(ids) :].tolist()
+    assert want[0] != plain[0]  # the penalty changed the first token: one the prompt holds
+    assert [s.token for s in generate(model, tok, echo, params, max_tokens=12)] == want
+    request = GenerationRequest.from_prompt(echo, sampling=params, max_tokens=12, trace=False, ignore_eos=True)
+    result = next(e for e in chatty_engine.generate(request) if isinstance(e, DoneEvent)).result
+    assert list(result.token_ids) == want
