@@ -144,8 +144,9 @@ class RequestChooser:
     ) -> None:
         self.request, self.stages, self.eos_ids = request, stages, eos_ids
         self.context = context
-        greedy = stages.sampler.params.greedy
-        self.summarize = greedy_candidates(request.top_n) if request.trace and greedy else None
+        # A step's summary is of the model's own row; a grammar's row is another, so none is made for it.
+        summarized = request.trace and stages.sampler.params.greedy and stages.grammar is None
+        self.summarize = greedy_candidates(request.top_n) if summarized else None
 
     def choose(self, logits: torch.Tensor, summary: LogitSummary | None, fed_at: int) -> Chosen:
         """Pick the next token as the session would (its trace too, when asked), and say whether it ends."""

@@ -823,7 +823,8 @@ class RequestSession:
         observer = self._capture.observer(self.engine.runner.model)
         # A traced greedy step's candidates and softmax come from the step, made with its other rows'.
         params = self._sampler.params if self._sampler is not None else self.sampling
-        summarize = greedy_candidates(self.request.top_n) if self.request.trace and params.greedy else None
+        summarized = self.request.trace and params.greedy and self._grammar is None  # a grammar's row is another
+        summarize = greedy_candidates(self.request.top_n) if summarized else None
         begun = time.perf_counter()
         out = self._member.forward(ids, start, observer, summarize)
         self._capture.ran(observer, (time.perf_counter() - begun) * 1000, len(ids))
