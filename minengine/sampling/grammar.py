@@ -112,31 +112,27 @@ def _one_line(error: str) -> str:
 
 def _structured(structured: StructuredOutput) -> tuple[Grammar, str]:
     """The grammar of `structured`, and the request field its errors name."""
-    kind, from_ = structured.kind, llguidance.LLMatcher
+    kind, from_, what = structured.kind, llguidance.LLMatcher, structured.describe()
     if kind == "json_object":
-        return Grammar(from_.grammar_from_json_schema(_ANY_OBJECT, defaults=JSON_OPTIONS), "json_object"), (
-            "response_format"
-        )
+        return Grammar(from_.grammar_from_json_schema(_ANY_OBJECT, defaults=JSON_OPTIONS), what), "response_format"
     if kind == "json_schema":
         field = "response_format.json_schema.schema"
         _json_object(structured.spec, field)
-        return Grammar(from_.grammar_from_json_schema(structured.spec, defaults=JSON_OPTIONS), structured.describe()), (
-            field
-        )
+        return Grammar(from_.grammar_from_json_schema(structured.spec, defaults=JSON_OPTIONS), what), field
     if kind == "regex":
-        return Grammar(from_.grammar_from_regex(structured.spec), "regex"), "structured_outputs.regex"
+        return Grammar(from_.grammar_from_regex(structured.spec), what), "structured_outputs.regex"
     if kind == "choice":
         if not structured.choices:
             raise RequestError("structured_outputs.choice is empty; give at least one answer")
         lark = "start: " + " | ".join(json.dumps(choice) for choice in structured.choices)
-        return Grammar(from_.grammar_from_lark(lark), structured.describe()), "structured_outputs.choice"
+        return Grammar(from_.grammar_from_lark(lark), what), "structured_outputs.choice"
     if kind == "grammar":
         field = "structured_outputs.grammar"
         try:
             lark = any_to_lark(structured.spec)  # GBNF (llama.cpp's `::=` rules) becomes Lark; Lark stays
         except Exception as exc:  # the converter raises plain exceptions on GBNF it cannot read
             raise RequestError(f"{field} is neither Lark nor GBNF that converts: {_one_line(str(exc))}") from None
-        return Grammar(from_.grammar_from_lark(lark), "grammar"), field
+        return Grammar(from_.grammar_from_lark(lark), what), field
     raise RequestError(
         f"structured output kind {kind!r} is unknown; use json_object, json_schema, regex, choice or grammar"
     )
@@ -192,7 +188,7 @@ def _tool_calls(request: GenerationRequest, tokenizer: ModelTokenizer) -> tuple[
 def _call_schema(tool: Tool, field: str) -> str:
     """The JSON schema of one call's object: `name` this tool's, `arguments` its parameters; the
     key order and separators llguidance writes are the Hermes form's."""
-    parameters = _json_object(tool.parameters, field)
+    parameters = dict(_json_object(tool.parameters, field))
     body = {
         "type": "object",
         "properties": {"name": {"const": tool.name}, "arguments": parameters},
@@ -200,6 +196,10 @@ def _call_schema(tool: Tool, field: str) -> str:
         "additionalProperties": False,
         "x-guidance": JSON_OPTIONS,
     }
+    # Definitions move to the root with the parameters nested below it, where `#/$defs/...` finds them.
+    for key in ("$defs", "definitions"):
+        if key in parameters:
+            body[key] = parameters.pop(key)
     return json.dumps(body)
 
 

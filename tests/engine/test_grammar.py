@@ -212,6 +212,22 @@ def test_a_named_tool_choice_calls_that_function(engine):
     assert call["name"] == "get_weather" and call["arguments"]["city"] in ("Kyoto", "Tokyo")
 
 
+def test_a_tools_definitions_still_resolve_inside_the_call(engine):
+    room = {"type": "object", "properties": {"beds": {"enum": [1, 2]}}, "required": ["beds"]}
+    parameters = {
+        "type": "object",
+        "properties": {"room": {"$ref": "#/$defs/room"}},
+        "required": ["room"],
+        "additionalProperties": False,
+        "$defs": {"room": room},
+    }
+    book = Tool("book_room", parameters=json.dumps(parameters))
+    result = run(engine, request(tools=(book,), tool_choice=ToolChoice("function", "book_room")))
+    (call,) = calls_in(result.text)
+    jsonschema.validate(call["arguments"], parameters)
+    assert call["arguments"]["room"]["beds"] in (1, 2)
+
+
 def test_max_tokens_inside_the_structure_ends_with_length(engine):
     result = run(engine, request(structured=schema_output(), max_tokens=6))
     assert result.finish_reason == "length" and len(result.token_ids) == 6 and result.text.startswith('{"name": "')
