@@ -26,7 +26,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 from aiohttp import web
+from rich.console import Console
+from textual.widgets import Static
 from tokenizers import Tokenizer
+from ui_fixtures import wait_for
 
 from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
@@ -40,10 +43,12 @@ from reqscope.endpoint.jsonl import print_endpoint_jsonl
 from reqscope.endpoint.plain import print_endpoint_plain
 from reqscope.endpoint.server.records import LLAMA_SERVER, VLLM, ToolsCost
 from reqscope.endpoint.settings import RequestSettings
+from reqscope.endpoint.target import EndpointTarget
 from reqscope.endpoint.tool_calls import ToolCallAssembler, arguments_problem, parse_tool_call_pieces
 from reqscope.endpoint.trace import EndpointTraceHeader, read_endpoint_trace, write_endpoint_trace
 from reqscope.endpoint.wire import parse_chunk
 from reqscope.serve.runner import start_in_thread
+from reqscope.ui.endpoint.app import EndpointApp
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 NAMED = [json.loads(line) for line in (DATA / "vllm-tool-named-stream.json").read_text().splitlines()]
@@ -287,3 +292,27 @@ def test_an_exported_trace_keeps_the_controls_and_the_tool_calls(replayed, tmp_p
     path = write_endpoint_trace(tmp_path, EndpointTraceHeader(replayed.v1, "smollm2"), events)
     _, back = read_endpoint_trace(path)
     assert back == events
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_explorer_shows_the_call_and_that_the_template_dropped_the_tools(replayed, anyio_backend):
+    request = _request(tool_choice=ToolChoice("function", "get_weather"))
+    app = EndpointApp(EndpointTarget(replayed.v1), request, settings=RequestSettings(temperature=0.0))
+    [call] = _assembled(NAMED)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_for(pilot, lambda: app.view.result is not None, timeout=60)
+        await wait_for(pilot, lambda: not app.needs_repaint)
+        answer = _drawn(app, "#tokens")
+        assert f"tool call 0: get_weather({call.arguments})" in answer
+        assert "asked: tools get_weather, tool_choice get_weather" in answer
+        await pilot.press("5")  # the server's template & tokens
+        await wait_for(pilot, lambda: not app.needs_repaint)
+        assert "the server's template dropped the tools" in _drawn(app, "#template")
+
+
+def _drawn(app: EndpointApp, selector: str) -> str:
+    widget = app.screen.query_one(selector)
+    console = Console(width=300, file=io.StringIO(), record=True, color_system=None)
+    console.print(widget.content if isinstance(widget, Static) else widget.render())
+    return console.export_text()
