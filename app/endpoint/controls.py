@@ -68,11 +68,6 @@ class OutputControls:
             **penalties,
         )
 
-    @property
-    def any(self) -> bool:
-        """Whether anything beyond the messages and sampling is asked for."""
-        return bool(self.body_fields())
-
     def check(self, server: str) -> None:
         """Refuse, with one line, what `server` (a ServerKind name, or OPENAI_API) is known not to read."""
         choice = self.tool_choice

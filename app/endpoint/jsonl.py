@@ -78,6 +78,8 @@ def sent_record(event: ev.RequestSent) -> dict:
 
     return {
         "event": "sent",
+        "request": event.display_id,  # the request's own name
+        "x_request_id": event.request_id,  # the UUID sent, by which the server's records name it
         "url": event.url,
         "model": event.model,
         "t_ms": _ms(event.t_ms),
