@@ -124,7 +124,9 @@ async def test_a_streamed_request_is_drawn_with_the_clients_and_the_servers_figu
         assert f"{first_byte:.1f}ms HTTP 200" in pipeline and "reused" in pipeline
 
         status = screen_text(app, "#status")
-        assert "done (length)" in status and f"model {MODEL}" in status and result.request_id in status
+        # The request's own name; the UUID sent as X-Request-Id (which the server echoes) matches its records.
+        assert "done (length)" in status and f"model {MODEL}" in status and app.view.sent.display_id in status
+        assert result.request_id == app.view.sent.request_id
 
 
 async def test_logprobs_panel_shows_the_servers_entries_for_the_chunk_in_focus(served):
