@@ -212,6 +212,8 @@ def _structured(args: argparse.Namespace) -> StructuredOutput | None:
 def _check_compiles(args: argparse.Namespace, tools: tuple[Tool, ...], structured: StructuredOutput | None) -> None:
     """What a grammar will be built from compiles (llguidance, no tokenizer needed): refused here, before the
     model loads, by the flag that gave it. The engine compiles the whole grammar again when the request comes."""
+    if not tools and (structured is None or structured.kind == "choice"):
+        return  # nothing to compile: the grammar library (and torch with it) stays unloaded, as --endpoint needs
     from reqscope.openai.grammar_check import grammar_problem  # llguidance: only when there is something to check
 
     for tool in tools:
