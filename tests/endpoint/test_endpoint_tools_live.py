@@ -80,7 +80,7 @@ def test_vllm_streams_a_forced_call_that_fits_the_schema_and_drops_the_tools_fro
 
 
 @needs_vllm
-def test_vllm_follows_a_json_schema_and_a_regex(vllm_server):
+def test_vllm_follows_a_json_schema_a_regex_and_a_choice(vllm_server):
     schema = StructuredOutput("json_schema", json.dumps(SCHEMA), name="city")
     result = _result(vllm_server.v1, GenerationRequest.from_prompt("A city and its population, as JSON.",
                                                                    structured=schema), max_tokens=60)  # fmt: skip
@@ -89,6 +89,9 @@ def test_vllm_follows_a_json_schema_and_a_regex(vllm_server):
     regex = StructuredOutput("regex", "[0-9]{3}-[0-9]{4}")
     result = _result(vllm_server.v1, GenerationRequest.from_prompt("A phone number:", structured=regex))
     assert re.fullmatch("[0-9]{3}-[0-9]{4}", result.text), result.text
+    choice = StructuredOutput("choice", choices=("red", "green", "blue"))
+    result = _result(vllm_server.v1, GenerationRequest.from_prompt("Pick a color.", structured=choice))
+    assert result.error is None and result.text in ("red", "green", "blue"), result.text
 
 
 @needs_vllm
