@@ -298,7 +298,10 @@ def test_an_exported_trace_keeps_the_controls_and_the_tool_calls(replayed, tmp_p
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_the_explorer_shows_the_call_and_that_the_template_dropped_the_tools(replayed, anyio_backend):
     request = _request(tool_choice=ToolChoice("function", "get_weather"))
-    app = EndpointApp(EndpointTarget(replayed.v1), request, settings=RequestSettings(temperature=0.0))
+    # The controls as `reqscope --endpoint` builds them from the flags: a neutral penalty given on purpose is sent.
+    controls = OutputControls.of(request, given=("frequency_penalty",))
+    settings = RequestSettings(temperature=0.0)
+    app = EndpointApp(EndpointTarget(replayed.v1), request, settings=settings, controls=controls)
     [call] = _assembled(NAMED)
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_for(pilot, lambda: app.view.result is not None, timeout=60)
@@ -309,6 +312,8 @@ async def test_the_explorer_shows_the_call_and_that_the_template_dropped_the_too
         await pilot.press("5")  # the server's template & tokens
         await wait_for(pilot, lambda: not app.needs_repaint)
         assert "the server's template dropped the tools" in _drawn(app, "#template")
+    [body] = replayed.bodies["chat"]
+    assert body["frequency_penalty"] == 0.0 and body["tool_choice"]["function"]["name"] == "get_weather"
 
 
 def _drawn(app: EndpointApp, selector: str) -> str:

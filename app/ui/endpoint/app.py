@@ -24,6 +24,7 @@ from textual import work
 from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from minengine.plan.cards import Architecture
+from reqscope.endpoint.controls import OutputControls
 from reqscope.endpoint.events import ClientEvent, RequestSent, StreamEnded
 from reqscope.endpoint.server.poller import pollable
 from reqscope.endpoint.settings import RequestSettings
@@ -69,13 +70,16 @@ class EndpointApp(ExplorerBase):
         repaint_hz: float = 20.0,
         replay: list[ClientEvent] | None = None,
         export_root: Path = DEFAULT_ROOT,
+        controls: OutputControls | None = None,
     ) -> None:
-        """`replay`: the recorded events of one request (`reqscope replay`), drawn instead of sending it."""
+        """`replay`: the recorded events of one request (`reqscope replay`), drawn instead of sending it.
+        `controls`: the tools, output shape, penalties and bias every send carries (None: the request's own)."""
         super().__init__(mode=ENDPOINT, repaint_hz=repaint_hz)
         self.target = target
         self.request = request  # the request on screen: its messages
         self.settings = settings or RequestSettings()  # its sampling and logprobs, as sent (None: server default)
         self.next_settings: RequestSettings | None = None  # settings changed since, for the next send
+        self.controls = controls
         self.arch = arch
         self.worker: EndpointWorker | None = None
         self.model = ""
@@ -147,7 +151,7 @@ class EndpointApp(ExplorerBase):
         self.next_settings = None
         self.view = EndpointView()
         self.cursor = None
-        self.run_ = EndpointRequest(request, wake=self._wake, settings=settings)
+        self.run_ = EndpointRequest(request, wake=self._wake, settings=settings, controls=self.controls)
         self.worker.start(self.run_)
         self._invalidate()
 

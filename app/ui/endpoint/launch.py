@@ -7,6 +7,7 @@ import sys
 
 from minengine.engine.request import GenerationRequest
 from minengine.plan.cards import Architecture
+from reqscope.endpoint.options import controls_from
 from reqscope.endpoint.settings import RequestSettings
 from reqscope.endpoint.target import EndpointTarget
 from reqscope.ui.endpoint.app import EndpointApp
@@ -20,7 +21,8 @@ def launch_endpoint_explorer(args: argparse.Namespace, request: GenerationReques
     the screen closes, and the exit code is 1 when the server could not be used or the last
     request failed.
     """
-    app = EndpointApp(EndpointTarget.from_args(args), request, settings=RequestSettings.from_args(args), arch=arch)
+    app = EndpointApp(EndpointTarget.from_args(args), request, settings=RequestSettings.from_args(args), arch=arch,
+                      controls=controls_from(args, request))
     code = app.run()
     if app.load_error is not None:
         print(f"reqscope: error: {app.load_error}", file=sys.stderr)

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from reqscope.endpoint.client import EndpointClient
+from reqscope.endpoint.controls import OutputControls
 from reqscope.endpoint.events import ClientEvent, StreamEnded
 from reqscope.endpoint.server.records import ServerKind
 from reqscope.endpoint.settings import RequestSettings
@@ -34,10 +35,15 @@ class EndpointRequest:
     """One request in flight: its events so far, and a way to stop it."""
 
     def __init__(
-        self, request: GenerationRequest, wake: Callable[[bool], object], settings: RequestSettings | None = None
+        self,
+        request: GenerationRequest,
+        wake: Callable[[bool], object],
+        settings: RequestSettings | None = None,
+        controls: OutputControls | None = None,
     ) -> None:
         self.request = request
         self.settings = settings or RequestSettings()  # the sampling and logprobs the body carries
+        self.controls = controls  # tools, output shape, penalties, bias; None: those the request carries
         self.wake = wake  # called from the client's thread: must be thread-safe and quick
         self.inbox: deque[ClientEvent] = deque()
         self.cancelled = False
@@ -112,7 +118,7 @@ class EndpointWorker:
     async def _stream(self, run: EndpointRequest) -> None:
         assert self._client is not None and self.model is not None, "connect() first"
         try:
-            async for event in self._client.stream_chat(run.request, self.model, run.settings):
+            async for event in self._client.stream_chat(run.request, self.model, run.settings, run.controls):
                 run.push(event)
         except asyncio.CancelledError:
             run.cancelled = True
