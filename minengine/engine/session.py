@@ -27,9 +27,10 @@ A RequestSession is an iterator of events. The consumer drives it: every pull ru
 up to the next event, so a consumer that stops pulling at a `StepReady` has paused decode
 with the next token's logits computed and waiting. While paused it may preview the step with
 other sampling parameters, force the next token, change the parameters for the steps that
-follow, or compute what the waiting step did inside (`inspect_step`); `inspect` asks for that to
-be captured on every step from the next one on (`minengine.inspect`). `cancel()` may be called
-from any thread; decode stops before the next model step.
+follow, turn the request's grammar off or on again (`set_grammar`), or compute what the
+waiting step did inside (`inspect_step`); `inspect` asks for that to be captured on every step
+from the next one on (`minengine.inspect`). `cancel()` may be called from any thread; decode
+stops before the next model step.
 Those controls, and what the run reports (`pending_logits`, `result`, `failure`), are all the
 state a session keeps on itself.
 
@@ -90,7 +91,7 @@ from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache, PrefixHit
 from minengine.kv.usage import KVUsage
 from minengine.sampling.chain import filter_logits
-from minengine.sampling.grammar import Grammar, GrammarMatcher, compile_grammar
+from minengine.sampling.grammar import Grammar, GrammarMatcher, compile_grammar, needs_grammar
 from minengine.sampling.logit_stages import LogitStages
 from minengine.sampling.params import SamplingParams
 from minengine.sampling.sampler import Sampler
@@ -262,6 +263,7 @@ class RequestSession:
         self._ahead: Ahead | None = None  # the run ahead the step loop posts this request's tokens to (unsteered)
         self._chooser: RequestChooser | None = None
         self._grammar: Grammar | None = None  # the request's, compiled at the gateway
+        self._grammar_wanted = True  # whether it masks the steps: `set_grammar` turns it off and on
         self._stages: LogitStages | None = None  # grammar, min_tokens, bias, penalties: made when decode starts
 
     # -- control, from the consumer (or, for cancel, any thread) -----------------------------
@@ -303,6 +305,39 @@ class RequestSession:
         self.sampling = params
         if self._sampler is not None:
             self._sampler.update(params)
+
+    @property
+    def grammar_active(self) -> bool:
+        """Whether the request's grammar masks its next step (False for a request without one)."""
+        if not needs_grammar(self.request):
+            return False
+        stages = self._stages
+        return self._grammar_wanted if stages is None else stages.grammar is not None
+
+    def set_grammar(self, on: bool) -> None:
+        """Turn the request's grammar (its output schema, or the tool call it must make) off or on
+        from the next step on; while held at a step, that step's preview and draw take it at once.
+
+        Off drops the matcher: the next steps are free. On compiles the grammar anew and feeds it
+        the tokens generated so far, in order; RequestError (the grammar staying off) when they, or
+        a token forced for the next step, do not fit it. Like `force_next` and `update_sampling`,
+        call it while the session is suspended at an event, from the consumer's side: the new
+        matcher is built apart and swapped in whole, so a step being previewed meanwhile sees
+        either grammar, never half of one.
+        """
+        self._steering("turn its grammar off or on")
+        if not needs_grammar(self.request):
+            raise RequestError(
+                "this request has no grammar to turn off or on: it has no output schema (response_format, "
+                "structured_outputs) and no tool_choice that forces a call"
+            )
+        stages = self._stages
+        if stages is not None and self._grammar is not None:
+            if not on:
+                stages.grammar_off()
+            elif stages.grammar is None:
+                stages.grammar_on(GrammarMatcher(self._grammar, self.engine.tokenizer), self._forced)
+        self._grammar_wanted = on  # before decode, the stages start as this says
 
     def inspect(self, ask: InspectAsk) -> None:
         """Capture what `ask` asks inside each step from the next one on (a visible panel, a flag);
@@ -689,7 +724,7 @@ class RequestSession:
             prompt_ids=state.fed,
             end_ids=set(tok.eos_ids) | set(req.stop_token_ids),
             min_tokens=req.min_tokens,
-            grammar=None if self._grammar is None else GrammarMatcher(self._grammar, tok),
+            grammar=GrammarMatcher(self._grammar, tok) if self._grammar is not None and self._grammar_wanted else None,
         )
 
     def _stream(

@@ -290,6 +290,16 @@ class GrammarMatcher:
         self._allowed = None
         self._ahead()
 
+    def replay(self, tokens: list[int]) -> int:
+        """Feed `tokens` (a request's output so far, in order) to a matcher at its start; how many
+        it took: `len(tokens)` when they all fit, else the index of the first that does not (the
+        matcher then stands after the ones it took, to be thrown away)."""
+        self._settle()
+        taken = self.matcher.try_consume_tokens(list(tokens)) if tokens else 0
+        self._allowed = None
+        self._ahead()
+        return taken
+
     @property
     def done(self) -> bool:
         """Whether nothing but the end of turn may follow."""

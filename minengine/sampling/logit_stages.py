@@ -14,6 +14,11 @@ step loop's chooser (`engine.run_ahead`) both pick through it, so a request's to
 whichever of them chose it; a preempted request recomputes its positions but never re-commits a
 token, so nothing is counted twice.
 
+A steered request's grammar may be turned off and on again between steps (`grammar_off`,
+`grammar_on`): on again, a new matcher is fed the output so far, and refused if it does not fit.
+The grammar is read once per use, so a switch made from another thread (the UI's, while the
+step is held) is seen whole or not at all.
+
 The untraced path does nothing extra when no stage is on (a plain request samples from the
 model's own row, as before); the traced one also says what the stages did (`Adjustments`).
 """
@@ -56,6 +61,7 @@ class LogitStages:
         self.end_ids = tuple(sorted(set(end_ids)))
         self.min_tokens = min_tokens
         self.count = 0  # tokens committed so far
+        self.output: list[int] = []  # the tokens committed, in order: what a grammar turned on again replays
         self._seen: dict[int, None] = dict.fromkeys(prompt_ids)  # prompt and output, in first-seen order
         self._counts: dict[int, int] = {}  # output token -> times committed
         self._seen_ids: torch.Tensor | None = None  # `_seen` as a tensor, until it grows
@@ -67,21 +73,52 @@ class LogitStages:
     def accept(self, token: int) -> None:
         """Advance past `token`, the request's next committed one."""
         self.count += 1
+        self.output.append(token)
         self._counts[token] = self._counts.get(token, 0) + 1
         self._count_ids = None
         if token not in self._seen:
             self._seen[token] = None
             self._seen_ids = None
-        if self.grammar is not None:
-            self.grammar.accept(token)
+        grammar = self.grammar
+        if grammar is not None:
+            grammar.accept(token)
 
     def refuse_forbidden(self, token: int) -> None:
         """Raise RequestError when the grammar does not let `token` come next (a forced pick)."""
-        if self.grammar is not None and not self.grammar.allows(token):
+        grammar = self.grammar
+        if grammar is not None and not grammar.allows(token):
             raise RequestError(
-                f"token {token} ({self.piece(token)!r}) is not allowed by the {self.grammar.grammar.describe} "
-                f"grammar here ({self.grammar.state()}); pick a token it allows"
+                f"token {token} ({self.piece(token)!r}) is not allowed by the {grammar.grammar.describe} "
+                f"grammar here ({grammar.state()}); pick a token it allows"
             )
+
+    # -- the grammar switched off and on ------------------------------------------------------------
+
+    def grammar_off(self) -> None:
+        """Drop the grammar: the next steps are free (min_tokens, bias and penalties still apply)."""
+        self.grammar = None
+
+    def grammar_on(self, matcher: GrammarMatcher, forced: int | None = None) -> None:
+        """Constrain the next steps by `matcher`, a fresh one, once it has taken every token
+        committed so far, in order (and allows `forced`, a pick waiting for the next step).
+
+        Raises RequestError, naming the first token that does not fit, and leaves the stages as they were.
+        """
+        taken = matcher.replay(self.output)
+        what = matcher.grammar.describe
+        if taken < len(self.output):
+            token = self.output[taken]
+            n = len(self.output)
+            raise RequestError(
+                f"the {n} token{'s' if n != 1 else ''} already generated do not fit the {what} grammar at "
+                f"token {taken + 1} ({self.piece(token)!r}); the grammar stays off"
+            )
+        if forced is not None and not matcher.allows(forced):
+            raise RequestError(
+                f"the token picked for the next step, {forced} ({self.piece(forced)!r}), is not allowed by the "
+                f"{what} grammar there; the grammar stays off"
+            )
+        self.grammar = matcher
 
     def pick(
         self,
@@ -111,26 +148,26 @@ class LogitStages:
 
     # -- the stages ---------------------------------------------------------------------------------
 
-    def _holds_ends(self) -> bool:
+    def _holds_ends(self, grammar: GrammarMatcher | None) -> bool:
         """Whether min_tokens masks the end tokens this step. Not once the grammar is done: then
         the end of turn is the only token left, and masking it would leave nothing to sample."""
-        return (
-            self.count < self.min_tokens and bool(self.end_ids) and not (self.grammar is not None and self.grammar.done)
-        )
+        return self.count < self.min_tokens and bool(self.end_ids) and not (grammar is not None and grammar.done)
 
     def on(self, params: SamplingParams) -> bool:
         """Whether any stage changes this step's logits."""
-        return self.grammar is not None or self._holds_ends() or params.adjusts_logits
+        grammar = self.grammar
+        return grammar is not None or self._holds_ends(grammar) or params.adjusts_logits
 
     def adjust(self, row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """`row` as the filters see it: a changed copy, or `row` itself when no stage is on (the
         model's own logits stay as they are: what a preview and logprobs read)."""
-        if not self.on(params):
+        grammar = self.grammar
+        if not (grammar is not None or self._holds_ends(grammar) or params.adjusts_logits):
             return row
         out = row.clone()
-        if self.grammar is not None:
-            self.grammar.mask(out)
-        if self._holds_ends():
+        if grammar is not None:
+            grammar.mask(out)
+        if self._holds_ends(grammar):
             out[self._end_tensor(out)] = NEG_INF
         self._bias_and_penalties(out, params)
         return out
@@ -139,15 +176,16 @@ class LogitStages:
         self, row: torch.Tensor, params: SamplingParams, top_n: int
     ) -> tuple[torch.Tensor, Adjustments | None]:
         """`adjust`, and what each stage did to the row (None when no stage is on)."""
-        if not self.on(params):
+        grammar = self.grammar
+        if not (grammar is not None or self._holds_ends(grammar) or params.adjusts_logits):
             return row, None
         out = row.clone()
         facts = None
-        if self.grammar is not None:
-            self.grammar.mask(out)
-            facts = self._grammar_facts(row, out)
+        if grammar is not None:
+            grammar.mask(out)
+            facts = self._grammar_facts(grammar, row, out)
         masked_ends = 0
-        if self._holds_ends():
+        if self._holds_ends(grammar):
             ends = self._end_tensor(out)
             out[ends] = NEG_INF
             masked_ends = ends.numel()
@@ -188,9 +226,8 @@ class LogitStages:
                 self._count_ids = (ids, counts)
             frequency_and_presence(out, *self._count_ids, params.frequency_penalty, params.presence_penalty)
 
-    def _grammar_facts(self, raw: torch.Tensor, masked: torch.Tensor) -> GrammarFacts:
+    def _grammar_facts(self, grammar: GrammarMatcher, raw: torch.Tensor, masked: torch.Tensor) -> GrammarFacts:
         """What the mask took from the raw distribution: the likeliest forbidden tokens, their mass."""
-        assert self.grammar is not None
         probs = torch.softmax(raw, dim=-1)
         forbidden = probs.masked_fill(masked != NEG_INF, 0.0)
         shown, ids = top_values(forbidden, min(REMOVED_SHOWN, forbidden.numel()))
@@ -204,7 +241,7 @@ class LogitStages:
             vocab_size=raw.numel(),
             removed=removed,
             mass_removed=float(forbidden.sum(dtype=torch.float64)),
-            state=self.grammar.state(),
+            state=grammar.state(),
         )
 
 
