@@ -47,7 +47,8 @@ KEYS: tuple[Key, ...] = (
     Key("home", "first_step", "First", "Replay: back to the first step", REPLAY_ONLY, footer=False),
     Key("end", "last_step", "Last", "Replay: jump to the end", REPLAY_ONLY, footer=False),
     Key("o", "sampling", "Sample", "Change temperature, top-k, top-p, min-p, the penalties, logit bias, seed, max "
-        "tokens or sampler order; turn the tools and schema off or on for the next run"),
+        "tokens or sampler order; turn the grammar (schema or tool call) off or on at the held step, the tools for "
+        "the next run"),
     Key("up,k", "cursor(-1)", "Up", "Move the candidate cursor up", footer=False),
     Key("down,j", "cursor(1)", "Down", "Move the candidate cursor down", footer=False),
     Key("enter", "pick", "Pick", "Commit the highlighted candidate as the next token (while paused; one the "

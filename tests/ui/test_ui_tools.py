@@ -7,17 +7,20 @@ The request is built from the command line the README shows
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
+import jsonschema
 import pytest
 from rich.console import Console
 from textual.widgets import Input, Static
-from ui_fixtures import held_at, kyoto_request, live_app, wait_for
+from ui_fixtures import finished, held_at, kyoto_request, live_app, wait_for
 
 from minengine.errors import RequestError
 from minengine.record.export import TRACE_JSONL
 from minengine.record.trace_io import read_trace
 from minengine.sampling.params import SamplingParams
+from minengine.text.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from reqscope.cli import build_parser, main
 from reqscope.run_options import DEFAULT_PROMPT, ModelFolder, request_from_args
 from reqscope.ui.run.replay_app import ReplayExplorer
@@ -145,20 +148,80 @@ async def test_a_replayed_tools_run_shows_its_grammar_and_tools_block(exported_t
         assert "[tools: " in panel_text(app, "#template")
 
 
-async def test_tools_and_schema_turn_off_and_on_for_the_next_run(default_engine):
-    """The grammar is fixed for a running request: the form's switch applies when it runs again (r)."""
+async def set_in_form(pilot, app, **fields: str) -> None:
+    """Open the sampling form (o), type `fields` and apply them."""
+    await pilot.press("o")
+    await wait_for(pilot, lambda: isinstance(app.screen, SamplingForm))
+    form = app.screen
+    for name, value in fields.items():
+        form.query_one(f"#field-{name}", Input).value = value
+    await pilot.pause()
+    await pilot.click("#apply")
+    await wait_for(pilot, lambda: app.screen is not form and not app.needs_repaint)
+
+
+def notes(app) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+async def test_the_grammar_turns_off_and_on_at_the_held_step_then_the_call_completes(default_engine):
+    app = live_app(default_engine, tools_request("--max-tokens", "120", "--no-parallel-tool-calls"), start_paused=True)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await held_at(pilot, app, 0)
+        assert "grammar: 1 of" in panel_text(app, "#logits")
+
+        await set_in_form(pilot, app, grammar="off")
+        assert any(n.startswith("grammar off from step 1") for n in notes(app)), notes(app)
+        assert app.subject.trace.adjustments is None  # the held step, the model's own row
+        logits = panel_text(app, "#logits")
+        assert "grammar" not in logits and "logits -> argmax" in logits
+
+        await set_in_form(pilot, app, grammar="on")
+        assert app.subject.trace.adjustments.grammar.allowed == 1  # `<tool_call>` must open the reply again
+        assert "logits -> grammar -> argmax" in panel_text(app, "#logits")
+
+        await pilot.press("space")
+        await finished(pilot, app)
+        result = app.view.result
+        assert result.finish_reason == "stop", result.text
+        body = result.text.strip().removeprefix(TOOL_CALL_OPEN).removesuffix(TOOL_CALL_CLOSE)
+        call = json.loads(body)
+        assert call["name"] == "search_hotels"
+        parameters = json.loads(HOTELS.read_text())[0]["function"]["parameters"]
+        jsonschema.validate(call["arguments"], parameters)
+
+
+async def test_the_grammar_on_again_after_a_free_token_is_refused_and_a_rerun_starts_off(default_engine):
     app = live_app(default_engine, tools_request("--max-tokens", "3"), start_paused=True)
     async with app.run_test(size=(80, 24)) as pilot:
         await held_at(pilot, app, 0)
-        await pilot.press("o")
-        await wait_for(pilot, lambda: isinstance(app.screen, SamplingForm))
-        form = app.screen
-        form.query_one("#field-constraints", Input).value = "off"
-        await pilot.pause()
-        await pilot.click("#apply")
-        await wait_for(pilot, lambda: app.screen is not form)
-        assert any("from the next run (r)" in n.message for n in app._notifications)
-        assert app.subject.trace.adjustments.grammar is not None  # this run keeps its grammar
+        await set_in_form(pilot, app, grammar="off")
+        await pilot.press("s")  # the model's own first token, which the grammar forbids
+        await held_at(pilot, app, 1)
+        free = app.view.tokens[0]
+        assert not free.forced and free.trace.adjustments is None
+
+        await set_in_form(pilot, app, grammar="on")
+        refusal = (f"the 1 token already generated do not fit the tool call (required) grammar at token 1 "
+                   f"({free.piece!r}); the grammar stays off")  # fmt: skip
+        assert refusal in notes(app), notes(app)
+        assert app.sampling.grammar is False and app.subject.trace.adjustments is None
+        assert "grammar" not in panel_text(app, "#logits")
+
+        await pilot.press("r")  # the switch is kept: the next run starts with its grammar off
+        await held_at(pilot, app, 0)
+        assert app.request.tools == app.offered.tools and app.request.tool_choice.mode == "required"
+        assert app.subject.trace.adjustments is None
+
+
+async def test_the_tools_turn_off_and_on_for_the_next_run(default_engine):
+    """Tools are written into the prompt: a running request keeps its own, the switch applies when it runs again (r)."""
+    app = live_app(default_engine, tools_request("--max-tokens", "3"), start_paused=True)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await held_at(pilot, app, 0)
+        await set_in_form(pilot, app, tools="off")
+        assert any("tools off from the next run (r)" in n and "written into the prompt" in n for n in notes(app))
+        assert app.subject.trace.adjustments.grammar is not None  # this run keeps its tools and their grammar
 
         await pilot.press("r")
         await held_at(pilot, app, 0)
@@ -167,13 +230,9 @@ async def test_tools_and_schema_turn_off_and_on_for_the_next_run(default_engine)
         assert app.subject.trace.adjustments is None
         assert "grammar" not in panel_text(app, "#logits")
 
-        await pilot.press("o")
-        await wait_for(pilot, lambda: isinstance(app.screen, SamplingForm))
-        form = app.screen
-        form.query_one("#field-constraints", Input).value = "on"
-        await pilot.pause()
-        await pilot.click("#apply")
-        await wait_for(pilot, lambda: app.screen is not form)
+        await set_in_form(pilot, app, grammar="off")
+        assert any("no grammar to turn off or on" in n for n in notes(app)), notes(app)
+        await set_in_form(pilot, app, tools="on", grammar="on")
         await pilot.press("r")
         await held_at(pilot, app, 0)
         assert app.request.tools == app.offered.tools and app.request.tool_choice.mode == "required"
@@ -183,16 +242,16 @@ async def test_tools_and_schema_turn_off_and_on_for_the_next_run(default_engine)
 FORM = {"temperature": "0", "top_k": "0", "top_p": "1", "min_p": "0", "seed": "", "max_tokens": "16", "order": "hf"}
 
 
-def test_the_form_reads_penalties_bias_and_the_tools_switch():
+def test_the_form_reads_penalties_bias_and_the_tools_and_grammar_switches():
     fields = {"repetition_penalty": "1.2", "frequency_penalty": "-0.5", "presence_penalty": "2",
-              "logit_bias": "13=5, 2=-100; 13=7", "constraints": "off"}  # fmt: skip
+              "logit_bias": "13=5, 2=-100; 13=7", "tools": "off", "grammar": "off"}  # fmt: skip
     choice = parse_choice(FORM | fields, SamplingParams())
     p = choice.params
     assert (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) == (1.2, -0.5, 2.0)
     assert p.logit_bias == ((2, -100.0), (13, 7.0)) and bias_text(p.logit_bias) == "2=-100, 13=7"
-    assert choice.constraints is False
-    blank = parse_choice(FORM, SamplingParams())  # blank fields: every stage off, tools and schema on
-    assert not blank.params.adjusts_logits and blank.constraints
+    assert choice.tools is False and choice.grammar is False
+    blank = parse_choice(FORM, SamplingParams())  # blank fields: every stage off, the tools and the grammar on
+    assert not blank.params.adjusts_logits and blank.tools and blank.grammar
 
 
 @pytest.mark.parametrize(
@@ -203,7 +262,8 @@ def test_the_form_reads_penalties_bias_and_the_tools_switch():
         ("frequency_penalty", "lots", "frequency_penalty must be a number"),
         ("logit_bias", "5=101", "the bias must be between -100 and 100"),
         ("logit_bias", "five=1", "the token id must be a whole number"),
-        ("constraints", "maybe", "tools+schema must be on or off"),
+        ("tools", "maybe", "tools must be on or off"),
+        ("grammar", "yes", "grammar must be on or off"),
     ],
 )
 def test_the_form_names_a_bad_penalty_bias_or_switch(field, value, message):

@@ -23,6 +23,7 @@ from minengine.engine.request import GenerationRequest
 from minengine.engine.session import RequestSession
 from minengine.inspect.ask import NOTHING, InspectAsk
 from minengine.inspect.records import StepInspection
+from minengine.sampling.grammar import needs_grammar
 from minengine.sampling.params import SamplingParams
 from minengine.sampling.step_trace import StepTrace
 from reqscope.wording import in_app_words
@@ -37,6 +38,7 @@ class LiveRun:
         request: GenerationRequest,
         *,
         paused: bool = False,
+        grammar: bool = True,
         wake: Callable[[bool], object] = lambda urgent: None,
         observe: Callable[[Event], object] = lambda event: None,
     ) -> None:
@@ -45,6 +47,7 @@ class LiveRun:
         # the request's steps must not wait for the screen to take them)
         self.observe = observe
         self.request = request
+        self.grammar = grammar  # False: the request's grammar is turned off before it runs (the form's switch)
         self.wake = wake  # wake(urgent), called from the worker thread: must be thread-safe and quick
         self.inbox: deque[Event] = deque()
         self.recorded: list[Event] = []
@@ -73,6 +76,8 @@ class LiveRun:
                 self.session = session
                 if self._ask.anything:  # a session starts asking nothing
                     session.inspect(self._ask)
+                if not self.grammar and needs_grammar(self.request):
+                    session.set_grammar(False)
                 if self._cancelled:
                     session.cancel()
             for event in in_app_words(session):
@@ -188,3 +193,8 @@ class LiveRun:
     def update_sampling(self, params: SamplingParams) -> None:
         """Use `params` from the held step on; raises RequestError when invalid."""
         self._held_session().update_sampling(params)
+
+    def set_grammar(self, on: bool) -> None:
+        """Turn the request's grammar off or on from the held step on; RequestError when the output
+        so far does not fit it (it stays off)."""
+        self._held_session().set_grammar(on)

@@ -24,6 +24,7 @@ from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from minengine.progress import StatusCallback
 from minengine.record.trace_io import trace_header
+from minengine.sampling.grammar import needs_grammar
 from minengine.text.tools import ToolChoice
 from minengine.threads import ModelThread
 from reqscope.bench.ceiling import stored_ceiling
@@ -65,7 +66,7 @@ class LiveExplorer(RunExplorer):
         if load.any:
             self.compact_view = "batch"  # what the load is for: small terminals start on the batch panel
         self.request = request
-        self.offered = request  # its tools and output schema, which the form may leave out of a rerun and bring back
+        self.offered = request  # its tools, which the form may leave out of a rerun and bring back
         self.start_paused = start_paused
         self.engine: Engine | None = None
         self.shown: RunOnScreen | None = None  # None until the engine has loaded
@@ -121,14 +122,15 @@ class LiveExplorer(RunExplorer):
             previous.cancel()
         self.formats.cancel()  # a comparison of the run before would hold this one back
         self.request = request
-        self.sampling = SamplingChoice(request.sampling, request.max_tokens, self.sampling.constraints)
+        self.sampling = replace(self.sampling, params=request.sampling, max_tokens=request.max_tokens)
         self.view = RunView()
         self.cursor = 0
         # The background requests join after its first steps and end with it, followed from the
         # worker thread: the screen takes events at its own pace, many steps late under load.
         observe = self.load.follow if self.load is not None else (lambda event: None)
-        run = LiveRun(self.engine, request, paused=paused, wake=self._wake, observe=observe)
-        self.shown = RunOnScreen(run, applied=request.sampling)
+        grammar = self.sampling.grammar  # turned off by the form: off from the start of the next run too
+        run = LiveRun(self.engine, request, paused=paused, grammar=grammar, wake=self._wake, observe=observe)
+        self.shown = RunOnScreen(run, applied=request.sampling, grammar=grammar)
         if self.load is not None:
             self.load.end()  # a run cut short left them running: they join this one after its steps alone
         self._follow_inside()
@@ -141,7 +143,7 @@ class LiveExplorer(RunExplorer):
         if "messages" in changes:
             self.history.measured.clear()  # measurements of another prompt do not compare
         request = renewed(self.request, sampling=self.sampling.params, max_tokens=self.sampling.max_tokens,
-                          **(self._constraints() | changes))
+                          **(self._tools() | changes))
         self._start(request, paused=self._stepping())
 
     def _take_events(self) -> None:
@@ -170,6 +172,8 @@ class LiveExplorer(RunExplorer):
             self._invalidate()
         if shown.held is not None and self.sampling.params != shown.applied:
             self._apply_params(shown)
+        if shown.held is not None and self.sampling.grammar != shown.grammar and needs_grammar(self.request):
+            self._apply_grammar(shown)
         if shown.run.failure and not shown.failure_shown:
             shown.failure_shown = True
             self.notify(shown.run.failure, title="the engine worker failed", severity="error", timeout=30)
@@ -183,12 +187,26 @@ class LiveExplorer(RunExplorer):
             self.sampling = replace(self.sampling, params=shown.applied)
         self._invalidate()
 
-    def _constraints(self) -> dict[str, object]:
-        """The request's tools and output schema as the form last set them: the offered ones, or none."""
-        if self.sampling.constraints:
-            offered = self.offered
-            return {"tools": offered.tools, "tool_choice": offered.tool_choice, "structured": offered.structured}
-        return {"tools": (), "tool_choice": ToolChoice(), "structured": None}
+    def _apply_grammar(self, shown: RunOnScreen) -> None:
+        """The form's grammar switch, at the held step: the logits panel shows the step with or without the mask."""
+        on = self.sampling.grammar
+        try:
+            shown.set_grammar(on)
+        except ReqscopeError as exc:
+            self.notify(error_text(exc), title="grammar not changed", severity="error")
+            self.sampling = replace(self.sampling, grammar=shown.grammar)
+        else:
+            step = f"step {shown.held + 1}" if shown.held is not None else "the held step"
+            self.notify(f"grammar {'on' if on else 'off'} from {step}: "
+                        + ("the next steps are masked again" if on else "the next steps are free"))  # fmt: skip
+        self._invalidate()
+
+    def _tools(self) -> dict[str, object]:
+        """The request's tools as the form last set them: the offered ones, or none. The output
+        schema stays: the form's grammar switch turns it off in the run itself."""
+        if self.sampling.tools:
+            return {"tools": self.offered.tools, "tool_choice": self.offered.tool_choice}
+        return {"tools": (), "tool_choice": ToolChoice()}
 
     def _streaming(self) -> bool:
         return self.shown is not None and self.view.result is None and self.shown.held is None
@@ -305,14 +323,22 @@ class LiveExplorer(RunExplorer):
         super().action_sampling()
 
     def _use(self, choice: SamplingChoice) -> None:
-        if choice.constraints != self.sampling.constraints:
-            offered = self.offered.tools or self.offered.structured
-            self.notify(("tools and schema " + ("on" if choice.constraints else "off") + " from the next run (r): "
-                         "a request's grammar is fixed when it starts") if offered
-                        else "this request has no tools and no schema to turn on or off")  # fmt: skip
+        if choice.tools != self.sampling.tools:
+            self.notify(("tools " + ("on" if choice.tools else "off") + " from the next run (r): they are written "
+                         "into the prompt, so this run keeps its own") if self.offered.tools
+                        else "this request has no tools to turn on or off")  # fmt: skip
+        grammar_changed = choice.grammar != self.sampling.grammar
+        if grammar_changed and not needs_grammar(self.request):
+            self.notify("this request has no grammar to turn off or on: no output schema and no tool call it must "
+                        "make")  # fmt: skip
+        elif grammar_changed and (self.shown is None or self.view.result is not None):
+            self.notify(f"grammar {'on' if choice.grammar else 'off'} from the next run (r)")
         self.sampling = choice
-        if self.shown is not None and self.shown.held is not None:
-            self._apply_params(self.shown)
+        shown = self.shown
+        if shown is not None and shown.held is not None:
+            self._apply_params(shown)
+            if self.sampling.grammar != shown.grammar and needs_grammar(self.request):
+                self._apply_grammar(shown)
 
     def action_cancel(self) -> None:
         """Cancel the request."""

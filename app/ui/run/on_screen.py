@@ -2,8 +2,9 @@
 
 `LiveRun` is shared with the worker thread; this is the screen's side of it. The worker may
 hold at a step before the screen has taken the events that lead there, so the step shown held
-is the screen's own (`follow`). Beside it: the settings the session was last told to use, and
-the held step previewed under the settings shown (cached: a preview filters every logit).
+is the screen's own (`follow`). Beside it: the settings the session was last told to use (the
+sampling parameters, the grammar on or off), and the held step previewed under the settings
+shown (cached: a preview filters every logit).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ class RunOnScreen:
 
     run: LiveRun
     applied: SamplingParams  # what the session was last told to use
+    grammar: bool = True  # whether the session was last told to mask by the request's grammar
     held: int | None = None  # the step the run holds at, as the screen shows it
     held_path: str = ""  # the way the held step ran (`minengine.model.step_path`)
     failure_shown: bool = False  # the worker's failure has been notified
     full_view_shown: tuple[int, object] | None = None  # the held step's full view last drawn
-    _preview: tuple[tuple[int, SamplingParams], StepSubject | None] | None = None
+    _preview: tuple[tuple[int, SamplingParams, bool], StepSubject | None] | None = None
 
     def follow(self, view: RunView) -> bool:
         """Take the step the run holds at once `view` shows it waiting; True when that changed."""
@@ -41,7 +43,7 @@ class RunOnScreen:
         """The held step previewed under `params`; None while the run is not held."""
         if self.held is None:
             return None
-        key = (self.held, params)
+        key = (self.held, params, self.grammar)  # the grammar switched changes the step's row
         if self._preview is None or self._preview[0] != key:
             self._preview = (key, held_subject(self.run, self.held, params, self.held_path))
         return self._preview[1]
@@ -86,3 +88,8 @@ class RunOnScreen:
         """Use `params` from the held step on; RequestError when the session refuses them."""
         self.run.update_sampling(params)
         self.applied = params
+
+    def set_grammar(self, on: bool) -> None:
+        """Turn the request's grammar off or on from the held step on; RequestError when refused."""
+        self.run.set_grammar(on)
+        self.grammar = on

@@ -1,5 +1,5 @@
 """The sampling settings form: the chain's parameters, penalties and bias, seed, max tokens and order,
-checked as typed."""
+the request's grammar and tools, checked as typed."""
 
 from __future__ import annotations
 
@@ -14,13 +14,17 @@ from reqscope.ui.field_form import Field, FieldForm, field_reader
 
 @dataclass(frozen=True)
 class SamplingChoice:
-    """What the form returns: parameters for the next steps, and the token limit and the grammar for the next run."""
+    """What the form returns: the parameters and the grammar for the next steps, the token limit
+    and the tools for the next run."""
 
     params: SamplingParams
     max_tokens: int
-    # Whether the next run sends the request's tools and output schema. A request's grammar is
-    # fixed when it starts (the engine builds its matcher then), so this applies on restart.
-    constraints: bool = True
+    # Whether the next run sends the request's tools. They are written into the prompt (the
+    # template's tool block), so a running request keeps the ones it started with: this applies on restart.
+    tools: bool = True
+    # Whether the request's grammar (its output schema, or the tool call it must make) masks the
+    # steps: switched at the held step (`RequestSession.set_grammar`), and kept for the next run.
+    grammar: bool = True
 
 
 def order_text(order: tuple[str, ...]) -> str:
@@ -51,11 +55,14 @@ def _penalty(name: str, off: float) -> Callable[[str], float]:
     return read
 
 
-def _on_off(text: str) -> bool:
-    word = text.strip().lower()
-    if word not in ("on", "off", ""):
-        raise RequestError(f"tools+schema must be on or off; got {text.strip()!r}")
-    return word != "off"
+def _on_off(name: str) -> Callable[[str], bool]:
+    def read(text: str) -> bool:
+        word = text.strip().lower()
+        if word not in ("on", "off", ""):
+            raise RequestError(f"{name} must be on or off; got {text.strip()!r}")
+        return word != "off"  # blank: on
+
+    return read
 
 
 def bias_text(bias: tuple[tuple[int, float], ...]) -> str:
@@ -93,8 +100,10 @@ FIELDS: tuple[Field[SamplingChoice], ...] = (
     Field("seed", "seed", "blank = random", lambda c: "" if c.params.seed is None else str(c.params.seed), _seed),
     Field("max_tokens", "max tokens", "applies on restart (r)", lambda c: str(c.max_tokens),
           _number("max_tokens", int)),
-    Field("constraints", "tools+schema", "on or off; fixed for a run: applies on restart (r)",
-          lambda c: "on" if c.constraints else "off", _on_off),
+    Field("grammar", "grammar", "on or off: the schema or forced tool call, from the held step",
+          lambda c: "on" if c.grammar else "off", _on_off("grammar")),
+    Field("tools", "tools", "on or off; in the prompt: applies on restart (r)",
+          lambda c: "on" if c.tools else "off", _on_off("tools")),
     Field("order", "sampler order", "hf, llama.cpp, vllm or a comma list", lambda c: order_text(c.params.order),
           SamplingParams.parse_order),
 )
@@ -119,7 +128,7 @@ def parse_choice(values: Mapping[str, str], base: SamplingParams) -> SamplingCho
     max_tokens = read("max_tokens")
     if max_tokens < 1:
         raise RequestError(f"max tokens must be at least 1; got {max_tokens}")
-    return SamplingChoice(params, max_tokens, read("constraints"))
+    return SamplingChoice(params, max_tokens, tools=read("tools"), grammar=read("grammar"))
 
 
 class SamplingForm(FieldForm[SamplingChoice]):
