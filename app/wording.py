@@ -51,7 +51,7 @@ WORDS: dict[Setting, Words] = {
     Setting.MAX_NUM_BATCHED_TOKENS: Words("--max-num-batched-tokens"),
     Setting.KERNELS: Words("--kernels"),
     Setting.CHAT_TEMPLATE_FILE: Words("--chat-template", placeholder="FILE"),
-    Setting.GENERIC_TOOLS: Words("leaving out --no-generic-tools"),
+    Setting.GENERIC_TOOLS_OFF: Words("--no-generic-tools"),
 }
 
 

@@ -37,7 +37,7 @@ class Setting(Enum):
     MAX_NUM_BATCHED_TOKENS = "max_num_batched_tokens"
     KERNELS = "kernels"
     CHAT_TEMPLATE_FILE = "chat_template_file"
-    GENERIC_TOOLS = "generic_tools=True"
+    GENERIC_TOOLS_OFF = "generic_tools=False"
 
 
 @dataclass(frozen=True)

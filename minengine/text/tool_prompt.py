@@ -128,11 +128,11 @@ def chat_input(
     native = template_source is not None and template_supports_tools(template_source)
     if tools and rendering == "none":
         raise RequestError(
-            "the model's chat template has no tool syntax; leave out `tools`, give a template that has one (",
+            "the model's chat template has no tool syntax and reqscope's own tool block is off (",
+            Setting.GENERIC_TOOLS_OFF,
+            "); leave out the tools, give a template with tool syntax (",
             Setting.CHAT_TEMPLATE_FILE,
-            "), or let reqscope write its generic tool block (",
-            Setting.GENERIC_TOOLS,
-            ")",
+            "), or turn the block back on",
         )
     if native or not (generic and (tools or has_tool_turns(messages))):
         return ChatInput(messages, tuple(m.role for m in messages), tools if native else (), rendering)
