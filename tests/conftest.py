@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from openmp_policy import keep_openmp_policy  # noqa: E402
 from tiny_models import SPECS, build_tiny  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -69,17 +69,7 @@ def _openmp_policy_restored(monkeypatch):
     """Tests that call `reqscope.cli.main` in this process let it choose an OpenMP policy, which
     it writes into os.environ and minengine.omp_env; undo that after each test, so the next one
     (and the children it starts) sees the environment the suite started with."""
-    from minengine import omp_env
-
-    for name in (omp_env.VARIABLE, omp_env.SPIN_VARIABLE):
-        before = os.environ.get(name)
-        monkeypatch.setenv(name, "")  # records the value before, so teardown restores (or removes) it
-        if before is None:
-            monkeypatch.delenv(name)
-        else:
-            monkeypatch.setenv(name, before)
-    for attribute in ("_set_here", "_spin_here", "_start"):
-        monkeypatch.setattr(omp_env, attribute, getattr(omp_env, attribute))
+    keep_openmp_policy(monkeypatch)
 
 
 @pytest.fixture(autouse=True)

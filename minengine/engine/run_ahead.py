@@ -31,7 +31,6 @@ from minengine.sampling.step_trace import StepTrace
 from minengine.sampling.trace import greedy_candidates
 
 if TYPE_CHECKING:
-
     from minengine.engine.batch_facts import BatchStep
     from minengine.engine.request import GenerationRequest
     from minengine.sampling.logit_stages import LogitStages

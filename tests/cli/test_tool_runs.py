@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from openmp_policy import keep_openmp_policy
 
 from minengine.engine.events import PromptEvent, TokenEvent
 from minengine.record.export import TRACE_JSONL
@@ -29,7 +30,9 @@ def forced_run(tmp_path_factory, default_model_dir):
     argv = ["--json", "--model", str(default_model_dir), "--temperature", "0", "--max-tokens", "160",
             "--tools", str(HOTELS), "--tool-choice", "required", "--no-parallel-tool-calls",
             "--export", str(folder / "export"), DEFAULT_PROMPT]  # fmt: skip
-    with out.open("w") as stdout, contextlib.redirect_stdout(stdout):
+    # Module-scoped: set up outside the autouse fixture that undoes the command's OpenMP choice.
+    with pytest.MonkeyPatch.context() as monkeypatch, out.open("w") as stdout, contextlib.redirect_stdout(stdout):
+        keep_openmp_policy(monkeypatch)
         assert main(argv) == 0
     return [json.loads(line) for line in out.read_text().splitlines()], folder / "export"
 
