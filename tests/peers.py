@@ -78,11 +78,19 @@ def llama_server(*flags: str, start_s: float = 120.0) -> Iterator[str]:
     # One thread: llama.cpp's threads spin-wait for each other, and on a 2-core machine shared with
     # other work two of them ran 8x slower than one (5 against 41 tokens/s here).
     command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", "1", *flags]
+    with _running(command, env) as (proc, log):
+        _wait_healthy(f"http://127.0.0.1:{port}", proc, log, start_s)
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def _running(command: list[str], env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, object]]:
+    """A server process with its output in a temporary file (for its log tail on failure), stopped
+    on the way out: terminated, then killed if it has not ended within 10 s."""
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         try:
-            _wait_healthy(f"http://127.0.0.1:{port}", proc, log, start_s)
-            yield f"http://127.0.0.1:{port}"
+            yield proc, log
         finally:
             proc.terminate()
             try:
@@ -135,15 +143,6 @@ def llama_cpp_python_server(*flags: str, start_s: float = 120.0) -> Iterator[str
     # One thread, as llama_server: llama.cpp's threads spin-wait for each other on a shared 2-core machine.
     command = [str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
                "--port", str(port), "--n_threads", "1", *flags]  # fmt: skip
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            _wait_answers(f"http://127.0.0.1:{port}/v1/models", proc, log, start_s, "llama-cpp-python's server")
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with _running(command) as (proc, log):
+        _wait_answers(f"http://127.0.0.1:{port}/v1/models", proc, log, start_s, "llama-cpp-python's server")
+        yield f"http://127.0.0.1:{port}"

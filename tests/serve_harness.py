@@ -122,6 +122,22 @@ def chat_body(text: str = "Hello there", **fields) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": text}], **fields}
 
 
+def refused_at_the_door(served, caplog, changes: dict, param: str) -> dict:
+    """Send a short chat body with `changes`; assert a 400 of OpenAI's shape naming `param`, a one-line
+    message, and nothing in the error log (no traceback); return the error object."""
+    import logging
+
+    with caplog.at_level(logging.ERROR):
+        resp = raw_request(served.url, "POST", "/v1/chat/completions", {**chat_body(max_tokens=2), **changes},
+                           authorized())  # fmt: skip
+    assert resp.status == 400, resp.body
+    error = resp.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert "\n" not in error["message"]
+    assert not caplog.records, [r.getMessage() for r in caplog.records]  # no traceback in the log
+    return error
+
+
 def sse_payloads(body: bytes) -> list[str]:
     """The data of each server-sent event, checking the framing on the way."""
     text = body.decode("utf-8")

@@ -174,7 +174,7 @@ async def _complete(request: web.Request, arrival: Arrival, kind: Kind) -> web.S
     state: _State = request.app[_STATE]
     body = await read_json(request, state.config.limits.body_timeout_s)
     api = parse_request(kind, body, arrival.request_id, parse_options(state.engine, state.config))
-    if needs_door_check(api.generation):  # off the loop: the tokenizer's grammar view takes ~1 s to build once
+    if needs_door_check(api.generation):  # off the loop: the first one builds the tokenizer's grammar view
         await asyncio.to_thread(door_check, api.generation, state.engine.tokenizer)
     access = access_entry(request)
 

@@ -8,8 +8,8 @@ at a server's door, so a grammar that cannot compile is a 400 before the request
 tokens may come next (llguidance's bitmask, one bit per vocabulary entry).
 
 Why llguidance: a 3 MB abi3 wheel with no dependencies that reads `tokenizer.json` itself, whose
-masks cost ~0.1 ms a step on the default model's 49k vocabulary (measured on the 2-core EPYC, a
-nested JSON schema); llama.cpp and vLLM use it. xgrammar, vLLM's default, imports transformers
+masks take a small fraction of a decode step (docs/serving.md, "What a grammar costs under load",
+has the figures); llama.cpp and vLLM use it. xgrammar, vLLM's default, imports transformers
 and pulls in triton.
 
 The end of turn is given to llguidance explicitly (the tokenizer's `eos_ids`): it does not
@@ -58,7 +58,7 @@ class Grammar:
 
 
 def ll_tokenizer(tokenizer: ModelTokenizer) -> llguidance.LLTokenizer:
-    """llguidance's view of the model's tokenizer, made once per tokenizer (~0.3 s).
+    """llguidance's view of the model's tokenizer, made once per tokenizer (its first use pays for it).
 
     Built from the tokenizer's own JSON, as llguidance's `hf.from_tokenizer` does, with the end of
     turn given as the tokenizer's `eos_ids`.
