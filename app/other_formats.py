@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minengine.checkpoint.weight_format import WeightFormatError, compute_dtype_for, refuse_shapes, resolve_weights
 from minengine.device import resolve_dtype
 from minengine.dtype_names import WEIGHT_FORMATS
 from minengine.engine.engine import Engine
-from minengine.model.weight_format import WeightFormatError, compute_dtype_for, refuse_shapes, resolve_weights
 from reqscope.wording import error_text
 
 

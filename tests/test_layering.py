@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"minengine": ROOT / "minengine", "reqscope": ROOT / "app"}
 
 # What serves one request, and what is built around it.
-REQUEST_PATH = ("text", "checkpoint", "reference", "model", "fast", "kv", "sampling", "engine")
+REQUEST_PATH = ("text", "checkpoint", "reference", "model", "fast", "steps", "kv", "sampling", "engine")
 AROUND_IT = ("plan", "record", "hub", "gguf")
 MAX_MODULES_PER_FOLDER = 15
 MAX_SHARED_PREFIX = 2  # modules in one folder that may share a `name_` prefix

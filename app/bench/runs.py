@@ -21,7 +21,7 @@ from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, TokenEvent
 from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
-from minengine.model.runner import ModelRunner
+from minengine.steps.model_runner import ModelRunner
 from reqscope.bench.roofline import ReadProbe
 from reqscope.bench.timer import StepClock
 

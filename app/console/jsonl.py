@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from reqscope.engine_load import LoadNote
 
 if TYPE_CHECKING:
-    from minengine.model.weight_format import WeightChoice
+    from minengine.checkpoint.weight_format import WeightChoice
     from minengine.settings import Settings
 
 

@@ -34,9 +34,9 @@ from safetensors import SafetensorError, safe_open
 from minengine import settings
 from minengine.checkpoint.mapped_pages import MappedFiles
 from minengine.checkpoint.paths import models_home
+from minengine.checkpoint.weight_format import DTYPE_FORMAT
 from minengine.checkpoint.weight_layout import CheckpointReader, Operand
 from minengine.fast.panel_kernels import PANEL_PACKS, PanelLinear
-from minengine.model.weight_format import DTYPE_FORMAT
 from minengine.progress import BYTES, ProgressCallback, Stage
 
 FORMAT_VERSION = 3  # 3: q8_0 and q4_1 panels stored as one stream of groups (panel_kernels.GROUP)

@@ -32,7 +32,7 @@ class BatchStep:
     # What the whole step read: the weights once for every sequence in it, and each decode
     # row's K/V (None for a step of one sequence, whose token event carries its own bytes).
     bytes_read: StepBytes | None = None
-    # The way the step's arithmetic ran (`minengine.model.step_path`): "c-stack int16×q4_1",
+    # The way the step's arithmetic ran (`minengine.steps.step_path`): "c-stack int16×q4_1",
     # "torch rows", "reference"; empty in traces recorded before it was kept.
     path: str = ""
 

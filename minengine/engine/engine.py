@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from minengine import settings
+from minengine.checkpoint.weight_format import compute_dtype_for, refuse_shapes, resolve_weights
 from minengine.checkpoint.weights import load_state_dict
 from minengine.config import ModelConfig
 from minengine.device import resolve_device, resolve_dtype, synchronize
@@ -26,12 +27,11 @@ from minengine.kv.block_pool import BlockFormat, BlockPool
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache
 from minengine.kv.usage import PoolUsage
-from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
-from minengine.model.weight_format import compute_dtype_for, refuse_shapes, resolve_weights
 from minengine.progress import ProgressCallback
 from minengine.reference.model import ReferenceModel
 from minengine.reference.runner import ReferenceRunner, reference_weights
+from minengine.steps.model_runner import ModelRunner
 from minengine.text.tokenizer import ModelTokenizer
 from minengine.threads import model_thread
 
@@ -76,9 +76,9 @@ class Engine:
         default depends on the device); up to `max_num_seqs` requests run at once (by default as
         many as the KV pool holds and a step can give a token each, `step_loop.default_limits`). `weights` is
         the projections' storage ("auto", "float32", "fp16", "bf16", "int8";
-        `minengine.model.weight_format` says what each means where, and what auto picks); it is
+        `minengine.checkpoint.weight_format` says what each means where, and what auto picks); it is
         checked before anything is loaded. `kernels` is "fast" (the engine's own paths,
-        `minengine.model.runner`) or "reference": every forward through the plain PyTorch model
+        `minengine.steps.model_runner`) or "reference": every forward through the plain PyTorch model
         (`minengine.reference`), dense weights as the checkpoint stores them."""
         start = time.perf_counter()
         self.model_dir = Path(model_dir)

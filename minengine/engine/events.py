@@ -132,7 +132,7 @@ class TokenEvent:
     # when the session was asked to capture it (`RequestSession.inspect`); None otherwise, and
     # in traces recorded before it was kept.
     inspection: StepInspection | None = None
-    # The way the step behind this token ran (`minengine.model.step_path`; prefill's last chunk for
+    # The way the step behind this token ran (`minengine.steps.step_path`; prefill's last chunk for
     # the first token); empty in traces recorded before it was kept.
     path: str = ""
     # This token ends the request, as far as its stream knows: a stop token or string, or the
@@ -153,7 +153,7 @@ class StepReady:
     """Logits for the next token are computed and waiting to be sampled (a pause point)."""
 
     index: int
-    # The way the step that made these logits ran (`minengine.model.step_path`); empty in traces
+    # The way the step that made these logits ran (`minengine.steps.step_path`); empty in traces
     # recorded before it was kept.
     path: str = ""
 

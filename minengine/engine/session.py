@@ -105,7 +105,7 @@ from minengine.threads import OneThread, model_thread
 
 if TYPE_CHECKING:
     from minengine.config import ModelConfig
-    from minengine.model.runner import ModelRunner
+    from minengine.steps.model_runner import ModelRunner
     from minengine.text.tokenizer import ModelTokenizer
 
 _STAGE_BY_END = {end: (stage, start) for stage, start, end in STAGE_SPANS}

@@ -5,7 +5,7 @@ request joins the loop as a `Member` and hands it work: its prompt (after any re
 then one token per decode step. Each step the loop plans within two limits (`BatchLimits`):
 every running sequence's next token first, in the order they joined, then prompt chunks of
 requests still prefilling, first come first served, until the step's token budget or its
-sequence cap is used up. One forward pass runs them all (`batch_forward`), so each weight is
+sequence cap is used up. One forward pass runs them all (`shared_step`), so each weight is
 read once for everyone; a prompt longer than what is left of the budget is split over steps
 (chunked prefill), so a long prompt never stalls the requests that are decoding.
 
@@ -63,9 +63,9 @@ from minengine.kv.block_pool import PoolExhausted
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.usage import PoolUsage
-from minengine.model.batch_forward import Row, RowObserver
-from minengine.model.runner import ModelRunner
 from minengine.sampling.logit_summary import LogitSummary, summarize
+from minengine.steps.model_runner import ModelRunner
+from minengine.steps.shared_step import Row, RowObserver
 from minengine.threads import model_thread
 
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's: the most sequences a step runs when no cap is given (see `default_limits`)

@@ -3,5 +3,5 @@
 (`pooled_rows`, `attention_rows`), the packed and panel weight formats (`linear_kernels`,
 `panel_kernels`) and the C kernels they call (`cpu_kernels` builds them), and the threads a step
 runs on (`decode_threads`). Each computes what `minengine/reference/model.py` computes; the
-tests hold them to it (tests/engine/test_reference.py). `minengine.model.runner` picks among them.
+tests hold them to it (tests/engine/test_reference.py). `minengine.steps.model_runner` picks among them.
 """

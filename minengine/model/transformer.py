@@ -2,7 +2,7 @@
 
 Numerics follow Hugging Face's modeling files: RMSNorm in float32 cast back before the weight
 multiply, RoPE angles in float32, SiLU-gated MLP. `forward` runs one sequence; a step shared
-by several runs the same blocks over their stacked tokens (`batch_forward`).
+by several runs the same blocks over their stacked tokens (`shared_step`).
 
 Top to bottom: one block's weights (`Layer`); what a block is handed besides its input, the
 buffers a one-token step writes into (`Scratch`) and where K/V go and how attention reads them
@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from minengine.checkpoint import loader
 from minengine.checkpoint.weight_layout import (
     CheckpointReader,
     Embedding,
@@ -45,7 +46,6 @@ from minengine.config import ModelConfig
 from minengine.fast.linear_kernels import EmbeddingRows, PackedLinear
 from minengine.fast.panel_kernels import PanelLinear
 from minengine.kv.cache import KVCache
-from minengine.model import loader
 from minengine.model.ops import RMSNorm, attend, c_silu_mul, decode_attention, heads_first
 from minengine.model.rope import RotaryTable, rotate
 from minengine.progress import ProgressCallback

@@ -1,6 +1,6 @@
 """The reference model inside the engine (`--kernels reference`): the runner the engine's steps call.
 
-It answers the calls `minengine.model.runner.ModelRunner` answers, so the sessions, events,
+It answers the calls `minengine.steps.model_runner.ModelRunner` answers, so the sessions, events,
 batching, paged KV cache and prefix cache stay the engine's own; only each step's arithmetic is
 the reference model's. A shared step runs its rows one after another, each over its own cache,
 so a request's logits in a batch are its logits alone, bit for bit.
@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
+from minengine.checkpoint.weight_format import DTYPE_FORMAT, WeightChoice, WeightFormatError
 from minengine.errors import Setting
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.request_cache import request_cache
-from minengine.model.batch_forward import Row
-from minengine.model.step_path import REFERENCE, StepPath
-from minengine.model.weight_format import DTYPE_FORMAT, WeightChoice, WeightFormatError
 from minengine.reference.model import ReferenceModel
+from minengine.steps.shared_step import Row
+from minengine.steps.step_path import REFERENCE, StepPath
 from minengine.threads import model_thread
 
 

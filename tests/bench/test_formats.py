@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from minengine.checkpoint.weight_format import WeightFormatError, resolve_weights
 from minengine.engine.engine import Engine
 from minengine.kv.arithmetic import kv_bytes_per_token
-from minengine.model.weight_format import WeightFormatError, resolve_weights
 from reqscope.bench.fair.compare import REQSCOPE, TRANSFORMERS, run_fair
 from reqscope.bench.fair.peers import PeerSelection
 from reqscope.bench.formats import EVERY_FORMAT, format_rows, plan_formats

@@ -13,9 +13,9 @@ from minengine.fast.cpu_kernels import library
 from minengine.fast.panel_kernels import ACTIVATIONS_ENV, PANEL, PanelLinear, amx_setting
 from minengine.kv.block_pool import BlockPool
 from minengine.kv.paged_cache import PagedKVCache
-from minengine.model.batch_forward import Row
-from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
+from minengine.steps.model_runner import ModelRunner
+from minengine.steps.shared_step import Row
 
 CPU = torch.device("cpu")
 

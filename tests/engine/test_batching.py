@@ -25,9 +25,9 @@ from minengine.engine.request import GenerationRequest
 from minengine.engine.step_loop import BatchLimits, StepCancelled, StepLoop
 from minengine.errors import Mention, RequestError, Setting
 from minengine.kv.cache import KVCache
-from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.sampling.params import SamplingParams
+from minengine.steps.model_runner import ModelRunner
 from reqscope.wording import error_text
 
 GREEDY = SamplingParams(temperature=0.0)

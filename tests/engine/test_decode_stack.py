@@ -18,11 +18,11 @@ from minengine.fast.cpu_kernels import library
 from minengine.fast.eager_step import LayerStack
 from minengine.fast.panel_kernels import ACTIVATIONS_ENV
 from minengine.kv.cache import KVCache
-from minengine.model.batch_forward import Row
 from minengine.model.ops import RMSNorm, c_rms_norm, c_rotate, c_silu_mul
 from minengine.model.rope import rotate
-from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
+from minengine.steps.model_runner import ModelRunner
+from minengine.steps.shared_step import Row
 
 CPU = torch.device("cpu")
 PROMPT_LEN, STEPS = 20, 6

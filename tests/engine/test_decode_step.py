@@ -11,8 +11,8 @@ from torch.overrides import TorchFunctionMode
 
 from minengine.config import ModelConfig
 from minengine.kv.cache import KVCache
-from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
+from minengine.steps.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 PROMPT, STEPS = 12, 6

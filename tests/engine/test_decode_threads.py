@@ -9,9 +9,9 @@ from minengine import omp_env
 from minengine.config import ModelConfig
 from minengine.fast import decode_threads
 from minengine.fast.decode_threads import StepThreads
-from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.omp_env import MachineSample
+from minengine.steps.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from minengine.checkpoint.weight_format import resolve_weights
 from minengine.fast.cpu_kernels import library
 from minengine.fast.panel_kernels import ACTIVATIONS_ENV, PANEL, PanelLinear, activations
-from minengine.model.weight_format import resolve_weights
 
 CPU = torch.device("cpu")
 SHAPES = [(960, 576), (576, 1536), (100, 64), (17, 96), (4096, 576)]  # whole groups, a partial one, a lone panel
@@ -141,8 +141,8 @@ def test_activations_are_int16_by_default_and_the_environment_picks_int8_or_floa
 
 @needs_kernel
 def test_rounded_activations_asked_for_without_vnni_fall_back_saying_why(monkeypatch):
+    from minengine.checkpoint import weight_format
     from minengine.fast import panel_kernels
-    from minengine.model import weight_format
 
     monkeypatch.setenv(ACTIVATIONS_ENV, "int8")
     monkeypatch.setattr(panel_kernels, "activations", lambda: "float32")

@@ -14,16 +14,16 @@ import torch.nn.functional as F
 from tiny_models import SPECS
 from transformers_parity import assert_matches_transformers
 
+from minengine.checkpoint import weight_format
+from minengine.checkpoint.weight_format import FLOAT32_KERNEL_ENV, resolve_weights
 from minengine.config import ModelConfig
 from minengine.engine.engine import Engine
 from minengine.fast import linear_kernels
 from minengine.fast.cpu_kernels import library
 from minengine.fast.linear_kernels import PACK_BATCH_HINT, KernelProbe, PackedLinear, available
 from minengine.kv.cache import KVCache
-from minengine.model import weight_format
-from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
-from minengine.model.weight_format import FLOAT32_KERNEL_ENV, resolve_weights
+from minengine.steps.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 PROMPT_LEN, NEW_TOKENS = 20, 24

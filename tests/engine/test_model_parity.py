@@ -8,8 +8,8 @@ from tiny_models import SPECS
 
 from minengine.config import ModelConfig
 from minengine.kv.cache import KVCache
-from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
+from minengine.steps.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 PROMPT_LEN, NEW_TOKENS = 20, 24

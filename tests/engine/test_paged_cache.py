@@ -14,8 +14,8 @@ from minengine.kv.block_pool import BlockPool, PoolExhausted
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache
-from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
+from minengine.steps.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 PROMPT, STEPS, BLOCK = 21, 8, 4

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from tiny_models import SPECS, TinySpec, build_tiny_with_tokenizer
 from transformers_parity import assert_matches_transformers
 
-from minengine.checkpoint import layout_cache
+from minengine.checkpoint import layout_cache, weight_format
+from minengine.checkpoint.weight_format import FLOAT32_KERNEL_ENV, WeightFormatError, resolve_weights
 from minengine.config import ModelConfig
 from minengine.engine.engine import Engine
 from minengine.fast import cpu_kernels
@@ -34,10 +35,8 @@ from minengine.fast.panel_kernels import (
     block_refusal,
 )
 from minengine.kv.cache import KVCache
-from minengine.model import weight_format
-from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
-from minengine.model.weight_format import FLOAT32_KERNEL_ENV, WeightFormatError, resolve_weights
+from minengine.steps.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 SHAPES = [(960, 576), (576, 1536), (49152, 576), (100, 64), (17, 96)]
@@ -402,7 +401,7 @@ def test_fp16_panels_keep_float32s_greedy_tokens_on_the_tiny_models(tiny_models,
 @needs_kernel
 @pytest.mark.parametrize("packs", ["q8_0", "float32-panels", "fp16-panels", "q4_1"])
 def test_the_lean_step_and_a_batched_step_give_the_general_paths_logits(tiny_models, packs):
-    from minengine.model.batch_forward import Row
+    from minengine.steps.shared_step import Row
 
     cfg, runner = _runner(tiny_models["llama-gqa"][0], packs)
     ids = _prompt(cfg.vocab_size)

@@ -15,15 +15,15 @@ import pytest
 import torch
 
 import minengine.fast.attention_rows as attention_rows
-import minengine.model.batch_forward as batch_forward
+import minengine.steps.shared_step as batch_forward
 from minengine.config import ModelConfig
 from minengine.fast.cpu_kernels import KernelLibrary, library
 from minengine.fast.pooled_rows import pooled_count
 from minengine.kv.block_pool import BlockFormat, BlockPool, Segment
 from minengine.kv.paged_cache import PagedKVCache
-from minengine.model.batch_forward import Row, RowsAttention, forward_rows
-from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
+from minengine.steps.model_runner import ModelRunner
+from minengine.steps.shared_step import Row, RowsAttention, forward_rows
 
 CPU = torch.device("cpu")
 BLOCK = 4

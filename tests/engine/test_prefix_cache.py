@@ -18,9 +18,9 @@ from minengine.errors import AdmissionError
 from minengine.kv.block_pool import PREFIX, BlockFormat, BlockPool
 from minengine.kv.cache import KVCache, KVSpan
 from minengine.kv.prefix_cache import FreshBlocks, KVIdentity, PrefixCache, block_hashes
-from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
 from minengine.sampling.params import SamplingParams
+from minengine.steps.model_runner import ModelRunner
 from reqscope.wording import worded
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -34,13 +34,13 @@ from minengine.fast.linear_kernels import available
 from minengine.fast.panel_kernels import ACTIVATIONS_ENV
 from minengine.kv.block_pool import BlockPool
 from minengine.kv.paged_cache import PagedKVCache
-from minengine.model.batch_forward import Row
-from minengine.model.runner import ModelRunner
-from minengine.model.step_path import StepPath
 from minengine.model.transformer import Transformer
 from minengine.reference.generate import generate
 from minengine.reference.model import ReferenceModel
 from minengine.sampling.params import SamplingParams
+from minengine.steps.model_runner import ModelRunner
+from minengine.steps.shared_step import Row
+from minengine.steps.step_path import StepPath
 from minengine.text.chat_template import Message
 
 CPU = torch.device("cpu")
@@ -276,7 +276,7 @@ def test_the_runner_picks_a_shared_steps_path_and_says_why(tiny_models):
 def test_a_step_of_decode_rows_and_a_prompt_chunk_runs_in_two_passes_with_the_same_bits(tiny_models, packs):
     """The decode rows through the C stack over rows, then the chunk through the Python blocks: each
     row's logits are the bits of the one pass over all of them, and near the reference's."""
-    from minengine.model.batch_forward import run_rows
+    from minengine.steps.shared_step import run_rows
 
     folder, _ = tiny_models["llama-gqa"]
     cfg = ModelConfig.from_file(folder)

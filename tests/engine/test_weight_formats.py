@@ -21,17 +21,16 @@ import torch
 import torch.nn.functional as F
 from tiny_models import SPECS
 
-from minengine.checkpoint import layout_cache
+from minengine.checkpoint import layout_cache, weight_format
+from minengine.checkpoint.weight_format import AUTO_CPU_ORDER, AUTO_MAX_KL, WeightFormatError, resolve_weights
 from minengine.config import ModelConfig
 from minengine.engine.engine import Engine
 from minengine.engine.request import GenerationRequest
 from minengine.fast.cpu_kernels import KernelLibrary, library
 from minengine.fast.linear_kernels import PackedLinear, available
 from minengine.kv.cache import KVCache
-from minengine.model import weight_format
-from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
-from minengine.model.weight_format import AUTO_CPU_ORDER, AUTO_MAX_KL, WeightFormatError, resolve_weights
+from minengine.steps.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 PACKED = [f for f in ("fp16", "int8", "bf16") if available(f).ok]

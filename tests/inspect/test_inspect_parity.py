@@ -19,9 +19,9 @@ from minengine.inspect.capture import _observer
 from minengine.inspect.held_step import recompute_step
 from minengine.inspect.summary import attention_record, lens_record
 from minengine.kv.cache import KVCache
-from minengine.model.batch_forward import Row
-from minengine.model.runner import ModelRunner
 from minengine.model.transformer import Transformer
+from minengine.steps.model_runner import ModelRunner
+from minengine.steps.shared_step import Row
 
 CPU = torch.device("cpu")
 PROMPT_LEN, STEPS = 12, 8

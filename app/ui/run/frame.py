@@ -28,7 +28,7 @@ class StepSubject:
     trace: StepTrace
     label: str  # e.g. "step 5 waiting: preview", "token 12 committed"
     pickable: bool  # candidates may be forced as the next token (live run, held step)
-    path: str = ""  # the way the step's arithmetic ran (`minengine.model.step_path`), where known
+    path: str = ""  # the way the step's arithmetic ran (`minengine.steps.step_path`), where known
 
 
 @dataclass(frozen=True)

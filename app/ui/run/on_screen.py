@@ -27,7 +27,7 @@ class RunOnScreen:
     applied: SamplingParams  # what the session was last told to use
     grammar: bool = True  # whether the session was last told to mask by the request's grammar
     held: int | None = None  # the step the run holds at, as the screen shows it
-    held_path: str = ""  # the way the held step ran (`minengine.model.step_path`)
+    held_path: str = ""  # the way the held step ran (`minengine.steps.step_path`)
     failure_shown: bool = False  # the worker's failure has been notified
     full_view_shown: tuple[int, object] | None = None  # the held step's full view last drawn
     _preview: tuple[tuple[int, SamplingParams, bool], StepSubject | None] | None = None

@@ -33,7 +33,7 @@ class RunView(RequestView[ev.Event]):
     tokens: list[ev.TokenEvent] = field(default_factory=list)
     held_totals: list[float] = field(default_factory=list)  # ms held in all as of each token (see `held_ms`)
     waiting_step: int | None = None  # index of the step whose logits are waiting, if any
-    waiting_path: str = ""  # the way that step ran (`minengine.model.step_path`)
+    waiting_path: str = ""  # the way that step ran (`minengine.steps.step_path`)
     preemptions: list[tuple[int, ev.PreemptEvent]] = field(default_factory=list)  # (tokens out before it, the event)
     shared_steps: int = 0  # decode steps so far that this request shared with other sequences
     last_inspected: ev.TokenEvent | None = None  # the latest token whose step's inside was captured

@@ -85,7 +85,7 @@ def step_line(step: BatchStep, label: str, width: int) -> Text:
         (f"step {step.step}: ", f"{step.sequences} seq", "", f" · {step.decode_tokens}+{step.prefill_tokens} tok",
          " · queue "),
     )  # fmt: skip
-    # The path the step's arithmetic took (`minengine.model.step_path`), said while it fits.
+    # The path the step's arithmetic took (`minengine.steps.step_path`), said while it fits.
     paths = (f" · {step.path}", "") if step.path else ("",)
     for where, sequences, company_text, scheduled, queue in wordings:
         for path in paths:

@@ -15,11 +15,11 @@ from typing import TypeVar
 import torch
 
 from minengine.checkpoint import layout_cache
+from minengine.checkpoint.weight_format import DTYPE_FORMAT
 from minengine.checkpoint.weight_layout import CheckpointReader, WeightSource
 from minengine.checkpoint.weights import checkpoint_files, load_state_dict
 from minengine.config import ModelConfig
 from minengine.fast.panel_kernels import PANEL_PACKS
-from minengine.model.weight_format import DTYPE_FORMAT
 from minengine.progress import TENSORS, ProgressCallback, Stage
 
 M = TypeVar("M")

@@ -12,7 +12,7 @@ instead (`minengine.reference.runner`).
 - `torch eager`: one token through the Python block into scratch buffers (`eager_step`);
 - `torch general`: any tokens, any cache (`Transformer.forward`): prefill, quantized caches;
 - `c-stack rows ACT×FMT` / `torch rows`: several sequences' rows in one shared step
-  (`batch_forward`), through the C stack or the Python blocks;
+  (`shared_step`), through the C stack or the Python blocks;
 - `c-stack rows ACT×FMT + torch chunks`: a shared step of decode rows and prompt chunks in two
   passes, the decode rows through the C stack, then the chunks through the Python blocks.
 """

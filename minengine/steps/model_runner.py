@@ -12,7 +12,7 @@ step allocates:
 - the general path (`Transformer.forward`): any number of tokens, any cache (prefill, and
   decode over quantized, widened or outgrown caches).
 
-A step shared by several sequences runs their stacked rows (`batch_forward`): through the C stack
+A step shared by several sequences runs their stacked rows (`shared_step`): through the C stack
 over rows, or the Python blocks. `pick` and `pick_rows` are the one place these choices are made,
 each naming the path and why (`step_path`); `last_path` is the one that ran. The choice depends on
 the cache, so it is made per call; the cache is made here too, over the static decoder's arena
@@ -37,9 +37,9 @@ from minengine.fast.panel_kernels import UNPACK_ROWS, amx_takes
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.request_cache import request_cache
-from minengine.model.batch_forward import Row, run_rows
-from minengine.model.step_path import NOT_RUN, StepPath, weights_label
 from minengine.model.transformer import Transformer
+from minengine.steps.shared_step import Row, run_rows
+from minengine.steps.step_path import NOT_RUN, StepPath, weights_label
 from minengine.threads import model_thread
 
 _GENERAL_ONE = StepPath("torch general", "one token, but the cache is quantized, widened, borrowed or full")
@@ -151,7 +151,7 @@ class ModelRunner:
     def pick_rows(self, rows: list[Row]) -> StepPath:
         """The path a step shared by several sequences takes, and why: the C stack over rows where
         every row is one decode token wanting its logits, in weights it serves, and fewer rows than
-        hand the products to MKL; else the Python blocks over the stacked rows (`batch_forward`)."""
+        hand the products to MKL; else the Python blocks over the stacked rows (`shared_step`)."""
         n, label = len(rows), self._label
         if any(len(r.ids) != 1 for r in rows):
             return StepPath("torch rows", f"{n} rows with a prompt chunk among them")
@@ -165,7 +165,7 @@ class ModelRunner:
         return StepPath(f"c-stack rows {label}", f"{n} decode rows in one pool segment, {label} panels{tiles}")
 
     def forward_rows(self, rows: list[Row], computing: Callable[[], object] | None = None) -> list[torch.Tensor | None]:
-        """One step over several sequences' rows (`batch_forward`); each row's logits or None.
+        """One step over several sequences' rows (`shared_step`); each row's logits or None.
 
         A step of one row that wants its logits is an ordinary `forward`, so a request alone
         decodes through the lean single-token steps as before; an observed row (inspection)
