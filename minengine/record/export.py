@@ -21,8 +21,7 @@ from minengine.engine.timeline import TimelineEvent
 from minengine.errors import Mention, ReqscopeError, Setting
 from minengine.kv.arithmetic import MIB
 from minengine.record.telemetry import telemetry_record
-from minengine.record.timeline_csv import Timeline as CsvTimeline
-from minengine.record.timeline_csv import write_timeline
+from minengine.record.timeline_csv import TimelineFile, write_timeline
 from minengine.record.trace_io import TraceHeader, write_trace
 
 TIMELINE_CSV = "request-timeline.csv"
@@ -91,7 +90,7 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def csv_timeline(r: RequestResult) -> CsvTimeline:
+def csv_timeline(r: RequestResult) -> TimelineFile:
     """The run's events in the seed's CSV shape; token events numbered so each name is unique."""
     rows, n = [], 0
     for e in r.timeline:
@@ -102,7 +101,7 @@ def csv_timeline(r: RequestResult) -> CsvTimeline:
         else:
             detail = e.detail
         rows.append(TimelineEvent(name, round(e.t_ms, 3), detail))
-    return CsvTimeline(tuple(rows))
+    return TimelineFile(tuple(rows))
 
 
 CLOCKS = (

@@ -33,7 +33,7 @@ class TimelineFileError(MetricsInputError):
 
 
 @dataclass(frozen=True)
-class Timeline:
+class TimelineFile:
     """A request's events in file order; construction enforces the rules in the module doc.
 
     A row's `event` column is its event's `name`, its `time_ms` column the event's `t_ms`.
@@ -84,7 +84,7 @@ class Timeline:
         return self.time_of(LAST_TOKEN)
 
 
-def parse_timeline(text: str, source: str = "timeline") -> Timeline:
+def parse_timeline(text: str, source: str = "timeline") -> TimelineFile:
     """Parse CSV text; `source` names the input in error messages."""
     reader = csv.DictReader(io.StringIO(text))
     columns = [name.strip() for name in reader.fieldnames or []]
@@ -107,12 +107,12 @@ def parse_timeline(text: str, source: str = "timeline") -> Timeline:
             ) from None
         events.append(TimelineEvent(name, time_ms, (row.get("detail") or "").strip()))
     try:
-        return Timeline(tuple(events))
+        return TimelineFile(tuple(events))
     except TimelineFileError as exc:
         raise TimelineFileError(f"{source}: ", exc.message) from None
 
 
-def read_timeline(path: str | Path) -> Timeline:
+def read_timeline(path: str | Path) -> TimelineFile:
     """Read and validate a timeline CSV file."""
     path = Path(path)
     try:
@@ -125,7 +125,7 @@ def read_timeline(path: str | Path) -> Timeline:
     return parse_timeline(text, source=str(path))
 
 
-def format_timeline(timeline: Timeline) -> str:
+def format_timeline(timeline: TimelineFile) -> str:
     """The CSV text for a timeline, header included."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
@@ -135,7 +135,7 @@ def format_timeline(timeline: Timeline) -> str:
     return out.getvalue()
 
 
-def write_timeline(path: str | Path, timeline: Timeline) -> None:
+def write_timeline(path: str | Path, timeline: TimelineFile) -> None:
     """Write a timeline CSV that read_timeline reads back unchanged."""
     Path(path).write_text(format_timeline(timeline), encoding="utf-8")
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from minengine.engine.events import DoneEvent, PrefixCacheEvent, StageEvent
-from minengine.errors import AdmissionError, Mention, Message, ReqscopeError, Setting
+from minengine.errors import AdmissionError, EngineText, Mention, ReqscopeError, Setting
 from reqscope.cli import SUBCOMMANDS, build_parser
 from reqscope.ui.keys import KEYS
 from reqscope.wording import WORDS, error_text, in_app_words, worded
@@ -44,12 +44,12 @@ def test_an_engine_error_reads_in_the_engines_words_and_shows_in_the_apps():
 
 
 def test_a_mention_says_its_value_or_every_way_to_give_it():
-    message = Message(
+    message = EngineText(
         Mention(Setting.DEVICE, "cuda"), "; pass ", Mention(Setting.MODEL_DIR, every_way=True),
         "; export with ", Mention(Setting.EXPORT_DIR, every_way=True),
     )  # fmt: skip
     assert worded(message) == "--device cuda; pass --model PATH; export with --export DIR or the x key"
-    assert Message("wrapped: ", message).parts[1:] == message.parts  # a message inside another keeps its settings
+    assert EngineText("wrapped: ", message).parts[1:] == message.parts  # a message inside another keeps its settings
 
 
 def test_the_events_leave_the_engine_in_the_apps_words(chatty_engine):
@@ -60,12 +60,13 @@ def test_the_events_leave_the_engine_in_the_apps_words(chatty_engine):
     events = list(chatty_engine.start(request))
     done = events[-1]
     assert isinstance(done, DoneEvent)
-    note = Message("off (", Setting.PREFIX_CACHE_OFF, ")")
+    note = EngineText("off (", Setting.PREFIX_CACHE_OFF, ")")
     off = PrefixCacheEvent(False, 4, 16, 0, 0, 0, 0.0, 0.0, 0.0, 0, 0, note=note)
-    failed = DoneEvent(dataclasses.replace(done.result, error=Message("lower ", Setting.MAX_TOKENS), prefix_cache=off))
+    error = EngineText("lower ", Setting.MAX_TOKENS)
+    failed = DoneEvent(dataclasses.replace(done.result, error=error, prefix_cache=off))
     stage = next(e for e in events if isinstance(e, StageEvent))
     out = list(in_app_words([stage, off, failed]))
     assert out[0] is stage  # events without engine text pass as they are
-    assert out[1].note == "off (--no-prefix-cache)" and not isinstance(out[1].note, Message)
+    assert out[1].note == "off (--no-prefix-cache)" and not isinstance(out[1].note, EngineText)
     assert out[2].result.error == "lower --max-tokens" and out[2].result.prefix_cache.note == "off (--no-prefix-cache)"
     assert list(in_app_words([done]))[0] is done  # a result with nothing to word passes as it is

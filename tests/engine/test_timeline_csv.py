@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from minengine.engine.metrics import MetricsInputError
 from minengine.engine.timeline import TimelineEvent
 from minengine.record.timeline_csv import (
-    Timeline,
+    TimelineFile,
     TimelineFileError,
     format_timeline,
     parse_timeline,
@@ -96,7 +96,7 @@ def test_write_then_read_round_trips(tmp_path):
 
 
 def test_format_quotes_details_with_commas():
-    timeline = Timeline(
+    timeline = TimelineFile(
         (
             TimelineEvent("client_send", 0.0, "a, b"),
             TimelineEvent("first_visible_token", 0.1, 'say "hi"'),
@@ -122,5 +122,5 @@ _details = st.text(st.characters(blacklist_categories=("Cs", "Cc", "Zs", "Zl", "
 )
 def test_any_valid_timeline_round_trips(times, details):
     names = ("client_send", "first_visible_token", "last_visible_token")
-    timeline = Timeline(tuple(map(TimelineEvent, names, times, details)))
+    timeline = TimelineFile(tuple(map(TimelineEvent, names, times, details)))
     assert parse_timeline(format_timeline(timeline)) == timeline
