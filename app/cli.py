@@ -42,13 +42,13 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
         'reqscope --tools examples/search_hotels.json --tool-choice required "Show me accessible hotels in Kyoto"',
         'reqscope --plain --json-schema examples/hotel_schema.json --repetition-penalty 1.2 "Hotels in Kyoto"',
         'reqscope --json --kv-layout mha "Hello" > run.jsonl',
-        'reqscope --endpoint http://127.0.0.1:8000/v1 --plain "Hello"',
+        'reqscope --base-url http://127.0.0.1:8000/v1 --plain "Hello"',
         'reqscope --background 3 --serve-port 8001 "Write a long story"',
     ),
     "pull": ("reqscope pull",),
     "import": ("reqscope import model.Q4_K_M.gguf ~/models/my-model",),
-    "metrics": ("reqscope metrics request-timeline.csv --output-tokens 150",),
-    "plan": ("reqscope plan --list-cards", "reqscope plan llama-3.1-8b --prompt-tokens 6000 --output-tokens 400"),
+    "metrics": ("reqscope metrics request-timeline.csv --output-len 150",),
+    "plan": ("reqscope plan --list-cards", "reqscope plan llama-3.1-8b --input-len 6000 --output-len 400"),
     "replay": ("reqscope replay reqscope-runs/<id>/request-trace.jsonl",),
     "bench": ("reqscope bench", "reqscope bench --rounds 3 --json --output bench.json"),
     "serve": ("reqscope serve", "reqscope serve --host 0.0.0.0 --port 8000 --api-key \"$KEY\""),
@@ -59,11 +59,15 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Every option's help ends with its default, unless the help already says it in words."""
+    """Every option's help ends with its default as `(default: X)`, the one way defaults are written.
+
+    The formatter writes it from argparse's default; a help whose flag defaults to None (the value
+    is decided later: the model's file, the device, the server) writes `(default: ...)` itself.
+    """
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+        if not action.option_strings or "(default:" in text or action.default is argparse.SUPPRESS:
             return text
         if action.default is None or action.default == []:
             return f"{text} (default: not set)".lstrip()

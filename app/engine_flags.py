@@ -13,16 +13,10 @@ from minengine.dtype_names import DTYPE_CHOICES, WEIGHT_CHOICES
 
 MODEL_HELP = "model folder (default: the pulled SmolLM2-135M-Instruct)"
 DTYPE_HELP = "weights and compute (half = float16)"
+# One line: the formats, their kernels and the activations' variable are told in docs/performance.md.
 WEIGHTS_HELP = (
-    "the projections' storage, in llama.cpp's and vLLM's short names: float32, fp16, bf16, int8 (per-channel, "
-    "activations quantized too), q8_0 and q4_1 (llama.cpp's blocks of 32, q4_1's head in q8_0); on the CPU, "
-    "around float32 compute, float32, fp16, q8_0 and q4_1 run in reqscope's panel kernel (built once with the "
-    "system C compiler; FBGEMM's fp16 without one) and bf16/int8 in torch's packed kernels, elsewhere the compute "
-    "dtype's own (default auto: on the CPU q4_1 for a checkpoint of Q4_1 blocks, which it holds exactly, as the "
-    "default model's, else fp16, the fastest measured to keep float32's greedy tokens); on a CPU with AVX-512 "
-    "VNNI q8_0 and q4_1 round each row to int16 per 32 inputs and multiply in integers (float32's logits within "
-    "1e-7 nats); REQSCOPE_ACTIVATIONS=float32 keeps float32 rows, =int8 rounds them to int8 as llama.cpp does "
-    "(faster shared steps, logits no longer float32's)"
+    "how the projections are stored, in llama.cpp's and vLLM's short names (auto: q4_1 on the CPU for a Q4_1 "
+    "checkpoint such as the default model's, else fp16; see docs/performance.md, 'Weight formats')"
 )
 
 
@@ -60,15 +54,15 @@ def add_engine_arguments(
                 parser.add_argument(
                     "--max-num-seqs",
                     type=int,
-                    help="most sequences one engine step runs together (vLLM's; default: as many as the KV pool "
-                    "holds and a step's token budget gives a token each, at most 256)",
+                    help="most sequences one engine step runs together, as vLLM's flag (default: as many as the KV "
+                    "pool holds and a step's token budget gives a token each, at most 256)",
                 )
             case "max_num_batched_tokens":
                 parser.add_argument(
                     "--max-num-batched-tokens",
                     type=int,
                     help="tokens one engine step may schedule, decode and prefill chunks together; a longer prompt "
-                    "is prefilled in chunks (vLLM's; default 64 on the CPU, 2048 there while nothing decodes, "
+                    "is prefilled in chunks, as vLLM's flag (default: 64 on the CPU, 2048 there while nothing decodes, "
                     "2048 on CUDA)",
                 )
             case _:

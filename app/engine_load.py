@@ -103,7 +103,7 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("load on the engine")
     g.add_argument("--background", type=whole_number, default=0, metavar="N",
                    help="keep N other requests running in the same engine while yours runs (prompts of a few "
-                   f"lengths, a new one as each ends; at most {MAX_BACKGROUND}; default 0)")  # fmt: skip
+                   f"lengths, a new one as each ends; at most {MAX_BACKGROUND})")  # fmt: skip
     g.add_argument("--serve-port", type=whole_number, metavar="PORT",
                    help=f"also serve the OpenAI API from this engine on {SERVE_HOST}:PORT while the request runs "
                    "(0 picks a free port), so `reqscope bench serve --base-url` or any client can join its batch")

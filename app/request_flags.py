@@ -42,11 +42,11 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--tool-choice", metavar="none|auto|required|NAME",
         help="how the model may use the tools: not at all, freely, at least one call, or the named function "
-        "(required and a name are enforced by a grammar; default auto with --tools)",
+        "(required and a name are enforced by a grammar) (default: auto with --tools)",
     )  # fmt: skip
     t.add_argument(
         "--no-parallel-tool-calls", dest="parallel_tool_calls", action="store_false", default=True,
-        help="at most one tool call in the reply (OpenAI's parallel_tool_calls: false; default: several allowed)",
+        help="at most one tool call in the reply, as OpenAI's parallel_tool_calls: false (default: several allowed)",
     )  # fmt: skip
     t.add_argument(
         "--no-generic-tools", dest="generic_tools", action="store_false", default=True,
@@ -64,22 +64,22 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser.add_argument_group("min tokens, bias and penalties (after the grammar, before temperature, as vLLM)")
     p.add_argument(
         "--min-tokens", type=whole_number, metavar="N",
-        help="mask the end of turn (and EOS) until N tokens are out, as vLLM's min_tokens (default 0)",
+        help="mask the end of turn (and EOS) until N tokens are out, as vLLM's min_tokens (default: 0)",
     )  # fmt: skip
     p.add_argument(
         "--repetition-penalty", type=float, metavar="R",
         help=f"divide positive logits and multiply negative ones of every token already in the prompt or the "
-        f"output by R, as transformers does; in (0, {MAX_REPETITION_PENALTY:g}], 1 = off (default 1)",
+        f"output by R, as transformers does; in (0, {MAX_REPETITION_PENALTY:g}], 1 = off (default: 1)",
     )  # fmt: skip
     p.add_argument(
         "--frequency-penalty", type=float, metavar="F",
         help=f"subtract F x (times the token was output) from its logit; in [-{MAX_ADDITIVE_PENALTY:g}, "
-        f"{MAX_ADDITIVE_PENALTY:g}], 0 = off (default 0)",
+        f"{MAX_ADDITIVE_PENALTY:g}], 0 = off (default: 0)",
     )  # fmt: skip
     p.add_argument(
         "--presence-penalty", type=float, metavar="P",
         help=f"subtract P from the logit of every token already output; in [-{MAX_ADDITIVE_PENALTY:g}, "
-        f"{MAX_ADDITIVE_PENALTY:g}], 0 = off (default 0)",
+        f"{MAX_ADDITIVE_PENALTY:g}], 0 = off (default: 0)",
     )  # fmt: skip
     p.add_argument(
         "--logit-bias", action="append", default=[], metavar="ID=BIAS", type=bias_word,
@@ -213,7 +213,7 @@ def _check_compiles(args: argparse.Namespace, tools: tuple[Tool, ...], structure
     """What a grammar will be built from compiles (llguidance, no tokenizer needed): refused here, before the
     model loads, by the flag that gave it. The engine compiles the whole grammar again when the request comes."""
     if not tools and (structured is None or structured.kind == "choice"):
-        return  # nothing to compile: the grammar library (and torch with it) stays unloaded, as --endpoint needs
+        return  # nothing to compile: the grammar library (and torch with it) stays unloaded, as --base-url needs
     from reqscope.openai.grammar_check import grammar_problem  # llguidance: only when there is something to check
 
     for tool in tools:

@@ -17,6 +17,7 @@ from minengine.sampling.model_defaults import FILE, ModelSamplingDefaults
 from minengine.sampling.params import SamplingParams
 from reqscope.console.progress_line import ProgressLine
 from reqscope.engine_flags import MODEL_HELP, add_engine_arguments
+from reqscope.flag_aliases import deprecated_alias
 from reqscope.request_flags import FlagError, add_request_arguments, check_penalties, read_request_flags
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=("auto", "reqscope"),
         help="auto: unset sampling flags take the model's generation_config.json values, as in vLLM; "
-        "reqscope: ignore that file and use reqscope's defaults (default: auto)",
+        "reqscope: ignore that file and use reqscope's defaults",
     )
     add_engine_arguments(m, "dtype", "weights", "kernels")
     m.add_argument(
@@ -47,29 +48,36 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--system", metavar="TEXT", help="system message sent before the prompt")
     # These default to None, not to their value, so that endpoint mode can tell a flag the user
     # gave from one left unset (it sends only the former); a local run fills in LOCAL_SAMPLING.
-    s.add_argument("--temperature", type=float, help="0 = greedy (default 0.7)")
-    s.add_argument("--top-k", type=int, help="0 = off (default 50)")
-    s.add_argument("--top-p", type=float, help="1 = off (default 0.9)")
-    s.add_argument("--min-p", type=float, help="0 = off (default 0)")
-    s.add_argument("--seed", type=int, help="sampling seed (default 0)")
-    s.add_argument("--max-tokens", type=int, help="most tokens to generate (default 256)")
+    # Their defaults are written by hand, in the help formatter's own form: argparse's is None.
+    from_model = "the model's generation_config.json, else"
+    d = LOCAL_SAMPLING
+    s.add_argument("--temperature", type=float, help=f"0 = greedy (default: {from_model} {d.temperature:g})")
+    s.add_argument("--top-k", type=int, help=f"0 = off (default: {from_model} {d.top_k})")
+    s.add_argument("--top-p", type=float, help=f"1 = off (default: {from_model} {d.top_p:g})")
+    s.add_argument("--min-p", type=float, help=f"0 = off (default: {from_model} {d.min_p:g})")
+    s.add_argument("--seed", type=int, help=f"sampling seed (default: {d.seed})")
+    s.add_argument(
+        "--max-tokens", type=int, help=f"most tokens to generate, as vLLM's max_tokens (default: {from_model} "
+        f"{d.max_tokens})",
+    )  # fmt: skip
     s.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     s.add_argument(
         "--sampler-order",
         default="hf",
         metavar="ORDER",
-        help="hf, llama.cpp, vllm, or a comma list of temperature,top_k,top_p,min_p (default hf)",
+        help="hf, llama.cpp, vllm, or a comma list of temperature,top_k,top_p,min_p",
     )
     add_request_arguments(parser)
     k = parser.add_argument_group("KV cache")
     k.add_argument("--kv-layout", default="gqa", choices=KV_LAYOUTS)
     k.add_argument(
-        "--kv-dtype",
+        "--kv-cache-dtype",
         default="auto",
         choices=KV_DTYPES + tuple(KV_DTYPE_ALIASES),
-        help="KV storage (fp8 = float8_e4m3fn)",
+        help="KV storage, as vLLM's flag (fp8 = float8_e4m3fn)",
     )
-    k.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    deprecated_alias(k, "--kv-dtype", "--kv-cache-dtype")
+    k.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     add_engine_arguments(k, "kv_budget_mib", "max_num_seqs", "max_num_batched_tokens")
     add_prefix_cache_argument(k)
     parser.add_argument_group("explorer").add_argument(
@@ -80,15 +88,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_prefix_cache_argument(group: argparse._ArgumentGroup) -> None:
-    """`--no-prefix-cache` (shared with serve)."""
+    """`--enable-prefix-caching`/`--no-enable-prefix-caching`, vLLM's names (shared with serve)."""
     group.add_argument(
-        "--no-prefix-cache",
+        "--enable-prefix-caching",
         dest="prefix_cache",
-        action="store_false",
+        action=argparse.BooleanOptionalAction,
         default=argparse.SUPPRESS,  # absent unless given: the engine's default (on) applies
-        help="do not keep finished requests' KV blocks for reuse by prompts that start the same way "
-        "(default: kept, within the KV budget)",
+        help="keep finished requests' KV blocks for reuse by prompts that start the same way "
+        "(default: on, within the KV budget)",
     )
+    deprecated_alias(group, "--no-prefix-cache", "--no-enable-prefix-caching")
 
 
 @dataclass(frozen=True)
@@ -196,7 +205,7 @@ def request_from_args(args: argparse.Namespace, prompt: str, model: ModelFolder 
         min_tokens=min_tokens,
         stop=tuple(args.stop),
         kv_layout=args.kv_layout,
-        kv_dtype=args.kv_dtype,
+        kv_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         tools=extras.tools,
         tool_choice=extras.tool_choice,
@@ -229,7 +238,7 @@ def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCa
     `progress` hears status messages and the stages of a pull and of a first load (download,
     verify, convert, layout, cache) as `PullProgress` events.
     """
-    # torch loads here, not with the flags: `--endpoint` parses them too and never makes a tensor.
+    # torch loads here, not with the flags: `--base-url` parses them too and never makes a tensor.
     from minengine.device import resolve_device
     from minengine.engine.engine import Engine
     from minengine.engine.step_loop import default_limits
@@ -271,7 +280,8 @@ def open_engine(args: argparse.Namespace, model: ModelFolder, progress: StatusCa
     template = getattr(args, "chat_template", None)
     if template:  # --chat-template: every request this engine renders uses it
         engine.tokenizer.use_chat_template_file(Path(template).expanduser())
-    kv_dtype = KV_DTYPE_ALIASES.get(getattr(args, "kv_dtype", "auto"), getattr(args, "kv_dtype", "auto"))
+    kv_dtype = getattr(args, "kv_cache_dtype", "auto")
+    kv_dtype = KV_DTYPE_ALIASES.get(kv_dtype, kv_dtype)
     element = engine.dtype.itemsize if kv_dtype == "auto" else DTYPE_BYTES[kv_dtype]
     one_block = smallest_request_bytes(engine.cfg, getattr(args, "kv_layout", "gqa"), element, block_size)
     check_budget_holds_a_request(engine.scheduler.kv_budget_bytes, one_block, block_size)

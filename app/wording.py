@@ -35,7 +35,7 @@ WORDS: dict[Setting, Words] = {
     Setting.WEIGHTS: Words("--weights"),
     Setting.MAX_TOKENS: Words("--max-tokens"),
     Setting.KV_BUDGET: Words("--kv-budget-mib"),
-    Setting.PREFIX_CACHE_OFF: Words("--no-prefix-cache"),
+    Setting.PREFIX_CACHE_OFF: Words("--no-enable-prefix-caching"),
     Setting.BLOCK_SIZE: Words("--block-size"),
     Setting.MODEL_SAMPLING_DEFAULTS_OFF: Words("--generation-config reqscope"),
     Setting.EXPORT_DIR: Words("--export", placeholder="DIR", key="x"),

@@ -1,7 +1,10 @@
 """Every setting the engine reads from the environment and every probe of the machine, in one place.
 
-Inside minengine only this module reads the environment (`os.environ`) or the machine's files
-under /proc; the modules that act on a setting ask here. Each setting comes back as one record,
+Only this module reads the environment (`os.environ`), in minengine and in the app alike
+(`tests/test_env_reads.py` holds it), and only it reads the machine's files under /proc; the
+modules that act on a setting ask here. `VARIABLES` lists every variable reqscope reads, the
+app's own (the API keys, `COLUMNS`) too, so that `reqscope env` can list them all; `read_env`
+refuses a name missing from it. Each setting comes back as one record,
 `SettingValue`: its value, the value it has when nothing is said (`default`) and where the value
 came from (`source`: the default, a variable of the environment, a flag of the app, or a probe of
 the machine), so the command that lists them, a run's first JSON record and a trace's header can
@@ -47,6 +50,10 @@ GOMP_SPINCOUNT_ENV = "GOMP_SPINCOUNT"
 OMP_NUM_THREADS_ENV = "OMP_NUM_THREADS"
 CPU_CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"
 CACHE_HOME_ENV = "XDG_CACHE_HOME"
+# The app's own.
+SERVE_API_KEY_ENV = "REQSCOPE_API_KEY"
+CLIENT_API_KEY_ENV = "OPENAI_API_KEY"
+COLUMNS_ENV = "COLUMNS"
 
 FLOAT32_KERNELS = ("dense", "onednn", "panels")
 OFF_WORDS = ("0", "false", "no", "off")
@@ -126,8 +133,47 @@ def _default(setting: SettingValue) -> str:
     return f"(default {_text(setting.default)})"
 
 
-def _env(name: str) -> str | None:
+@dataclass(frozen=True)
+class EnvVariable:
+    """One variable of the environment reqscope reads, and what it sets."""
+
+    name: str
+    sets: str
+    secret: bool = False  # a key: `reqscope env` says whether it is set, never its value
+
+
+VARIABLES: tuple[EnvVariable, ...] = (
+    EnvVariable(HOME_ENV, "the folder pulled models are kept in"),
+    EnvVariable(LAYOUT_CACHE_ENV, "which model folders keep a CPU weight layout: auto, 1/all or 0/off"),
+    EnvVariable(ACTIVATIONS_ENV, "what the block formats multiply by: int16, int8 or float32"),
+    EnvVariable(AMX_ENV, "0/off: no AMX tiles for the int16 products"),
+    EnvVariable(FLOAT32_KERNEL_ENV, f"float32's CPU kernel: {', '.join(FLOAT32_KERNELS)}"),
+    EnvVariable(CC_ENV, "the C compiler the kernels are built with"),
+    EnvVariable(OMP_WAIT_POLICY_ENV, "OpenMP's wait policy (unset: reqscope chooses one per verb)"),
+    EnvVariable(GOMP_SPINCOUNT_ENV, "GNU OpenMP's spin count (set: reqscope leaves the wait policy alone)"),
+    EnvVariable(OMP_NUM_THREADS_ENV, "torch's threads (read by torch)"),
+    EnvVariable(CPU_CAPABILITY_ENV, "torch's CPU capability (read by torch)"),
+    EnvVariable(CACHE_HOME_ENV, "the user cache, which holds the models and kernels folders (read by platformdirs)"),
+    EnvVariable(SERVE_API_KEY_ENV, "a bearer token `reqscope serve` requires, beside its --api-key", secret=True),
+    EnvVariable(CLIENT_API_KEY_ENV, "the token `--base-url` and `bench serve` send without --api-key", secret=True),
+    EnvVariable(COLUMNS_ENV, "the width progress lines are drawn to (unset: the terminal's)"),
+)
+_VARIABLE_NAMES = frozenset(v.name for v in VARIABLES)
+
+
+def read_env(name: str) -> str | None:
+    """The variable `name` as this process's environment has it (None: unset); `name` must be in VARIABLES."""
+    if name not in _VARIABLE_NAMES:
+        raise KeyError(f"{name} is not in minengine.settings.VARIABLES; add it there, so `reqscope env` lists it")
     return os.environ.get(name)
+
+
+_env = read_env
+
+
+def variables_now() -> tuple[tuple[EnvVariable, str | None], ...]:
+    """Every variable of VARIABLES with its value now (None: unset), for `reqscope env` to list."""
+    return tuple((v, os.environ.get(v.name)) for v in VARIABLES)
 
 
 # -- the environment ---------------------------------------------------------------------------

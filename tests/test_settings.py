@@ -20,20 +20,11 @@ READ_ATTRIBUTES = {"environ", "environb", "getenv", "putenv", "unsetenv"}  # os'
 PROC_FILES = ("/proc/cpuinfo", "/proc/stat", "/proc/meminfo")
 
 # The files that may read the environment or /proc themselves, and why. Each must still do so
-# (`test_every_exception_is_still_needed`), so a fixed one cannot stay listed.
+# (`test_every_exception_is_still_needed`), so a fixed one cannot stay listed. The app's variables
+# (the API keys, COLUMNS, the bench children's OMP_WAIT_POLICY) are read through `settings.read_env`
+# too; a key is marked secret there, so `reqscope env` never prints it, and no setting carries it.
 EXCEPTIONS = {
     "minengine/settings.py": "the one module that reads them",
-    # A secret is read where it is used, so that it can never reach what `reqscope env`, --json and
-    # a trace's header print.
-    "app/endpoint/target.py": "REQSCOPE_API_KEY, a secret",
-    "app/commands/serve.py": "REQSCOPE_API_KEY, a secret",
-    "app/bench/serve/cli.py": "REQSCOPE_API_KEY, a secret",
-    # The terminal's width as the shell says it, to draw one progress line: not the engine's.
-    "app/console/progress_line.py": "COLUMNS, the terminal's width",
-    # Children that run other engines for the benchmark: they import nothing of minengine before
-    # torch (or llama.cpp) loads, and report the OpenMP policy they were started with.
-    "app/bench/fair/hf_child.py": "OMP_WAIT_POLICY as transformers' child was started with",
-    "app/bench/fair/llama_child.py": "OMP_WAIT_POLICY as llama.cpp's child was started with",
 }
 
 
@@ -207,7 +198,8 @@ def test_env_lists_every_setting_as_text_and_as_json(capsys):
     assert found["settings"]["omp_wait_policy"]["detail"].startswith("chosen here")  # env decodes nothing
     assert cli.main(["env"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("reqscope") and {line.split()[0] for line in lines[1:]} == NAMED
+    setting_lines = lines[1 : lines.index("")]
+    assert lines[0].startswith("reqscope") and {line.split()[0] for line in setting_lines} == NAMED
 
 
 def test_a_trace_keeps_its_settings_and_old_traces_still_read(tmp_path):
@@ -233,3 +225,64 @@ def test_the_json_run_and_its_trace_say_what_they_ran_under(chatty_tiny_dir, cap
     assert all("engine_settings" not in r for r in records if r["event"] == "token")
     header, _ = read_trace(tmp_path / "run" / "request-trace.jsonl")
     assert {s.name: s.record() for s in header.settings} == first["engine_settings"]
+
+
+# -- every variable read is registered, and `reqscope env` lists it ------------------------------
+
+
+READERS = ("read_env", "_env")  # settings' reader, and its own short name for it
+
+
+def _read_env_arguments(source: str, name: str) -> list[tuple[int, str]]:
+    """`(line, what)` for each `read_env(X)` call in `source`: X's constant name, or its literal text."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=name)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in READERS:
+            arg = node.args[0] if node.args else None
+            what = arg.id if isinstance(arg, ast.Name) else arg.attr if isinstance(arg, ast.Attribute) else None
+            found.append((node.lineno, what if what else ast.unparse(arg) if arg is not None else ""))
+    return found
+
+
+def test_every_variable_read_is_one_settings_registers():
+    registered = {v.name for v in settings.VARIABLES}
+    constants = {name: getattr(settings, name) for name in dir(settings) if name.endswith("_ENV")}
+    assert set(constants.values()) == registered, "each *_ENV constant of settings is one of its VARIABLES"
+    wrong = []
+    reads = 0
+    for name, path in _project_files().items():
+        for line, what in _read_env_arguments(path.read_text(), name):
+            reads += 1
+            if constants.get(what) not in registered:
+                wrong.append(f"{name}:{line}: read_env({what})")
+    assert not wrong, "name the variable by a settings *_ENV constant that VARIABLES lists:\n  " + "\n  ".join(wrong)
+    assert reads >= 9  # the settings' own, the two API keys (three readers), COLUMNS and the children's policy
+
+
+def test_read_env_refuses_a_variable_the_registry_lacks(monkeypatch):
+    monkeypatch.setenv("REQSCOPE_NOT_A_SETTING", "1")
+    with pytest.raises(KeyError, match="REQSCOPE_NOT_A_SETTING is not in minengine.settings.VARIABLES"):
+        settings.read_env("REQSCOPE_NOT_A_SETTING")
+    monkeypatch.setenv(settings.COLUMNS_ENV, "77")
+    assert settings.read_env(settings.COLUMNS_ENV) == "77"
+
+
+def test_env_lists_every_variable_and_never_prints_a_key(monkeypatch, capsys):
+    monkeypatch.setenv(settings.CLIENT_API_KEY_ENV, "sk-do-not-print")
+    monkeypatch.delenv(settings.SERVE_API_KEY_ENV, raising=False)
+    monkeypatch.setenv(settings.COLUMNS_ENV, "91")
+    assert cli.main(["env", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "sk-do-not-print" not in out
+    found = json.loads(out)["environment"]
+    assert list(found) == [v.name for v in settings.VARIABLES]
+    assert found[settings.CLIENT_API_KEY_ENV] == {"set": True, "value": None, "sets": found["OPENAI_API_KEY"]["sets"]}
+    assert found[settings.SERVE_API_KEY_ENV]["set"] is False
+    assert found[settings.COLUMNS_ENV]["value"] == "91"
+    assert cli.main(["env"]) == 0
+    text = capsys.readouterr().out
+    assert "sk-do-not-print" not in text
+    listed = text.split("environment variables read:\n", 1)[1].splitlines()
+    assert [line.split()[0] for line in listed] == [v.name for v in settings.VARIABLES]
+    said = {line.split()[0]: line.split()[1] for line in listed}
+    assert (said["OPENAI_API_KEY"], said["REQSCOPE_API_KEY"], said["COLUMNS"]) == ("set", "not", "'91'")

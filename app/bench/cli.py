@@ -23,6 +23,7 @@ from reqscope.argtypes import positive_whole_number as count
 from reqscope.argtypes import whole_number
 from reqscope.bench.fair.peers import PEER_NAMES, PeerChoice, check_names
 from reqscope.engine_flags import add_engine_arguments
+from reqscope.flag_aliases import deprecated_alias
 from reqscope.run_options import DEFAULT_PROMPT
 from reqscope.wording import error_text
 
@@ -34,9 +35,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's flags."""
     add_engine_arguments(parser, "model", "device", "dtype", "weights", "kernels")
     parser.add_argument("--threads", type=count, help="torch threads for both engines (default: torch's own)")
-    parser.add_argument("--rounds", type=count, default=5, help="measured rounds (default 5)")
-    parser.add_argument("--new-tokens", type=count, default=128, help="greedy tokens per decode run (default 128)")
-    parser.add_argument("--long-prompt-tokens", type=count, default=1025, help="long prefill prompt (default 1025)")
+    parser.add_argument("--rounds", type=count, default=5, help="measured rounds")
+    parser.add_argument(
+        "--output-len", type=count, default=128, help="greedy tokens per decode run, as `vllm bench latency`'s flag"
+    )
+    deprecated_alias(parser, "--new-tokens", "--output-len")
+    parser.add_argument("--long-input-len", type=count, default=1025, help="tokens of the long prefill prompt")
+    deprecated_alias(parser, "--long-prompt-tokens", "--long-input-len")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the short chat prompt")
     parser.add_argument(
         "--launches",
@@ -48,7 +53,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--cuda-graph",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="on CUDA, decode through the captured static step (default on)",
+        help="on CUDA, decode through the captured static step",
     )
     parser.add_argument(
         "--peer",
@@ -106,8 +111,8 @@ def config_from_args(args: argparse.Namespace, progress=None) -> BenchConfig:
         weights=args.weights,
         threads=args.threads,
         rounds=args.rounds,
-        new_tokens=args.new_tokens,
-        long_prompt_tokens=args.long_prompt_tokens,
+        new_tokens=args.output_len,
+        long_prompt_tokens=args.long_input_len,
         prompt=args.prompt,
         warm_launches=args.launches,
         cuda_graph=args.cuda_graph,

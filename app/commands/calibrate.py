@@ -54,11 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser, "model", "device", "dtype", "weights", "kernels", dtype_help="weights and compute")
     parser.add_argument(
         "--prompt-lengths", type=_lengths, default=DEFAULT_PROMPT_LENGTHS, metavar="N,N,...",
-        help=f"prefill prompt lengths (default {','.join(map(str, DEFAULT_PROMPT_LENGTHS))})",
+        help=f"prefill prompt lengths (default: {','.join(map(str, DEFAULT_PROMPT_LENGTHS))})",
     )  # fmt: skip
     parser.add_argument(
         "--context-lengths", type=_lengths, default=DEFAULT_CONTEXT_LENGTHS, metavar="N,N,...",
-        help=f"decode context lengths (default {','.join(map(str, DEFAULT_CONTEXT_LENGTHS))})",
+        help=f"decode context lengths (default: {','.join(map(str, DEFAULT_CONTEXT_LENGTHS))})",
     )  # fmt: skip
     parser.add_argument(
         "--repeats", type=positive_whole_number, default=DEFAULT_REPEATS, help="measurements per length"

@@ -2,9 +2,9 @@
 
 Each block is optional and printed only when all of its inputs are given:
 
-* the timeline CSV gives TTFT and E2E; adding --output-tokens gives TPOT and both rates;
-* --layers/--kv-heads/--head-dim/--kv-bytes give KV bytes per token; --input-tokens adds the
-  prompt's KV, and --output-tokens the KV held when the request stops;
+* the timeline CSV gives TTFT and E2E; adding --output-len gives TPOT and both rates;
+* --layers/--kv-heads/--head-dim/--kv-bytes give KV bytes per token; --input-len adds the
+  prompt's KV, and --output-len the KV held when the request stops;
 * --window-seconds/--attempted/--successful/--slo-passing give throughput, goodput, error rate.
 
 Bad input exits with code 2 and one line on stderr.
@@ -21,6 +21,7 @@ from minengine.kv.arithmetic import MIB, kv_bytes_per_token
 from minengine.plan.planner import tokens_at_stop
 from minengine.record.timeline_csv import read_timeline
 from reqscope.argtypes import positive, whole_number
+from reqscope.flag_aliases import deprecated_alias
 from reqscope.wording import error_text
 
 SCOPE = (
@@ -48,11 +49,13 @@ _WINDOW_FLAGS = tuple(name for name, _, _ in _WINDOW_INPUTS)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the calculator's inputs."""
     parser.add_argument("timeline", nargs="?", help="request timeline CSV (event,time_ms,detail)")
-    parser.add_argument("--output-tokens", type=whole_number, help="visible output tokens (O)")
+    parser.add_argument("--output-len", type=whole_number, help="visible output tokens (O), as `vllm bench`'s flag")
+    deprecated_alias(parser, "--output-tokens", "--output-len")
     kv = parser.add_argument_group("KV footprint")
     for name, kind, text in _KV_INPUTS:
         kv.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
-    kv.add_argument("--input-tokens", type=whole_number, help="prompt tokens")
+    kv.add_argument("--input-len", type=whole_number, help="prompt tokens, as `vllm bench`'s flag")
+    deprecated_alias(kv, "--input-tokens", "--input-len")
     window = parser.add_argument_group("system window")
     for name, kind, text in _WINDOW_INPUTS:
         window.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
@@ -74,18 +77,18 @@ def _artifact(args: argparse.Namespace) -> dict[str, object]:
     if _group_given(args, _KV_FLAGS, "KV footprint"):
         per_token = kv_bytes_per_token(args.layers, args.kv_heads, args.head_dim, args.kv_bytes)
         out["kv_bytes_per_token"] = per_token
-        if args.input_tokens is not None:
-            out["prompt_kv_mib"] = per_token * args.input_tokens / MIB
-            if args.output_tokens is not None:
-                stop = tokens_at_stop(args.input_tokens, _at_least_one(args.output_tokens))
+        if args.input_len is not None:
+            out["prompt_kv_mib"] = per_token * args.input_len / MIB
+            if args.output_len is not None:
+                stop = tokens_at_stop(args.input_len, _at_least_one(args.output_len))
                 out["stop_kv_mib"] = per_token * stop / MIB
     if args.timeline is not None:
         timeline = read_timeline(args.timeline)
         s, f, e = timeline.send_ms, timeline.first_token_ms, timeline.last_token_ms
-        if args.output_tokens is None:
+        if args.output_len is None:
             out["ttft_ms"], out["e2e_ms"] = request_latency(s, f, e)
         else:
-            metrics = request_metrics(s, f, e, args.output_tokens)
+            metrics = request_metrics(s, f, e, args.output_len)
             out["ttft_ms"] = metrics.ttft_ms
             out["e2e_ms"] = metrics.e2e_ms
             out["tpot_ms"] = metrics.tpot_ms
@@ -123,5 +126,5 @@ def _group_given(args: argparse.Namespace, names: tuple[str, ...], label: str) -
 
 def _at_least_one(output_tokens: int) -> int:
     if output_tokens < 1:
-        raise MetricsInputError("--output-tokens must be >= 1")
+        raise MetricsInputError("--output-len must be >= 1")
     return output_tokens

@@ -38,6 +38,7 @@ from reqscope.argtypes import (
     positive_whole_number,
     whole_number,
 )
+from reqscope.flag_aliases import deprecated_alias
 from reqscope.wording import error_text, worded
 
 _SHAPE_FLAGS = ("layers", "q_heads", "kv_heads", "head_dim")
@@ -58,19 +59,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--params", type=positive, help="total parameters, e.g. 8.03e9")
     dtypes = parser.add_argument_group("storage")
     dtypes.add_argument(
-        "--kv-dtype",
+        "--kv-cache-dtype",
         choices=KV_DTYPES + ("float8_e4m3fn",),
         type=lambda name: "fp8" if name == "float8_e4m3fn" else name,  # the run flags' name for fp8
-        help="KV cache element type (float8_e4m3fn = fp8)",
+        help="KV cache element type, as vLLM's flag; float8_e4m3fn = fp8 (default: the card's, else bfloat16)",
     )
+    deprecated_alias(dtypes, "--kv-dtype", "--kv-cache-dtype")
     dtypes.add_argument("--weight-dtype", choices=tuple(WEIGHT_BYTES), help="weight element type")
     dtypes.add_argument("--block-size", type=positive_whole_number, help="KV block size, in tokens")
     dtypes.add_argument("--device-memory", help="memory per replica, e.g. 80GB or 141GiB")
     work = parser.add_argument_group("request")
-    work.add_argument("--prompt-tokens", type=whole_number, help="prompt tokens")
+    work.add_argument("--input-len", type=whole_number, help="prompt tokens, as `vllm bench`'s flag")
+    deprecated_alias(work, "--prompt-tokens", "--input-len")
     work.add_argument(
-        "--output-tokens", type=positive_whole_number, help="visible output tokens (O)"
+        "--output-len", type=positive_whole_number, help="visible output tokens (O), as `vllm bench`'s flag"
     )
+    deprecated_alias(work, "--output-tokens", "--output-len")
     timing = parser.add_argument_group("latency model (ms)")
     timing.add_argument("--network-ms", type=non_negative, default=0.0, help="network, both ways")
     timing.add_argument("--queue-ms", type=non_negative, default=0.0, help="queue wait")
@@ -141,14 +145,14 @@ def _inputs(args: argparse.Namespace, arch: Architecture) -> PlanInputs:
         service = ServiceModel.load(args.service_model)
         if prefill_fixed is None and prefill_per_token is None:
             prefill_fixed, prefill_per_token = service.prefill.fixed_ms, service.prefill.per_token_ms
-        if itl is None and args.prompt_tokens is not None and args.output_tokens is not None:
-            itl = service.mean_itl_ms(args.prompt_tokens, args.output_tokens)
+        if itl is None and args.input_len is not None and args.output_len is not None:
+            itl = service.mean_itl_ms(args.input_len, args.output_len)
     return PlanInputs(
-        kv_dtype=args.kv_dtype or _card_dtype(arch.kv_dtype, KV_DTYPES, arch, "kv"),
+        kv_dtype=args.kv_cache_dtype or _card_dtype(arch.kv_dtype, KV_DTYPES, arch, "kv"),
         weight_dtype=args.weight_dtype
         or _card_dtype(arch.weight_dtype, tuple(WEIGHT_BYTES), arch, "weight"),
-        prompt_tokens=args.prompt_tokens,
-        output_tokens=args.output_tokens,
+        prompt_tokens=args.input_len,
+        output_tokens=args.output_len,
         device_memory_bytes=device,
         network_ms=args.network_ms,
         queue_ms=args.queue_ms,
@@ -165,7 +169,7 @@ def _card_dtype(value: str | None, known: tuple[str, ...], arch: Architecture, k
     if value not in known:
         raise PlanInputError(
             f"{arch.name} names {kind} dtype {value!r}, which the planner does not know; "
-            f"pass --{kind}-dtype"
+            f"pass {'--kv-cache-dtype' if kind == 'kv' else '--weight-dtype'}"
         )
     return value
 

@@ -57,15 +57,15 @@ def run(args: argparse.Namespace) -> int:
     """Run one request in the chosen mode; exit code 1 when the request failed."""
     prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     load = LoadOptions.of(args)  # before the model loads: a taken port wastes no load
-    if args.endpoint and load.any:
-        print("reqscope: error: --background and --serve-port load this process's engine; with --endpoint "
+    if args.base_url and load.any:
+        print("reqscope: error: --background and --serve-port load this process's engine; with --base-url "
               "the server is elsewhere (drive it with `reqscope bench serve --base-url`)", file=sys.stderr)
         return 2
-    if args.endpoint and args.chat_template:
-        print("reqscope: error: --chat-template replaces this process's template; with --endpoint the server "
+    if args.base_url and args.chat_template:
+        print("reqscope: error: --chat-template replaces this process's template; with --base-url the server "
               "renders the prompt (start it with its own --chat-template)", file=sys.stderr)
         return 2
-    if args.endpoint:  # --model names the served model, not a folder
+    if args.base_url:  # --model names the served model, not a folder
         from reqscope.endpoint.run import run_endpoint
 
         return run_endpoint(args, request_from_args(args, prompt, None))

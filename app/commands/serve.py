@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from pathlib import Path
 
 from minengine.errors import ReqscopeError
 from minengine.kv.arithmetic import KIB, MIB
 from minengine.sampling.params import SamplingParams
+from minengine.settings import SERVE_API_KEY_ENV, read_env
 from reqscope.argtypes import non_negative, positive, positive_whole_number, whole_number
 from reqscope.engine_flags import add_engine_arguments
+from reqscope.flag_aliases import deprecated_alias
 from reqscope.loopback import listens_on_loopback
 from reqscope.run_options import ModelFolder, add_prefix_cache_argument, open_engine, stderr_progress
 from reqscope.serve.access import LOG_LEVELS, configure_logging
@@ -32,7 +33,6 @@ from reqscope.serve.gateway import GatewayConfig
 from reqscope.serve.runner import serve_forever
 from reqscope.serve.telemetry import TelemetryLog
 
-API_KEY_ENV = "REQSCOPE_API_KEY"
 # KV pages written at start (on the CPU): 32 streams of about 360 tokens each with the default
 # model's float32 KV (`Engine.prefault_kv`; docs/serving.md, "Pages written at start").
 RESIDENT_KV_BYTES = 512 * MIB
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_prefix_cache_argument(m)
     m.add_argument(
-        "--sampler-order", default="vllm", metavar="ORDER", help="hf, llama.cpp, vllm or a comma list (default vllm)"
+        "--sampler-order", default="vllm", metavar="ORDER", help="hf, llama.cpp, vllm or a comma list"
     )
     m.add_argument(
         "--chat-template",
@@ -63,39 +63,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="refuse tools when the template has no tool syntax (default: reqscope writes its own tools block)",
     )
     m.add_argument(
-        "--default-max-tokens",
+        "--max-tokens",
         type=positive_whole_number,
         default=256,
-        help="chat max_tokens when a request omits it (default %(default)s)",
+        help="the max_tokens of a request that sets none (`reqscope run` and vLLM's clients call a request's own "
+        "limit --max-tokens too)",
     )
+    deprecated_alias(m, "--default-max-tokens", "--max-tokens")
     n = parser.add_argument_group("network")
-    n.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    n.add_argument("--port", type=whole_number, default=8000, help="port (default 8000; 0 picks a free one)")
+    n.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    n.add_argument("--port", type=whole_number, default=8000, help="port (0 picks a free one)")
     g = parser.add_argument_group("gateway")
     g.add_argument(
         "--api-key",
         action="append",
         default=[],
         metavar="KEY",
-        help=f"require this bearer token (repeatable; also ${API_KEY_ENV})",
+        help=f"require this bearer token (repeatable; also ${SERVE_API_KEY_ENV})",
     )
     g.add_argument(
         "--rate-limit",
         type=non_negative,
         default=0.0,
-        help="requests per minute per key (0 = off, the default: a load tool's burst is not refused)",
+        help="requests per minute per key (0 = off: a load tool's burst is not refused)",
     )
     g.add_argument(
         "--rate-burst",
         type=positive_whole_number,
         default=20,
-        help="requests allowed at once per key (default %(default)s)",
+        help="requests allowed at once per key",
     )
     g.add_argument(
         "--max-body-kib",
         type=positive_whole_number,
         default=1024,
-        help="largest request body in KiB (default %(default)s)",
+        help="largest request body in KiB",
     )
     g.add_argument(
         "--max-queue",
@@ -112,19 +114,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("--write-timeout", limits.write_timeout_s, "a streamed response may wait for a client that stopped reading; "
          "then the connection is closed and its request cancelled"),
     ):  # fmt: skip
-        c.add_argument(flag, type=positive, default=default, metavar="S", help=f"seconds {text} (default %(default)g)")
+        c.add_argument(flag, type=positive, default=default, metavar="S", help=f"seconds {text}")
     c.add_argument(
         "--max-connections",
         type=positive_whole_number,
         default=limits.max_connections,
-        help="open connections at once; requests on any beyond get 503 and are closed (default %(default)s)",
+        help="open connections at once; requests on any beyond get 503 and are closed",
     )
     parser.add_argument("--telemetry", metavar="FILE", help="append one JSON telemetry line per finished request")
     parser.add_argument(
         "--log-level",
         default="info",
         choices=LOG_LEVELS,
-        help="log on stderr from this level up; info includes one access line per request (default %(default)s)",
+        help="log on stderr from this level up; info includes one access line per request",
     )
 
 
@@ -133,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     if args.port > 65535:
         print(f"reqscope: error: --port {args.port} is not a TCP port (0-65535)", file=sys.stderr)
         return 2
-    keys = _api_keys(args.api_key, os.environ.get(API_KEY_ENV, ""))
+    keys = _api_keys(args.api_key, read_env(SERVE_API_KEY_ENV) or "")
     if isinstance(keys, str):
         print(f"reqscope: error: {keys}", file=sys.stderr)
         return 2
@@ -161,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
             loopback_hosts_only=not keys and listens_on_loopback(args.host),
         ),
         sampler_order=order,
-        default_max_tokens=args.default_max_tokens,
+        default_max_tokens=args.max_tokens,
         generic_tools=args.generic_tools,
         max_queue=args.max_queue,
         limits=ConnectionLimits(
@@ -203,7 +205,7 @@ def _api_keys(flags: list[str], env: str) -> frozenset[str] | str:
     """
     given = [(key, "--api-key", "leave the flag out") for key in flags]
     if env:
-        given.append((env, f"${API_KEY_ENV}", "unset it"))
+        given.append((env, f"${SERVE_API_KEY_ENV}", "unset it"))
     for key, where, keyless in given:
         if not key.strip():
             return f"{where} is empty (an unset shell variable?); give a key, or {keyless} to serve without one"

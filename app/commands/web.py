@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 from minengine.errors import ReqscopeError
 from reqscope.argtypes import positive_whole_number, whole_number
+from reqscope.flag_aliases import is_alias
 from reqscope.loopback import host_header_names_loopback, listens_on_loopback
 from reqscope.run_options import (
     DEFAULT_PROMPT,
@@ -42,15 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", default=None, help=f"the user message (default: {DEFAULT_PROMPT!r})")
     n = parser.add_argument_group("network")
     n.add_argument(
-        "--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST}: this machine only)"
+        "--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST}, this machine only)"
     )
-    n.add_argument("--port", type=whole_number, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    n.add_argument("--port", type=whole_number, default=DEFAULT_PORT, help="port")
     n.add_argument(
         "--max-sessions",
         type=positive_whole_number,
         default=DEFAULT_MAX_SESSIONS,
         help="open pages at once: each runs its own explorer process with its own copy of the model "
-        f"(default {DEFAULT_MAX_SESSIONS}; the default model takes about 0.8 GiB a session)",
+        "(the default model takes about 0.8 GiB a session)",
     )
     parser.add_argument(
         "--paused", action="store_true", help="each session holds before the first token (s steps, space runs)"
@@ -121,7 +122,7 @@ def run_flags(args: argparse.Namespace, **overrides: object) -> list[str]:
     add_run_arguments(shared)
     words: list[str] = []
     for action in shared._actions:
-        if not action.option_strings:
+        if not action.option_strings or is_alias(action):  # an old name passes its value on under the new one
             continue
         value = overrides.get(action.dest, getattr(args, action.dest, action.default))
         if value == action.default:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from minengine.progress import BYTES, PullProgress
+from minengine.settings import COLUMNS_ENV, read_env
 
 _REFRESH_S = 0.1
 _BAR_CELLS = 20
@@ -103,8 +104,8 @@ def _is_terminal(stream: TextIO) -> bool:
 def _columns(stream: TextIO) -> int:
     """The width of the terminal `stream` writes to (stdout may be redirected while stderr is not)."""
     try:
-        return int(os.environ["COLUMNS"])
-    except (KeyError, ValueError):
+        return int(read_env(COLUMNS_ENV) or "")
+    except ValueError:  # unset, or not a number
         pass
     try:
         return os.get_terminal_size(stream.fileno()).columns

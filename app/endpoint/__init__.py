@@ -1,1 +1,1 @@
-"""`reqscope --endpoint URL`: one request against any OpenAI-compatible server, timed from the client."""
+"""`reqscope --base-url URL`: one request against any OpenAI-compatible server, timed from the client."""

@@ -1,4 +1,4 @@
-"""The planner's KV figures for a model served elsewhere (`--endpoint ... --config MODEL`).
+"""The planner's KV figures for a model served elsewhere (`--base-url ... --card MODEL`).
 
 An OpenAI-compatible endpoint does not expose its engine's cache, so per-layer KV cannot be
 observed from the client. Given the model's shape (an architecture card name, a model folder or
@@ -25,7 +25,7 @@ def architecture_for(ref: str) -> Architecture:
     path = Path(ref).expanduser()
     if path.exists():
         return Architecture.from_config(ModelConfig.from_file(path), name=path.resolve().name)
-    raise ConfigError(f"--config {ref!r} is neither a card ({', '.join(cards)}) nor a model folder or config.json")
+    raise ConfigError(f"--card {ref!r} is neither a card ({', '.join(cards)}) nor a model folder or config.json")
 
 
 def planned_kv(arch: Architecture, prompt_tokens: int | None = None, output_tokens: int | None = None) -> Plan:

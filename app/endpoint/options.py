@@ -1,32 +1,42 @@
-"""The flags of endpoint mode (`reqscope --endpoint URL`), kept apart so parsing imports no HTTP code."""
+"""The flags of endpoint mode (`reqscope --base-url URL`), kept apart so parsing imports no HTTP code.
+
+`--base-url` is the OpenAI client's and `vllm bench serve`'s name for the server's address (on
+`bench serve`, `--endpoint` is the route, as in vLLM); `--card` names the served model's shape as
+`reqscope plan --card` does. The old `--endpoint URL` and `--config MODEL` still work, with a warning.
+"""
 
 from __future__ import annotations
 
 import argparse
 
 from minengine.engine.request import GenerationRequest
+from minengine.settings import CLIENT_API_KEY_ENV
 from reqscope.argtypes import non_negative, whole_number
 from reqscope.endpoint.controls import PENALTIES, OutputControls
+from reqscope.flag_aliases import deprecated_alias
 
-API_KEY_ENV = "OPENAI_API_KEY"
 DEFAULT_POLL_MS = 500.0  # twice a second: the batch's changes show, and the server barely notices
 
 
 def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    """--endpoint, --api-key, --new-connection, --config and --logprobs/--no-logprobs."""
+    """--base-url, --api-key, --new-connection, --card, --logprobs/--no-logprobs, --poll-ms and --otlp-listen."""
     e = parser.add_argument_group(
         "endpoint (run against an OpenAI-compatible server)",
-        "With --endpoint, a sampling flag not given (temperature, top-k, top-p, min-p, seed, max-tokens) "
+        "With --base-url, a sampling flag not given (temperature, top-k, top-p, min-p, seed, max-tokens) "
         "is left out of the request, so the server's default applies.",
     )
     e.add_argument(
-        "--endpoint", metavar="URL", help="server base URL, e.g. http://127.0.0.1:8000/v1 (--model is then its name)"
-    )
-    e.add_argument("--api-key", metavar="KEY", help=f"bearer token for the endpoint (default: ${API_KEY_ENV})")
+        "--base-url", metavar="URL", help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1: run the "
+        "request there (--model is then the served model's name)",
+    )  # fmt: skip
+    deprecated_alias(e, "--endpoint", "--base-url")
+    e.add_argument("--api-key", metavar="KEY", help=f"bearer token for the server (default: ${CLIENT_API_KEY_ENV})")
     e.add_argument("--new-connection", action="store_true", help="open a fresh connection for the request")
     e.add_argument(
-        "--config", metavar="MODEL", help="card name, model folder or config.json: planner KV for the served model"
-    )
+        "--card", metavar="MODEL", help="the served model's shape, for the planner's KV figures: a card name "
+        "(`reqscope plan --list-cards`), model folder or config.json",
+    )  # fmt: skip
+    deprecated_alias(e, "--config", "--card")
     # Off by default: computing logprobs slows some servers several times over, which would
     # disturb the very latency this mode measures.
     e.add_argument(
@@ -37,15 +47,16 @@ def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
         "this can slow the server, and the outputs say so (default: off)",
     )
     e.add_argument(
-        "--no-logprobs", dest="logprobs", action="store_const", const=None, help="do not ask for logprobs (the default)"
-    )
+        "--no-logprobs", dest="logprobs", action="store_const", const=None,
+        help="ask for no logprobs, undoing an earlier --logprobs (default: none asked)",
+    )  # fmt: skip
     e.add_argument(
         "--poll-ms",
         type=non_negative,
         default=DEFAULT_POLL_MS,
         metavar="MS",
         help="read the server's /metrics (and llama-server's /slots) this often while the request runs, to show "
-        f"the batch around it; each read's cost is shown (0: never; default: {DEFAULT_POLL_MS:.0f})",
+        "the batch around it; each read's cost is shown (0: never)",
     )
     e.add_argument(
         "--otlp-listen",

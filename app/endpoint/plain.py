@@ -235,7 +235,7 @@ def logprobs_cost_line(r: ev.EndpointResult, settings: RequestSettings) -> str:
 
 def _kv_line(plan: Plan | None, planner_asked: bool) -> str:
     if plan is None:
-        hint = "" if planner_asked else " (pass --config MODEL for the planner's figures)"
+        hint = "" if planner_asked else " (pass --card MODEL for the planner's figures)"
         return f"KV        not exposed by the endpoint{hint}"
     mem = plan.memory
     return (

@@ -1,4 +1,4 @@
-"""`reqscope --endpoint URL`: one request against an OpenAI-compatible server, in plain or JSON mode.
+"""`reqscope --base-url URL`: one request against an OpenAI-compatible server, in plain or JSON mode.
 
 The client first lists the server's models (which checks the URL and the key, picks the model
 when `--model` is not given, and opens the connection the request then reuses unless
@@ -26,8 +26,8 @@ from reqscope.endpoint.trace import EndpointTraceHeader, write_endpoint_trace
 
 
 def run_endpoint(args: argparse.Namespace, request: GenerationRequest) -> int:
-    """Run `request` against args.endpoint; exit code 1 when the request failed, 2 for bad flags."""
-    arch = architecture_for(args.config) if args.config else None
+    """Run `request` against args.base_url; exit code 1 when the request failed, 2 for bad flags."""
+    arch = architecture_for(args.card) if args.card else None
     if not (args.plain or args.json) and sys.stdout.isatty():
         if args.export:  # the explorer exports on `x`, each request to a new folder; never drop the flag silently
             print("reqscope: error: --export works with --plain or --json; in the explorer press x", file=sys.stderr)

@@ -10,14 +10,14 @@ client importing them back.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 
 import aiohttp
 
 from minengine.errors import ReqscopeError
+from minengine.settings import CLIENT_API_KEY_ENV, read_env
 from reqscope.endpoint.client import EndpointClient
-from reqscope.endpoint.options import API_KEY_ENV, DEFAULT_POLL_MS
+from reqscope.endpoint.options import DEFAULT_POLL_MS
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,9 @@ class EndpointTarget:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EndpointTarget:
         """The target the endpoint flags name; without --api-key, the key comes from $OPENAI_API_KEY."""
-        api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+        api_key = args.api_key or read_env(CLIENT_API_KEY_ENV) or None
         return cls(
-            args.endpoint,
+            args.base_url,
             api_key=api_key,
             model=args.model,
             new_connection=args.new_connection,
@@ -62,7 +62,7 @@ async def model_name(client: EndpointClient, target: EndpointTarget) -> str:
         names = await client.models()
     except aiohttp.ClientResponseError as exc:
         if exc.status in (401, 403):
-            message = f"{endpoint} refused the API key ({exc.message}); pass --api-key or set {API_KEY_ENV}"
+            message = f"{endpoint} refused the API key ({exc.message}); pass --api-key or set {CLIENT_API_KEY_ENV}"
             raise ReqscopeError(message) from None
         names = ()  # some servers have no /models; the request itself will tell
     except ValueError:  # a body that is not the JSON model list

@@ -1,6 +1,6 @@
 """An endpoint request as a trace file: every client event, the server's view included, and back.
 
-`reqscope --endpoint URL --plain/--json --export DIR` and the explorer's `x` write one;
+`reqscope --base-url URL --plain/--json --export DIR` and the explorer's `x` write one;
 `reqscope replay FILE` opens it in the endpoint explorer, where every panel (the client's
 timeline, the server's split of TTFT, its batch poll by poll, its tokens) draws as it did live.
 The records use the engine trace's generic encoding (`minengine.record.trace_io`), with a header
@@ -67,7 +67,7 @@ def read_endpoint_trace(path: str | Path) -> tuple[EndpointTraceHeader, list[ev.
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise NotATraceError(f"{path} is not an endpoint trace ({exc})") from None
     if not records or not isinstance(records[0], dict) or records[0].get("type") != HEADER_TYPE:
-        raise NotATraceError(f"{path} is not an endpoint trace (write one with --endpoint URL --export DIR)")
+        raise NotATraceError(f"{path} is not an endpoint trace (write one with --base-url URL --export DIR)")
     try:
         header = decode_value(EndpointTraceHeader, records[0])
         events = []

@@ -8,7 +8,7 @@ from textual.binding import Binding
 
 LIVE = "live"
 REPLAY = "replay"
-ENDPOINT = "endpoint"  # the endpoint explorer (`--endpoint URL`): its own app, keys and panels
+ENDPOINT = "endpoint"  # the endpoint explorer (`--base-url URL`): its own app, keys and panels
 BOTH = frozenset({LIVE, REPLAY})
 LIVE_ONLY = frozenset({LIVE})
 REPLAY_ONLY = frozenset({REPLAY})

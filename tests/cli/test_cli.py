@@ -8,6 +8,7 @@ import re
 import pytest
 
 from reqscope import cli
+from reqscope.flag_aliases import is_alias
 
 
 def test_version_names_the_installed_package(capsys):
@@ -37,8 +38,8 @@ def test_help_shows_every_options_default_and_examples(verb):
     assert "examples:" in text and cli.EXAMPLES[verb][0] in text
     formatter = parser._get_formatter()
     for action in parser._actions:
-        if not action.option_strings or isinstance(action, argparse._HelpAction):
-            continue
+        if not action.option_strings or isinstance(action, argparse._HelpAction) or is_alias(action):
+            continue  # an old name is hidden from help; its new one shows the default
         shown = formatter._get_help_string(action)
         assert "default" in shown, f"{verb} {action.option_strings[0]}: no default in {shown!r}"
     assert not re.search(r"default: None\b", text)
@@ -53,10 +54,10 @@ def test_vllm_names_for_dtypes_are_accepted():
     cpu = torch.device("cpu")
     assert resolve_dtype("half", cpu) == torch.float16 and resolve_dtype("float", cpu) == torch.float32
     assert GenerationRequest.from_prompt("hi", kv_dtype="fp8").kv_dtype == "float8_e4m3fn"
-    run = cli.build_parser("run").parse_args(["--kv-dtype", "fp8", "--dtype", "half", "hi"])
-    assert (run.kv_dtype, run.dtype) == ("fp8", "half")
-    plan = cli.build_parser("plan").parse_args(["smollm2-135m-instruct", "--kv-dtype", "float8_e4m3fn"])
-    assert plan.kv_dtype == "fp8"
+    run = cli.build_parser("run").parse_args(["--kv-cache-dtype", "fp8", "--dtype", "half", "hi"])
+    assert (run.kv_cache_dtype, run.dtype) == ("fp8", "half")
+    plan = cli.build_parser("plan").parse_args(["smollm2-135m-instruct", "--kv-cache-dtype", "float8_e4m3fn"])
+    assert plan.kv_cache_dtype == "fp8"
 
 
 @pytest.mark.parametrize(

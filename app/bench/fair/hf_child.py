@@ -9,14 +9,13 @@ greedy `generate()` on the given prompt ids, with a streamer that writes one lin
 stdout as generate() hands it over. The parent stamps those lines on arrival (`pipes`). Nothing
 here times the decode itself; the child's own clock only gives the request-to-first-token time.
 
-This module imports nothing from minengine before torch loads (nothing that could set an
-OpenMP policy), and reports the policy it was started with.
+Before torch loads, this module imports from minengine only `settings`, which reads the
+environment and sets nothing (no OpenMP policy), and it reports the policy it was started with.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -31,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-    policy = os.environ.get("OMP_WAIT_POLICY") or "not set"  # before torch loads its OpenMP runtime
+    from minengine.settings import OMP_WAIT_POLICY_ENV, read_env  # stdlib only: sets no policy
+
+    policy = read_env(OMP_WAIT_POLICY_ENV) or "not set"  # before torch loads its OpenMP runtime
 
     from reqscope.bench.fair.pipes import ChildEnvironment, emit  # stdlib only: safe before torch
 

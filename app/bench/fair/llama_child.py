@@ -13,7 +13,6 @@ arrival (`pipes`), exactly as it does for the other sides.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -27,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--eos", default="", help="end-of-sequence ids, comma-separated (stop there)")
     args = parser.parse_args(argv)
-    policy = os.environ.get("OMP_WAIT_POLICY") or "not set"
+    from minengine.settings import OMP_WAIT_POLICY_ENV, read_env  # stdlib only: sets no policy
+
+    policy = read_env(OMP_WAIT_POLICY_ENV) or "not set"
 
     from reqscope.bench.fair.pipes import ChildEnvironment, emit  # stdlib only
 

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -22,6 +21,7 @@ from urllib.parse import urlsplit
 from minengine.errors import ReqscopeError
 from minengine.hub.pull import default_model_dir
 from minengine.progress import PullProgress
+from minengine.settings import CLIENT_API_KEY_ENV, read_env
 from reqscope.argtypes import non_negative, positive, positive_whole_number, whole_number
 from reqscope.bench.serve.arrivals import send_offsets
 from reqscope.bench.serve.load import LoadPlan, run_load
@@ -30,7 +30,6 @@ from reqscope.bench.serve.response_format import FORMATS, json_schema_file, stru
 from reqscope.bench.serve.stream import CHAT_SUFFIX, RequestTarget
 from reqscope.bench.serve.summary import BenchSetup, result_dict, summarize, summary_block
 from reqscope.console.progress_line import ProgressLine
-from reqscope.endpoint.options import API_KEY_ENV
 from reqscope.endpoint.settings import token_limit_field
 from reqscope.endpoint.target import EndpointTarget, model_name
 
@@ -74,7 +73,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the route: {' or '.join(ENDPOINTS)}",
     )
     t.add_argument("--model", metavar="NAME", help="the model the requests name (default: the first the server lists)")
-    t.add_argument("--api-key", metavar="KEY", help=f"bearer token (default: ${API_KEY_ENV})")
+    t.add_argument("--api-key", metavar="KEY", help=f"bearer token (default: ${CLIENT_API_KEY_ENV})")
     t.add_argument(
         "--timeout", metavar="S", type=positive, default=600.0, help="seconds without new bytes before a request fails"
     )
@@ -99,8 +98,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="send ignore_eos, so each request generates --output-len tokens (vLLM, llama-server and reqscope "
-        "serve take it; default: on, but off with --response-format: a structured answer ends where its JSON does)",
+        help="send ignore_eos, so each request generates --output-len tokens, as vLLM, llama-server and reqscope "
+        "serve take it (default: on, but off with --response-format: a structured answer ends where its JSON does)",
     )
     d.add_argument(
         "--temperature", metavar="T", type=non_negative, default=0.0, help="sampling temperature sent (0: greedy)"
@@ -192,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
 def plan_from_args(args: argparse.Namespace) -> tuple[BenchSetup, LoadPlan]:
     """What the flags ask for, and the requests that do it (the model is asked of the server when not given)."""
     url = route_url(args.base_url, args.endpoint)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = args.api_key or read_env(CLIENT_API_KEY_ENV) or None
     try:
         structured = structured_from_flags(args.response_format, args.json_schema)
     except ValueError as exc:

@@ -1,4 +1,4 @@
-"""The explorer as a client of an OpenAI-compatible server (`reqscope --endpoint URL`).
+"""The explorer as a client of an OpenAI-compatible server (`reqscope --base-url URL`).
 
 Only what crosses the wire can be shown: the client's timeline (connection, first byte, first
 token, every chunk), its TTFT/ITL/TPOT/E2E, the text chunk by chunk, the top logprobs when asked
@@ -7,7 +7,7 @@ for (off by default: they can slow the server, and when on, the cost is shown) a
 carries only the settings the user gave (`RequestSettings`); the rest are the server's defaults.
 What needs the engine's inside (per-layer KV, the logits, the sampler's cuts, pausing
 between tokens) is not observable here; the panels say so, and the KV panel shows the planner's
-computed figures when `--config` names the model's shape.
+computed figures when `--card` names the model's shape.
 
 The client runs on its own thread (see `endpoint_worker`); events reach this thread through the
 request's inbox and one `RunProgress` message per burst, and repaints are paced as in the
@@ -290,7 +290,7 @@ class EndpointApp(ExplorerBase):
 
     def _can_send(self) -> bool:
         if self.replay is not None:
-            self.notify("a replay: nothing to send (reqscope --endpoint URL sends the request)")
+            self.notify("a replay: nothing to send (reqscope --base-url URL sends the request)")
             return False
         if self.worker is None or not self.model:
             self.notify("not connected" + (f": {self.load_error}" if self.load_error else ""))

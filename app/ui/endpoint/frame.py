@@ -28,7 +28,7 @@ class EndpointFrame:
     request: GenerationRequest  # the request on screen: its messages (its sampling is not what was sent)
     state: str  # "connecting", "waiting", "streaming", "cancelled", "error" or the finish reason
     cursor: int | None = None  # the chunk the logprobs panel explains; None follows the newest
-    arch: Architecture | None = None  # the served model's shape, from --config, for the planner's KV
+    arch: Architecture | None = None  # the served model's shape, from --card, for the planner's KV
     new_connection: bool = False  # --new-connection: every request opens its own connection
     settings: RequestSettings = RequestSettings()  # what the request on screen was sent with (None: server default)
     next_settings: RequestSettings | None = None  # changed settings, waiting for the next send

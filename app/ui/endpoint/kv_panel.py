@@ -1,7 +1,7 @@
 """The KV cache of a model served elsewhere: not observable from the client, computed by the planner instead.
 
 An OpenAI-compatible endpoint keeps its cache inside its engine; nothing on the wire says how
-big it is or how it is laid out. With `--config` naming the served model's shape, the planner's
+big it is or how it is laid out. With `--card` naming the served model's shape, the planner's
 formula (2 x layers x KV heads x head dim x bytes per element, per token) gives what the cache
 logically holds for the tokens counted so far, and what the same model would hold with MHA.
 Every figure here is computed, and the panel says so.
@@ -24,7 +24,7 @@ from reqscope.wording import error_text
 
 
 class EndpointKVPanel(Panel[EndpointFrame]):
-    """Why per-layer KV is not shown, then the planner's figures for --config, GQA against MHA."""
+    """Why per-layer KV is not shown, then the planner's figures for --card, GQA against MHA."""
 
     TITLE = "KV cache (computed, not observed)"
     WAITING = "sending…"
@@ -34,7 +34,7 @@ class EndpointKVPanel(Panel[EndpointFrame]):
                  Text("(the cache lives inside the server's engine)", style="dim", no_wrap=True, overflow="ellipsis")]
         if frame.arch is None:
             lines.append(Text(
-                "pass --config MODEL (a card name, a model folder or a config.json) for the planner's computed KV",
+                "pass --card MODEL (a card name, a model folder or a config.json) for the planner's computed KV",
                 style="dim",
             ))
             return Group(*lines)

@@ -1,4 +1,4 @@
-"""Entry point from the command line into the endpoint explorer (`--endpoint URL` on a terminal)."""
+"""Entry point from the command line into the endpoint explorer (`--base-url URL` on a terminal)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from reqscope.ui.outcome import endpoint_outcome
 
 
 def launch_endpoint_explorer(args: argparse.Namespace, request: GenerationRequest, arch: Architecture | None) -> int:
-    """Open the endpoint explorer on `request` against args.endpoint (`--endpoint URL`).
+    """Open the endpoint explorer on `request` against args.base_url (`--base-url URL`).
 
     As with the engine explorer, one line on stderr keeps the last request's outcome after
     the screen closes, and the exit code is 1 when the server could not be used or the last
