@@ -14,7 +14,6 @@ from pathlib import Path
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
-INLINE_CODE = re.compile(r"(`+)(?:(?!\1).)+?\1")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 
 
@@ -28,16 +27,40 @@ class Link:
     anchor: str  # after '#', empty when there is none
 
 
+def _blank_code_spans(line: str, opener: str) -> tuple[str, str]:
+    """`line` without its inline code; `opener` is the backtick run of a span still open from the line
+    before ('' when none), and the one still open at the line's end is returned with the text."""
+    kept, i = [], 0
+    while i < len(line):
+        if line[i] != "`":
+            if not opener:
+                kept.append(line[i])
+            i += 1
+            continue
+        run = len(line[i:]) - len(line[i:].lstrip("`"))
+        ticks = line[i : i + run]
+        if not opener:
+            opener = ticks
+        elif ticks == opener:
+            opener = ""
+        i += run
+    return "".join(kept), opener
+
+
 def prose_lines(page: Path) -> list[tuple[int, str]]:
-    """The page's lines outside code blocks, numbered from 1, with inline code spans blanked."""
-    lines, in_fence = [], False
+    """The page's lines outside code blocks, numbered from 1, with inline code spans (which may run on
+    to the next line, as a paragraph's do) left out."""
+    lines, in_fence, opener = [], False, ""
     for number, line in enumerate(page.read_text().splitlines(), start=1):
         if FENCE.match(line):
-            in_fence = not in_fence
+            in_fence, opener = not in_fence, ""
             continue
         if in_fence or line.startswith("    ") and not line.lstrip().startswith(("-", "*", "|")):
             continue
-        lines.append((number, INLINE_CODE.sub("", line)))
+        if not line.strip():
+            opener = ""  # a code span never crosses a blank line
+        text, opener = _blank_code_spans(line, opener)
+        lines.append((number, text))
     return lines
 
 
