@@ -29,9 +29,8 @@ from minengine.kv.prefix_cache import KVIdentity, PrefixCache
 from minengine.kv.usage import PoolUsage
 from minengine.model.transformer import Transformer
 from minengine.progress import ProgressCallback
-from minengine.reference.model import ReferenceModel
-from minengine.reference.runner import ReferenceRunner, reference_weights
 from minengine.steps.model_runner import ModelRunner
+from minengine.steps.reference_runner import EngineReferenceModel, ReferenceRunner, reference_weights
 from minengine.text.tokenizer import ModelTokenizer
 from minengine.threads import model_thread
 
@@ -125,10 +124,11 @@ class Engine:
 
     def _load(
         self, progress: ProgressCallback | None, cuda_graph: bool
-    ) -> tuple[Transformer | ReferenceModel, ModelRunner | ReferenceRunner]:
+    ) -> tuple[Transformer | EngineReferenceModel, ModelRunner | ReferenceRunner]:
         """The model and the runner requests make caches and run steps through."""
         if self.kernels == "reference":
-            reference = ReferenceModel(self.cfg, load_state_dict(self.model_dir, self.cfg, self.dtype, self.device))
+            state = load_state_dict(self.model_dir, self.cfg, self.dtype, self.device)
+            reference = EngineReferenceModel(self.cfg, state)
             return reference, ReferenceRunner(reference)
         model = Transformer.load(self.model_dir, self.cfg, self.dtype, self.device, progress, packs=self.weights.packs)
         model.rope.ensure(min(self.cfg.max_position_embeddings, 4096))

@@ -16,6 +16,7 @@ from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.ops import decode_attention
 from minengine.model.transformer import Transformer
 from minengine.reference.model import ReferenceModel
+from minengine.steps.reference_runner import reference_forward
 from minengine.threads import OneThread
 
 
@@ -32,16 +33,6 @@ class ReadingAttention:
             return decode_attention(q[0], keys[0], values[0], self.scale).view(1, -1)
 
 
-class ReadingCache:
-    """A cache that answers `update` by reading what it already holds, for the reference model's forward."""
-
-    def __init__(self, cache: KVCache | PagedKVCache) -> None:
-        self.cache = cache
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cache.read(layer, start + k.shape[2])
-
-
 @torch.inference_mode()
 def recompute_step(
     model: Transformer | ReferenceModel,
@@ -53,7 +44,7 @@ def recompute_step(
     """The step that fed `token` at `position` again, shown to `observer`; its logits [vocab] (float32)."""
     if isinstance(model, ReferenceModel):
         ids = torch.tensor([token], device=model.device)
-        return model.forward(ids, position, ReadingCache(cache), observer=observer)
+        return reference_forward(model, ids, position, cache, observer=observer, writes=False)
     x = model.embed_tokens(torch.tensor([token], device=model.device))
     cos, sin = model.rope.lookup_signed(position, 1)
     attention = ReadingAttention(cache, position + 1, observer, model.scale)

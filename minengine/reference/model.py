@@ -7,7 +7,8 @@ The engine's fast paths (`minengine.model`) compute the same function faster, an
 each of them against this file.
 
 Shapes in the comments: T tokens in this call, S positions in the cache after it, H hidden size,
-Hq query heads, Hkv key/value heads, d head size, V vocabulary.
+Hq query heads, Hkv key/value heads, d head size, V vocabulary. Positions come first everywhere,
+[T, heads, d], the KV cache's [S, Hkv, d] included: nothing is laid out for a kernel.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -85,15 +85,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
     """Causal attention of queries q [T, Hq, d] at positions [start, start+T) over every cached
-    position keys/values [H, S, d]; returns [T, Hq, d].
+    position keys/values [S, H, d]; returns [T, Hq, d].
 
     H is Hkv (grouped-query attention: each key/value head serves Hq/Hkv query heads) or Hq
     (a cache that stored them expanded); the keys are repeated up to the query heads first.
     """
     T, hq, d = q.shape
-    repeat = hq // keys.shape[0]
-    keys = keys.repeat_interleave(repeat, dim=0)  # [Hq, S, d]: query head h reads KV head h // repeat
-    values = values.repeat_interleave(repeat, dim=0)
+    repeat = hq // keys.shape[1]
+    keys = keys.repeat_interleave(repeat, dim=1).transpose(0, 1)  # [Hq, S, d]: query head h reads KV head h // repeat
+    values = values.repeat_interleave(repeat, dim=1).transpose(0, 1)
     q = q.transpose(0, 1)  # [Hq, T, d]
     scores = q @ keys.transpose(1, 2) * d**-0.5  # [Hq, T, S]: every query against every key, over sqrt(d)
     S = keys.shape[1]
@@ -107,33 +107,18 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: 
 # -- the KV cache -------------------------------------------------------------------------------
 
 
-class KVStore(Protocol):
-    """What attention needs of a KV cache: store this step's k/v and hand back every position's.
-
-    The engine's caches (`minengine.kv.cache.KVCache`, `minengine.kv.paged_cache.PagedKVCache`)
-    answer the same call, which is how this model runs inside the engine.
-    """
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k/v [1, Hkv, T, d] at positions [start, start+T) of `layer`; K and V for
-        positions [0, start+T), [1, H, S, d]."""
-        ...
-
-
 class PlainKVCache:
-    """The simplest KV cache: per layer, one [1, Hkv, capacity, d] tensor each for K and V."""
+    """The simplest KV cache: per layer, the K and V of every position so far, [S, Hkv, d] each."""
 
-    def __init__(self, cfg: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+    def __init__(self, layers: int, empty: torch.Tensor) -> None:
+        self.k, self.v = [empty] * layers, [empty] * layers
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`KVStore.update`: write in place, read back the filled prefix."""
-        end = start + k.shape[2]
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        """Store k/v [T, Hkv, d] as positions [start, start+T) of `layer` (dropping any from
+        `start` on); return K and V of positions [0, start+T), [S, Hkv, d] each."""
+        self.k[layer] = torch.cat((self.k[layer][:start], k))
+        self.v[layer] = torch.cat((self.v[layer][:start], v))
+        return self.k[layer], self.v[layer]
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -159,14 +144,6 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
 
 
-class StepObserver(Protocol):
-    """Shown the last position's query and keys in each layer, and its residual after each block."""
-
-    def attended(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None: ...
-
-    def residual(self, layer: int, x: torch.Tensor) -> None: ...
-
-
 class ReferenceModel:
     """Dense weights plus `forward`; the caller owns the KV cache."""
 
@@ -178,7 +155,6 @@ class ReferenceModel:
         self.head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]  # [V, H]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.inv_freq = inverse_frequencies(cfg).to(self.device)
-        self.scale = cfg.head_dim**-0.5  # attention's 1/sqrt(d)
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)]
 
     @staticmethod
@@ -210,26 +186,12 @@ class ReferenceModel:
         cfg = ModelConfig.from_file(folder)
         return cls(cfg, load_state_dict(folder, cfg, dtype, torch.device(device)))
 
-    def new_cache(self, capacity: int) -> PlainKVCache:
-        """A cache with room for `capacity` positions."""
-        return PlainKVCache(self.cfg, capacity, self.dtype, self.device)
+    def new_cache(self) -> PlainKVCache:
+        """An empty cache for one sequence."""
+        empty = torch.empty(0, self.cfg.num_key_value_heads, self.cfg.head_dim, dtype=self.dtype, device=self.device)
+        return PlainKVCache(self.cfg.num_hidden_layers, empty)
 
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of every weight tensor (a tied head counted once)."""
-        tensors = {id(t): t for t in (self.embed, self.norm_weight, self.head)}
-        for layer in self.layers:
-            tensors |= {id(t): t for t in vars(layer).values() if t is not None}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
-
-    @property
-    def decode_weight_bytes(self) -> int:
-        """Bytes one decode step reads: every weight but the embedding table, of which one row
-        (the embedding stays whole where the head is tied to it)."""
-        untied = 0 if self.cfg.tie_word_embeddings else self.embed.numel() - self.embed.shape[1]
-        return self.weight_bytes - untied * self.embed.element_size()
-
-    def block(self, i: int, x: torch.Tensor, cos, sin, cache: KVStore, start: int, observer=None) -> torch.Tensor:
+    def block(self, i: int, x: torch.Tensor, cos, sin, cache: PlainKVCache, start: int, observer=None) -> torch.Tensor:
         """Transformer block `i` on the residual stream x [T, H]: attention, then the MLP, each
         added back to the stream."""
         w, cfg = self.layers[i], self.cfg
@@ -241,10 +203,9 @@ class ReferenceModel:
         if w.q_norm is not None:  # qwen3 normalises each head before rotating it
             q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # position enters here only
-        keys, values = cache.update(i, k.transpose(0, 1)[None], v.transpose(0, 1)[None], start)  # [1, H, S, d]
-        if observer is not None:
-            observer.attended(i, q[-1], keys[0])
-        attended = attention(q, keys[0], values[0], start).reshape(T, -1)  # [T, Hq*d]
+        keys, values = cache.update(i, k, v, start)  # [S, Hkv, d]: every position so far, this one's included
+        observer and observer.attended(i, q[-1], keys)  # HOOK for the explorer: the last query, every key
+        attended = attention(q, keys, values, start).reshape(T, -1)  # [T, Hq*d]
         x = x + torch.nn.functional.linear(attended, w.o)  # attention's output joins the residual
         h = rms_norm(x, w.post_norm, cfg.rms_norm_eps)
         gate = torch.nn.functional.linear(h, w.gate)  # [T, F]
@@ -253,19 +214,18 @@ class ReferenceModel:
 
     @torch.inference_mode()
     def forward(
-        self, ids: torch.Tensor, start: int, cache: KVStore, *, all_logits: bool = False, observer=None
+        self, ids: torch.Tensor, start: int, cache: PlainKVCache, *, all_logits: bool = False, observer=None
     ) -> torch.Tensor:
         """Run tokens ids [T] at positions [start, start+T), storing their K/V in `cache`.
 
         Returns float32 next-token logits: [V] for the last position, or [T, V] with
-        `all_logits`. An `observer` (`StepObserver`) is shown the last position inside each block.
+        `all_logits`. `observer` is the explorer's (the two lines marked HOOK; None runs none).
         """
         x = self.embed[ids]  # [T, H]: each token's row of the embedding table
         cos, sin = rotary_cos_sin(self.inv_freq, start, ids.shape[0], self.dtype)
         for i in range(len(self.layers)):
             x = self.block(i, x, cos, sin, cache, start, observer)
-            if observer is not None:
-                observer.residual(i, x[-1])
+            observer and observer.residual(i, x[-1])  # HOOK for the explorer: the residual after block i
         if not all_logits:
             x = x[-1:]  # only the last position's next token is asked for
         logits = torch.nn.functional.linear(self.norm(x), self.head)  # [T, V]: each row against every token's

@@ -132,7 +132,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 def gap_at(reference: ReferenceModel, prompt: list[int], output: list[int], at: int, knobs: Knobs, pair) -> float:
     """How far apart the two candidate tokens' adjusted scores are after `output[:at]`."""
     ids = prompt + output[:at]
-    cache = reference.new_cache(len(ids) + 1)
+    cache = reference.new_cache()
     logits = reference.forward(torch.tensor(ids), 0, cache)
     scores = adjusted(logits, knobs, prompt, output[:at])
     return abs(float(scores[pair[0]] - scores[pair[1]]))

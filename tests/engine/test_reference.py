@@ -35,9 +35,10 @@ from minengine.fast.panel_kernels import ACTIVATIONS_ENV
 from minengine.kv.block_pool import BlockPool
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.transformer import Transformer
-from minengine.reference.generate import generate
+from minengine.reference.generate import generate, sample
 from minengine.reference.model import ReferenceModel
 from minengine.sampling.params import SamplingParams
+from minengine.sampling.sampler import Sampler
 from minengine.steps.model_runner import ModelRunner
 from minengine.steps.shared_step import Row
 from minengine.steps.step_path import StepPath
@@ -86,7 +87,7 @@ def _close(packs: str | None, ours: torch.Tensor, ref: torch.Tensor) -> None:
 
 def _reference_steps(model: ReferenceModel, ids: torch.Tensor, tokens: list[int]) -> list[torch.Tensor]:
     """The reference's logits after the prompt and after each of `tokens` fed in turn."""
-    cache = model.new_cache(len(ids) + len(tokens) + 1)
+    cache = model.new_cache()
     out = [model.forward(ids, 0, cache)]
     for i, t in enumerate(tokens):
         out.append(model.forward(torch.tensor([t]), len(ids) + i, cache))
@@ -111,12 +112,12 @@ def test_reference_equals_transformers(tiny_models, name):
     folder, hf = tiny_models[name]
     model = ReferenceModel.load(folder)
     ids = _prompt(model.cfg)
-    ours = model.forward(ids, 0, model.new_cache(PROMPT), all_logits=True)
+    ours = model.forward(ids, 0, model.new_cache(), all_logits=True)
     with torch.no_grad():
         theirs = hf(ids[None]).logits[0].float()
     assert (ours - theirs).abs().max() < FLOAT32_ATOL
     want = hf.generate(ids[None], max_new_tokens=DECODE, do_sample=False, eos_token_id=None, pad_token_id=0)
-    cache, tokens = model.new_cache(PROMPT + DECODE), []
+    cache, tokens = model.new_cache(), []
     logits = model.forward(ids, 0, cache)
     for pos in range(PROMPT, PROMPT + DECODE):
         tokens.append(int(logits.argmax()))
@@ -129,12 +130,57 @@ def test_the_loop_streams_the_greedy_answer(chatty_tiny_dir):
     from minengine.text.tokenizer import ModelTokenizer
 
     model, tok = ReferenceModel.load(chatty_tiny_dir), ModelTokenizer(chatty_tiny_dir)
-    steps = list(generate(model, tok, "Hello", SamplingParams(temperature=0), max_tokens=5))
+    steps = list(generate(model, tok, "Hello", max_tokens=5))
     assert 0 < len(steps) <= 5
     ids = tok.encode(tok.render([Message("user", "Hello")]))
     expected = _reference_steps(model, torch.tensor(ids), [s.token for s in steps[:-1]])
     assert [s.token for s in steps] == [int(x.argmax()) for x in expected]
     assert steps[-1].text == tok.decode([s.token for s in steps])
+
+
+# -- the reference sampler against the engine's ------------------------------------------------
+
+# (temperature, top_k, top_p): greedy, each filter alone, and together.
+SAMPLING = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 40, 1.0), (0.8, 0, 0.9), (1.3, 50, 0.8), (0.6, 5, 0.5)]
+SEEDS = (0, 1, 2, 12345, 2**40)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), SAMPLING)
+def test_the_reference_sampler_draws_the_engines_tokens(temperature, top_k, top_p):
+    """For the same seed and parameters, `sample` draws the token the engine's `Sampler` draws, step
+    after step (each consumes one uniform per sampled token, none when greedy), over a 49,152-entry
+    vocabulary (the engine's top-p then decides without sorting it)."""
+    rows = torch.randn(12, 49_152, generator=torch.Generator().manual_seed(7)) * 3
+    drawn = set()
+    for seed in SEEDS:
+        engine = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        generator = torch.Generator().manual_seed(seed)
+        ours = [sample(row, temperature, top_k, top_p, generator) for row in rows]
+        assert ours == [engine.sample(row) for row in rows], f"seed {seed}"
+        drawn.update(enumerate(ours))
+    greedy = {(i, int(row.argmax())) for i, row in enumerate(rows)}
+    assert drawn == greedy if temperature == 0 else len(drawn) > len(rows)  # else the seeds drew apart
+
+
+def test_the_reference_loop_samples_as_the_engine_under_the_reference_kernels(chatty_tiny_dir):
+    """`generate` with a temperature, top-k, top-p and seed gives the tokens the engine gives for the
+    same request under `--kernels reference` (the same logits, the same draws)."""
+    from minengine.engine.engine import Engine
+    from minengine.engine.events import DoneEvent
+    from minengine.engine.request import GenerationRequest
+    from minengine.text.tokenizer import ModelTokenizer
+
+    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kernels="reference", kv_budget_bytes=64 << 20)
+    model, tok = ReferenceModel.load(chatty_tiny_dir), ModelTokenizer(chatty_tiny_dir)
+    answers = set()
+    for seed, (temperature, top_k, top_p) in zip(SEEDS, SAMPLING[1:], strict=False):
+        knobs = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+        ours = [s.token for s in generate(model, tok, "Hello", max_tokens=12, **knobs)]
+        request = GenerationRequest.from_prompt("Hello", sampling=SamplingParams(**knobs), max_tokens=12, trace=False)
+        done = next(e for e in engine.generate(request) if isinstance(e, DoneEvent))
+        assert ours == list(done.result.token_ids), knobs
+        answers.add(tuple(ours))
+    assert len(answers) > 1  # the knobs and seeds steer the answer, or the equality above proves little
 
 
 # -- every fast path against the reference -----------------------------------------------------
@@ -151,7 +197,7 @@ def test_one_sequence_paths_match_the_reference(tiny_models, name, packs):
     ref = _reference(folder, packs)
     ids = _prompt(cfg)
     prefill = ModelRunner(model, static_decode=False).forward(ids, 0, model_cache(cfg), all_logits=True)
-    _close(packs, prefill, ref.forward(ids, 0, ref.new_cache(PROMPT), all_logits=True))
+    _close(packs, prefill, ref.forward(ids, 0, ref.new_cache(), all_logits=True))
     static = ModelRunner(model)
     static.use_static_decode(True, capture=False)
     for runner, cache in ((ModelRunner(model, static_decode=False), model_cache(cfg)), (static, None)):
@@ -217,7 +263,7 @@ def test_shared_steps_match_the_reference(tiny_models, name, packs):
     assert runner.last_path.name == "torch rows" or runner.last_path.name.endswith(" + torch chunks")
     for p, t, n, logits in zip(prompts, tokens, nxt, out[:-1], strict=True):
         _close(packs, logits, _reference_steps(ref, p, [t, n])[-1])
-    _close(packs, out[-1], ref.forward(chunk, 0, ref.new_cache(7)))
+    _close(packs, out[-1], ref.forward(chunk, 0, ref.new_cache()))
 
 
 @pytest.mark.skipif(not PANEL_FORMATS or not library().lib.dot8_native(), reason="rounded rows need AVX-512 VNNI")
@@ -261,11 +307,12 @@ def test_the_runner_picks_a_shared_steps_path_and_says_why(tiny_models):
 
     panels = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs="float32-panels"), static_decode=False)
     rows = rows_of(panels)
-    assert panels.pick_rows(rows).name == "c-stack rows float32×float32"
+    assert panels.pick_rows(rows).path.name == "c-stack rows float32×float32"
     panels.forward_rows(rows)
     assert panels.last_path.name == "c-stack rows float32×float32" and "3 decode rows" in panels.last_path.why
     chunk = Row((3, 4, 5), 0, PagedKVCache(pool, cfg, owner="chunk", device=CPU, compute_dtype=torch.float32), True)
-    assert panels.pick_rows([*rows[:2], chunk]).why == "3 rows with a prompt chunk among them"
+    assert panels.pick_rows([*rows[:2], chunk]).path.name == "c-stack rows float32×float32 + torch chunks"
+    assert panels.pick_rows([rows[0], chunk]).path.why == "2 rows with a prompt chunk among them"
     dense = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU), static_decode=False)
     dense.forward_rows(rows_of(dense))
     assert dense.last_path == StepPath("torch rows", "3 decode rows; no C stack for float32 weights on cpu")
@@ -276,7 +323,7 @@ def test_the_runner_picks_a_shared_steps_path_and_says_why(tiny_models):
 def test_a_step_of_decode_rows_and_a_prompt_chunk_runs_in_two_passes_with_the_same_bits(tiny_models, packs):
     """The decode rows through the C stack over rows, then the chunk through the Python blocks: each
     row's logits are the bits of the one pass over all of them, and near the reference's."""
-    from minengine.steps.shared_step import run_rows
+    from minengine.steps.shared_step import forward_rows
 
     folder, _ = tiny_models["llama-gqa"]
     cfg = ModelConfig.from_file(folder)
@@ -290,8 +337,8 @@ def test_a_step_of_decode_rows_and_a_prompt_chunk_runs_in_two_passes_with_the_sa
     rows.insert(1, Row(tuple(chunk.tolist()), 0, fresh, True))
     split = runner.forward_rows(rows)
     assert runner.last_path.name == f"c-stack rows {runner._label} + torch chunks"
-    _, joint = run_rows(runner.model, rows, stack=False)  # the same positions again: the same K/V written
+    joint = forward_rows(runner.model, rows)  # the Python blocks, the same positions again: the same K/V written
     assert all(torch.equal(a, b) for a, b in zip(split, joint, strict=True))
     for p, t, logits in zip(prompts, tokens, [split[0], *split[2:]], strict=True):
         _close(packs, logits, _reference_steps(ref, p, [t])[-1])
-    _close(packs, split[1], ref.forward(chunk, 0, ref.new_cache(6)))
+    _close(packs, split[1], ref.forward(chunk, 0, ref.new_cache()))
