@@ -154,8 +154,8 @@ VARIABLES: tuple[EnvVariable, ...] = (
     EnvVariable(OMP_NUM_THREADS_ENV, "torch's threads (read by torch)"),
     EnvVariable(CPU_CAPABILITY_ENV, "torch's CPU capability (read by torch)"),
     EnvVariable(CACHE_HOME_ENV, "the user cache, which holds the models and kernels folders (read by platformdirs)"),
-    EnvVariable(SERVE_API_KEY_ENV, "a bearer token `reqscope serve` requires, beside its --api-key", secret=True),
-    EnvVariable(CLIENT_API_KEY_ENV, "the token `--base-url` and `bench serve` send without --api-key", secret=True),
+    EnvVariable(SERVE_API_KEY_ENV, "a bearer token the OpenAI-compatible server requires, beside its own", secret=True),
+    EnvVariable(CLIENT_API_KEY_ENV, "the bearer token the endpoint client and load generator send", secret=True),
     EnvVariable(COLUMNS_ENV, "the width progress lines are drawn to (unset: the terminal's)"),
 )
 _VARIABLE_NAMES = frozenset(v.name for v in VARIABLES)
@@ -164,7 +164,7 @@ _VARIABLE_NAMES = frozenset(v.name for v in VARIABLES)
 def read_env(name: str) -> str | None:
     """The variable `name` as this process's environment has it (None: unset); `name` must be in VARIABLES."""
     if name not in _VARIABLE_NAMES:
-        raise KeyError(f"{name} is not in minengine.settings.VARIABLES; add it there, so `reqscope env` lists it")
+        raise KeyError(f"{name} is not in minengine.settings.VARIABLES; add it there, so that the settings list it")
     return os.environ.get(name)
 
 

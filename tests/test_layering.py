@@ -384,7 +384,7 @@ def test_the_word_rules_catch_what_they_are_for():
     ))  # fmt: skip
     literals = _literals([probe])
     options = _app_option_strings()
-    assert {"--plain", "--prompt-lengths", "--no-prefix-cache", "--kv-budget-mib", "--export"} <= options
+    assert {"--plain", "--prompt-lengths", "--no-enable-prefix-caching", "--kv-budget-mib", "--export"} <= options
     flagged = flags_named(literals, options)
     assert sorted(w.split(" names ")[0] for w in flagged) == ["probe.py:2", "probe.py:5"]
     assert any("probe.py:5 names --context-lengths / --prompt-lengths" in w for w in flagged)

@@ -276,7 +276,7 @@ def test_gpu_check_summary_reads_the_bench_report(smoke_report):
 def test_bench_command_prints_json_with_every_target(chatty_tiny_dir, tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "reqscope.bench", "--model", str(chatty_tiny_dir), "--device", "cpu"]
-    cmd += ["--dtype", "float32", "--rounds", "1", "--new-tokens", "4", "--long-prompt-tokens", "24"]
+    cmd += ["--dtype", "float32", "--rounds", "1", "--output-len", "4", "--long-input-len", "24"]
     cmd += ["--launches", "0", "--json", "--output", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]

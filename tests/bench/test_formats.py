@@ -84,8 +84,8 @@ def test_each_format_runs_as_its_own_side_with_its_own_bytes_and_prefills(chatty
 def test_the_command_reports_every_format_in_json_and_skips_what_the_machine_lacks(chatty_tiny_dir, tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "reqscope.bench", "--model", str(chatty_tiny_dir), "--device", "cpu"]
-    cmd += ["--dtype", "float32", "--weights", "float32", "--rounds", "1", "--new-tokens", "4"]
-    cmd += ["--long-prompt-tokens", "24", "--launches", "0", "--no-peers", "--formats", ",".join(PACKED)]
+    cmd += ["--dtype", "float32", "--weights", "float32", "--rounds", "1", "--output-len", "4"]
+    cmd += ["--long-input-len", "24", "--launches", "0", "--no-peers", "--formats", ",".join(PACKED)]
     cmd += ["--json", "--output", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]

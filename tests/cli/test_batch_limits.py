@@ -84,7 +84,7 @@ def test_an_fp8_run_fits_a_budget_its_float32_blocks_would_not(chatty_tiny_dir, 
     # not fit either way, so admission refuses it, with its own words.
     base = ["--plain", "--model", str(chatty_tiny_dir), "--dtype", "float32", "--kv-budget-mib", str(5 / 1024)]
     _, float32 = _error([*base, "x"], capsys)
-    _, fp8 = _error([*base, "--kv-dtype", "fp8", "x"], capsys)
+    _, fp8 = _error([*base, "--kv-cache-dtype", "fp8", "x"], capsys)
     assert "cannot hold one request" in float32
     assert "cannot hold one request" not in fp8 and "MiB of KV" in fp8
 

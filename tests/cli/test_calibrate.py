@@ -66,7 +66,7 @@ def test_calibrate_on_a_model_then_plan_with_its_fit(chatty_tiny_dir, tmp_path, 
     assert len(out["points"]) == 2 * (3 + 3) and json.loads(saved.read_text()) == out
     assert out["prefill"]["fixed_ms"] >= 0 and out["prefill"]["per_token_ms"] >= 0
     fit = ServiceModel.load(saved)
-    assert main(["plan", "smollm2-135m-instruct", "--prompt-tokens", "100", "--output-tokens", "11",
+    assert main(["plan", "smollm2-135m-instruct", "--input-len", "100", "--output-len", "11",
                  "--service-model", str(saved), "--json"]) == 0  # fmt: skip
     planned = json.loads(capsys.readouterr().out)
     assert planned["ttft_ms"] == pytest.approx(fit.ttft_ms(100))  # no network or queue given
@@ -90,7 +90,7 @@ def test_text_mode_shows_the_seed_beside_the_fit(chatty_tiny_dir, capsys):
 def test_a_bad_service_model_file_is_one_line(tmp_path, capsys, content, needle):
     path = tmp_path / "s.json"
     path.write_text(content)
-    assert main(["plan", "smollm2-135m-instruct", "--prompt-tokens", "5", "--service-model", str(path)]) == 1
+    assert main(["plan", "smollm2-135m-instruct", "--input-len", "5", "--service-model", str(path)]) == 1
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
 

@@ -62,7 +62,7 @@ def test_plain_mode_and_export_round_trip(chatty_tiny_dir, tmp_path, capsys):
     metrics = json.loads((export / "request-metrics.json").read_text())
     # The exported timeline recomputes the same metrics through the seed's calculator.
     code, calc_out, _ = _run(
-        ["metrics", str(export / "request-timeline.csv"), "--output-tokens", str(metrics["output_tokens"])], capsys
+        ["metrics", str(export / "request-timeline.csv"), "--output-len", str(metrics["output_tokens"])], capsys
     )
     assert code == 0
     calc = json.loads(calc_out)
@@ -134,7 +134,7 @@ class _nothing:
     [
         ["--plain", "--max-tokens", "4", "hi"],
         ["--json", "--max-tokens", "4", "hi"],
-        ["metrics", "DATA/request-timeline.csv", "--output-tokens", "150"],
+        ["metrics", "DATA/request-timeline.csv", "--output-len", "150"],
     ],
     ids=["plain", "json", "metrics"],
 )

@@ -37,7 +37,7 @@ def _background_threads() -> list[threading.Thread]:
         (["--background", str(MAX_BACKGROUND + 1)], f"give at most {MAX_BACKGROUND}"),
         (["--serve-port", "70000"], "--serve-port 70000 is not a TCP port"),
         (["--serve-port", "-5"], "argument --serve-port: -5 is negative"),
-        (["--background", "2", "--endpoint", "http://127.0.0.1:9/v1"], "with --endpoint the server is elsewhere"),
+        (["--background", "2", "--base-url", "http://127.0.0.1:9/v1"], "with --base-url the server is elsewhere"),
     ],
 )
 def test_bad_load_flags_are_one_line_errors(flags, says, capsys, tmp_path):

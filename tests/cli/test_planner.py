@@ -371,7 +371,7 @@ def test_minengine_modules_never_import_the_ui_package():
 
 def test_cli_json_for_kite_chat(capsys):
     code, out, err = _cli(
-        ["plan", "qwen3-30b-a3b", "--prompt-tokens", "6000", "--output-tokens", "400",
+        ["plan", "qwen3-30b-a3b", "--input-len", "6000", "--output-len", "400",
          "--network-ms", "40", "--queue-ms", "60", "--prefill-fixed-ms", "300", "--itl-ms", "20",
          "--device-memory", "80GB", "--json"],
         capsys,
@@ -393,11 +393,11 @@ def test_cli_json_for_kite_chat(capsys):
 
 def test_cli_explicit_flags_and_card_flag_agree(capsys):
     explicit = ["plan", "--layers", "32", "--q-heads", "32", "--kv-heads", "8", "--head-dim",
-                "128", "--params", "8.03e9", "--prompt-tokens", "1500", "--json"]  # fmt: skip
+                "128", "--params", "8.03e9", "--input-len", "1500", "--json"]  # fmt: skip
     code, out, _ = _cli(explicit, capsys)
     assert code == 0
     by_flags = json.loads(out)
-    code, out, _ = _cli(["plan", "--card", "llama-3.1-8b", "--prompt-tokens", "1500", "--json"],
+    code, out, _ = _cli(["plan", "--card", "llama-3.1-8b", "--input-len", "1500", "--json"],
                         capsys)  # fmt: skip
     by_card = json.loads(out)
     for key in ("kv_bytes_per_token", "prompt_kv_bytes", "weights_bytes"):
@@ -406,7 +406,7 @@ def test_cli_explicit_flags_and_card_flag_agree(capsys):
 
 
 def test_cli_card_override_and_kv_dtype(capsys):
-    code, out, _ = _cli(["plan", "atlas-70b", "--kv-heads", "64", "--kv-dtype", "fp8", "--json"],
+    code, out, _ = _cli(["plan", "atlas-70b", "--kv-heads", "64", "--kv-cache-dtype", "fp8", "--json"],
                         capsys)  # fmt: skip
     assert code == 0
     assert json.loads(out)["kv_bytes_per_token"] == 2 * 80 * 64 * 128 * 1
@@ -422,7 +422,7 @@ def test_cli_reads_a_config_folder(tmp_path, capsys):
 
 
 def test_cli_table_states_kv_heads_and_units(capsys):
-    code, out, _ = _cli(["plan", "llama-3.1-8b", "--prompt-tokens", "1500", "--output-tokens",
+    code, out, _ = _cli(["plan", "llama-3.1-8b", "--input-len", "1500", "--output-len",
                          "20", "--block-size", "16"], capsys)  # fmt: skip
     assert code == 0
     assert "128 KiB (131,072 B), from 8 KV heads" in out
@@ -455,9 +455,9 @@ def test_cli_refuses_a_sliding_window_config(tmp_path, capsys):
         (["plan", "atlas-70b", "--device-memory", "80"], "needs a number and a unit"),
         (["plan", "atlas-70b", "--prefill-per-token-ms", "0.03"], "needs prompt_tokens"),
         (["plan", "atlas-70b", "--kv-heads", "7"], "evenly"),
-        (["plan", "atlas-70b", "--output-tokens", "0"], "at least 1"),
-        (["plan", "atlas-70b", "--prompt-tokens", "-3"], "negative"),
-        (["plan", "atlas-70b", "--kv-dtype", "int4"], "invalid choice"),
+        (["plan", "atlas-70b", "--output-len", "0"], "at least 1"),
+        (["plan", "atlas-70b", "--input-len", "-3"], "negative"),
+        (["plan", "atlas-70b", "--kv-cache-dtype", "int4"], "invalid choice"),
     ],
 )
 def test_cli_usage_errors_exit_2(capsys, argv, fragment):

@@ -67,6 +67,7 @@ def test_the_events_leave_the_engine_in_the_apps_words(chatty_engine):
     stage = next(e for e in events if isinstance(e, StageEvent))
     out = list(in_app_words([stage, off, failed]))
     assert out[0] is stage  # events without engine text pass as they are
-    assert out[1].note == "off (--no-prefix-cache)" and not isinstance(out[1].note, EngineText)
-    assert out[2].result.error == "lower --max-tokens" and out[2].result.prefix_cache.note == "off (--no-prefix-cache)"
+    assert out[1].note == "off (--no-enable-prefix-caching)" and not isinstance(out[1].note, EngineText)
+    assert out[2].result.error == "lower --max-tokens"
+    assert out[2].result.prefix_cache.note == "off (--no-enable-prefix-caching)"
     assert list(in_app_words([done]))[0] is done  # a result with nothing to word passes as it is

@@ -84,7 +84,7 @@ def test_http_errors_end_the_stream_with_the_servers_message(served):
 
 
 def test_cli_endpoint_json_mode(served, capsys):
-    code = main(["--endpoint", served.v1, "--api-key", KEY, "--json", "--temperature", "0", "--max-tokens", "4", "hi"])
+    code = main(["--base-url", served.v1, "--api-key", KEY, "--json", "--temperature", "0", "--max-tokens", "4", "hi"])
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert code == 0
     assert [r["event"] for r in records[:3]] == ["sent", "connection", "response"]
@@ -98,8 +98,8 @@ def test_cli_endpoint_json_mode(served, capsys):
 
 
 def test_cli_endpoint_plain_mode_with_planner_kv(served, capsys):
-    argv = ["--endpoint", served.v1, "--api-key", KEY, "--plain", "--new-connection"]
-    argv += ["--config", "smollm2-135m-instruct", "--temperature", "0", "--max-tokens", "4", "hi"]
+    argv = ["--base-url", served.v1, "--api-key", KEY, "--plain", "--new-connection"]
+    argv += ["--card", "smollm2-135m-instruct", "--temperature", "0", "--max-tokens", "4", "hi"]
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "new connection, opened in" in err
@@ -109,7 +109,7 @@ def test_cli_endpoint_plain_mode_with_planner_kv(served, capsys):
 
 
 def test_cli_endpoint_refused_key_is_a_one_line_error(served, capsys):
-    assert main(["--endpoint", served.v1, "--api-key", "wrong", "--plain", "hi"]) == 1
+    assert main(["--base-url", served.v1, "--api-key", "wrong", "--plain", "hi"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         f"reqscope: error: {served.v1} refused the API key (incorrect API key); pass --api-key or set OPENAI_API_KEY"
@@ -118,7 +118,7 @@ def test_cli_endpoint_refused_key_is_a_one_line_error(served, capsys):
 
 def test_cli_default_run_sends_no_sampling_and_still_works(served, capsys):
     # Nothing set: the body carries no sampling and no logprobs, and reqscope serve applies its defaults.
-    assert main(["--endpoint", served.v1, "--api-key", KEY, "--json", "hi"]) == 0
+    assert main(["--base-url", served.v1, "--api-key", KEY, "--json", "hi"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     sent, done = records[0], records[-1]
     assert sent["sampling"] == {} and sent["logprobs"] is None
@@ -137,7 +137,7 @@ def test_cli_default_run_sends_no_sampling_and_still_works(served, capsys):
 
 
 def test_cli_plain_mode_shows_server_defaults_and_the_servers_tpot(served, capsys):
-    argv = ["--endpoint", served.v1, "--api-key", KEY, "--plain", "--temperature", "0", "--max-tokens", "4"]
+    argv = ["--base-url", served.v1, "--api-key", KEY, "--plain", "--temperature", "0", "--max-tokens", "4"]
     assert main([*argv, "--logprobs", "2", "hi"]) == 0
     err = capsys.readouterr().err
     sent = "· sent      temperature 0, max_tokens 4; server default: top_k, top_p, min_p, seed; logprobs on (top 2"
@@ -158,6 +158,6 @@ def test_the_prefix_cache_hit_reported_by_the_server_reaches_the_client(served, 
     assert first.usage.cached_tokens < cached < second.usage.prompt_tokens  # never the last token
     assert cached == served.telemetry.wait_for(second.request_id).result.usage.cached_tokens
 
-    argv = ["--endpoint", served.v1, "--model", MODEL, "--api-key", KEY, "--plain", "--max-tokens", "2"]
+    argv = ["--base-url", served.v1, "--model", MODEL, "--api-key", KEY, "--plain", "--max-tokens", "2"]
     assert main([*argv, "--temperature", "0", long.messages[-1].content]) == 0
     assert f"({cached} cached)" in capsys.readouterr().err

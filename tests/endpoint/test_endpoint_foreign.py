@@ -89,7 +89,7 @@ def foreign() -> Iterator[Foreign]:
 
 def _sent(foreign: Foreign, *flags: str) -> dict:
     """Run the CLI in plain mode with `flags`; the body the server received."""
-    assert main(["--endpoint", foreign.v1, "--plain", *flags, "hi"]) == 0
+    assert main(["--base-url", foreign.v1, "--plain", *flags, "hi"]) == 0
     assert len(foreign.bodies) == 1
     return foreign.bodies[0]
 
@@ -188,7 +188,7 @@ def test_timings_are_shown_as_the_servers_view_in_plain_mode(foreign, capsys):
 
 
 def test_timings_and_settings_in_json_mode(foreign, capsys):
-    assert main(["--endpoint", foreign.v1, "--json", "--max-tokens", "8", "--logprobs", "2", "hi"]) == 0
+    assert main(["--base-url", foreign.v1, "--json", "--max-tokens", "8", "--logprobs", "2", "hi"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     sent, done = records[0], records[-1]
     assert sent["event"] == "sent" and sent["sampling"] == {"max_tokens": 8}
@@ -205,7 +205,7 @@ def test_timings_and_settings_in_json_mode(foreign, capsys):
 
 
 def test_a_json_run_without_logprobs_says_none_were_asked(foreign, capsys):
-    assert main(["--endpoint", foreign.v1, "--json", "hi"]) == 0
+    assert main(["--base-url", foreign.v1, "--json", "hi"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert records[0]["sampling"] == {} and records[0]["logprobs"] is None
     assert len(records[0]["server_default"]) == 6 and records[-1]["logprobs"] is None

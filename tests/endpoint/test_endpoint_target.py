@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from minengine.settings import CLIENT_API_KEY_ENV as API_KEY_ENV
 from reqscope.cli import build_parser, main
-from reqscope.endpoint.options import API_KEY_ENV
 from reqscope.endpoint.settings import RequestSettings
 from reqscope.endpoint.target import EndpointTarget
 from reqscope.run_options import DEFAULT_PROMPT, LOCAL_SAMPLING, ModelFolder, request_from_args
@@ -21,17 +21,17 @@ def target_of(*argv: str) -> EndpointTarget:
 
 def test_the_flags_name_the_target(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    target = target_of("--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--new-connection")
+    target = target_of("--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--new-connection")
     assert target == EndpointTarget("http://127.0.0.1:9/v1", api_key=None, model="m", new_connection=True)
-    assert target_of("--endpoint", "http://127.0.0.1:9/v1").model is None  # the server's first model
+    assert target_of("--base-url", "http://127.0.0.1:9/v1").model is None  # the server's first model
 
 
 def test_the_key_falls_back_to_the_environment(monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "from-env")
-    assert target_of("--endpoint", "http://127.0.0.1:9/v1").api_key == "from-env"
-    assert target_of("--endpoint", "http://127.0.0.1:9/v1", "--api-key", "flag").api_key == "flag"
+    assert target_of("--base-url", "http://127.0.0.1:9/v1").api_key == "from-env"
+    assert target_of("--base-url", "http://127.0.0.1:9/v1", "--api-key", "flag").api_key == "flag"
     monkeypatch.setenv(API_KEY_ENV, "")
-    assert target_of("--endpoint", "http://127.0.0.1:9/v1").api_key is None  # an empty key sends no header
+    assert target_of("--base-url", "http://127.0.0.1:9/v1").api_key is None  # an empty key sends no header
 
 
 def test_the_client_is_built_from_the_target():
@@ -40,7 +40,7 @@ def test_the_client_is_built_from_the_target():
 
 
 def test_settings_hold_only_the_flags_given_and_no_logprobs_by_default():
-    assert RequestSettings.from_args(args_of("--endpoint", "http://127.0.0.1:9/v1")) == RequestSettings()
+    assert RequestSettings.from_args(args_of("--base-url", "http://127.0.0.1:9/v1")) == RequestSettings()
     given = RequestSettings.from_args(args_of("--temperature", "0", "--top-k", "0", "--seed", "7", "--max-tokens", "9"))
     assert given == RequestSettings(temperature=0.0, top_k=0, seed=7, max_tokens=9)
     assert given.server_default() == ("top_p", "min_p")
@@ -62,7 +62,7 @@ def test_a_local_run_still_fills_in_its_own_defaults():
 @pytest.mark.parametrize("value", ["-1", "two", "1.5"])
 def test_a_bad_logprobs_count_is_one_line_and_exit_2(value, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["--endpoint", "http://127.0.0.1:9/v1", f"--logprobs={value}", "hi"])
+        main(["--base-url", "http://127.0.0.1:9/v1", f"--logprobs={value}", "hi"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith("reqscope: error: argument --logprobs: ")
     assert err.count("\n") == 1 and "Traceback" not in err

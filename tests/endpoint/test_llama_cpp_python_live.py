@@ -71,7 +71,7 @@ def test_it_refuses_a_request_id_that_is_not_a_uuid(root: str) -> None:
 
 
 def test_cli_plain_streams_an_answer_with_a_uuid_request_id(root: str, capsys) -> None:
-    argv = ["--endpoint", root + "/v1", "--plain", "--temperature", "0", "--max-tokens", "8", "Name a color."]
+    argv = ["--base-url", root + "/v1", "--plain", "--temperature", "0", "--max-tokens", "8", "Name a color."]
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert captured.out.strip(), captured.err

@@ -1,4 +1,4 @@
-"""`reqscope --endpoint URL` only speaks HTTP: nothing on its path loads torch.
+"""`reqscope --base-url URL` only speaks HTTP: nothing on its path loads torch.
 
 Each check runs in a fresh interpreter, where a module that imported torch at any depth leaves it
 in `sys.modules`. A watcher in that interpreter prints the stack of the first import of torch, so
@@ -15,7 +15,7 @@ from serve_harness import KEY, serving
 
 from minengine.engine.engine import Engine
 
-# Everything `reqscope --endpoint URL` runs through: the CLI and its run verb (whose flags it
+# Everything `reqscope --base-url URL` runs through: the CLI and its run verb (whose flags it
 # parses), the client, both text printers, and the endpoint explorer with its launcher.
 ENDPOINT_PATH = (
     "reqscope.cli",
@@ -92,7 +92,7 @@ def served(chatty_tiny_dir):
 
 def test_a_whole_endpoint_request_leaves_torch_out(served):
     # --plain, --json and the explorer, each to the end of a streamed request from `reqscope serve`.
-    argv = ["--endpoint", served.v1, "--api-key", KEY, "--temperature", "0", "--max-tokens", "3", "hi"]
+    argv = ["--base-url", served.v1, "--api-key", KEY, "--temperature", "0", "--max-tokens", "3", "hi"]
     code = (
         "from reqscope.cli import main\n"
         f"print(main({[*argv[:-1], '--plain', 'hi']!r}), main({[*argv[:-1], '--json', 'hi']!r}))\n"

@@ -34,7 +34,7 @@ def root():
 
 
 def test_json_carries_llama_servers_view_reconciled_with_the_clients(root, capsys):
-    code = main(["--endpoint", root + "/v1", "--json", "--poll-ms", "50", "--max-tokens", "48", "--temperature", "0",
+    code = main(["--base-url", root + "/v1", "--json", "--poll-ms", "50", "--max-tokens", "48", "--temperature", "0",
                  PROMPT])
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -89,7 +89,7 @@ async def test_the_explorer_sends_twice_and_draws_the_slots_and_tokens(root):
 
 def test_a_server_without_metrics_gets_the_line_that_names_the_flag(capsys):
     with llama_server("-np", "1") as url:
-        code = main(["--endpoint", url + "/v1", "--plain", "--max-tokens", "8", "--temperature", "0", "Hi"])
+        code = main(["--base-url", url + "/v1", "--plain", "--max-tokens", "8", "--temperature", "0", "Hi"])
     err = capsys.readouterr().err
     assert code == 0, err
     assert "off       the batch (requests processing, deferred): off; start llama-server with --metrics" in err

@@ -39,7 +39,7 @@ def _records(out: str) -> list[dict]:
 
 def test_json_carries_vllms_view_reconciled_with_the_clients(vllm_server, capsys):
     listen = f"127.0.0.1:{vllm_server.otlp_port}"
-    code = main(["--endpoint", vllm_server.v1, "--json", "--otlp-listen", listen, "--poll-ms", "100",
+    code = main(["--base-url", vllm_server.v1, "--json", "--otlp-listen", listen, "--poll-ms", "100",
                  "--max-tokens", "64", "--temperature", "0", PROMPT])
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -74,7 +74,7 @@ def test_json_carries_vllms_view_reconciled_with_the_clients(vllm_server, capsys
 
 
 def test_plain_names_each_view_that_is_off_and_checks_the_tokens(vllm_server, capsys):
-    code = main(["--endpoint", vllm_server.v1, "--plain", "--max-tokens", "16", "--temperature", "0", "Hi"])
+    code = main(["--base-url", vllm_server.v1, "--plain", "--max-tokens", "16", "--temperature", "0", "Hi"])
     err = capsys.readouterr().err
     assert code == 0, err
     assert "server    vllm 0.32.0 at " in err

@@ -29,9 +29,9 @@ EXERCISE = DATA / "request-timeline-alt.csv"  # 256 tokens, first at 420 ms, 255
 WORKED_ARGS = [
     "metrics",
     str(WORKED_EXAMPLE),
-    "--output-tokens", "150",
+    "--output-len", "150",
     "--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--kv-bytes", "2",
-    "--input-tokens", "1025",
+    "--input-len", "1025",
     "--window-seconds", "10", "--attempted", "100", "--successful", "98", "--slo-passing", "95",
 ]  # fmt: skip
 
@@ -264,9 +264,9 @@ def test_cli_reproduces_worked_example(capsys):
 
 def test_cli_reproduces_exercise(capsys):
     argv = [
-        "metrics", str(EXERCISE), "--output-tokens", "256",
+        "metrics", str(EXERCISE), "--output-len", "256",
         "--layers", "48", "--kv-heads", "4", "--head-dim", "128", "--kv-bytes", "1",
-        "--input-tokens", "4096",
+        "--input-len", "4096",
     ]  # fmt: skip
     out = _cli_json(argv, capsys)
     assert out["kv_bytes_per_token"] == 49152
@@ -315,7 +315,7 @@ def _write(tmp_path: Path, text: str) -> str:
     ],
 )
 def test_cli_broken_timelines_exit_2(tmp_path, capsys, csv_text, fragment):
-    line = _cli_error(["metrics", _write(tmp_path, csv_text), "--output-tokens", "5"], capsys)
+    line = _cli_error(["metrics", _write(tmp_path, csv_text), "--output-len", "5"], capsys)
     assert fragment in line and line.startswith("reqscope: error:")
 
 
@@ -327,8 +327,8 @@ def test_cli_broken_timelines_exit_2(tmp_path, capsys, csv_text, fragment):
         ({"--window-seconds": "0"}, "greater than 0"),
         ({"--attempted": "0", "--successful": "0", "--slo-passing": "0"}, "attempted is 0"),
         ({"--attempted": "lots"}, "not a whole number"),
-        ({"--output-tokens": "-5"}, "negative"),
-        ({"--output-tokens": "0"}, ">= 1"),
+        ({"--output-len": "-5"}, "negative"),
+        ({"--output-len": "0"}, ">= 1"),
         ({"--kv-bytes": "two"}, "not a number"),
     ],
 )

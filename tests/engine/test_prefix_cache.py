@@ -215,7 +215,8 @@ def test_no_prefix_cache_looks_nothing_up(reference):
     run(reference, req)
     events, result = run(reference, req)
     off = prefix_event(events)
-    assert not off.enabled and off.blocks_hit == off.blocks_looked_up == 0 and "--no-prefix-cache" in worded(off.note)
+    assert not off.enabled and off.blocks_hit == off.blocks_looked_up == 0
+    assert "--no-enable-prefix-caching" in worded(off.note)
     assert result.usage.cached_tokens == 0
     assert any(isinstance(e, StageEvent) and e.name == "prefix_cache" and e.detail == "off" for e in events)
 

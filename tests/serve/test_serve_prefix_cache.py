@@ -80,11 +80,13 @@ def test_the_final_streamed_usage_carries_cached_tokens(engine):
     assert usages[1].prompt_tokens == usages[0].prompt_tokens
 
 
-def test_no_prefix_cache_flag(chatty_tiny_dir):
-    assert build_parser("serve").parse_args(["--no-prefix-cache"]).prefix_cache is False
+def test_no_enable_prefix_caching_flag(chatty_tiny_dir):
+    assert build_parser("serve").parse_args(["--no-enable-prefix-caching"]).prefix_cache is False
+    assert build_parser("serve").parse_args(["--enable-prefix-caching"]).prefix_cache is True
     assert not hasattr(build_parser("serve").parse_args([]), "prefix_cache")  # the engine's default: on
-    assert build_parser("run").parse_args(["--no-prefix-cache", "hi"]).prefix_cache is False
-    assert run_flags(build_parser("web").parse_args(["--no-prefix-cache"])) == ["--no-prefix-cache"]
+    assert build_parser("run").parse_args(["--no-enable-prefix-caching", "hi"]).prefix_cache is False
+    web = build_parser("web").parse_args(["--no-enable-prefix-caching"])
+    assert run_flags(web) == ["--no-enable-prefix-caching"]
     assert run_flags(build_parser("web").parse_args([])) == []
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False)
     with serving(engine) as served:
@@ -104,7 +106,7 @@ def test_run_reports_the_hit_in_json_mode(chatty_tiny_dir, capsys):
     prefix = next(r for r in records if r["event"] == "prefix_cache")
     assert prefix["enabled"] and prefix["blocks_hit"] == 0  # one run per process: nothing kept yet
     assert records[-1]["usage"]["cached_tokens"] == 0
-    assert main(["--no-prefix-cache", *argv]) == 0
+    assert main(["--no-enable-prefix-caching", *argv]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert next(r for r in records if r["event"] == "prefix_cache")["enabled"] is False
 

@@ -161,7 +161,7 @@ async def test_kv_panel_says_the_endpoint_hides_the_cache_and_computes_it_from_c
         await finished(pilot, app)
         await pilot.press("2")
         text = screen_text(app, "#kv")
-        assert "not exposed by the endpoint" in text and "pass --config MODEL" in text
+        assert "not exposed by the endpoint" in text and "pass --card MODEL" in text
 
     app = endpoint_app(served, arch=TINY_ARCH)
     async with app.run_test(size=SMALL) as pilot:
@@ -289,7 +289,7 @@ def _run_headless(monkeypatch, keys_after_done: tuple[str, ...] = ("q",)) -> Non
 
 def test_the_cli_opens_the_endpoint_explorer_on_a_terminal(served, monkeypatch, capsys):
     _run_headless(monkeypatch)
-    code = main(["--endpoint", served.v1, "--api-key", KEY, "--max-tokens", "5", "--temperature", "0", "Hi"])
+    code = main(["--base-url", served.v1, "--api-key", KEY, "--max-tokens", "5", "--temperature", "0", "Hi"])
     err = capsys.readouterr().err
     assert code == 0, err
     line = err.strip().splitlines()[-1]
@@ -299,7 +299,7 @@ def test_the_cli_opens_the_endpoint_explorer_on_a_terminal(served, monkeypatch, 
 
 def test_the_cli_reports_a_refused_key_as_one_line_and_exit_code_1(served, monkeypatch, capsys):
     _run_headless(monkeypatch)
-    code = main(["--endpoint", served.v1, "--api-key", "wrong", "Hi"])
+    code = main(["--base-url", served.v1, "--api-key", "wrong", "Hi"])
     err = capsys.readouterr().err
     assert code == 1
     assert err.strip().splitlines()[-1].startswith("reqscope: error: ") and "refused the API key" in err
@@ -470,7 +470,7 @@ async def test_llama_cpp_timings_are_drawn_as_the_servers_view():
 
 async def test_an_endpoint_export_replays_in_the_explorer_with_the_servers_view(served, tmp_path, capsys):
     folder = tmp_path / "run"
-    argv = ["--endpoint", served.v1, "--api-key", KEY, "--json", "--export", str(folder), "--max-tokens", "5",
+    argv = ["--base-url", served.v1, "--api-key", KEY, "--json", "--export", str(folder), "--max-tokens", "5",
             "--temperature", "0", "Hi"]
     code = await asyncio.to_thread(main, argv)  # the CLI runs its own event loop
     captured = capsys.readouterr()
