@@ -26,8 +26,9 @@ def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
         "is left out of the request, so the server's default applies.",
     )
     e.add_argument(
-        "--base-url", metavar="URL", help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1: run the "
-        "request there (--model is then the served model's name)",
+        "--base-url", metavar="URL", help="run the request on this OpenAI-compatible server, e.g. "
+        "http://127.0.0.1:8000/v1 (a bare http://HOST:PORT gets /v1, as bench serve's --base-url; --model is then "
+        "the served model's name)",
     )  # fmt: skip
     deprecated_alias(e, "--endpoint", "--base-url")
     e.add_argument("--api-key", metavar="KEY", help=f"bearer token for the server (default: ${CLIENT_API_KEY_ENV})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -36,7 +37,7 @@ class EndpointTarget:
         """The target the endpoint flags name; without --api-key, the key comes from $OPENAI_API_KEY."""
         api_key = args.api_key or read_env(CLIENT_API_KEY_ENV) or None
         return cls(
-            args.base_url,
+            openai_base(args.base_url),
             api_key=api_key,
             model=args.model,
             new_connection=args.new_connection,
@@ -53,6 +54,13 @@ class EndpointTarget:
             poll_ms=self.poll_ms,
             otlp_listen=self.otlp_listen,
         )
+
+
+def openai_base(url: str) -> str:
+    """The OpenAI base URL (…/v1) of `--base-url`: a server's bare address, as `bench serve --base-url` takes it,
+    gets the /v1 that OpenAI's API lives under; a URL with a path is used as given."""
+    url = url.strip().rstrip("/")
+    return url + "/v1" if urlsplit(url).path in ("", "/") else url
 
 
 async def model_name(client: EndpointClient, target: EndpointTarget) -> str:

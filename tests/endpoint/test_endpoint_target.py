@@ -26,6 +26,14 @@ def test_the_flags_name_the_target(monkeypatch):
     assert target_of("--base-url", "http://127.0.0.1:9/v1").model is None  # the server's first model
 
 
+def test_a_bare_server_address_gets_openais_v1_as_bench_serve_takes_it(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert target_of("--base-url", "http://127.0.0.1:9").url == "http://127.0.0.1:9/v1"
+    assert target_of("--base-url", "http://127.0.0.1:9/").url == "http://127.0.0.1:9/v1"
+    assert target_of("--base-url", "http://127.0.0.1:9/v1/").url == "http://127.0.0.1:9/v1"
+    assert target_of("--base-url", "http://host/openai/v1").url == "http://host/openai/v1"  # a path: as given
+
+
 def test_the_key_falls_back_to_the_environment(monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert target_of("--base-url", "http://127.0.0.1:9/v1").api_key == "from-env"
