@@ -3,8 +3,9 @@
 minengine names what to change by its own `Setting` ("lower max_tokens"); the user changes it
 with a flag, a key in the explorer or a command, so the app says that ("lower --max-tokens").
 `WORDS` is the one table; `error_text` words an error wherever the app shows one (the CLI's line,
-the `--plain`/`--json` records, the explorers, serve's JSON errors), and `in_app_words` words
-the texts the engine's events carry (a result's error, the prefix cache's note) as they leave it.
+the `--plain`/`--json` records, the explorers, serve's JSON errors), and `in_app_words` (one at
+a time: `in_app_event`) words the texts the engine's events carry (a result's error, the prefix
+cache's note) as they leave it.
 """
 
 from __future__ import annotations
@@ -91,15 +92,27 @@ def _result(result: RequestResult) -> RequestResult:
     return replace(result, error=worded(result.error) if result.error is not None else None, prefix_cache=prefix_cache)
 
 
-def in_app_words(events: Iterable[Event]) -> Iterator[Event]:
-    """The engine's events, with the texts they carry in the app's words (the rest passed on as they are)."""
+def with_engine_text() -> tuple[type, ...]:
+    """The events that may carry engine text: `in_app_event` words these, and passes any other on as it is
+    (a consumer tests `isinstance(event, with_engine_text())` so that a token never takes the detour)."""
     from minengine.engine.events import DoneEvent, PrefixCacheEvent  # here: error_text's users need no torch
 
+    return (PrefixCacheEvent, DoneEvent)
+
+
+def in_app_event(event: Event) -> Event:
+    """`event` with the texts it carries in the app's words (itself when it carries none)."""
+    from minengine.engine.events import DoneEvent, PrefixCacheEvent
+
+    if isinstance(event, PrefixCacheEvent):
+        return _prefix_cache(event)
+    if isinstance(event, DoneEvent) and event.result is not None:
+        result = _result(event.result)
+        return event if result is event.result else DoneEvent(result)
+    return event
+
+
+def in_app_words(events: Iterable[Event]) -> Iterator[Event]:
+    """The engine's events, with the texts they carry in the app's words (the rest passed on as they are)."""
     for event in events:
-        if isinstance(event, PrefixCacheEvent):
-            yield _prefix_cache(event)
-        elif isinstance(event, DoneEvent) and event.result is not None:
-            result = _result(event.result)
-            yield event if result is event.result else DoneEvent(result)
-        else:
-            yield event
+        yield in_app_event(event)

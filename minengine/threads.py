@@ -1,9 +1,9 @@
 """Which threads run model work: a small block on one CPU thread (`OneThread`), and all of a
-process's model work on one long-lived thread (`ModelThread`; the process's own: `model_thread`)."""
+process's model work on one long-lived thread (`ModelThread`, the process's: `model_thread`), a
+`SerialThread` (callables in order on one daemon thread) whose one job is the model's."""
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import threading
 from collections.abc import Callable
@@ -38,24 +38,14 @@ class OneThread:
             torch.set_num_threads(self.threads)
 
 
-class ModelThread:
-    """One long-lived thread for all of a process's model work: loading, prefill and decode.
+class SerialThread:
+    """One daemon thread that runs the callables handed to it, one at a time, in the order they came.
 
-    GNU OpenMP gives every thread that opens a parallel region a team of its own and counts the
-    workers of all teams; once they outnumber the CPUs, workers spin only 1,000 times (its
-    "throttled" spin count) instead of GOMP_SPINCOUNT before they sleep. A host that loads the
-    model on one thread and decodes on another leaves two teams behind, and every parallel region
-    of a step then wakes a sleeping worker: the explorer, whose loader and runs landed on
-    different pool threads in most launches, paid thousands of context switches per 128 tokens
-    and decoded markedly slower than when one thread did everything (docs/openmp-wait-policy.md,
-    "What `reqscope` does", has the figures).
-
-    Work runs in submission order, so a new run queued behind a cancelled one starts when that
-    one has returned. The thread never holds the process open at exit: what it runs (steps, a
-    request's run, a load) ends with the process.
+    Work runs in submission order, so work queued behind a cancelled run starts when that one has
+    returned. The thread never holds the process open at exit: what it runs ends with the process.
     """
 
-    def __init__(self, name: str = "reqscope-model") -> None:
+    def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[Future, Callable[..., object], tuple] | None] = queue.SimpleQueue()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
@@ -83,10 +73,31 @@ class ModelThread:
     def submit(self, fn: Callable[..., T], /, *args: object) -> Future[T]:
         """Queue `fn(*args)` on the thread; its future carries the result or the exception."""
         if self._closed:
-            raise RuntimeError("the model thread was shut down")
+            raise RuntimeError(f"the thread {self._thread.name} was shut down")
         future: Future[T] = Future()
         self._queue.put((future, fn, args))
         return future
+
+    def shutdown(self) -> None:
+        """Take no more work; what is queued still runs (cancel a run first to end it)."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+
+
+class ModelThread(SerialThread):
+    """The process's model thread: every engine's loading and every step (prefill, decode, a
+    held step's inspection) run on it, whichever threads the requests come from.
+
+    GNU OpenMP gives every thread that opens a parallel region a team of its own and counts the
+    workers of all teams; once they outnumber the CPUs, workers spin only 1,000 times (its
+    "throttled" spin count) instead of GOMP_SPINCOUNT before they sleep. A host that loads the
+    model on one thread and decodes on another leaves two teams behind, and every parallel region
+    of a step then wakes a sleeping worker: the explorer, whose loader and runs landed on
+    different pool threads in most launches, paid thousands of context switches per 128 tokens
+    and decoded markedly slower than when one thread did everything (docs/openmp-wait-policy.md,
+    "What `reqscope` does", has the figures). One thread for all model work keeps one team.
+    """
 
     def call(self, fn: Callable[..., T], /, *args: object) -> T:
         """`fn(*args)` on the thread, waited for (at once when called there), with the caller's
@@ -101,16 +112,6 @@ class ModelThread:
             return fn(*args)
 
         return self.submit(run).result()
-
-    async def run(self, fn: Callable[..., T], /, *args: object) -> T:
-        """Await `fn(*args)` run on the thread (from an asyncio event loop)."""
-        return await asyncio.wrap_future(self.submit(fn, *args))
-
-    def shutdown(self) -> None:
-        """Take no more work; what is queued still runs (cancel a run first to end it)."""
-        if not self._closed:
-            self._closed = True
-            self._queue.put(None)
 
 
 _process_thread: ModelThread | None = None

@@ -27,7 +27,7 @@ from minengine.engine.timeline import Timeline
 from minengine.errors import ReqscopeError
 from reqscope.openai.logprobs import TokenLogprob
 from reqscope.serve.logprobs import LogprobProbe
-from reqscope.wording import in_app_words
+from reqscope.wording import in_app_event
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ class EngineRun:
 
     def _work(self) -> None:
         try:
-            for event in in_app_words(self.session):
+            for event in self.session:
                 if isinstance(event, StepReady) and self._probe is not None:
                     self._probe.capture(self.session.pending_logits)
                 elif isinstance(event, AdmitEvent):
@@ -199,6 +199,7 @@ class EngineRun:
                 elif isinstance(event, PreemptEvent) and self._on_preempt is not None:
                     self._on_preempt(event)
                 elif isinstance(event, DoneEvent):
+                    event = in_app_event(event)  # the result's error in the app's words (no token's detour)
                     self._on_end(SessionEnd(event.result, self.disconnect_ms))
                     self._post(Ended(event.result, self.session.failure))
         except Exception as exc:  # a bug must end the response with a 500, not hang it

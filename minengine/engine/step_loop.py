@@ -231,8 +231,14 @@ class Member:
         return self.loop._run_ahead(self, ids, start, chooser)
 
     def decoded(self, ahead: Ahead) -> Decoded | None:
-        """The next step `ahead` ran (None: it stopped); raises what ended it (`Preempted`, a failed step)."""
-        return self.loop._take(ahead)
+        """The next step `ahead` ran (None: it stopped), waited for; raises what ended it (`Preempted`,
+        a failed step). On the model thread, by running the steps until one comes."""
+        loop = self.loop
+        if model_thread().here() and not ahead.ready():
+            with loop._cond:
+                loop._drive(ahead.ready)
+                loop._drive_later()
+        return ahead.take()
 
     def leave(self) -> None:
         """The request is done with the loop (whatever the ending): work it still had in the loop
@@ -365,14 +371,6 @@ class StepLoop:
             member.ahead = ahead
             self._hand_in(_Work(member, ids, start, summarize=chooser.summarize, ahead=ahead))
         return ahead
-
-    def _take(self, ahead: Ahead) -> Decoded | None:
-        """The next item of `ahead`, waited for; on the model thread, by running the steps until one comes."""
-        if model_thread().here() and not ahead.ready():
-            with self._cond:
-                self._drive(ahead.ready)
-                self._drive_later()
-        return ahead.take()
 
     def _drive_all(self) -> None:
         """On the model thread: run steps while any member has work pending, and no other model

@@ -236,9 +236,9 @@ async def test_restart_runs_the_request_again_with_a_new_id(default_engine):
         assert app.view.result.usage.completion_tokens == 2
 
 
-async def test_loading_and_every_run_share_one_model_thread(default_engine, monkeypatch):
-    # Two threads with OpenMP teams on 2 cores throttle libgomp's spinning: every parallel
-    # region of a step then wakes a sleeping worker (see minengine.threads.ModelThread).
+async def test_loading_and_every_run_share_one_run_thread(default_engine, monkeypatch):
+    # The explorer's run thread (`RunThread`) loads and runs in order, never on the UI's thread;
+    # the model work itself goes to the process's model thread (minengine.threads.ModelThread).
     threads: list[tuple[str, int]] = []
     start = Engine.start
 

@@ -230,4 +230,4 @@ async def test_the_explorer_serves_the_openai_api_from_its_engine(own_engine):
     with pytest.raises(OSError):  # the server went with the explorer, and its threads with it
         _chat(url, model, "Hello", 1)
     assert not [t for t in threading.enumerate() if t.name.startswith("reqscope-") and t.is_alive()
-                and t.name != "reqscope-model"]  # fmt: skip; the explorer's own run thread
+                and t.name != "reqscope-runs"]  # fmt: skip; the explorer's own run thread (`RunThread`)

@@ -1,5 +1,7 @@
-"""One request run by the engine on a worker thread, held and released by the UI.
+"""One request run by the engine on the explorer's run thread, held and released by the UI.
 
+The run thread (`RunThread`) runs the explorer's runs one after another, off the UI thread; the
+engine's own loads and steps go to the process's model thread (`minengine.threads.model_thread`).
 The worker pulls events from the session and drops each into `inbox` (a deque: appends and
 pops are atomic, so no lock). It calls `wake` only when the UI has taken everything it was
 woken for, so a burst of tokens costs the UI thread one message, not one per token; a held
@@ -13,9 +15,11 @@ and the engine's own ITL leaves it out.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import TypeVar
 
 from minengine.engine.engine import Engine
 from minengine.engine.events import Event, StepReady
@@ -26,7 +30,24 @@ from minengine.inspect.records import StepInspection
 from minengine.sampling.grammar import needs_grammar
 from minengine.sampling.params import SamplingParams
 from minengine.sampling.step_trace import StepTrace
-from reqscope.wording import in_app_words
+from minengine.threads import SerialThread
+from reqscope.wording import in_app_event, with_engine_text
+
+T = TypeVar("T")
+
+
+class RunThread(SerialThread):
+    """The explorer's run thread: loading, then each run's consumer (it pulls the session's events,
+    samples a steered run's tokens, holds at a step for the person) and each weight comparison,
+    one after another. It does no OpenMP work of its own: the engine hands its model work to the
+    process's model thread."""
+
+    def __init__(self) -> None:
+        super().__init__("reqscope-runs")
+
+    async def run(self, fn: Callable[..., T], /, *args: object) -> T:
+        """Await `fn(*args)` run on the thread (from the UI's event loop)."""
+        return await asyncio.wrap_future(self.submit(fn, *args))
 
 
 class LiveRun:
@@ -40,11 +61,11 @@ class LiveRun:
         paused: bool = False,
         grammar: bool = True,
         wake: Callable[[bool], object] = lambda urgent: None,
-        observe: Callable[[Event], object] = lambda event: None,
+        observe: Callable[[Event], object] | None = None,
     ) -> None:
         self.engine = engine
         # observe(event), on the worker thread as each event leaves the engine (load that follows
-        # the request's steps must not wait for the screen to take them)
+        # the request's steps must not wait for the screen to take them); None: nothing follows
         self.observe = observe
         self.request = request
         self.grammar = grammar  # False: the request's grammar is turned off before it runs (the form's switch)
@@ -80,10 +101,14 @@ class LiveRun:
                     session.set_grammar(False)
                 if self._cancelled:
                     session.cancel()
-            for event in in_app_words(session):
+            worded = with_engine_text()
+            for event in session:
+                if isinstance(event, worded):  # a token never carries engine text: no detour for it
+                    event = in_app_event(event)
                 self.recorded.append(event)
                 self.inbox.append(event)
-                self.observe(event)
+                if self.observe is not None:
+                    self.observe(event)
                 self._signal()
                 if isinstance(event, StepReady):
                     self._gate(event.index, session)

@@ -1,6 +1,6 @@
 """The explorer over the engine: the request runs live, and the keys hold, step, pick and re-run it.
 
-The runs go one after another on a thread of their own (`ModelThread`), and the engine's model
+The runs go one after another on the explorer's run thread (`RunThread`), and the engine's model
 work on the process's model thread (`minengine.threads.model_thread`). It never calls into the UI
 per token: events wait in the run's inbox, and one `RunProgress` message wakes the UI to take
 all of them. Repaints are coalesced and, while the engine decodes, paced by `RepaintPacer`
@@ -26,7 +26,6 @@ from minengine.progress import StatusCallback
 from minengine.record.trace_io import trace_header
 from minengine.sampling.grammar import needs_grammar
 from minengine.text.tools import ToolChoice
-from minengine.threads import ModelThread
 from reqscope.bench.ceiling import stored_ceiling
 from reqscope.engine_load import NO_LOAD, EngineLoad, LoadNote, LoadOptions
 from reqscope.ui.base import renewed
@@ -36,7 +35,7 @@ from reqscope.ui.run.figures.memory_probe import MemoryProbe, MemoryReading
 from reqscope.ui.run.formats.comparer import FormatsShown, WeightComparer
 from reqscope.ui.run.frame import StepSubject
 from reqscope.ui.run.inside.shown import INSPECT_VIEWS, ShownInspection, capture_ask, held_ask, last_inspection
-from reqscope.ui.run.live import LiveRun
+from reqscope.ui.run.live import LiveRun, RunThread
 from reqscope.ui.run.loading_screen import LoadingScreen
 from reqscope.ui.run.on_screen import RunOnScreen
 from reqscope.ui.run.sampling_form import SamplingChoice
@@ -72,10 +71,8 @@ class LiveExplorer(RunExplorer):
         self.shown: RunOnScreen | None = None  # None until the engine has loaded
         self._open_engine = open_engine
         self._probe: MemoryProbe | None = None
-        # Loading and every run, in order; the engine's own loads and steps go to the process's
-        # model thread (`threads.model_thread`), so the runs here do no OpenMP work of their own.
-        self._model_thread = ModelThread()
-        self.formats = WeightComparer(self._model_thread.submit, wake=partial(self._wake, True))  # `w`
+        self._runs = RunThread()  # loading and every run, in order, off the UI thread
+        self.formats = WeightComparer(self._runs.submit, wake=partial(self._wake, True))  # `w`
         self._switch_interval = sys.getswitchinterval()
 
     @property
@@ -91,11 +88,11 @@ class LiveExplorer(RunExplorer):
         # keeps a repaint from stalling decode for its whole length.
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(GIL_SWITCH_S)
-        loading = LoadingScreen(partial(self._model_thread.run, self._open_loaded), self._engine_failed)
+        loading = LoadingScreen(partial(self._runs.run, self._open_loaded), self._engine_failed)
         self.push_screen(loading, self._engine_ready)
 
     def _open_loaded(self, progress: StatusCallback) -> Engine:
-        """The engine, and the load asked for on it (the API listening): on the model thread, while loading."""
+        """The engine, and the load asked for on it (the API listening): on the run thread, while loading."""
         engine = self._open_engine(progress)
         if self.load_options.any:
             self.load = EngineLoad(engine, self.load_options, self.request)
@@ -127,14 +124,14 @@ class LiveExplorer(RunExplorer):
         self.cursor = 0
         # The background requests join after its first steps and end with it, followed from the
         # worker thread: the screen takes events at its own pace, many steps late under load.
-        observe = self.load.follow if self.load is not None else (lambda event: None)
+        observe = self.load.follow if self.load is not None else None
         grammar = self.sampling.grammar  # turned off by the form: off from the start of the next run too
         run = LiveRun(self.engine, request, paused=paused, grammar=grammar, wake=self._wake, observe=observe)
         self.shown = RunOnScreen(run, applied=request.sampling, grammar=grammar)
         if self.load is not None:
             self.load.end()  # a run cut short left them running: they join this one after its steps alone
         self._follow_inside()
-        self._model_thread.submit(run.drive, previous)
+        self._runs.submit(run.drive, previous)
         self._invalidate()
 
     def _rerun(self, **changes: object) -> None:
@@ -221,7 +218,7 @@ class LiveExplorer(RunExplorer):
         if self.load is not None:
             self.load.close()
             self.load = None
-        self._model_thread.shutdown()
+        self._runs.shutdown()
         sys.setswitchinterval(self._switch_interval)  # leaving: the UI no longer draws beside decode
 
     # -- what the frame shows --------------------------------------------------------------------
