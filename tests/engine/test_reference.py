@@ -307,12 +307,11 @@ def test_the_runner_picks_a_shared_steps_path_and_says_why(tiny_models):
 
     panels = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs="float32-panels"), static_decode=False)
     rows = rows_of(panels)
-    assert panels.pick_rows(rows).path.name == "c-stack rows float32×float32"
+    assert panels.pick_rows(rows).name == "c-stack rows float32×float32"
     panels.forward_rows(rows)
     assert panels.last_path.name == "c-stack rows float32×float32" and "3 decode rows" in panels.last_path.why
     chunk = Row((3, 4, 5), 0, PagedKVCache(pool, cfg, owner="chunk", device=CPU, compute_dtype=torch.float32), True)
-    assert panels.pick_rows([*rows[:2], chunk]).path.name == "c-stack rows float32×float32 + torch chunks"
-    assert panels.pick_rows([rows[0], chunk]).path.why == "2 rows with a prompt chunk among them"
+    assert panels.pick_rows([*rows[:2], chunk]).why == "3 rows with a prompt chunk among them"
     dense = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU), static_decode=False)
     dense.forward_rows(rows_of(dense))
     assert dense.last_path == StepPath("torch rows", "3 decode rows; no C stack for float32 weights on cpu")
@@ -323,7 +322,7 @@ def test_the_runner_picks_a_shared_steps_path_and_says_why(tiny_models):
 def test_a_step_of_decode_rows_and_a_prompt_chunk_runs_in_two_passes_with_the_same_bits(tiny_models, packs):
     """The decode rows through the C stack over rows, then the chunk through the Python blocks: each
     row's logits are the bits of the one pass over all of them, and near the reference's."""
-    from minengine.steps.shared_step import forward_rows
+    from minengine.steps.shared_step import run_rows
 
     folder, _ = tiny_models["llama-gqa"]
     cfg = ModelConfig.from_file(folder)
@@ -337,7 +336,7 @@ def test_a_step_of_decode_rows_and_a_prompt_chunk_runs_in_two_passes_with_the_sa
     rows.insert(1, Row(tuple(chunk.tolist()), 0, fresh, True))
     split = runner.forward_rows(rows)
     assert runner.last_path.name == f"c-stack rows {runner._label} + torch chunks"
-    joint = forward_rows(runner.model, rows)  # the Python blocks, the same positions again: the same K/V written
+    _, joint = run_rows(runner.model, rows, stack=False)  # the same positions again: the same K/V written
     assert all(torch.equal(a, b) for a, b in zip(split, joint, strict=True))
     for p, t, logits in zip(prompts, tokens, [split[0], *split[2:]], strict=True):
         _close(packs, logits, _reference_steps(ref, p, [t])[-1])
