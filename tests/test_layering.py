@@ -432,3 +432,12 @@ def test_the_reference_is_the_whole_story_by_itself():
     assert not wrong, "the reference must not lean on the engine:\n  " + "\n  ".join(wrong)
     assert "minengine.reference.model" in reference and any(imp.target == "minengine.reference.model" for imp in seen)
     assert _within("minengine.kv.cache", engine_side) and not _within("minengine.kvx", engine_side)  # the rule bites
+
+
+def test_the_torch_model_imports_no_fast_path():
+    """minengine/model/ is the engine's model in torch: the fast paths plug into it (its `ModelOps`, bound
+    when the model is built; the decoders and the C stack beside it, in minengine/fast/), never the other way."""
+    beside = ("minengine.fast", "minengine.steps")
+    wrong = [imp.where() for imp in IMPORTS
+             if imp.source.startswith("minengine.model.") and imp.target.startswith(beside)]  # fmt: skip
+    assert not wrong, "minengine/model must not import minengine/fast or minengine/steps:\n  " + "\n  ".join(wrong)

@@ -184,7 +184,8 @@ def test_a_machine_without_the_files_gets_no_value(monkeypatch):
 
 NAMED = {
     "python", "torch", "cuda", "cpu", "cpu_capability", "cpus", "threads", "omp_wait_policy", "c_compiler",
-    "c_kernels", "kernels_home", "activations", "amx", "float32_kernel", "kv_budget_bytes", "layout_cache", "home",
+    "c_kernels", "kernels_home", "activations", "amx", "row_ops", "float32_kernel", "kv_budget_bytes", "layout_cache",
+    "home",
 }  # fmt: skip
 
 

@@ -7,7 +7,7 @@ only question is how fast it streams (see `projection_operand`). Loading consume
 dict tensor by tensor and hands the memory-mapped pages back as it goes (`CheckpointReader`).
 
 A reader told a packed weight format (`linear_kernels`) packs each projection instead, into a
-`PackedLinear` that `project` and `project_chunks` dispatch on; the float32 source of each is
+`PackedLinear` whose own product the layer is bound to (`product`); the float32 source of each is
 dropped as it is packed, so the model holds one copy of its weights, in the chosen format. With
 oneDNN's packed float32 a tied head stays a dense operand, whose columns the embedding lookups
 read: a packed head cannot hand out rows, and float32 rows beside it would hold the table twice.
@@ -15,9 +15,11 @@ read: a packed head cannot hand out rows, and float32 rows beside it would hold 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from minengine.checkpoint.mapped_pages import MappedFiles
 from minengine.fast.linear_kernels import EmbeddingRows, PackedLinear
@@ -153,34 +155,89 @@ class CheckpointReader:
         return self.copy(name) if name in self.sd else None
 
 
-def project(x: torch.Tensor, weight: Operand, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] times a [chunks, in, out/chunks] operand (+ bias [out]): a linear layer, [T, out]."""
-    if not isinstance(weight, torch.Tensor):  # a packed or panel kernel's weight
-        y = weight.linear(x)
-        return y if bias is None else y.add_(bias)
-    y = project_chunks(x, weight, bias)
-    T = x.shape[0]
-    # One row: the chunks already lie end to end. More rows: interleave them (one copy).
-    return y.view(1, -1) if T == 1 else y.transpose(0, 1).reshape(T, -1)
+class DenseProduct:
+    """x [T, in] times a dense [chunks, in, out/chunks] operand (+ bias [out]), one `bmm` over its chunks."""
+
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight
+        self.bias = None if bias is None else bias.view(weight.shape[0], 1, -1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The linear layer: [T, out]."""
+        y, T = self.chunks(x), x.shape[0]
+        # One row: the chunks already lie end to end. More rows: interleave them (one copy).
+        return y.view(1, -1) if T == 1 else y.transpose(0, 1).reshape(T, -1)
+
+    def chunks(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x times each chunk: [chunks, T, out/chunks] (into `out` when given, a decode step's scratch)."""
+        rows = x.expand(self.weight.shape[0], -1, -1)
+        if self.bias is None:
+            return torch.bmm(rows, self.weight, out=out)
+        return torch.baddbmm(self.bias, rows, self.weight, out=out)
 
 
-def project_chunks(
-    x: torch.Tensor, weight: Operand, bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x [T, in] times each chunk of the operand: [chunks, T, out/chunks] (bias added per chunk).
+class KernelProduct:
+    """x [T, in] times a packed or panel kernel's weight (+ bias [out]), by the kernel's own product."""
 
-    `out` receives the result when given (a decode step's scratch buffer, of that shape).
-    """
-    chunks = weight.shape[0]
-    T = x.shape[0]
-    if out is not None and T == 1 and bias is None and isinstance(weight, PanelLinear):
-        weight.linear(x, out=out.view(1, -1))  # one row's chunks lie end to end: straight into `out`
-        return out
-    if not isinstance(weight, torch.Tensor):  # the kernel writes [T, out]: its columns, cut into the chunks
-        y = project(x, weight, bias)
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, weight: PackedLinear | PanelLinear, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The linear layer: [T, out]."""
+        y = self.weight.linear(x)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def chunks(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`DenseProduct.chunks`' layout, [chunks, T, out/chunks]: the kernel's columns cut into the chunks."""
+        y, T, chunks = self(x), x.shape[0], self.weight.shape[0]
         y = y.view(chunks, 1, -1) if T == 1 else y.view(T, chunks, -1).transpose(0, 1)
         return y if out is None else out.copy_(y)
-    rows = x.expand(chunks, -1, -1)
-    if bias is None:
-        return torch.bmm(rows, weight, out=out)
-    return torch.baddbmm(bias.view(chunks, 1, -1), rows, weight, out=out)
+
+
+Product = DenseProduct | KernelProduct
+
+
+def product(weight: Operand, bias: torch.Tensor | None = None) -> Product:
+    """The linear layer of `weight` (+ `bias`), bound once when the model is built: a dense operand's
+    `bmm`, or the packed or panel kernel's own product."""
+    if isinstance(weight, torch.Tensor):
+        return DenseProduct(weight, bias)
+    return KernelProduct(weight, bias)
+
+
+def token_lookup(embed: Embedding, head: Operand) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How token ids [T] become embedding rows [T, hidden] (a fresh tensor) for the layout the
+    weights were built in, chosen once when the model is built: the table's rows (dense or a
+    packed format's), else the tied head's (a panel head's rows, or a dense head's columns)."""
+    if isinstance(embed, EmbeddingRows):
+        return embed.lookup
+    if embed is not None:
+        return lambda ids: F.embedding(ids, embed)
+    if isinstance(head, PanelLinear):
+        return head.rows
+    assert isinstance(head, torch.Tensor)
+    per_chunk = head.shape[2]
+    return lambda ids: head[ids // per_chunk, :, ids % per_chunk]  # column `id` of the head, [T, hidden]
+
+
+def stored_bytes(weight: torch.Tensor | Operand | Embedding) -> int:
+    """Bytes a weight is stored in (a packed kernel's padding included; 0 for a tied embedding)."""
+    if weight is None:
+        return 0
+    return weight.numel() * weight.element_size() if isinstance(weight, torch.Tensor) else weight.stored_bytes
+
+
+def read_bytes(weight: torch.Tensor | Operand | Embedding, rows: int | None = None) -> int:
+    """Bytes a decode step reads of a weight: all of a projection or norm (a packed kernel's real
+    rows, not its padding); of an embedding table, one row of `rows` values (0 for a tied one)."""
+    if weight is None:
+        return 0
+    if isinstance(weight, EmbeddingRows):
+        return weight.row_bytes
+    if rows is not None:
+        return rows * weight.element_size()
+    return weight.numel() * weight.element_size() if isinstance(weight, torch.Tensor) else weight.read_bytes

@@ -29,6 +29,7 @@ from minengine.kv.prefix_cache import KVIdentity, PrefixCache
 from minengine.kv.usage import PoolUsage
 from minengine.model.transformer import Transformer
 from minengine.progress import ProgressCallback
+from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 from minengine.steps.reference_runner import EngineReferenceModel, ReferenceRunner, reference_weights
 from minengine.text.tokenizer import ModelTokenizer
@@ -130,7 +131,7 @@ class Engine:
             state = load_state_dict(self.model_dir, self.cfg, self.dtype, self.device)
             reference = EngineReferenceModel(self.cfg, state)
             return reference, ReferenceRunner(reference)
-        model = Transformer.load(self.model_dir, self.cfg, self.dtype, self.device, progress, packs=self.weights.packs)
+        model = load_model(self.model_dir, self.cfg, self.dtype, self.device, progress, packs=self.weights.packs)
         model.rope.ensure(min(self.cfg.max_position_embeddings, 4096))
         runner = ModelRunner(model, static_decode=cuda_graph and self.device.type == "cuda")
         synchronize(self.device)

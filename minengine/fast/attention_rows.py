@@ -44,6 +44,11 @@ def _heads(t: torch.Tensor, d: int) -> bool:
     return t.dtype == torch.float32 and t.stride(-1) == 1 and (t.shape[-2] == 1 or t.stride(-2) == d)
 
 
+def available() -> bool:
+    """Whether the kernel is built here (its library loaded)."""
+    return library().lib is not None
+
+
 def serves(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether the kernel runs this attention: float32 CPU tensors, keys/values [Hkv, L, d] with a
     head's positions d apart, and the kernel built here."""

@@ -76,7 +76,8 @@ class ArenaAttention:
         keys.index_copy_(2, self.pos, k)
         values.index_copy_(2, self.pos, v)
         span = self.span
-        return decode_attention(q[0], keys[0, :, :span], values[0, :, :span], self.scale, self.hidden).view(1, -1)
+        attended = decode_attention(q[0], keys[0, :, :span], values[0, :, :span], self.scale, hidden=self.hidden)
+        return attended.view(1, -1)
 
 
 class StaticDecoder:

@@ -22,9 +22,11 @@ import ctypes
 import threading
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from minengine.checkpoint.weight_layout import Operand, product
 from minengine.fast.attention_rows import RowsKernel, SlotKernel
 from minengine.fast.cpu_kernels import library
 from minengine.fast.panel_kernels import PanelLinear
@@ -32,15 +34,101 @@ from minengine.kv.block_pool import Segment
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.ops import decode_attention
-from minengine.model.transformer import Scratch, Transformer
+from minengine.model.transformer import Layer, Transformer
+from minengine.threads import OneThread
+
+
+@dataclass
+class Scratch:
+    """Buffers one token's pass through a block writes into, and the fixed views into them.
+
+    A decode step that writes into these (`EagerDecoder`) allocates nothing and makes no view:
+    every product lands in a buffer whose views (q/k/v heads, gate and up, rows) were made once
+    (`eager_step` says what that saves). Projection buffers are [chunks, 1, n/chunks], the
+    layout `Product.chunks` writes. One set serves every layer; a thread needs its own.
+    """
+
+    qkv: torch.Tensor  # the fused projection's output, chunks end to end
+    qk: torch.Tensor  # [1, Hq+Hkv, d] view of q and k in `qkv`
+    v: torch.Tensor  # [Hkv, d] view of v in `qkv`
+    rotated: torch.Tensor  # [1, Hq+Hkv, d]
+    swapped: torch.Tensor  # [1, Hq+Hkv, d], rotation's second term
+    q: torch.Tensor  # [Hkv, Hq/Hkv, d] view of `rotated`: the query heads of each KV head as rows
+    k: torch.Tensor  # [Hkv, d] view of `rotated`
+    attended: torch.Tensor  # [Hkv, Hq/Hkv, d]
+    attended_row: torch.Tensor  # [1, Hq*d] view of `attended`
+    o: torch.Tensor
+    o_row: torch.Tensor  # [1, hidden] view of `o`
+    gate_up: torch.Tensor  # [2, 1, ff]: gate, then up
+    gate: torch.Tensor  # [1, ff] views of `gate_up`
+    up: torch.Tensor
+    down: torch.Tensor
+    down_row: torch.Tensor  # [1, hidden] view of `down`
+
+    @classmethod
+    def for_model(cls, model: Transformer) -> Scratch:
+        """A fresh set shaped for `model`'s blocks."""
+        cfg, layer = model.cfg, model.layers[0]
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+
+        def out(operand: torch.Tensor) -> torch.Tensor:
+            return torch.empty(operand.shape[0], 1, operand.shape[2], dtype=model.dtype, device=model.device)
+
+        qkv, o, gate_up, down = out(layer.qkv), out(layer.o), out(layer.gate_up), out(layer.down)
+        flat = qkv.view(1, -1)
+        qk = flat[:, : (hq + hkv) * d].view(1, hq + hkv, d)
+        rotated = torch.empty_like(qk)
+        attended = torch.empty(hkv, hq // hkv, d, dtype=model.dtype, device=model.device)
+        return cls(
+            qkv=qkv,
+            qk=qk,
+            v=flat[0, (hq + hkv) * d :].view(hkv, d),
+            rotated=rotated,
+            swapped=torch.empty_like(qk),
+            q=rotated[0, :hq].view(hkv, hq // hkv, d),
+            k=rotated[0, hq:],
+            attended=attended,
+            attended_row=attended.view(1, hq * d),
+            o=o,
+            o_row=o.view(1, -1),
+            gate_up=gate_up,
+            gate=gate_up[0],
+            up=gate_up[1],
+            down=down,
+            down_row=down.view(1, -1),
+        )
+
+
+Write = Callable[[torch.Tensor, torch.Tensor], object]  # a one-row product into its scratch buffer
+
+
+def writer(weight: Operand, bias: torch.Tensor | None = None) -> Write:
+    """How one row's product with `weight` lands in a scratch buffer [chunks, 1, out/chunks], chosen
+    once per projection: a panel kernel writes its row straight in (one row's chunks lie end to end);
+    any other operand through its product's chunks (`weight_layout.product`)."""
+    if bias is None and isinstance(weight, PanelLinear):
+        return lambda x, out: weight.linear(x, out=out.view(1, -1))
+    return product(weight, bias).chunks
+
+
+class LayerWriters:
+    """A block's four projections, each as a `writer`."""
+
+    __slots__ = ("qkv", "o", "gate_up", "down")
+
+    def __init__(self, layer: Layer) -> None:
+        self.qkv, self.o = writer(layer.qkv, layer.qkv_bias), writer(layer.o)
+        self.gate_up, self.down = writer(layer.gate_up), writer(layer.down)
 
 
 class EagerDecoder:
-    """One-token steps of `Transformer.block` into scratch buffers, for caches that allow them."""
+    """One-token steps into scratch buffers, for caches that allow them: every block in one C call
+    (`step_stack`), or `Transformer.block`'s arithmetic from Python into the scratch (`step_blocks`)."""
 
     def __init__(self, model: Transformer) -> None:
         self.model = model
         self._local = threading.local()  # a server decodes several requests on their own threads
+        self._writers = [LayerWriters(layer) for layer in model.layers]
 
     def serves(self, cache: KVCache | PagedKVCache, pos: int) -> bool:
         """Whether the lean step can write position `pos` into `cache`."""
@@ -53,30 +141,50 @@ class EagerDecoder:
             and cache.contiguous
         )
 
-    def step(self, ids: torch.Tensor, pos: int, cache: KVCache | PagedKVCache) -> torch.Tensor:
-        """Logits [vocab] (float32) for the token `ids` [1] at `pos`; writes its K/V into `cache`."""
+    def slot_kernel_serves(self, cache: KVCache | PagedKVCache) -> bool:
+        """Whether the C slot kernel writes and attends this cache's slots (`SlotKernel.serves`)."""
+        s = self._buffers()
+        return SlotKernel.serves(s.q, s.k, s.v, s.attended, cache.head_views()[0][0])
+
+    def step_stack(self, ids: torch.Tensor, pos: int, cache: KVCache | PagedKVCache, stack: LayerStack) -> torch.Tensor:
+        """Logits [vocab] (float32) for the token `ids` [1] at `pos` through every block in one C call;
+        writes its K/V into `cache`."""
         model, s = self.model, self._buffers()
         cos, sin = model.rope.lookup_signed(pos, 1)
-        attention = SlotAttention(cache, pos, s, model.scale)
+        keys, values = cache.head_views()
+        kernel = SlotKernel(keys, values, pos, (s.q, s.k, s.v, s.attended), model.scale)
         x = model.embed_tokens(ids)  # [1, hidden], a fresh tensor: residuals are added in place
-        stack = LayerStack.of(model) if attention.kernel is not None else None
-        logits = None
-        if stack is not None:  # every block in one C call, the same arithmetic on the same buffers
-            logits = stack.step(x, cos, sin, attention.kernel, s)
-        else:
-            for i in range(len(model.layers)):
-                x = model.block(i, x, cos, sin, attention, s)
+        logits = stack.step(x, cos, sin, kernel, s)
         cache.note_written(pos + 1)
         return model.logits(x) if logits is None else logits
 
-    def stack(self, cache: KVCache | PagedKVCache) -> LayerStack | None:
-        """The C stack `step` runs every block through for `cache`, or None where it runs the
-        Python block: the stack needs the model's shape (`LayerStack.serves`) and the slot
-        kernel's cache layout (`SlotKernel.serves`)."""
-        s = self._buffers()
-        if not SlotKernel.serves(s.q, s.k, s.v, s.attended, cache.head_views()[0][0]):
-            return None
-        return LayerStack.of(self.model)
+    def step_blocks(
+        self, ids: torch.Tensor, pos: int, cache: KVCache | PagedKVCache, *, slot_kernel: bool
+    ) -> torch.Tensor:
+        """Logits [vocab] (float32) for the token `ids` [1] at `pos`, block by block from Python into the
+        scratch buffers, attending through the C slot kernel (`slot_kernel`) or torch's operations."""
+        model, s = self.model, self._buffers()
+        cos, sin = model.rope.lookup_signed(pos, 1)
+        attention = (SlotKernelAttention if slot_kernel else SlotAttention)(cache, pos, s, model.scale)
+        x = model.embed_tokens(ids)
+        for i in range(len(model.layers)):
+            x = self._block(i, x, cos, sin, attention, s)
+        cache.note_written(pos + 1)
+        return model.logits(x)
+
+    def _block(self, index: int, x: torch.Tensor, cos, sin, attention, s: Scratch) -> torch.Tensor:
+        """`Transformer.block` on one row, every product and the rotation into `s`: the same
+        operations on the same operands in the same order, so the same bits."""
+        model, layer, w = self.model, self.model.layers[index], self._writers[index]
+        w.qkv(layer.input_norm(x), s.qkv)
+        qk = s.qk if layer.qk_norm is None else layer.qk_norm(s.qk)
+        model.ops.rotate(qk, cos, sin, out=s.rotated, scratch=s.swapped)
+        w.o(attention(index, s.q, s.k, s.v), s.o)
+        x.add_(s.o_row)
+        w.gate_up(layer.post_norm(x), s.gate_up)
+        model.ops.silu_mul(s.gate, s.up, out=s.gate)
+        w.down(s.gate, s.down)
+        return x.add_(s.down_row)
 
     def _buffers(self) -> Scratch:
         s = getattr(self._local, "scratch", None)
@@ -271,38 +379,39 @@ class LayerStack:
 
 
 class SlotAttention:
-    """`Attention` for one position of an unborrowed, unquantized grouped-heads cache.
+    """`Attention` for one position of an unborrowed, unquantized grouped-heads cache, in torch's
+    operations: K/V copied straight into the slot for `pos` through the cache's per-layer views
+    (`KVCache.head_views`, made once), then one query's attention into the scratch buffer, on one
+    thread (see `threads.OneThread`)."""
 
-    K/V are copied straight into the slot for `pos` through the cache's per-layer views
-    (`KVCache.head_views`, made once), and attention writes into the scratch buffer: in float32
-    on the CPU both are one call of the C kernel (`attention_rows.SlotKernel`), the arithmetic
-    `ops.decode_attention` runs there too; elsewhere torch's operations, on one thread (see
-    `threads.OneThread`), switched inline: this loop is hot.
-    """
-
-    __slots__ = ("keys", "values", "pos", "end", "out", "row", "scale", "threads", "kernel")
+    __slots__ = ("keys", "values", "pos", "end", "out", "row", "scale")
 
     def __init__(self, cache: KVCache | PagedKVCache, pos: int, s: Scratch, scale: float) -> None:
         self.keys, self.values = cache.head_views()
         self.pos, self.end = pos, pos + 1
         self.out, self.row = s.attended, s.attended_row
         self.scale = scale
-        self.threads = torch.get_num_threads() if cache.device.type == "cpu" else 1
-        # float32 on the CPU: the C kernel writes the slot and attends in one call per layer.
-        self.kernel = None
-        if SlotKernel.serves(s.q, s.k, s.v, s.attended, self.keys[0]):
-            self.kernel = SlotKernel(self.keys, self.values, pos, (s.q, s.k, s.v, s.attended), scale)
 
     def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:  # q, k, v are the scratch buffers the kernel was given
-            self.kernel(index)
-            return self.row
         keys, values = self.keys[index], self.values[index]
         keys.select(1, self.pos).copy_(k)
         values.select(1, self.pos).copy_(v)
-        if self.threads > 1:
-            torch.set_num_threads(1)
-        decode_attention(q, keys.narrow(1, 0, self.end), values.narrow(1, 0, self.end), self.scale, out=self.out)
-        if self.threads > 1:
-            torch.set_num_threads(self.threads)
+        with OneThread(q.device):
+            decode_attention(q, keys.narrow(1, 0, self.end), values.narrow(1, 0, self.end), self.scale, self.out)
+        return self.row
+
+
+class SlotKernelAttention:
+    """`SlotAttention` in one call of the C kernel per layer (`attention_rows.SlotKernel`): the slot
+    written and the query attended, the arithmetic `ops.decode_attention` runs, for float32 on the CPU."""
+
+    __slots__ = ("kernel", "row")
+
+    def __init__(self, cache: KVCache | PagedKVCache, pos: int, s: Scratch, scale: float) -> None:
+        keys, values = cache.head_views()
+        self.kernel = SlotKernel(keys, values, pos, (s.q, s.k, s.v, s.attended), scale)
+        self.row = s.attended_row
+
+    def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.kernel(index)  # q, k, v are the scratch buffers the kernel was given
         return self.row

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from minengine.fast.attention_rows import RowsKernel, serves_store
+from minengine.fast.attention_rows import RowsKernel
 from minengine.kv.block_pool import Segment
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.ops import padded_decode_attention
@@ -82,7 +82,9 @@ class PooledRows:
     """Decode rows over caches in one pool segment, each one new token at `starts[i]`, attended together.
 
     `tokens[i]` is row i's place among the step's stacked k/v, `queries[i]` among the q its
-    layer hands in (the last layer keeps fewer queries than it writes K/V for).
+    layer hands in (the last layer keeps fewer queries than it writes K/V for). `in_place`: the
+    C kernel reads the segment where it lies (`serves_store`, the plan's choice), else torch
+    gathers the rows' positions into a padded batch.
     """
 
     def __init__(
@@ -94,6 +96,8 @@ class PooledRows:
         queries: Sequence[int],
         scale: float,
         threads: int = 1,
+        *,
+        in_place: bool,
     ) -> None:
         device = segment.k.device
         self.segment, self.caches, self.scale, self.device = segment, list(caches), scale, device
@@ -112,8 +116,8 @@ class PooledRows:
             spans = [np.arange(run.local, run.local + run.tokens) for run in runs]
             table.append(spans[0] if len(spans) == 1 else np.concatenate(spans))
         # The C kernel reads each row's positions where they lie: no gather, no padding.
-        self.kernel = RowsKernel(table, slots, tokens, queries, scale, threads) if serves_store(segment.k) else None
-        if self.kernel is not None:
+        self.kernel = RowsKernel(table, slots, tokens, queries, scale, threads) if in_place else None
+        if in_place:
             return
         # Padding reads the row's first position: written, so finite, and masked out.
         padded = [row.tolist() + [int(row[0])] * (longest - end) for row, end in zip(table, self.ends, strict=True)]

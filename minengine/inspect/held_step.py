@@ -13,7 +13,6 @@ import torch
 from minengine.inspect.observer import StepObserver
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
-from minengine.model.ops import decode_attention
 from minengine.model.transformer import Transformer
 from minengine.reference.model import ReferenceModel
 from minengine.steps.reference_runner import reference_forward
@@ -23,14 +22,15 @@ from minengine.threads import OneThread
 class ReadingAttention:
     """`Attention` over positions [0, end) of a cache that already holds them: it reads, never writes."""
 
-    def __init__(self, cache: KVCache | PagedKVCache, end: int, observer: StepObserver, scale: float) -> None:
-        self.cache, self.end, self.observer, self.scale = cache, end, observer, scale
+    def __init__(self, cache: KVCache | PagedKVCache, end: int, observer: StepObserver, model: Transformer) -> None:
+        self.cache, self.end, self.observer = cache, end, observer
+        self.scale, self.decode_attention = model.scale, model.ops.decode_attention
 
     def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self.cache.read(index, self.end)
         self.observer.attended(index, q[0], keys[0])
         with OneThread(q.device):
-            return decode_attention(q[0], keys[0], values[0], self.scale).view(1, -1)
+            return self.decode_attention(q[0], keys[0], values[0], self.scale).view(1, -1)
 
 
 @torch.inference_mode()
@@ -47,7 +47,7 @@ def recompute_step(
         return reference_forward(model, ids, position, cache, observer=observer, writes=False)
     x = model.embed_tokens(torch.tensor([token], device=model.device))
     cos, sin = model.rope.lookup_signed(position, 1)
-    attention = ReadingAttention(cache, position + 1, observer, model.scale)
+    attention = ReadingAttention(cache, position + 1, observer, model)
     for i in range(len(model.layers)):
         x = model.block(i, x, cos, sin, attention)
         observer.residual(i, x[0])

@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 import torch
 
-from minengine.checkpoint.weight_layout import project
 from minengine.fast.linear_kernels import EmbeddingRows, PackedLinear
 from minengine.fast.panel_kernels import PanelLinear
 from minengine.inspect.ask import InspectAsk
@@ -116,7 +115,7 @@ def lens_record(
 def _project_all(model: Transformer | ReferenceModel, h: torch.Tensor) -> torch.Tensor:
     if isinstance(model, ReferenceModel):
         return h @ model.head.T
-    return project(h, model.lm_head)
+    return model.head(h)
 
 
 def _project_onto(model: Transformer | ReferenceModel, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -1,21 +1,20 @@
-"""The small operations every path through the model shares: RMSNorm, the two attentions, and
-the C calls that stand in for a block's row operations on the CPU.
+"""The small operations every block runs, in torch, and the set of them a model is built with.
 
-Decode runs a few hundred of these per step, each costing more in dispatch than in
-arithmetic, so each is written with as few dispatches as its arithmetic allows, and takes an
-`out` buffer where a decode step keeps one.
+A block calls its row operations (RMSNorm, the rotary embedding, SiLU-gating, the two
+attentions) through the `ModelOps` it was built with: `TORCH_OPS` here, or the C ones of
+`minengine.fast.row_ops`, chosen once when the model is built (`minengine.steps.load`), never
+per call. Decode runs a few hundred of these per step, each costing more in dispatch than in
+arithmetic, so each is written with as few dispatches as its arithmetic allows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
-
-from minengine.fast.attention_rows import attend_one, attend_prompt, serves
-from minengine.fast.cpu_kernels import library
-from minengine.fast.panel_kernels import activations
-
-_HAS_GQA_SDPA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 _CONSTANTS: dict[tuple[float, torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -32,6 +31,15 @@ def constant(value: float, like: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class Norm(Protocol):
+    """An RMSNorm with its weight, as a block calls it (`ModelOps.norm` makes one)."""
+
+    weight: torch.Tensor
+    eps_value: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class RMSNorm:
     """RMSNorm with its weight: computed in float32, cast back, then scaled (Hugging Face's order).
 
@@ -39,9 +47,8 @@ class RMSNorm:
     the same count, written as one `addcdiv` (a third of the dispatches; `F.rms_norm` is a
     composite of more operations than this on the CPU). Activations come in the weight's dtype;
     in float32 the two casts are skipped, since they would return x itself yet cost a call
-    each, and in a decode step every call costs microseconds (`eager_step`). Its constants are
-    made once, with the weight. On the CPU in float32 it is one C call instead
-    (`c_rms_norm`: the same formula, the sum of squares in another order).
+    each, and in a decode step every call costs microseconds. Its constants are made once,
+    with the weight.
     """
 
     __slots__ = ("weight", "eps", "count", "wide", "eps_value")
@@ -54,13 +61,40 @@ class RMSNorm:
         self.eps_value = eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.wide:
-            y = c_rms_norm(x, self.weight, self.eps_value)
-            if y is not None:
-                return y
         xf = x if self.wide else x.float()
         normed = xf * torch.addcdiv(self.eps, (xf * xf).sum(-1, keepdim=True), self.count).rsqrt_()
         return self.weight * (normed if self.wide else normed.to(x.dtype))
+
+
+def rotate(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The reference's `apply_rotary` (`minengine.reference.model`) for x [T, heads, head_dim], with
+    tables from `RotaryTable.lookup_signed`.
+
+    rotate_half(x) * sin equals swap_halves(x) * signed_sin exactly (negation is exact), so the
+    result is bit for bit Hugging Face's. (`addcmul` would save an operation but its fused
+    multiply-add rounds differently.) A decode step passes `out` and `scratch` (both shaped
+    like x): the same three operations then write into them instead of allocating.
+    """
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)
+    if out is None:
+        return x * cos + swapped * signed_sin
+    torch.mul(x, cos, out=out)
+    return out.add_(torch.mul(swapped, signed_sin, out=scratch))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up (into `out` when given, which may be gate itself)."""
+    if out is None:
+        return F.silu(gate).mul_(up)
+    if out is gate:
+        return F.silu(gate, inplace=True).mul_(up)
+    return torch.mul(F.silu(gate), up, out=out)
 
 
 def decode_attention(
@@ -68,9 +102,9 @@ def decode_attention(
     keys: torch.Tensor,
     values: torch.Tensor,
     scale: float,
-    hidden: torch.Tensor | None = None,
-    *,
     out: torch.Tensor | None = None,
+    *,
+    hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query position over keys/values [Hkv, L, d]; returns [Hkv, Hq/Hkv, d] (into `out` when given).
 
@@ -79,8 +113,6 @@ def decode_attention(
     position is visible unless flagged in `hidden` [L] (the static decode step's fixed window);
     hidden slots get probability exactly 0. Callers run it on one thread (`threads.OneThread`).
     """
-    if hidden is None and serves(q, keys, values) and (out is None or out.is_contiguous()):
-        return attend_one(q, keys, values, scale, out)  # read in place, a dozen dispatches fewer
     if q.dim() == 2:
         q = q.view(keys.shape[0], -1, q.shape[-1])
     # beta=0 ignores the (dummy) input; the scale rides along as the GEMM's alpha.
@@ -108,33 +140,38 @@ def padded_decode_attention(
     return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """Causal attention of q [1, Hq, T, d] over cached k/v [1, Hkv, start+T, d]; returns [1, Hq, T, d].
+def _offset_mask(start: int, T: int, device: torch.device) -> torch.Tensor | None:
+    """Query i of a chunk at `start` sees keys up to start + i; None for a chunk from position 0 (causal)."""
+    if start == 0:
+        return None
+    rows = torch.arange(T, device=device).unsqueeze(1) + start
+    return torch.arange(start + T, device=device).unsqueeze(0) <= rows
 
-    K/V are never repeated into the cache: SDPA's native GQA reads them as they are (a
-    transient expansion stands in on torch builds without it). A single query position is
-    cheaper through `decode_attention`.
-    """
-    if activations() == "int8" and serves(q, k[0], v[0]):
-        # int8 activations round each row: a last-bit difference from SDPA cutting the prompt another way
-        # (alone, or in a batch's chunks) would flip roundings and part the tokens, so each position
-        # attends as a row of its own, the same bits however the prompt was chunked.
-        return attend_prompt(q, k, v, start, scale)
-    hq, hkv, T = q.shape[1], k.shape[1], q.shape[2]
-    groups = hq // hkv
-    mask = None
-    causal = start == 0
-    if not causal:  # a chunk after cached context: query i sees keys up to start + i
-        rows = torch.arange(T, device=q.device).unsqueeze(1) + start
-        mask = torch.arange(start + T, device=q.device).unsqueeze(0) <= rows
-    if groups > 1:
-        if _HAS_GQA_SDPA:
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
-            )
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+def _prompt_attention_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    mask = _offset_mask(start, q.shape[2], q.device)
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
+
+
+def _prompt_attention_repeated(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float
+) -> torch.Tensor:
+    mask = _offset_mask(start, q.shape[2], q.device)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # a transient expansion, where this torch's SDPA has no GQA option
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+
+
+# Causal attention of q [1, Hq, T, d] over cached k/v [1, Hkv, start+T, d]: [1, Hq, T, d]. K/V are never
+# repeated into the cache: SDPA's native GQA reads them as they are, on a torch that has it (chosen here,
+# once). A single query position is cheaper through `decode_attention`.
+prompt_attention = (
+    _prompt_attention_gqa
+    if "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+    else _prompt_attention_repeated
+)
 
 
 def heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -142,76 +179,23 @@ def heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-# -- RMSNorm, the rotation and SiLU-gating in one C call each (`row_ops.c`) ------------------------
-# `RMSNorm`, `rope.rotate` and the MLP call these first on the CPU in float32 and keep torch's
-# operations wherever they answer None (another device or dtype, a layout they do not take, no
-# kernel built). Every CPU float32 path through the model (the lean decode step and its C stack
-# `decode_layers.c`, a shared step, a prompt) goes through them, so a row's norm and gating are
-# the same bits on each; the rotation is torch's bit for bit (`row_ops.c` says why).
+@dataclass(frozen=True)
+class ModelOps:
+    """The implementations of a block's row operations, bound once when the model is built.
 
-_F32 = torch.float32
+    Each has torch's signature above: `norm(weight, eps)` makes a `Norm`; `rotate`, `silu_mul` and
+    `decode_attention` write into `out` when given; `prompt_attention(q, k, v, start, scale)`.
+    """
 
-
-def _rows(t: torch.Tensor) -> tuple[int, int, int, int] | None:
-    """(T, H, stride of T, stride of H) of a [T, d] or [T, H, d] tensor whose last dim is contiguous."""
-    if t.stride(-1) != 1:
-        return None
-    if t.dim() == 2:
-        return t.shape[0], 1, t.stride(0), 0
-    if t.dim() == 3:
-        return t.shape[0], t.shape[1], t.stride(0), t.stride(1)
-    return None
+    name: str  # "torch" or "C": what the settings report and a step's `why` name
+    why: str  # why this set, on this machine and model
+    norm: Callable[[torch.Tensor, float], Norm]
+    rotate: Callable[..., torch.Tensor]
+    silu_mul: Callable[..., torch.Tensor]
+    decode_attention: Callable[..., torch.Tensor]
+    prompt_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
 
-def _serves(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # Written out rather than over a generator: this runs a few times per layer of every step.
-    return a.dtype == _F32 and b.dtype == _F32 and a.is_cpu and b.is_cpu and library().lib is not None
-
-
-def c_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """`weight * (x * rsqrt(eps + mean(x^2)))` over x's last dim (weight [d]), a new contiguous
-    tensor; None where the kernel does not serve them."""
-    if weight.dim() != 1 or not _serves(x, weight) or not weight.is_contiguous():
-        return None  # a weight row per head (qwen3's q/k norms) stays torch's, on every path alike
-    shape = _rows(x)
-    if shape is None:
-        return None
-    T, H, st, sh = shape
-    d = x.shape[-1]
-    y = torch.empty(x.shape, dtype=_F32)
-    library().lib.rms_norm_rows(x.data_ptr(), T, H, d, st, sh, weight.data_ptr(), eps, y.data_ptr(), H * d, d)
-    return y
-
-
-def c_rotate(
-    x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, out: torch.Tensor | None
-) -> torch.Tensor | None:
-    """`rope.rotate` of x [T, heads, d] (into `out` when given, which must not overlap x); None
-    where the kernel does not serve them."""
-    if x.dim() != 3 or not _serves(x, cos) or signed_sin.dtype != _F32:
-        return None
-    T, H, d = x.shape
-    tables = all(t.stride(-1) == 1 and (T == 1 or t.stride(0) == d) and t.shape[0] == T for t in (cos, signed_sin))
-    shape = _rows(x)
-    y = torch.empty(x.shape, dtype=_F32) if out is None else out
-    into = _rows(y)
-    if shape is None or into is None or not tables or y.dtype != _F32:
-        return None
-    library().lib.rope_rows(
-        x.data_ptr(), T, H, d, shape[2], shape[3], cos.data_ptr(), signed_sin.data_ptr(), y.data_ptr(), into[2], into[3]
-    )
-    return y
-
-
-def c_silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """silu(gate) * up for [T, n] rows (into `out` when given, which may be gate); None where the
-    kernel does not serve them."""
-    if gate.dim() != 2 or not _serves(gate, up) or gate.stride(-1) != 1 or up.stride(-1) != 1:
-        return None
-    y = torch.empty(gate.shape, dtype=_F32) if out is None else out
-    if y.stride(-1) != 1 or y.shape != gate.shape:
-        return None
-    T, n = gate.shape
-    strides = gate.stride(0), up.stride(0), y.stride(0)
-    library().lib.silu_mul_rows(gate.data_ptr(), up.data_ptr(), y.data_ptr(), T, n, *strides)
-    return y
+TORCH_OPS = ModelOps(
+    "torch", "torch's operations", RMSNorm, rotate, silu_mul, decode_attention, prompt_attention
+)

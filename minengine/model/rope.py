@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from minengine.config import ModelConfig
-from minengine.model.ops import c_rotate
 from minengine.reference.model import inverse_frequencies
 
 
@@ -64,28 +63,3 @@ class RotaryTable:
         at = torch.tensor(positions, device=self.cos.device)
         return self.cos[at, None], self.signed_sin[at, None]
 
-
-def rotate(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    signed_sin: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    scratch: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The reference's `apply_rotary` (`minengine.reference.model`) for x [T, heads, head_dim], with
-    tables from `RotaryTable.lookup_signed`.
-
-    rotate_half(x) * sin equals swap_halves(x) * signed_sin exactly (negation is exact), so the
-    result is bit for bit Hugging Face's. (`addcmul` would save an operation but its fused
-    multiply-add rounds differently.) A decode step passes `out` and `scratch` (both shaped
-    like x): the same three operations then write into them instead of allocating.
-    """
-    y = c_rotate(x, cos, signed_sin, out)  # the same arithmetic in one C call, on the CPU in float32
-    if y is not None:
-        return y
-    swapped = x.roll(x.shape[-1] // 2, dims=-1)
-    if out is None:
-        return x * cos + swapped * signed_sin
-    torch.mul(x, cos, out=out)
-    return out.add_(torch.mul(swapped, signed_sin, out=scratch))

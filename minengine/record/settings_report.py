@@ -15,6 +15,7 @@ from minengine import omp_env, settings
 from minengine.errors import Setting
 from minengine.fast import cpu_kernels
 from minengine.fast.panel_kernels import activations_setting, amx_setting
+from minengine.fast.row_ops import row_ops_setting
 from minengine.settings import Settings, SettingValue
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ def collect(
         settings.kernels_home(),
         activations_setting() if kernels_loaded else _not_loaded("activations", "int16"),
         amx_setting() if kernels_loaded else _not_loaded("amx", "on"),
+        row_ops_setting(device) if kernels_loaded else _not_loaded("row_ops", "C"),
         settings.float32_kernel(),
         settings.kv_budget(device) if kv_budget is None else kv_budget,
         settings.layout_cache(),

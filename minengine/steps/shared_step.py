@@ -26,12 +26,11 @@ import torch
 
 from minengine.fast.attention_rows import serves_store
 from minengine.fast.eager_step import LayerStack
-from minengine.fast.panel_kernels import UNPACK_ROWS
 from minengine.fast.pooled_rows import PooledRows, pooled_count
 from minengine.kv.block_pool import Segment
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
-from minengine.model.ops import attend, decode_attention, heads_first
+from minengine.model.ops import heads_first
 from minengine.model.transformer import Transformer
 from minengine.threads import OneThread
 
@@ -72,36 +71,22 @@ class RowsAttention:
     too small to share, see `threads.OneThread`), prompt chunks on all of them.
     """
 
-    def __init__(self, rows: list[Row], model_dtype: torch.dtype, kv_heads: int, scale: float) -> None:
+    def __init__(self, rows: list[Row], model: Transformer, groups: list[PoolGroup]) -> None:
         self.rows = rows
         self.lengths = [len(r.ids) for r in rows]
         self.queries = list(self.lengths)  # query positions per row that go on past the K/V write
         self.offsets = [sum(self.lengths[:i]) for i in range(len(rows))]
-        # Decode rows whose cache stores K/V as the model computes them, with room for this position.
-        plain = [
-            n == 1 and not r.cache.quantized and r.cache.storage_dtype == model_dtype and r.cache.heads == kv_heads
-            and r.start < r.cache.capacity
-            for r, n in zip(rows, self.lengths, strict=True)
-        ]  # fmt: skip
-        self.lean = [p and not r.cache.borrowed and r.cache.contiguous for p, r in zip(plain, rows, strict=True)]
-        self.scale = scale
-        # Decode rows in the block pool go together, a group per segment, where `pooled_count` finds it cheaper.
+        self.lean = [_plain(r, model) and not r.cache.borrowed and r.cache.contiguous for r in rows]
+        self.scale, self.ops = model.scale, model.ops
         self.pooled: list[tuple[PooledRows, list[int]]] = []  # each group and its rows, in order
-        groups: dict[Segment, list[int]] = {}
-        for i, r in enumerate(rows):
-            segment = _pool_segment(r) if plain[i] else None
-            if segment is not None:
-                groups.setdefault(segment, []).append(i)
         threads = torch.get_num_threads()  # the C kernel's, which shares its rows out itself
-        for segment, members in groups.items():
-            count = pooled_rows_count(segment, [rows[i].start + 1 for i in members])
-            if count:
-                chosen = sorted(sorted(members, key=lambda i: rows[i].start)[:count])
-                at = [self.offsets[i] for i in chosen]
-                caches = [rows[i].cache for i in chosen]
-                starts = [rows[i].start for i in chosen]
-                group = PooledRows(segment, caches, starts, at, at, scale, threads)  # type: ignore[arg-type]
-                self.pooled.append((group, chosen))
+        for group in groups:
+            chosen = list(group.rows)
+            at = [self.offsets[i] for i in chosen]
+            caches = [rows[i].cache for i in chosen]
+            starts = [rows[i].start for i in chosen]
+            pooled = PooledRows(group.segment, caches, starts, at, at, self.scale, threads, in_place=group.in_place)  # type: ignore[arg-type]
+            self.pooled.append((pooled, chosen))
 
     def last_queries_only(self) -> None:
         """From now on each row keeps only its last query, and only when it wants logits (the last layer)."""
@@ -146,7 +131,7 @@ class RowsAttention:
             return None
         if row.observer is not None:
             row.observer.attended(index, q[q_at], keys)
-        return decode_attention(q[q_at], keys, values, self.scale).view(1, -1)
+        return self.ops.decode_attention(q[q_at], keys, values, self.scale).view(1, -1)
 
     def _chunk_row(self, i: int, index: int, q, k, v, q_at: int) -> torch.Tensor | None:
         row, at, length, nq = self.rows[i], self.offsets[i], self.lengths[i], self.queries[i]
@@ -159,35 +144,56 @@ class RowsAttention:
             row.observer.attended(index, rq[-1], keys[0])
         if nq == 1:  # the chunk's last position (the last layer): it sees every key, no mask needed
             with OneThread(q.device):
-                return decode_attention(rq[0], keys[0], values[0], self.scale).view(1, -1)
-        out = attend(heads_first(rq), keys, values, row.start, self.scale)
+                return self.ops.decode_attention(rq[0], keys[0], values[0], self.scale).view(1, -1)
+        out = self.ops.prompt_attention(heads_first(rq), keys, values, row.start, self.scale)
         return out[0].transpose(0, 1).reshape(nq, -1)
 
 
-def _stacked(
-    model: Transformer,
-    rows: list[Row],
-    attention: RowsAttention,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    computing: Callable[[], object] | None,
-) -> list[torch.Tensor | None] | None:
-    """A step of decode rows only, attended together by the C kernel in one pool segment, through
-    the C stack of every block (`eager_step.LayerStack`): the logits this function's Python blocks
-    give, bit for bit, without their per-layer dispatches. None where the stack does not serve it."""
-    if not 2 <= len(rows) < UNPACK_ROWS or len(attention.pooled) != 1:
-        return None  # (from UNPACK_ROWS rows the Python blocks' products are MKL's, not the panels')
-    if any(len(r.ids) != 1 or r.observer is not None for r in rows):
+@dataclass(frozen=True)
+class PoolGroup:
+    """Decode rows of a step whose caches lie in one pool segment, attended together (`PooledRows`)."""
+
+    segment: Segment
+    rows: tuple[int, ...]  # their places among the step's rows, in order
+    in_place: bool  # the C kernel reads the segment where it lies (else torch gathers the rows)
+
+
+def _plain(row: Row, model: Transformer) -> bool:
+    """Whether a decode row's cache stores K/V as the model computes them, with room for this position."""
+    cache = row.cache
+    return (
+        len(row.ids) == 1 and not cache.quantized and cache.storage_dtype == model.dtype
+        and cache.heads == model.cfg.num_key_value_heads and row.start < cache.capacity
+    )  # fmt: skip
+
+
+def pool_groups(rows: list[Row], model: Transformer) -> list[PoolGroup]:
+    """Which decode rows attend together, a group per pool segment: all of a segment's where the C
+    kernel reads it in place, else as many as `pooled_count`'s costs find cheaper. Part of the
+    step's plan (`ModelRunner.pick_rows`), made before it runs."""
+    members: dict[Segment, list[int]] = {}
+    for i, r in enumerate(rows):
+        segment = _pool_segment(r) if _plain(r, model) else None
+        if segment is not None:
+            members.setdefault(segment, []).append(i)
+    groups = []
+    for segment, found in members.items():
+        count = pooled_rows_count(segment, [rows[i].start + 1 for i in found])
+        if count:
+            chosen = sorted(sorted(found, key=lambda i: rows[i].start)[:count])
+            groups.append(PoolGroup(segment, tuple(chosen), serves_store(segment.k)))
+    return groups
+
+
+def stacked_group(model: Transformer, rows: list[Row]) -> PoolGroup | None:
+    """The one group holding every one of these decode rows, in a segment the C kernel reads in
+    place, which the C stack over rows needs (`run_stacked`); None where there is none."""
+    if any(r.observer is not None or not r.logits for r in rows):
         return None
-    group, chosen = attention.pooled[0]
-    stack = LayerStack.of(model) if len(chosen) == len(rows) and group.kernel is not None else None
-    if stack is None or not all(r.logits for r in rows):
+    groups = pool_groups(rows, model)
+    if len(groups) != 1 or len(groups[0].rows) != len(rows) or not groups[0].in_place:
         return None
-    logits = stack.rows(x, cos, sin, group.kernel, group.segment, computing)
-    for cache, end in zip(group.caches, group.ends, strict=True):  # as `PooledRows` records each layer
-        cache.lengths[:] = [end] * len(cache.lengths)
-    return list(model.logits(x, per_position=True) if logits is None else logits)
+    return groups[0]
 
 
 def pooled_rows_count(segment: Segment, lengths: list[int]) -> int:
@@ -214,35 +220,57 @@ def _pool_segment(row: Row) -> Segment | None:
     return segment if all(run.segment is segment for run in runs) else None
 
 
-def forward_rows(
-    model: Transformer, rows: list[Row], computing: Callable[[], object] | None = None
-) -> list[torch.Tensor | None]:
-    """Run every row's tokens through `model` in one pass; each row's next-token logits [vocab]
-    (float32), or None for a row that asked for none (a prompt chunk before the last).
-    `computing` is called once the inputs are laid out, before the blocks run."""
-    return run_rows(model, rows, computing)[1]
-
-
-@torch.inference_mode()
-def run_rows(
-    model: Transformer, rows: list[Row], computing: Callable[[], object] | None = None, *, stack: bool = True
-) -> tuple[bool, list[torch.Tensor | None]]:
-    """`forward_rows`, and whether the step ran through the C stack (`_stacked`); `stack` False keeps
-    it to the Python blocks (the runner's choice, `ModelRunner.pick_rows`)."""
-    if not rows:
-        return False, []
+def _inputs(model: Transformer, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's stacked embeddings [tokens, hidden] and their rotary rows."""
     ids = torch.tensor([t for r in rows for t in r.ids], device=model.device)
     x = model.embed_tokens(ids)
     if len(ids) == len(rows) > 1:  # decode rows only: a position each
         cos, sin = model.rope.lookup_signed_at([r.start for r in rows])
-    else:
-        tables = [model.rope.lookup_signed(r.start, len(r.ids)) for r in rows]
-        cos = torch.cat([c for c, _ in tables]) if len(rows) > 1 else tables[0][0]
-        sin = torch.cat([s for _, s in tables]) if len(rows) > 1 else tables[0][1]
-    attention = RowsAttention(rows, model.dtype, model.cfg.num_key_value_heads, model.scale)
-    stacked = _stacked(model, rows, attention, x, cos, sin, computing) if stack else None
-    if stacked is not None:
-        return True, stacked
+        return x, cos, sin
+    tables = [model.rope.lookup_signed(r.start, len(r.ids)) for r in rows]
+    cos = torch.cat([c for c, _ in tables]) if len(rows) > 1 else tables[0][0]
+    sin = torch.cat([s for _, s in tables]) if len(rows) > 1 else tables[0][1]
+    return x, cos, sin
+
+
+@torch.inference_mode()
+def run_stacked(
+    model: Transformer,
+    rows: list[Row],
+    group: PoolGroup,
+    stack: LayerStack,
+    computing: Callable[[], object] | None = None,
+) -> list[torch.Tensor | None]:
+    """A step of decode rows only, attended together by the C kernel in one pool segment (`group`),
+    through the C stack of every block (`eager_step.LayerStack`): the logits `run_blocks` gives,
+    bit for bit, without its per-layer dispatches."""
+    x, cos, sin = _inputs(model, rows)
+    attention = RowsAttention(rows, model, [group])
+    pooled, _ = attention.pooled[0]
+    logits = stack.rows(x, cos, sin, pooled.kernel, pooled.segment, computing)
+    for cache, end in zip(pooled.caches, pooled.ends, strict=True):  # as `PooledRows` records each layer
+        cache.lengths[:] = [end] * len(cache.lengths)
+    return list(model.logits(x, per_position=True) if logits is None else logits)
+
+
+def forward_rows(
+    model: Transformer, rows: list[Row], computing: Callable[[], object] | None = None
+) -> list[torch.Tensor | None]:
+    """Run every row's tokens through `model`'s Python blocks in one pass; each row's next-token
+    logits [vocab] (float32), or None for a row that asked for none (a prompt chunk before the
+    last). `computing` is called once the inputs are laid out, before the blocks run."""
+    return run_blocks(model, rows, pool_groups(rows, model), computing)
+
+
+@torch.inference_mode()
+def run_blocks(
+    model: Transformer, rows: list[Row], groups: list[PoolGroup], computing: Callable[[], object] | None = None
+) -> list[torch.Tensor | None]:
+    """The Python blocks over the stacked rows, the decode rows in `groups` attended together."""
+    if not rows:
+        return []
+    x, cos, sin = _inputs(model, rows)
+    attention = RowsAttention(rows, model, groups)
     if computing is not None:
         computing()
     # The rows whose last position's logits are wanted: only they go on past the last K/V write.
@@ -263,7 +291,7 @@ def run_rows(
     if not ends:  # prompt chunks only: the last layer just stores its K/V
         layer = model.layers[last]
         attention(last, *model.qkv_heads(layer, layer.input_norm(x), cos, sin))
-        return False, [None] * len(rows)
+        return [None] * len(rows)
     keep = torch.tensor(ends, device=model.device, dtype=torch.long)
     x = model.block(last, x, cos, sin, attention, keep=keep)
     for observer, at in observed:
@@ -277,4 +305,4 @@ def run_rows(
             n += 1
         else:
             out.append(None)
-    return False, out
+    return out

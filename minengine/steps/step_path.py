@@ -1,8 +1,9 @@
 """Which way a step's arithmetic ran, and why: the name the explorer, `--json` and the trace show.
 
-Every forward of the engine goes one of these ways. `ModelRunner.pick` is the one place that
-chooses among the fast ones; `--kernels reference` sends every step to the reference model
-instead (`minengine.reference.runner`).
+Every forward of the engine goes one of these ways. `ModelRunner.pick` and `pick_rows` are the
+one place that chooses among them: each returns a `StepPlan`, the path and the call that carries
+it out, and the runner only calls it. The reference kernels send every step to the reference
+model instead (`reference_runner`).
 
 - `reference`: the plain PyTorch model (`minengine/reference/model.py`), dense weights;
 - `cuda-graph`: one token, replayed from a captured CUDA graph (`cuda_graph.StaticDecoder`);
@@ -19,7 +20,11 @@ instead (`minengine.reference.runner`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,15 @@ class StepPath:
 
     name: str
     why: str
+
+
+@dataclass(frozen=True)
+class StepPlan(Generic[T]):
+    """A step's path and the call that carries it out, every condition of it checked already:
+    `run()` runs exactly the path named, and nothing downstream looks at the name again."""
+
+    path: StepPath
+    run: Callable[[], T]
 
 
 REFERENCE = StepPath("reference", "the reference kernels: the plain PyTorch model over dense weights")

@@ -12,7 +12,7 @@ from tiny_models import SPECS
 from minengine.checkpoint import layout_cache
 from minengine.config import ModelConfig
 from minengine.kv.cache import KVCache
-from minengine.model.transformer import Transformer
+from minengine.steps.load import load_model
 
 CPU = torch.device("cpu")
 
@@ -31,7 +31,7 @@ def _copy(tiny_models, name, tmp_path):
 
 def _load(folder):
     cfg = ModelConfig.from_file(folder)
-    return cfg, Transformer.load(folder, cfg, torch.float32, CPU)
+    return cfg, load_model(folder, cfg, torch.float32, CPU)
 
 
 def _layouts(folder):
@@ -128,8 +128,8 @@ def test_a_warm_load_hands_back_the_groups_its_dot8_copy_replaces(tiny_models, t
     monkeypatch.setattr(MappedFiles, "release", lambda self, t: released.add(t.data_ptr()) or release(self, t))
     folder = _copy(tiny_models, "llama-mha-tied", tmp_path)
     cfg = ModelConfig.from_file(folder)
-    built = Transformer.load(folder, cfg, torch.float32, CPU, packs="q4_1")
-    mapped = Transformer.load(folder, cfg, torch.float32, CPU, packs="q4_1")
+    built = load_model(folder, cfg, torch.float32, CPU, packs="q4_1")
+    mapped = load_model(folder, cfg, torch.float32, CPU, packs="q4_1")
 
     def groups(model):
         layers = [t for layer in model.layers for t in (layer.qkv, layer.o, layer.gate_up, layer.down)]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minengine.checkpoint.weight_layout import chunk_count, project, project_chunks, projection_operand
+from minengine.checkpoint.weight_layout import chunk_count, product, projection_operand
 
 
 @pytest.mark.parametrize(
@@ -31,9 +31,9 @@ def test_operand_computes_the_stacked_linear_layer(shapes, chunks, rows):
     reference = F.linear(x, torch.cat(weights), bias)
     operand = projection_operand(*weights, chunks=chunks)
     assert operand.shape == (chunks, shapes[0][1], sum(w.shape[0] for w in weights) // chunks)
-    assert torch.allclose(project(x, operand, bias), reference, atol=1e-5)
+    assert torch.allclose(product(operand, bias)(x), reference, atol=1e-5)
     # The chunks, side by side, are the columns of the output in order.
-    assert torch.allclose(torch.cat(list(project_chunks(x, operand, bias)), dim=1), reference, atol=1e-5)
+    assert torch.allclose(torch.cat(list(product(operand, bias).chunks(x)), dim=1), reference, atol=1e-5)
 
 
 def test_operand_owns_its_memory():

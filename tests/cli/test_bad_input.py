@@ -11,7 +11,7 @@ import torch
 from minengine.checkpoint.weights import load_state_dict
 from minengine.config import ModelConfig
 from minengine.errors import ConfigError, TokenizerError, WeightsError
-from minengine.model.transformer import Transformer
+from minengine.steps.load import load_model
 from minengine.text.chat_template import Message, render_chat
 
 CPU = torch.device("cpu")
@@ -93,7 +93,7 @@ def test_corrupted_safetensors_header(tiny_models, tmp_path):
     data[8:40] = b"{not json at all" + b" " * 16
     path.write_bytes(bytes(data))
     with pytest.raises(WeightsError, match="corrupted or truncated"):
-        Transformer.load(folder, ModelConfig.from_file(folder), torch.float32, CPU)
+        load_model(folder, ModelConfig.from_file(folder), torch.float32, CPU)
 
 
 def test_pickle_checkpoint_is_refused(tiny_models, tmp_path):

@@ -13,7 +13,7 @@ from minengine.fast.cpu_kernels import library
 from minengine.fast.panel_kernels import ACTIVATIONS_ENV, PANEL, PanelLinear, amx_setting
 from minengine.kv.block_pool import BlockPool
 from minengine.kv.paged_cache import PagedKVCache
-from minengine.model.transformer import Transformer
+from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 from minengine.steps.shared_step import Row
 
@@ -74,7 +74,7 @@ def test_a_shared_step_through_the_c_stack_gives_the_same_logits_with_and_withou
     """32 decode rows in one C-stack call (decode_layers.c's one region, each row split as it is rounded)."""
     folder, _ = tiny_models["llama-gqa"]
     cfg = ModelConfig.from_file(folder)
-    runner = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs="q4_1"), static_decode=False)
+    runner = ModelRunner(load_model(folder, cfg, torch.float32, CPU, packs="q4_1"), static_decode=False)
     pool, lib = BlockPool(64 << 20, CPU), library().lib
     caches = []
     for i in range(32):

@@ -25,8 +25,8 @@ from minengine.engine.request import GenerationRequest
 from minengine.engine.step_loop import BatchLimits, StepCancelled, StepLoop
 from minengine.errors import Mention, RequestError, Setting
 from minengine.kv.cache import KVCache
-from minengine.model.transformer import Transformer
 from minengine.sampling.params import SamplingParams
+from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 from reqscope.wording import error_text
 
@@ -37,7 +37,7 @@ NEW_TOKENS = 10
 
 def _runner(folder) -> tuple[ModelConfig, ModelRunner]:
     cfg = ModelConfig.from_file(folder)
-    model = Transformer.load(folder, cfg, torch.float32, torch.device("cpu"))
+    model = load_model(folder, cfg, torch.float32, torch.device("cpu"))
     return cfg, ModelRunner(model, static_decode=False)
 
 

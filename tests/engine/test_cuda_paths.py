@@ -13,7 +13,7 @@ from tiny_models import SPECS
 from minengine.config import ModelConfig
 from minengine.fast.cuda_graph import SPAN, StaticDecoder
 from minengine.kv.cache import KVCache
-from minengine.model.transformer import Transformer
+from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -26,7 +26,7 @@ def _prompt(vocab: int, length: int = PROMPT_LEN) -> torch.Tensor:
 
 
 def _runner(folder, dtype=torch.float32, device=CPU) -> ModelRunner:
-    return ModelRunner(Transformer.load(folder, ModelConfig.from_file(folder), dtype, device))
+    return ModelRunner(load_model(folder, ModelConfig.from_file(folder), dtype, device))
 
 
 def _decode(
@@ -114,7 +114,7 @@ def test_borrowed_cache_accounts_like_its_own(tiny_models):
 def test_capture_refuses_a_cpu_model(tiny_models):
     folder, _ = tiny_models["llama-gqa"]
     cfg = ModelConfig.from_file(folder)
-    model = Transformer.load(folder, cfg, torch.float32, CPU)
+    model = load_model(folder, cfg, torch.float32, CPU)
     with pytest.raises(ValueError, match="CUDA"):
         StaticDecoder(model, capture=True)
 
@@ -168,7 +168,7 @@ def test_cuda_graph_matches_eager_in_bfloat16(tiny_models, name):
 def test_cuda_default_model_greedy_matches_transformers(default_model_dir):
     transformers = pytest.importorskip("transformers")
     cfg = ModelConfig.from_file(default_model_dir)
-    runner = ModelRunner(Transformer.load(default_model_dir, cfg, torch.float32, torch.device("cuda")))
+    runner = ModelRunner(load_model(default_model_dir, cfg, torch.float32, torch.device("cuda")))
     hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).cuda().eval()
     ids = _prompt(cfg.vocab_size, 40).cuda()
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""The C row operations (`ops.c_rms_norm`, `c_rotate`, `c_silu_mul`) and the C stack of a one-token
+"""The C row operations (`row_ops.CNorm`, `c_rotate`, `c_silu_mul`) and the C stack of a one-token
 step (`eager_step.LayerStack`).
 
 References: float64 for RMSNorm and SiLU-gating (the C norm sums in another order than torch:
@@ -17,10 +17,10 @@ from minengine.config import ModelConfig
 from minengine.fast.cpu_kernels import library
 from minengine.fast.eager_step import LayerStack
 from minengine.fast.panel_kernels import ACTIVATIONS_ENV
+from minengine.fast.row_ops import CNorm, c_norm, c_rotate, c_silu_mul
 from minengine.kv.cache import KVCache
-from minengine.model.ops import RMSNorm, c_rms_norm, c_rotate, c_silu_mul
-from minengine.model.rope import rotate
-from minengine.model.transformer import Transformer
+from minengine.model.ops import RMSNorm, rotate
+from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 from minengine.steps.shared_step import Row
 
@@ -45,7 +45,7 @@ def _rel(y, ref):
 @pytest.mark.parametrize("d", [576, 64, 61, 8, 3])
 def test_rms_norm_rows_are_float64s_and_each_row_its_own(d):
     weight, eps = _randn(d, seed=1), 1e-5
-    norm = RMSNorm(weight, eps)
+    norm = CNorm(weight, eps)
     x = _randn(9, d) * 3
     y = norm(x)
     ref = weight.double() * (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps))
@@ -58,7 +58,7 @@ def test_rms_norm_rows_are_float64s_and_each_row_its_own(d):
 @needs_kernel
 def test_a_weight_per_head_keeps_torchs_norm():
     weight = _randn(4, 16)  # qwen3's q/k norms: one weight row per head
-    assert c_rms_norm(_randn(2, 4, 16), weight, 1e-6) is None
+    assert isinstance(c_norm(weight, 1e-6), RMSNorm) and isinstance(c_norm(weight[0], 1e-6), CNorm)
 
 
 @needs_kernel
@@ -104,7 +104,7 @@ def _runner(folder, packs, monkeypatch=None):
     if acts:
         monkeypatch.setenv(ACTIVATIONS_ENV, acts)
     cfg = ModelConfig.from_file(folder)
-    return cfg, ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs))
+    return cfg, ModelRunner(load_model(folder, cfg, torch.float32, CPU, packs=packs))
 
 
 def _cache(cfg):
@@ -116,7 +116,7 @@ def _steps(runner, cfg, monkeypatch, stack: bool) -> list[torch.Tensor]:
     assert LayerStack.of(runner.model) is not None
     with monkeypatch.context() as patch:
         if not stack:
-            patch.setattr(LayerStack, "of", classmethod(lambda cls, model: None))
+            patch.setattr(runner, "_stack", None)  # the plan then runs the Python blocks
         cache = _cache(cfg)
         runner.forward(_randn(PROMPT_LEN).abs().mul(100).long() % cfg.vocab_size, 0, cache)
         return [runner.forward(torch.tensor([3 + i]), PROMPT_LEN + i, cache) for i in range(STEPS)]
@@ -139,7 +139,7 @@ def _pooled_steps(runner, cfg, pool, monkeypatch, stack: bool) -> list[list[torc
     """STEPS shared steps of 3 decode rows in the block pool (prompts of different lengths)."""
     with monkeypatch.context() as patch:
         if not stack:
-            patch.setattr(LayerStack, "of", classmethod(lambda cls, model: None))
+            patch.setattr(runner, "_stack", None)  # the plan then runs the Python blocks
         caches, starts = [], []
         for i, n in enumerate((PROMPT_LEN, PROMPT_LEN + 5, PROMPT_LEN + 11)):
             cache = runner.new_cache(n + STEPS + 1, pool=pool, owner=f"r{i}")

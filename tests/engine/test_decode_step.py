@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from minengine.config import ModelConfig
 from minengine.kv.cache import KVCache
-from minengine.model.transformer import Transformer
+from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -20,7 +20,7 @@ PROMPT, STEPS = 12, 6
 
 def _load(folder, dtype=torch.float32) -> tuple[ModelConfig, ModelRunner]:
     cfg = ModelConfig.from_file(folder)
-    return cfg, ModelRunner(Transformer.load(folder, cfg, dtype, CPU))
+    return cfg, ModelRunner(load_model(folder, cfg, dtype, CPU))
 
 
 def _decode(runner: ModelRunner, cfg, *, lean: bool, **cache_options) -> list[torch.Tensor]:
@@ -97,10 +97,11 @@ class _TorchCalls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _calls_per_block(runner: ModelRunner, forward, cache: KVCache, pos: int) -> list[int]:
-    """Torch calls inside each `Transformer.block` of one single-token `forward` at `pos`."""
-    model, counts = runner.model, []
-    block = model.block
+def _calls_per_block(owner: object, name: str, forward, cache: KVCache, pos: int) -> list[int]:
+    """Torch calls inside each block (`owner.name`: `Transformer.block`, or the lean step's
+    `EagerDecoder._block`) of one single-token `forward` at `pos`."""
+    counts = []
+    block = getattr(owner, name)
 
     def counted(*args, **kwargs):
         with _TorchCalls() as count:
@@ -108,11 +109,11 @@ def _calls_per_block(runner: ModelRunner, forward, cache: KVCache, pos: int) -> 
         counts.append(count.calls)
         return x
 
-    model.block = counted
+    setattr(owner, name, counted)
     try:
         forward(torch.tensor([5]), pos, cache)
     finally:
-        del model.block
+        delattr(owner, name)
     return counts
 
 
@@ -124,8 +125,9 @@ def test_the_lean_step_runs_a_third_fewer_operations_per_block(tiny_models, name
     cache = KVCache(cfg, 16, device=CPU, compute_dtype=torch.float32)
     runner.forward(torch.arange(3, 10), 0, cache)
     runner.forward(torch.tensor([5]), 7, cache)  # the thread's scratch buffers are made here
-    lean = _calls_per_block(runner, runner.forward, cache, 8)
-    general = _calls_per_block(runner, runner.model.forward, cache, 8)
+    assert runner.pick(torch.tensor([5]), 8, cache).path.name == "torch eager"
+    lean = _calls_per_block(runner.eager_decoder, "_block", runner.forward, cache, 8)
+    general = _calls_per_block(runner.model, "block", runner.model.forward, cache, 8)
     assert len(lean) == len(general) == cfg.num_hidden_layers
     assert max(lean) <= 0.7 * min(general), (lean, general)
 
@@ -133,8 +135,8 @@ def test_the_lean_step_runs_a_third_fewer_operations_per_block(tiny_models, name
 def test_the_runner_picks_the_path_by_cache_and_token_count(tiny_models):
     cfg, runner = _load(tiny_models["llama-gqa"][0])
     taken: list[str] = []
-    lean_step, general = runner.eager_decoder.step, runner.model.forward
-    runner.eager_decoder.step = lambda *a, **k: taken.append("lean") or lean_step(*a, **k)
+    lean_step, general = runner.eager_decoder.step_blocks, runner.model.forward
+    runner.eager_decoder.step_blocks = lambda *a, **k: taken.append("lean") or lean_step(*a, **k)
     runner.model.forward = lambda *a, **k: taken.append("general") or general(*a, **k)
     cache = runner.new_cache(16)
     assert runner.static_decoder is None and not cache.borrowed  # the CPU default

@@ -9,8 +9,8 @@ from minengine import omp_env
 from minengine.config import ModelConfig
 from minengine.fast import decode_threads
 from minengine.fast.decode_threads import StepThreads
-from minengine.model.transformer import Transformer
 from minengine.omp_env import MachineSample
+from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -105,7 +105,7 @@ def test_the_command_spins_only_for_a_request(monkeypatch):
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs 2 CPU threads")
 def test_the_thread_count_never_changes_a_logit(tiny_models):
     cfg = ModelConfig.from_file(tiny_models["llama-gqa"][0])
-    runner = ModelRunner(Transformer.load(tiny_models["llama-gqa"][0], cfg, torch.float32, CPU))
+    runner = ModelRunner(load_model(tiny_models["llama-gqa"][0], cfg, torch.float32, CPU))
     ids = torch.arange(3, 15)
 
     def decode(threads: int) -> list[torch.Tensor]:

@@ -175,8 +175,9 @@ def test_with_int8_activations_a_prompts_attention_is_the_same_bits_whatever_its
     """SDPA cuts its queries into blocks by the chunk's length, so a position's output could differ in
     the last bits between a prompt taken whole and one cut in two (it does for these shapes); int8
     rounding would turn that into another token. Under int8 activations each position is a row."""
-    from minengine.model.ops import attend
+    from minengine.fast.row_ops import model_ops
 
+    attend = model_ops(torch.device("cpu"), torch.float32).prompt_attention  # bound under int8: a row per position
     gen = torch.Generator().manual_seed(3)
     k, v = torch.randn(1, 3, total, 64, generator=gen), torch.randn(1, 3, total, 64, generator=gen)
     q = torch.randn(1, 9, total, 64, generator=gen)

@@ -22,7 +22,7 @@ from minengine.fast import linear_kernels
 from minengine.fast.cpu_kernels import library
 from minengine.fast.linear_kernels import PACK_BATCH_HINT, KernelProbe, PackedLinear, available
 from minengine.kv.cache import KVCache
-from minengine.model.transformer import Transformer
+from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -68,18 +68,18 @@ def test_a_packed_product_is_f_linears_up_to_summation_order(shape):
 
 @needs_onednn
 def test_chunks_keep_the_dense_operands_output_layout():
-    """gate and up stay two chunks: `project_chunks` hands back [chunks, T, out/chunks] as for a dense operand."""
-    from minengine.checkpoint.weight_layout import project_chunks, projection_operand
+    """gate and up stay two chunks: `Product.chunks` hands back [chunks, T, out/chunks] as for a dense operand."""
+    from minengine.checkpoint.weight_layout import product, projection_operand
 
     gate, up = _weight((64, 32), 1), _weight((64, 32), 2)
     packed = PackedLinear("float32", torch.cat([gate, up]), 2)
     dense = projection_operand(gate, up, chunks=2)
     x = _x(5, 32)
-    ours, theirs = project_chunks(x, packed), project_chunks(x, dense)
+    ours, theirs = product(packed).chunks(x), product(dense).chunks(x)
     assert ours.shape == theirs.shape == (2, 5, 64)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
     out = torch.empty(2, 1, 64)
-    project_chunks(x[:1], packed, out=out)
+    product(packed).chunks(x[:1], out=out)
     assert torch.equal(out, ours[:, :1])
 
 
@@ -165,7 +165,7 @@ def test_a_failing_op_makes_the_probe_say_why(monkeypatch):
 
 def _runner(folder, packs):
     cfg = ModelConfig.from_file(folder)
-    return cfg, ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs))
+    return cfg, ModelRunner(load_model(folder, cfg, torch.float32, CPU, packs=packs))
 
 
 def _cache(cfg):

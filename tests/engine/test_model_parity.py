@@ -8,7 +8,7 @@ from tiny_models import SPECS
 
 from minengine.config import ModelConfig
 from minengine.kv.cache import KVCache
-from minengine.model.transformer import Transformer
+from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -18,7 +18,7 @@ PROMPT_LEN, NEW_TOKENS = 20, 24
 def _load(folder) -> tuple[ModelConfig, ModelRunner]:
     """The config and a runner (single-token steps take the lean decode step, as in a request)."""
     cfg = ModelConfig.from_file(folder)
-    return cfg, ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU))
+    return cfg, ModelRunner(load_model(folder, cfg, torch.float32, CPU))
 
 
 def _cache(cfg, layout="gqa", storage=None):

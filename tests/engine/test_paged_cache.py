@@ -14,7 +14,7 @@ from minengine.kv.block_pool import BlockPool, PoolExhausted
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.prefix_cache import KVIdentity, PrefixCache
-from minengine.model.transformer import Transformer
+from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -29,7 +29,7 @@ STORAGES = {
 
 def _runner(folder) -> ModelRunner:
     cfg = ModelConfig.from_file(folder)
-    return ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU))
+    return ModelRunner(load_model(folder, cfg, torch.float32, CPU))
 
 
 def _paged(pool: BlockPool, cfg, owner: str = "a", expect: int = PROMPT + STEPS, **options) -> PagedKVCache:

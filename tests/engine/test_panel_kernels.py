@@ -35,7 +35,7 @@ from minengine.fast.panel_kernels import (
     block_refusal,
 )
 from minengine.kv.cache import KVCache
-from minengine.model.transformer import Transformer
+from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -258,7 +258,7 @@ def test_a_build_is_kept_and_reused(monkeypatch, tmp_path):
 
 def _runner(folder, packs):
     cfg = ModelConfig.from_file(folder)
-    return cfg, ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs))
+    return cfg, ModelRunner(load_model(folder, cfg, torch.float32, CPU, packs=packs))
 
 
 def _cache(cfg):

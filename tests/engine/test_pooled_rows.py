@@ -21,7 +21,7 @@ from minengine.fast.cpu_kernels import KernelLibrary, library
 from minengine.fast.pooled_rows import pooled_count
 from minengine.kv.block_pool import BlockFormat, BlockPool, Segment
 from minengine.kv.paged_cache import PagedKVCache
-from minengine.model.transformer import Transformer
+from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 from minengine.steps.shared_step import Row, RowsAttention, forward_rows
 
@@ -44,7 +44,7 @@ def kernel(request, monkeypatch) -> bool:
 
 def _runner(folder) -> tuple[ModelConfig, ModelRunner]:
     cfg = ModelConfig.from_file(folder)
-    return cfg, ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU), static_decode=False)
+    return cfg, ModelRunner(load_model(folder, cfg, torch.float32, CPU), static_decode=False)
 
 
 def _prompt(cfg: ModelConfig, n: int, seed: int) -> torch.Tensor:
@@ -87,7 +87,7 @@ def _step(runner, caches, tokens, contexts, monkeypatch, pooled: bool, chunk=Non
     for row in rows:
         row.cache.make_room(row.start + len(row.ids))
     model = runner.model
-    attention = RowsAttention(rows, model.dtype, model.cfg.num_key_value_heads, model.scale)
+    attention = RowsAttention(rows, model, batch_forward.pool_groups(rows, model))
     return forward_rows(model, rows), sum(len(chosen) for _, chosen in attention.pooled)
 
 

@@ -18,8 +18,8 @@ from minengine.errors import AdmissionError
 from minengine.kv.block_pool import PREFIX, BlockFormat, BlockPool
 from minengine.kv.cache import KVCache, KVSpan
 from minengine.kv.prefix_cache import FreshBlocks, KVIdentity, PrefixCache, block_hashes
-from minengine.model.transformer import Transformer
 from minengine.sampling.params import SamplingParams
+from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 from reqscope.wording import worded
 
@@ -94,7 +94,7 @@ def test_block_hashes_chain_over_the_parent_and_cover_the_identity():
 
 
 def _runner(folder) -> ModelRunner:
-    return ModelRunner(Transformer.load(folder, ModelConfig.from_file(folder), torch.float32, CPU))
+    return ModelRunner(load_model(folder, ModelConfig.from_file(folder), torch.float32, CPU))
 
 
 def _hit_against_full(runner: ModelRunner, ids: list[int], layout: str, storage: torch.dtype, block: int = 16):

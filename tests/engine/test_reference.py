@@ -34,11 +34,11 @@ from minengine.fast.linear_kernels import available
 from minengine.fast.panel_kernels import ACTIVATIONS_ENV
 from minengine.kv.block_pool import BlockPool
 from minengine.kv.paged_cache import PagedKVCache
-from minengine.model.transformer import Transformer
 from minengine.reference.generate import generate, sample
 from minengine.reference.model import ReferenceModel
 from minengine.sampling.params import SamplingParams
 from minengine.sampling.sampler import Sampler
+from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 from minengine.steps.shared_step import Row
 from minengine.steps.step_path import StepPath
@@ -193,7 +193,7 @@ def test_one_sequence_paths_match_the_reference(tiny_models, name, packs):
     the static step run eagerly, and the general path, each step's logits against the reference."""
     folder, _ = tiny_models[name]
     cfg = ModelConfig.from_file(folder)
-    model = Transformer.load(folder, cfg, torch.float32, CPU, packs=packs)
+    model = load_model(folder, cfg, torch.float32, CPU, packs=packs)
     ref = _reference(folder, packs)
     ids = _prompt(cfg)
     prefill = ModelRunner(model, static_decode=False).forward(ids, 0, model_cache(cfg), all_logits=True)
@@ -228,7 +228,7 @@ def model_cache(cfg: ModelConfig):
 def test_the_runner_names_the_path_it_took(tiny_models, name, packs, path):
     folder, _ = tiny_models[name]
     cfg = ModelConfig.from_file(folder)
-    runner = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs), static_decode=False)
+    runner = ModelRunner(load_model(folder, cfg, torch.float32, CPU, packs=packs), static_decode=False)
     cache = model_cache(cfg)
     runner.forward(_prompt(cfg), 0, cache)
     assert runner.last_path.name == "torch general"
@@ -244,7 +244,7 @@ def test_shared_steps_match_the_reference(tiny_models, name, packs):
     logits against the reference run over that sequence alone."""
     folder, _ = tiny_models[name]
     cfg = ModelConfig.from_file(folder)
-    runner = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs), static_decode=False)
+    runner = ModelRunner(load_model(folder, cfg, torch.float32, CPU, packs=packs), static_decode=False)
     ref = _reference(folder, packs)
     pool = BlockPool(64 << 20, CPU)
     prompts, caches, tokens = _prefilled(runner, cfg, pool, (5, 11, 18))
@@ -275,7 +275,7 @@ def test_each_activation_mode_matches_the_reference(tiny_models, monkeypatch, pa
     monkeypatch.setenv(ACTIVATIONS_ENV, activation)
     folder, _ = tiny_models["llama-gqa"]
     cfg = ModelConfig.from_file(folder)
-    runner = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs), static_decode=False)
+    runner = ModelRunner(load_model(folder, cfg, torch.float32, CPU, packs=packs), static_decode=False)
     ref = _reference(folder, packs)
     pool = BlockPool(64 << 20, CPU)
     prompts, caches, tokens = _prefilled(runner, cfg, pool, (6, 13))
@@ -305,16 +305,17 @@ def test_the_runner_picks_a_shared_steps_path_and_says_why(tiny_models):
             runner.forward(_prompt(cfg, 5 + i, seed=i), 0, cache)
         return [Row((7,), 5 + i, cache, True) for i, cache in enumerate(caches)]
 
-    panels = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs="float32-panels"), static_decode=False)
+    panels = ModelRunner(load_model(folder, cfg, torch.float32, CPU, packs="float32-panels"), static_decode=False)
     rows = rows_of(panels)
-    assert panels.pick_rows(rows).name == "c-stack rows float32×float32"
+    assert panels.pick_rows(rows).path.name == "c-stack rows float32×float32"
     panels.forward_rows(rows)
     assert panels.last_path.name == "c-stack rows float32×float32" and "3 decode rows" in panels.last_path.why
     chunk = Row((3, 4, 5), 0, PagedKVCache(pool, cfg, owner="chunk", device=CPU, compute_dtype=torch.float32), True)
-    assert panels.pick_rows([*rows[:2], chunk]).why == "3 rows with a prompt chunk among them"
-    dense = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU), static_decode=False)
+    assert panels.pick_rows([*rows[:2], chunk]).path.name == "c-stack rows float32×float32 + torch chunks"
+    assert panels.pick_rows([rows[0], chunk]).path.why == "2 rows with a prompt chunk among them (C row ops)"
+    dense = ModelRunner(load_model(folder, cfg, torch.float32, CPU), static_decode=False)
     dense.forward_rows(rows_of(dense))
-    assert dense.last_path == StepPath("torch rows", "3 decode rows; no C stack for float32 weights on cpu")
+    assert dense.last_path == StepPath("torch rows", "3 decode rows; no C stack for float32 weights on cpu (C row ops)")
 
 
 @pytest.mark.skipif(not PANEL_FORMATS, reason="the C stack needs the C kernels")
@@ -322,11 +323,11 @@ def test_the_runner_picks_a_shared_steps_path_and_says_why(tiny_models):
 def test_a_step_of_decode_rows_and_a_prompt_chunk_runs_in_two_passes_with_the_same_bits(tiny_models, packs):
     """The decode rows through the C stack over rows, then the chunk through the Python blocks: each
     row's logits are the bits of the one pass over all of them, and near the reference's."""
-    from minengine.steps.shared_step import run_rows
+    from minengine.steps.shared_step import forward_rows
 
     folder, _ = tiny_models["llama-gqa"]
     cfg = ModelConfig.from_file(folder)
-    runner = ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU, packs=packs), static_decode=False)
+    runner = ModelRunner(load_model(folder, cfg, torch.float32, CPU, packs=packs), static_decode=False)
     ref = _reference(folder, packs)
     pool = BlockPool(64 << 20, CPU)
     prompts, caches, tokens = _prefilled(runner, cfg, pool, (5, 9, 14))
@@ -336,7 +337,7 @@ def test_a_step_of_decode_rows_and_a_prompt_chunk_runs_in_two_passes_with_the_sa
     rows.insert(1, Row(tuple(chunk.tolist()), 0, fresh, True))
     split = runner.forward_rows(rows)
     assert runner.last_path.name == f"c-stack rows {runner._label} + torch chunks"
-    _, joint = run_rows(runner.model, rows, stack=False)  # the same positions again: the same K/V written
+    joint = forward_rows(runner.model, rows)  # the Python blocks, the same positions again: the same K/V written
     assert all(torch.equal(a, b) for a, b in zip(split, joint, strict=True))
     for p, t, logits in zip(prompts, tokens, [split[0], *split[2:]], strict=True):
         _close(packs, logits, _reference_steps(ref, p, [t])[-1])

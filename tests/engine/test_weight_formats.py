@@ -29,7 +29,7 @@ from minengine.engine.request import GenerationRequest
 from minengine.fast.cpu_kernels import KernelLibrary, library
 from minengine.fast.linear_kernels import PackedLinear, available
 from minengine.kv.cache import KVCache
-from minengine.model.transformer import Transformer
+from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
@@ -44,7 +44,7 @@ def _kl(ref: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 def _model(folder, packs=None):
     cfg = ModelConfig.from_file(folder)
-    return cfg, Transformer.load(folder, cfg, torch.float32, CPU, packs=packs)
+    return cfg, load_model(folder, cfg, torch.float32, CPU, packs=packs)
 
 
 def _prompt(vocab: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from minengine.inspect.capture import _observer
 from minengine.inspect.held_step import recompute_step
 from minengine.inspect.summary import attention_record, lens_record
 from minengine.kv.cache import KVCache
-from minengine.model.transformer import Transformer
+from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 from minengine.steps.shared_step import Row
 
@@ -32,7 +32,7 @@ ASK = InspectAsk(attention_top=4, strip=True, lens="vocab")
 
 def _runner(folder) -> tuple[ModelConfig, ModelRunner]:
     cfg = ModelConfig.from_file(folder)
-    return cfg, ModelRunner(Transformer.load(folder, cfg, torch.float32, CPU))
+    return cfg, ModelRunner(load_model(folder, cfg, torch.float32, CPU))
 
 
 def _hf_eager(folder):

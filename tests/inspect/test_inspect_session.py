@@ -36,13 +36,16 @@ def _tokens(events) -> list[TokenEvent]:
 def test_nothing_asked_runs_the_lean_step_and_records_nothing(chatty_engine, monkeypatch):
     runner = chatty_engine.runner
     calls = {"lean": 0}
-    lean = runner.eager_decoder.step
 
-    def counted_lean(*a, **k):
-        calls["lean"] += 1
-        return lean(*a, **k)
+    def counted(lean):
+        def counted_lean(*a, **k):
+            calls["lean"] += 1
+            return lean(*a, **k)
 
-    monkeypatch.setattr(runner.eager_decoder, "step", counted_lean)
+        return counted_lean
+
+    for name in ("step_stack", "step_blocks"):  # the lean step through the C stack or the Python blocks
+        monkeypatch.setattr(runner.eager_decoder, name, counted(getattr(runner.eager_decoder, name)))
     tokens = _tokens(chatty_engine.start(_request()))
     assert calls["lean"] == len(tokens) - 1  # every decode step; the first token is prefill's
     assert all(t.inspection is None for t in tokens)
