@@ -2,7 +2,7 @@
 
 The run thread (`RunThread`) runs the explorer's runs one after another, off the UI thread; the
 engine's own loads and steps go to the process's model thread (`minengine.threads.model_thread`).
-The worker pulls events from the session and drops each into `inbox` (a deque: appends and
+A run pulls events from the session and drops each into `inbox` (a deque: appends and
 pops are atomic, so no lock). It calls `wake` only when the UI has taken everything it was
 woken for, so a burst of tokens costs the UI thread one message, not one per token; a held
 step and the end of the run always wake it (`urgent`). At every
