@@ -11,9 +11,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from openmp_policy import keep_openmp_policy  # noqa: E402
+from skip_policy import register as register_skip_policy  # noqa: E402
 from tiny_models import SPECS, build_tiny  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def pytest_configure(config):
+    """In CI, a skip for a reason CI could do something about fails the run (tests/skip_policy.py)."""
+    register_skip_policy(config)
 
 
 @pytest.fixture(scope="session")
