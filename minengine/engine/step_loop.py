@@ -65,7 +65,7 @@ from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.usage import PoolUsage
 from minengine.sampling.logit_summary import LogitSummary, summarize
 from minengine.steps.model_runner import ModelRunner
-from minengine.steps.shared_step import Row, RowObserver
+from minengine.steps.rows import Row, RowObserver
 from minengine.threads import model_thread
 
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's: the most sequences a step runs when no cap is given (see `default_limits`)

@@ -1,6 +1,6 @@
 """The observer a captured step's row carries through the forward: its attention weights and residuals.
 
-The model calls it (`shared_step.RowObserver`) with what it already has in hand: each layer's
+The model calls it (`rows.RowObserver`) with what it already has in hand: each layer's
 query of the row's last position and the keys it attends over, and the row's residual stream
 after each block. It computes the softmax weights itself, from those same operands with the
 same arithmetic as `ops.decode_attention`, and never touches the step's own outputs, so a

@@ -38,7 +38,8 @@ from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.request_cache import request_cache
 from minengine.model.transformer import Transformer
-from minengine.steps.shared_step import PoolGroup, Row, pool_groups, run_blocks, run_stacked, stacked_group
+from minengine.steps.rows import PoolGroup, Row
+from minengine.steps.shared_step import pool_groups, run_blocks, run_stacked, stacked_group
 from minengine.steps.step_path import NOT_RUN, StepPath, StepPlan, weights_label
 from minengine.threads import model_thread
 

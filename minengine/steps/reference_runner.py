@@ -25,7 +25,7 @@ from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.request_cache import request_cache
 from minengine.reference.model import ReferenceModel
-from minengine.steps.shared_step import Row, RowObserver
+from minengine.steps.rows import Row, RowObserver
 from minengine.steps.step_path import REFERENCE, StepPath
 from minengine.threads import model_thread
 

@@ -5,7 +5,7 @@ eight. So the step stacks every scheduled token of every sequence (one per decod
 sequence, a chunk of prompt for each prefilling one) into one [tokens, hidden] residual
 stream, and the projections and the MLP run over all of it: each weight is read once per
 step. Only attention is per sequence: each row writes its K/V into its own cache and its
-queries attend over that cache alone (`RowsAttention`): decode rows in the block pool
+queries attend over that cache alone (`rows_attention.RowsAttention`): decode rows in the block pool
 together (`pooled_rows`, read in place by the C kernel of `attention_rows` where it runs),
 another one query through the single-query kernel, a chunk through SDPA with the causal
 offset mask.
@@ -19,152 +19,17 @@ flip a near-tie under greedy decoding (tests/engine/test_batching.py measures ho
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from minengine.fast.attention_rows import serves_store
 from minengine.fast.eager_step import LayerStack
-from minengine.fast.pooled_rows import PooledRows, pooled_count
+from minengine.fast.pooled_rows import pooled_count
 from minengine.kv.block_pool import Segment
-from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
-from minengine.model.ops import heads_first
 from minengine.model.transformer import Transformer
-from minengine.threads import OneThread
-
-
-class RowObserver(Protocol):
-    """Shown what a row's last position does inside the step (`minengine.inspect.observer`).
-
-    It is handed operands the step already has, and must leave them as they are."""
-
-    def attended(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
-        """Layer `layer`'s query of the position, q [Hq, d], over keys [H stored, context, d]."""
-        ...
-
-    def residual(self, layer: int, x: torch.Tensor) -> None:
-        """The position's residual stream [hidden] after block `layer`."""
-        ...
-
-
-@dataclass(frozen=True)
-class Row:
-    """One sequence's part of a step: its tokens at positions [start, start+len(ids)) into `cache`."""
-
-    ids: tuple[int, ...]
-    start: int
-    cache: KVCache
-    logits: bool  # whether the step returns next-token logits for its last position
-    observer: RowObserver | None = None  # shown its last position's attention and residuals (with `logits`)
-
-
-class RowsAttention:
-    """`Attention` over a step's rows: the stacked q/k/v cut back into sequences, each over its own cache.
-
-    A decode row is one token. Decode rows in the block pool go together where that is cheaper
-    (`pooled_rows`: one write, one gather and one SDPA per layer for all of them); any other takes
-    the eager step's path where its cache allows (`lean`): its K/V copied straight into the slot
-    for its position through the cache's per-layer views, then single-query attention
-    (`_decode_row`). The decode rows run on one intra-op thread (the attention of one query is
-    too small to share, see `threads.OneThread`), prompt chunks on all of them.
-    """
-
-    def __init__(self, rows: list[Row], model: Transformer, groups: list[PoolGroup]) -> None:
-        self.rows = rows
-        self.lengths = [len(r.ids) for r in rows]
-        self.queries = list(self.lengths)  # query positions per row that go on past the K/V write
-        self.offsets = [sum(self.lengths[:i]) for i in range(len(rows))]
-        self.lean = [_plain(r, model) and not r.cache.borrowed and r.cache.contiguous for r in rows]
-        self.scale, self.ops = model.scale, model.ops
-        self.pooled: list[tuple[PooledRows, list[int]]] = []  # each group and its rows, in order
-        threads = torch.get_num_threads()  # the C kernel's, which shares its rows out itself
-        for group in groups:
-            chosen = list(group.rows)
-            at = [self.offsets[i] for i in chosen]
-            caches = [rows[i].cache for i in chosen]
-            starts = [rows[i].start for i in chosen]
-            pooled = PooledRows(group.segment, caches, starts, at, at, self.scale, threads, in_place=group.in_place)  # type: ignore[arg-type]
-            self.pooled.append((pooled, chosen))
-
-    def last_queries_only(self) -> None:
-        """From now on each row keeps only its last query, and only when it wants logits (the last layer)."""
-        self.queries = [1 if r.logits else 0 for r in self.rows]
-        q_at = [sum(self.queries[:i]) for i in range(len(self.rows))]
-        for group, chosen in self.pooled:
-            group.last_queries_only([q_at[i] for i in chosen])
-
-    def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q_at = [sum(self.queries[:i]) for i in range(len(self.rows))]
-        outs: list[torch.Tensor | None] = [None] * len(self.rows)
-        with OneThread(q.device):
-            for group, chosen in self.pooled:
-                together = group(index, q, k, v)
-                if len(chosen) == len(self.rows):  # a step of decode rows only, in one segment
-                    return together
-                for j, i in enumerate(chosen):
-                    outs[i] = together[j : j + 1]
-            for i in range(len(self.rows)):
-                if self.lengths[i] == 1 and outs[i] is None:
-                    outs[i] = self._decode_row(i, index, q, k, v, q_at[i])
-        for i in range(len(self.rows)):
-            if self.lengths[i] > 1:
-                outs[i] = self._chunk_row(i, index, q, k, v, q_at[i])
-        kept = [o for o in outs if o is not None]
-        if not kept:  # no row goes on (the last layer of a step of prompt chunks only)
-            return q[:0].flatten(1)
-        return kept[0] if len(kept) == 1 else torch.cat(kept)
-
-    def _decode_row(self, i: int, index: int, q, k, v, q_at: int) -> torch.Tensor | None:
-        row, at = self.rows[i], self.offsets[i]
-        if self.lean[i]:
-            keys, values = (views[index] for views in row.cache.head_views())
-            keys.select(1, row.start).copy_(k[at])
-            values.select(1, row.start).copy_(v[at])
-            row.cache.lengths[index] = end = row.start + 1
-            keys, values = keys.narrow(1, 0, end), values.narrow(1, 0, end)
-        else:
-            keys, values = row.cache.update(index, heads_first(k[at : at + 1]), heads_first(v[at : at + 1]), row.start)
-            keys, values = keys[0], values[0]
-        if self.queries[i] == 0:
-            return None
-        if row.observer is not None:
-            row.observer.attended(index, q[q_at], keys)
-        return self.ops.decode_attention(q[q_at], keys, values, self.scale).view(1, -1)
-
-    def _chunk_row(self, i: int, index: int, q, k, v, q_at: int) -> torch.Tensor | None:
-        row, at, length, nq = self.rows[i], self.offsets[i], self.lengths[i], self.queries[i]
-        ks, vs = k[at : at + length], v[at : at + length]
-        keys, values = row.cache.update(index, heads_first(ks), heads_first(vs), row.start)
-        if nq == 0:
-            return None
-        rq = q[q_at : q_at + nq]
-        if row.observer is not None:
-            row.observer.attended(index, rq[-1], keys[0])
-        if nq == 1:  # the chunk's last position (the last layer): it sees every key, no mask needed
-            with OneThread(q.device):
-                return self.ops.decode_attention(rq[0], keys[0], values[0], self.scale).view(1, -1)
-        out = self.ops.prompt_attention(heads_first(rq), keys, values, row.start, self.scale)
-        return out[0].transpose(0, 1).reshape(nq, -1)
-
-
-@dataclass(frozen=True)
-class PoolGroup:
-    """Decode rows of a step whose caches lie in one pool segment, attended together (`PooledRows`)."""
-
-    segment: Segment
-    rows: tuple[int, ...]  # their places among the step's rows, in order
-    in_place: bool  # the C kernel reads the segment where it lies (else torch gathers the rows)
-
-
-def _plain(row: Row, model: Transformer) -> bool:
-    """Whether a decode row's cache stores K/V as the model computes them, with room for this position."""
-    cache = row.cache
-    return (
-        len(row.ids) == 1 and not cache.quantized and cache.storage_dtype == model.dtype
-        and cache.heads == model.cfg.num_key_value_heads and row.start < cache.capacity
-    )  # fmt: skip
+from minengine.steps.rows import PoolGroup, Row
+from minengine.steps.rows_attention import RowsAttention
 
 
 def pool_groups(rows: list[Row], model: Transformer) -> list[PoolGroup]:
@@ -173,7 +38,7 @@ def pool_groups(rows: list[Row], model: Transformer) -> list[PoolGroup]:
     step's plan (`ModelRunner.pick_rows`), made before it runs."""
     members: dict[Segment, list[int]] = {}
     for i, r in enumerate(rows):
-        segment = _pool_segment(r) if _plain(r, model) else None
+        segment = _pool_segment(r) if r.plain(model) else None
         if segment is not None:
             members.setdefault(segment, []).append(i)
     groups = []

@@ -15,7 +15,7 @@ from minengine.kv.block_pool import BlockPool
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
-from minengine.steps.shared_step import Row
+from minengine.steps.rows import Row
 
 CPU = torch.device("cpu")
 

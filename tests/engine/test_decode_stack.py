@@ -22,7 +22,7 @@ from minengine.kv.cache import KVCache
 from minengine.model.ops import RMSNorm, rotate
 from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
-from minengine.steps.shared_step import Row
+from minengine.steps.rows import Row
 
 CPU = torch.device("cpu")
 PROMPT_LEN, STEPS = 20, 6

@@ -401,7 +401,7 @@ def test_fp16_panels_keep_float32s_greedy_tokens_on_the_tiny_models(tiny_models,
 @needs_kernel
 @pytest.mark.parametrize("packs", ["q8_0", "float32-panels", "fp16-panels", "q4_1"])
 def test_the_lean_step_and_a_batched_step_give_the_general_paths_logits(tiny_models, packs):
-    from minengine.steps.shared_step import Row
+    from minengine.steps.rows import Row
 
     cfg, runner = _runner(tiny_models["llama-gqa"][0], packs)
     ids = _prompt(cfg.vocab_size)

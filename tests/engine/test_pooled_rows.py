@@ -23,7 +23,9 @@ from minengine.kv.block_pool import BlockFormat, BlockPool, Segment
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
-from minengine.steps.shared_step import Row, RowsAttention, forward_rows
+from minengine.steps.rows import Row
+from minengine.steps.rows_attention import RowsAttention
+from minengine.steps.shared_step import forward_rows
 
 CPU = torch.device("cpu")
 BLOCK = 4

@@ -40,7 +40,7 @@ from minengine.sampling.params import SamplingParams
 from minengine.sampling.sampler import Sampler
 from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
-from minengine.steps.shared_step import Row
+from minengine.steps.rows import Row
 from minengine.steps.step_path import StepPath
 from minengine.text.chat_template import Message
 

@@ -21,7 +21,7 @@ from minengine.inspect.summary import attention_record, lens_record
 from minengine.kv.cache import KVCache
 from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
-from minengine.steps.shared_step import Row
+from minengine.steps.rows import Row
 
 CPU = torch.device("cpu")
 PROMPT_LEN, STEPS = 12, 8
