@@ -61,6 +61,7 @@ def _cached(frame: EndpointFrame) -> str:
         return "cached: not reported (start vLLM with --enable-prompt-tokens-details)"
     if result.usage is not None:
         return f"cached: {result.usage.cached_tokens} prompt tokens (usage.prompt_tokens_details.cached_tokens)"
+    return ""  # a stream that ended without usage (refused, cut): nothing to say
 
 
 # GPT-2's byte-level alphabet read backwards (`Ġ` a space, `Ċ` a newline), by the tokenizers library.
