@@ -89,24 +89,29 @@ class SkipPolicy:
         """Keep every module's skip (`pytest.skip(..., allow_module_level=True)`)."""
         self._record(report)
 
+    def refused(self) -> list[Skip]:
+        """In CI, the skips not in ALLOWED; outside CI, none."""
+        return [s for s in self.skips if allowed(s) is None] if in_ci() else []
+
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        """In CI, fail a run that would otherwise pass where a skip is not in ALLOWED."""
-        refused = [s for s in self.skips if allowed(s) is None]
-        if not in_ci() or not refused:
-            return
-        terminal = session.config.pluginmanager.get_plugin("terminalreporter")
-        if terminal is not None:
-            terminal.section("skips CI does not allow", sep="=", red=True, bold=True)
-            for skip in refused:
-                terminal.write_line(f"{skip.where}: {skip.reason}")
-            terminal.write_line(
-                f"{len(refused)} skipped for a reason CI can do something about (tests/skip_policy.py lists "
-                "the allowed ones): provision what they need"
-            )
-        if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        """Fail a run that would otherwise pass where a skip is refused."""
+        if self.refused() and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+    @pytest.hookimpl
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        """Name each refused skip, above the short summary."""
+        refused = self.refused()
+        if not refused:
+            return
+        terminalreporter.section("skips CI does not allow", sep="=", red=True, bold=True)
+        for skip in refused:
+            terminalreporter.write_line(f"{skip.where}: {skip.reason}")
+        terminalreporter.write_line(
+            f"{len(refused)} skipped for a reason CI can do something about (tests/skip_policy.py lists "
+            "the allowed ones): provision what they need"
+        )
 
 def register(config: pytest.Config) -> None:
     """Add the skip policy to this pytest session (from a conftest's `pytest_configure`)."""
