@@ -7,6 +7,11 @@ a shared machine one second's bandwidth says little; so `reqscope calibrate` mea
 per machine and thread count, and every run reads it back from a small JSON file, naming where
 it came from and when. A run on a machine (or a thread count) with none measured shows the
 bytes and says how to measure one.
+
+The same file keeps the compute ceilings prefill's roofline uses (`minengine.plan.compute_ceiling`),
+one per machine and prefill path (model, weights' format, dtype): the whole `reqscope calibrate`
+measures it with the model loaded. A file written before they were kept has none, and still
+loads: its runs say the compute ceiling is not measured and what to run.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from minengine.checkpoint.paths import models_home
-from minengine.engine.roofline import ReadCeiling
+from minengine.engine.roofline import ComputeCeiling, ReadCeiling
 from minengine.kv.arithmetic import MIB
 from minengine.settings import cpu_model
 
@@ -29,6 +34,7 @@ CEILING_FILE = ".read-ceiling.json"  # in the reqscope home, beside the pulled m
 CEILING_PASSES = 15  # of each probe; the fastest is kept
 MEASURED_BY = "reqscope calibrate"
 CALIBRATE_HINT = f"{MEASURED_BY} --ceiling-only"  # a few seconds; the whole calibration measures it too
+COMPUTE_HINT = f"{MEASURED_BY} --ceilings-only"  # needs the model loaded; the whole calibration measures it too
 
 
 @dataclass(frozen=True)
@@ -83,15 +89,45 @@ def measure_ceiling(device: torch.device, passes: int = CEILING_PASSES) -> ReadC
     )
 
 
+@dataclass(frozen=True)
+class ComputeLookup:
+    """The compute ceiling stored for a machine and prefill path, or why there is none."""
+
+    ceiling: ComputeCeiling | None
+    note: str  # where it came from, or what to run
+
+
 def save_ceiling(ceiling: ReadCeiling, path: Path | None = None) -> Path:
     """Keep `ceiling` as its machine's, replacing an older one for the same machine."""
     path = path or ceiling_path()
     kept = [c for c in _read(path) if c.machine != ceiling.machine]
+    return _write(path, [*kept, ceiling], _read_compute(path))
+
+
+def save_compute_ceiling(ceiling: ComputeCeiling, path: Path | None = None) -> Path:
+    """Keep `ceiling` as its machine's and path's, replacing an older one for the same pair."""
+    path = path or ceiling_path()
+    kept = [c for c in _read_compute(path) if (c.machine, c.path) != (ceiling.machine, ceiling.path)]
+    return _write(path, _read(path), [*kept, ceiling])
+
+
+def _write(path: Path, reads: list[ReadCeiling], computes: list[ComputeCeiling]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps({"version": 1, "ceilings": [asdict(c) for c in [*kept, ceiling]]}, indent=2))
+    data = {"version": 1, "ceilings": [asdict(c) for c in reads], "compute_ceilings": [asdict(c) for c in computes]}
+    temporary.write_text(json.dumps(data, indent=2))
     temporary.replace(path)
     return path
+
+
+def stored_compute_ceiling(device: torch.device, prefill_path: str, path: Path | None = None) -> ComputeLookup:
+    """The compute ceiling kept for this machine and `prefill_path` (`compute_ceiling.prefill_path_name`); or
+    none, and what to run."""
+    machine = machine_name(device)
+    for ceiling in _read_compute(path or ceiling_path()):
+        if (ceiling.machine, ceiling.path) == (machine, prefill_path):
+            return ComputeLookup(ceiling, f"{ceiling.source}, {ceiling.measured_at}")
+    return ComputeLookup(None, f"compute ceiling not measured for {prefill_path}: run {COMPUTE_HINT}")
 
 
 def stored_ceiling(device: torch.device, path: Path | None = None) -> CeilingLookup:
@@ -109,4 +145,14 @@ def _read(path: Path) -> list[ReadCeiling]:
         data = json.loads(path.read_text(encoding="utf-8"))
         return [ReadCeiling(**entry) for entry in data["ceilings"] if float(entry["bytes_per_s"]) > 0]
     except (OSError, ValueError, TypeError, KeyError):
+        return []
+
+
+def _read_compute(path: Path) -> list[ComputeCeiling]:
+    """The compute ceilings in `path`; none when it is missing, unreadable, or from before they were kept."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        entries = data.get("compute_ceilings", [])
+        return [ComputeCeiling(**entry) for entry in entries if float(entry["flops_per_s"]) > 0]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return []

@@ -4,7 +4,10 @@ Prints the fitted prefill and decode lines beside seed 003's numbers with a smal
 measured points, or one JSON object with `--json`; `--output FILE` saves the fit for
 `reqscope plan --service-model FILE`. First it measures the machine's read ceiling and keeps it
 in the reqscope home (`reqscope.bench.ceiling`), for the roofline every run shows;
-`--ceiling-only` measures just that (a few seconds, no model).
+`--ceiling-only` measures just that (a few seconds, no model). With the model loaded it then
+measures the compute ceiling of the path prefill runs (`minengine.plan.compute_ceiling`: the
+model's own projections over a prompt chunk's rows) and keeps it beside, for prefill's roofline;
+`--ceilings-only` measures both and stops there.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from minengine.engine.roofline import ReadCeiling
+from minengine.engine.roofline import ComputeCeiling, ReadCeiling
 from minengine.plan.calibrate import (
     DEFAULT_CONTEXT_LENGTHS,
     DEFAULT_DECODE_STEPS,
@@ -72,14 +75,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ceiling-only", action="store_true",
         help="only measure the read-bandwidth ceiling the runs' roofline uses, and keep it (no model, a few seconds)",
     )  # fmt: skip
+    parser.add_argument(
+        "--ceilings-only", action="store_true",
+        help="measure the read ceiling and the model's compute ceiling (prefill's roofline), keep both, no fit",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
-    """Measure the ceiling, then (unless --ceiling-only) fit and print; the fit is saved to --output when given."""
+    """Measure the read ceiling, then (unless --ceiling-only) the compute ceiling, then (unless --ceilings-only)
+    fit and print; the fit is saved to --output when given."""
     from minengine.device import resolve_device
     from minengine.engine.engine import Engine
     from minengine.plan.calibrate import calibrate
-    from reqscope.bench.ceiling import measure_ceiling, save_ceiling
+    from minengine.plan.compute_ceiling import measure_compute_ceiling
+    from reqscope.bench.ceiling import MEASURED_BY, machine_name, measure_ceiling, save_ceiling, save_compute_ceiling
     from reqscope.console.progress_line import ProgressLine
     from reqscope.run_options import ModelFolder, stderr_progress
 
@@ -90,9 +99,19 @@ def run(args: argparse.Namespace) -> int:
     if folder is None:
         print(json.dumps(asdict(ceiling), indent=2) if args.json else ceiling_line(ceiling, kept))
         return 0
-    print(f"reqscope: {ceiling_line(ceiling, kept)}", file=sys.stderr)
+    if not args.ceilings_only:
+        print(f"reqscope: {ceiling_line(ceiling, kept)}", file=sys.stderr)
     plan = CalibrationPlan(args.prompt_lengths, args.context_lengths, args.repeats, args.decode_steps)
     engine = Engine(folder, device=args.device, dtype=args.dtype, weights=args.weights, kernels=args.kernels)
+    machine = machine_name(engine.device)
+    compute = model_thread().call(lambda: measure_compute_ceiling(engine, machine, MEASURED_BY))
+    kept = save_compute_ceiling(compute)
+    if args.ceilings_only:
+        both = {"read_ceiling": asdict(ceiling), "compute_ceiling": asdict(compute)}
+        lines = f"{ceiling_line(ceiling, kept)}\n{compute_line(compute, kept)}"
+        print(json.dumps(both, indent=2) if args.json else lines)
+        return 0
+    print(f"reqscope: {compute_line(compute, kept)}", file=sys.stderr)
     line = ProgressLine(prefix="reqscope: ")  # redrawn in place on a terminal, start and end lines otherwise
     try:
         model = model_thread().call(lambda: calibrate(engine, plan, progress=line))  # where the engine steps
@@ -115,6 +134,14 @@ def ceiling_line(ceiling: ReadCeiling, kept: Path) -> str:
     return (
         f"read ceiling {ceiling.bytes_per_s / 1e9:.1f} GB/s on {ceiling.machine} ({ceiling.probe}); "
         f"kept in {kept} for the runs' roofline"
+    )
+
+
+def compute_line(ceiling: ComputeCeiling, kept: Path) -> str:
+    """The measured compute ceiling, the path and machine it holds for, and where it is kept."""
+    return (
+        f"compute ceiling {ceiling.flops_per_s / 1e9:.1f} GFLOP/s for {ceiling.path} on {ceiling.machine} "
+        f"({ceiling.probe}); kept in {kept} for prefill's roofline"
     )
 
 

@@ -103,10 +103,10 @@ def run(args: argparse.Namespace) -> int:
         events = _recording(in_app_words(session), recorded, beside.follow)
         if args.json:
             from reqscope.console.jsonl import print_jsonl
+            from reqscope.console.roofline_lines import prefill_facts
 
-            result = print_jsonl(
-                events, request=request, ceiling=ceiling, weights=engine.weights, load=note, settings=settings
-            )
+            result = print_jsonl(events, request=request, ceiling=ceiling, weights=engine.weights, load=note,
+                                 settings=settings, prefill=prefill_facts(engine))  # fmt: skip
         else:
             from reqscope.console.plain import print_plain
 
@@ -114,8 +114,10 @@ def run(args: argparse.Namespace) -> int:
     if args.export:
         from minengine.record.export import export_run
         from minengine.record.trace_io import trace_header
+        from reqscope.console.roofline_lines import prefill_facts
 
-        written = export_run(result, args.export, recorded, trace_header(engine, ceiling.ceiling, settings))
+        header = trace_header(engine, ceiling.ceiling, settings, prefill_facts(engine).compute)
+        written = export_run(result, args.export, recorded, header)
         print(f"reqscope: exported {len(written)} files to {args.export}", file=sys.stderr)
     if result.error:
         print(f"reqscope: error: {result.error}", file=sys.stderr)

@@ -23,7 +23,7 @@ from minengine.engine.request import GenerationRequest, setting_value
 from minengine.record.telemetry import block_sharing_json
 from reqscope.console.inspection_json import inspection_keys
 from reqscope.console.json_out import emit, metrics_json
-from reqscope.console.roofline_lines import done_keys, summary_of, token_keys
+from reqscope.console.roofline_lines import PrefillFacts, done_keys, prefill_keys, summary_of, token_keys
 from reqscope.console.tool_facts import adjustments_json, prompt_record, reply_calls, tool_calls_json
 
 if TYPE_CHECKING:
@@ -43,6 +43,7 @@ def print_jsonl(
     weights: WeightChoice | None = None,
     load: LoadNote | None = None,
     settings: Settings | None = None,
+    prefill: PrefillFacts | None = None,
 ) -> RequestResult:
     """Write stage, token and done (or error) records; return the result.
 
@@ -63,12 +64,14 @@ def print_jsonl(
     A `prompt` record gives each template part's tokens (a tools' block among them); a token whose
     step ran a stage before the filters (the grammar, min_tokens, bias, penalties) carries their
     `adjustments`; given a request with tools, the done record carries the reply's `content` and
-    `tool_calls`, read as the server reads them.
+    `tool_calls`, read as the server reads them. Given the model's `prefill` facts, the done record's
+    `prefill_roofline` sets the prefill's FLOPs against the compute ceiling (`roofline_lines.prefill_keys`).
     """
     out = out or sys.stdout
     result: RequestResult | None = None
     read_ceiling = None if ceiling is None else ceiling.ceiling
     tokens: list[TokenEvent] = []
+    prefilled: PrefillEvent | None = None
     if request is not None and (request.setting_sources or settings is not None):
         sampling = {
             s.name: {"value": setting_value(request, s.name), "source": s.source} for s in request.setting_sources
@@ -93,10 +96,12 @@ def print_jsonl(
             emit(out, prompt_record(ev))
         elif isinstance(ev, PrefixCacheEvent):
             emit(out, prefix_cache_record(ev))
-        elif isinstance(ev, PrefillEvent) and ev.chunks:
-            chunks = [asdict(c) | {"step": step_record(c.step)} for c in ev.chunks]
-            emit(out, {"event": "prefill", "prompt_tokens": ev.prompt_tokens, "reused_tokens": ev.reused_tokens,
-                       "duration_ms": round(ev.duration_ms, 3), "chunks": chunks})  # fmt: skip
+        elif isinstance(ev, PrefillEvent):
+            prefilled = ev
+            if ev.chunks:
+                chunks = [asdict(c) | {"step": step_record(c.step)} for c in ev.chunks]
+                emit(out, {"event": "prefill", "prompt_tokens": ev.prompt_tokens, "reused_tokens": ev.reused_tokens,
+                           "duration_ms": round(ev.duration_ms, 3), "chunks": chunks})  # fmt: skip
         elif isinstance(ev, PreemptEvent):
             emit(out, {"event": "preempt"} | asdict(ev))
         elif isinstance(ev, TokenEvent):
@@ -128,6 +133,8 @@ def print_jsonl(
     else:
         note = "" if ceiling is None else ceiling.note
         record = done_record(result, roofline=done_keys(summary_of(tokens, read_ceiling), note))
+        if prefill is not None and prefilled is not None:
+            record["prefill_roofline"] = prefill_keys(prefilled, prefill, read_ceiling)
         if weights is not None:
             record["weights"] = {"format": weights.format, "why": weights.why}
         if result.batch is not None:

@@ -1,17 +1,77 @@
-"""The roofline of a run in the console's words: the keys --json writes, the lines --plain prints.
+"""The rooflines of a run in the console's words: the keys --json writes, the lines --plain prints.
 
 Each decode step's bytes come with its token event (`TokenEvent.bytes_read`); the ceiling is the
 one kept for this machine (`reqscope.bench.ceiling`), with a note of where it came from or what
-to run for one.
+to run for one. Prefill's roofline (`prefill_keys`) sets the prompt's FLOPs against the compute
+ceiling kept for this machine and the model's prefill path (`PrefillFacts`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-from minengine.engine.events import TokenEvent
-from minengine.engine.roofline import FEWER_BYTES, ReadCeiling, RooflineSummary, decode_roofline, step_roofline
+from minengine.engine.events import PrefillEvent, TokenEvent
+from minengine.engine.roofline import (
+    FEWER_BYTES,
+    ComputeCeiling,
+    FlopShape,
+    ReadCeiling,
+    RooflineSummary,
+    decode_roofline,
+    flop_shape,
+    prefill_roofline,
+    step_roofline,
+)
 from minengine.kv.arithmetic import MIB
+
+if TYPE_CHECKING:
+    from minengine.engine.engine import Engine
+
+
+@dataclass(frozen=True)
+class PrefillFacts:
+    """What prefill's roofline needs beside the run: the model's arithmetic, and the compute ceiling or why none."""
+
+    shape: FlopShape
+    compute: ComputeCeiling | None
+    note: str
+
+
+def prefill_facts(engine: Engine) -> PrefillFacts:
+    """The model's arithmetic and the compute ceiling kept for this machine and the engine's prefill path."""
+    from minengine.plan.compute_ceiling import prefill_path_name
+    from reqscope.bench.ceiling import stored_compute_ceiling
+
+    found = stored_compute_ceiling(engine.device, prefill_path_name(engine))
+    return PrefillFacts(flop_shape(engine.cfg, engine.model.decode_weight_bytes), found.ceiling, found.note)
+
+
+def prefill_keys(ev: PrefillEvent, facts: PrefillFacts, read: ReadCeiling | None) -> dict:
+    """The done record's `prefill_roofline`: the prefill's FLOPs against the compute ceiling, and the crossover.
+
+    `crossover_rows` (rows a step from which compute binds: compute ceiling over read ceiling, in
+    FLOPs per weight byte of a row) is None without both ceilings; `fraction` None without a compute ceiling.
+    """
+    computed = max(ev.prompt_tokens - ev.reused_tokens, 1)
+    rows = max((c.tokens for c in ev.chunks), default=computed)
+    p = prefill_roofline(facts.shape, computed, ev.reused_tokens, ev.duration_ms, rows, facts.compute, read)
+    c = p.ceiling
+    return {
+        "computed_tokens": p.tokens,
+        "flops": p.flops,
+        "flops_per_token": round(p.flops_per_token),
+        "prefill_ms": round(p.prefill_ms, 3),
+        "flops_per_s": round(p.flops_per_s),
+        "roofline_fraction": None if p.fraction is None else round(p.fraction, 4),
+        "step_rows": p.rows,
+        "crossover_rows": None if p.crossover is None else round(p.crossover, 2),
+        "bound": None if p.crossover is None else "compute" if p.rows >= p.crossover else "memory",
+        "ceiling_flops_per_s": None if c is None else round(c.flops_per_s),
+        "ceiling": None if c is None else {k: v for k, v in asdict(c).items() if k != "flops_per_s"},
+        "ceiling_note": facts.note,
+    }
 
 
 def token_keys(ev: TokenEvent, ceiling: ReadCeiling | None) -> dict:

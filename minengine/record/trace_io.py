@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from minengine.engine import events as ev
-from minengine.engine.roofline import ReadCeiling
+from minengine.engine.roofline import ComputeCeiling, FlopShape, ReadCeiling, flop_shape
 from minengine.errors import Mention, NotATraceError, ReqscopeError, Setting
 from minengine.settings import Settings, SettingValue  # no torch: replaying a trace loads none
 
@@ -64,10 +64,17 @@ class TraceHeader:
     kernels: str = "fast"  # `Engine(kernels=...)`: "reference" ran every step through the plain model
     # Every setting the run ran under (`settings_report.collect`); empty in traces recorded before they were kept.
     settings: tuple[SettingValue, ...] = ()
+    # Prefill's roofline: the compute ceiling measured for this model's path (None without one)
+    # and the model's arithmetic per row (None in traces recorded before it was kept).
+    compute_ceiling: ComputeCeiling | None = None
+    flop_shape: FlopShape | None = None
 
 
 def trace_header(
-    engine: Engine, read_ceiling: ReadCeiling | None = None, settings: Settings | None = None
+    engine: Engine,
+    read_ceiling: ReadCeiling | None = None,
+    settings: Settings | None = None,
+    compute_ceiling: ComputeCeiling | None = None,
 ) -> TraceHeader:
     """What a recorded trace says about the engine that ran it (and the ceiling its roofline used), and
     the settings it ran under (`settings`, or gathered now from the engine)."""
@@ -90,6 +97,8 @@ def trace_header(
         read_ceiling=read_ceiling,
         kernels=engine.kernels,
         settings=settings.values,
+        compute_ceiling=compute_ceiling,
+        flop_shape=flop_shape(c, engine.model.decode_weight_bytes),
     )
 
 

@@ -1,4 +1,5 @@
-"""`reqscope calibrate`: the service-time lines fitted by least squares, saved, and used by `plan`."""
+"""`reqscope calibrate`: the service-time lines fitted by least squares, saved, and used by `plan`; the
+compute ceiling of the model's prefill path measured, kept beside the read ceiling, and read back."""
 
 from __future__ import annotations
 
@@ -7,9 +8,15 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
+from minengine.engine.roofline import ComputeCeiling, ReadCeiling
+from minengine.plan.compute_ceiling import COMPUTE_ROWS
 from minengine.plan.service_model import CalibrationError, Point, ServiceModel, fit_line
+from reqscope.bench.ceiling import COMPUTE_HINT, machine_name, stored_ceiling, stored_compute_ceiling
 from reqscope.cli import main
+
+CPU = torch.device("cpu")
 
 
 def test_an_exact_line_is_recovered_with_r2_one():
@@ -99,3 +106,32 @@ def test_lengths_the_context_cannot_hold_are_refused(chatty_tiny_dir, capsys):
     argv = ["calibrate", "--model", str(chatty_tiny_dir), "--device", "cpu", "--prompt-lengths", "8,99999"]
     assert main(argv) == 1
     assert "only 1 prompt length(s) fit the model's context of 2048" in capsys.readouterr().err
+
+
+def test_calibrate_measures_the_compute_ceiling_keeps_it_and_reads_it_back(chatty_tiny_dir, capsys, read_ceiling_file):
+    assert main(["calibrate", "--ceilings-only", "--model", str(chatty_tiny_dir), "--device", "cpu", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    compute, read = printed["compute_ceiling"], printed["read_ceiling"]
+    assert compute["flops_per_s"] > 0 and compute["rows"] == COMPUTE_ROWS
+    name, weights, dtype = compute["path"].split(", ")  # the model, the weights' format it chose, the compute dtype
+    assert name == chatty_tiny_dir.name and weights.endswith(" weights") and dtype == "float32"
+    assert compute["machine"] == read["machine"] == machine_name(CPU)
+    found = stored_compute_ceiling(CPU, compute["path"], read_ceiling_file)
+    assert found.ceiling == ComputeCeiling(**compute) and found.note == f"reqscope calibrate, {compute['measured_at']}"
+    assert stored_ceiling(CPU, read_ceiling_file).ceiling == ReadCeiling(**read)  # kept beside, in the same file
+    # The read ceiling measured again (--ceiling-only, no model) keeps the compute ceiling.
+    assert main(["calibrate", "--ceiling-only", "--device", "cpu"]) == 0
+    assert stored_compute_ceiling(CPU, compute["path"], read_ceiling_file).ceiling == ComputeCeiling(**compute)
+    # Another path (weights, dtype or model) has none yet, and says what to run.
+    other = stored_compute_ceiling(CPU, "another model, q4_1 weights, float32", read_ceiling_file)
+    assert other.ceiling is None and "compute ceiling not measured" in other.note and COMPUTE_HINT in other.note
+
+
+def test_a_ceiling_file_from_before_compute_ceilings_still_loads(read_ceiling_file):
+    entry = {"bytes_per_s": 3e10, "probe": "sum over 512 MiB", "machine": machine_name(CPU),
+             "measured_at": "2026-12-01 10:00 UTC", "source": "reqscope calibrate"}  # fmt: skip
+    old = {"version": 1, "ceilings": [entry]}  # as written before the compute ceilings were kept
+    read_ceiling_file.write_text(json.dumps(old))
+    assert stored_ceiling(CPU, read_ceiling_file).ceiling.bytes_per_s == 3e10
+    missing = stored_compute_ceiling(CPU, "SmolLM2-135M-Instruct, q4_1 weights, float32", read_ceiling_file)
+    assert missing.ceiling is None and missing.note.endswith(f"run {COMPUTE_HINT}")

@@ -1,4 +1,5 @@
-"""The roofline in the console: --json token and done keys, --plain lines, the trace, `calibrate --ceiling-only`."""
+"""The rooflines in the console: --json token and done keys (decode's memory roofline, prefill's compute
+roofline), --plain lines, the trace, `calibrate --ceiling-only`."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import json
 import pytest
 import torch
 
+from minengine.config import ModelConfig
 from minengine.engine.events import TokenEvent
-from minengine.engine.roofline import ReadCeiling
+from minengine.engine.roofline import ReadCeiling, flop_shape, prefill_flops, step_intensity
 from minengine.record import trace_io
 from minengine.record.trace_io import read_trace
-from reqscope.bench.ceiling import CALIBRATE_HINT, machine_name, save_ceiling, stored_ceiling
+from reqscope.bench.ceiling import CALIBRATE_HINT, COMPUTE_HINT, machine_name, save_ceiling, stored_ceiling
 from reqscope.cli import main
 
 CPU = torch.device("cpu")
@@ -51,10 +53,33 @@ def test_json_token_and_done_records_carry_the_roofline(chatty_tiny_dir, capsys,
     assert roofline["ceiling_note"] == "reqscope calibrate, 2026-12-01 10:00 UTC"
     mean_step = sum(t["step_ms"] for t in steps) / len(steps)
     assert roofline["mean_step_ms"] == pytest.approx(mean_step, rel=1e-3)
-    assert roofline["roofline_fraction"] == pytest.approx(roofline["mean_roofline_ms"] / mean_step, rel=1e-3)
+    # Kept to 4 places: a small fraction on a busy machine is off by its rounding, not by 1e-3 of itself.
+    assert roofline["roofline_fraction"] == pytest.approx(roofline["mean_roofline_ms"] / mean_step, rel=1e-3, abs=1e-4)
     assert roofline["roofline_tokens_per_s"] == pytest.approx(20e9 / roofline["mean_bytes_read"], rel=1e-3)
     half = roofline["mean_bytes_read"] - roofline["weight_bytes"] / 2
     assert roofline["roofline_tokens_per_s_half_weight_bytes"] == pytest.approx(20e9 / half, rel=1e-3)
+
+
+def test_the_done_record_carries_prefills_compute_roofline_beside_decodes(chatty_tiny_dir, capsys):
+    assert main(["calibrate", "--ceilings-only", "--model", str(chatty_tiny_dir), "--device", "cpu", "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    compute, read = measured["compute_ceiling"], measured["read_ceiling"]
+    records = _json_run(chatty_tiny_dir, capsys)
+    prefill = next((r for r in records if r["event"] == "prefill"), None)  # its chunks, when it was cut
+    done = records[-1]
+    assert done["roofline"]["ceiling_bytes_per_s"] == round(read["bytes_per_s"])  # decode's memory roofline stays
+    p = done["prefill_roofline"]
+    shape = flop_shape(ModelConfig.from_file(chatty_tiny_dir / "config.json"), done["roofline"]["weight_bytes"])
+    tokens = p["computed_tokens"]
+    assert tokens > 0 and p["flops"] == prefill_flops(shape, tokens)
+    assert p["flops_per_token"] == round(p["flops"] / tokens)
+    assert p["flops_per_s"] == pytest.approx(p["flops"] / (p["prefill_ms"] / 1000), rel=1e-4)
+    assert p["roofline_fraction"] == pytest.approx(p["flops_per_s"] / compute["flops_per_s"], rel=1e-3, abs=1e-4)
+    assert p["ceiling_flops_per_s"] == round(compute["flops_per_s"]) and p["ceiling"]["path"] == compute["path"]
+    ridge = compute["flops_per_s"] / read["bytes_per_s"]
+    assert p["crossover_rows"] == pytest.approx(ridge / step_intensity(shape, 1), rel=1e-3, abs=0.01)
+    assert p["step_rows"] == (tokens if prefill is None else max(c["tokens"] for c in prefill["chunks"]))
+    assert p["bound"] == ("compute" if p["step_rows"] >= p["crossover_rows"] else "memory")
 
 
 def test_without_a_ceiling_the_bytes_still_show_and_say_what_to_run(chatty_tiny_dir, capsys):
@@ -64,6 +89,10 @@ def test_without_a_ceiling_the_bytes_still_show_and_say_what_to_run(chatty_tiny_
     roofline = records[-1]["roofline"]
     assert roofline["ceiling"] is None and roofline["roofline_fraction"] is None
     assert CALIBRATE_HINT in roofline["ceiling_note"] and machine_name(CPU) in roofline["ceiling_note"]
+    prefill = records[-1]["prefill_roofline"]
+    assert prefill["flops"] > 0 and prefill["flops_per_s"] > 0  # the FLOPs need no ceiling
+    assert prefill["roofline_fraction"] is None and prefill["crossover_rows"] is None and prefill["bound"] is None
+    assert prefill["ceiling_note"].endswith(f"run {COMPUTE_HINT}")
 
 
 def test_plain_summary_has_the_roofline_lines(chatty_tiny_dir, capsys, read_ceiling_file):
@@ -89,12 +118,13 @@ def test_the_trace_keeps_the_bytes_and_the_ceiling_and_older_readers_skip_them(c
     steps = [e for e in events if isinstance(e, TokenEvent)][1:]
     assert steps and all(e.bytes_read is not None and e.bytes_read.total > 0 for e in steps)
     # A reader from before these fields decodes the same records, ignoring the keys it does not know.
-    newer = ("read_ceiling", "settings")  # a reader from before the ceiling (and the settings) were kept
+    newer = ("read_ceiling", "settings", "compute_ceiling", "flop_shape")  # a reader from before they were kept
     old_header = dataclasses.make_dataclass(
         "TraceHeader", [(f.name, f.type) for f in dataclasses.fields(trace_io.TraceHeader) if f.name not in newer]
     )
     record = json.loads((export / "request-trace.jsonl").read_text().splitlines()[0])
     assert "read_ceiling" in record and not hasattr(trace_io.decode_value(old_header, record), "read_ceiling")
+    assert record["flop_shape"]["layers"] == header.layers and header.flop_shape.layer_params > 0
 
 
 def test_an_older_trace_reads_without_bytes_or_ceiling():

@@ -1,21 +1,31 @@
 """The roofline of a decode step: its bytes against the seeds' KV formula by hand, the fraction against
-its definition, and a held step's time left out of its step time."""
+its definition, and a held step's time left out of its step time; prefill's FLOPs against a hand count
+for the default model, its fraction of the compute ceiling, and the crossover rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
+from minengine.config import ModelConfig
 from minengine.engine.events import StepReady, TokenEvent
 from minengine.engine.request import GenerationRequest
 from minengine.engine.roofline import (
+    ComputeCeiling,
+    FlopShape,
     ReadCeiling,
     StepBytes,
+    crossover_rows,
     decode_roofline,
+    flop_shape,
     kv_read_bytes,
+    prefill_flops,
+    prefill_roofline,
     roofline_ms,
     step_bytes,
+    step_intensity,
     step_roofline,
 )
 from minengine.kv.usage import KVUsage
@@ -135,3 +145,49 @@ def test_a_hold_within_a_step_is_not_its_step_time(chatty_engine):
     held = tokens[2]
     assert held.held_ms >= 400
     assert held.step_ms < 400  # the model step and sampling only: a tiny model's step is milliseconds
+
+
+# -- prefill's compute roofline --------------------------------------------------------------------
+
+COMPUTE = ComputeCeiling(72e9, 256, "30 layers' projections over 256 rows, fastest of 5 passes", "cpu test, 2 threads",
+                         "SmolLM2-135M-Instruct, q4_1 weights, float32", "2026-12-01 10:00 UTC",
+                         "reqscope calibrate")  # fmt: skip
+
+
+def _default_shape(default_model_dir, weight_bytes: int = 100_000_000) -> FlopShape:
+    return flop_shape(ModelConfig.from_file(default_model_dir / "config.json"), weight_bytes)
+
+
+def test_prefill_flops_match_a_hand_count_for_the_default_model(default_model_dir):
+    shape = _default_shape(default_model_dir)
+    # SmolLM2-135M: hidden 576, 9 q heads and 3 KV heads of 64, MLP 1,536, 30 layers, vocab 49,152.
+    q, k, v, o = 576 * 576, 576 * 192, 576 * 192, 576 * 576  # 331,776 + 110,592 + 110,592 + 331,776
+    gate, up, down = 576 * 1536, 576 * 1536, 1536 * 576  # 884,736 each
+    assert q + k + v + o + gate + up + down == 3_538_944
+    assert shape.layer_params == 30 * 3_538_944 == 106_168_320
+    assert shape.head_params == 49_152 * 576 == 28_311_552
+    # The default prompt's 38 tokens from position 0: contexts 1 + 2 + ... + 38 = 741.
+    projections = 2 * 106_168_320 * 38  # 8,068,792,320
+    head = 2 * 28_311_552  # the last position's logits: 56,623,104
+    attention = 4 * 64 * 9 * 30 * 741  # q.k and p.v over each position's context: 51,217,920
+    assert prefill_flops(shape, 38) == projections + head + attention == 8_176_633_344
+    # The same 38 tokens after 100 cached ones attend over 101 ... 138 positions: 38 x 100 + 741.
+    assert prefill_flops(shape, 38, start=100) == projections + head + 4 * 64 * 9 * 30 * (3800 + 741)
+    assert 0.2e9 < prefill_flops(shape, 1000) / 1000 < 0.3e9  # "about 0.27 GFLOP a token" with attention at 1,000
+
+
+def test_prefill_roofline_sets_achieved_flops_against_the_ceiling_and_finds_the_crossover(default_model_dir):
+    shape = _default_shape(default_model_dir, weight_bytes=100_000_000)
+    p = prefill_roofline(shape, 38, 0, 250.0, 38, COMPUTE, CEILING)
+    assert p.flops == 8_176_633_344 and p.flops_per_token == pytest.approx(8_176_633_344 / 38)
+    assert p.flops_per_s == pytest.approx(8_176_633_344 / 0.25)
+    assert p.fraction == pytest.approx(8_176_633_344 / 0.25 / 72e9)
+    # Ridge: 72e9 / 40e9 = 1.8 FLOPs a byte; a row is 2 x (106,168,320 + 28,311,552) FLOPs over 1e8 bytes.
+    per_row = 2 * (106_168_320 + 28_311_552) / 100_000_000
+    assert p.crossover == pytest.approx(1.8 / per_row)
+    assert step_intensity(shape, 1) == pytest.approx(per_row)
+    assert step_intensity(shape, p.crossover) == pytest.approx(COMPUTE.flops_per_s / CEILING.bytes_per_s)
+    alone = prefill_roofline(shape, 38, 0, 250.0, 38, None, CEILING)
+    assert alone.fraction is None and alone.crossover is None and alone.flops_per_s == p.flops_per_s
+    with pytest.raises(ValueError):
+        crossover_rows(shape, dataclasses.replace(COMPUTE, flops_per_s=0.0), CEILING)

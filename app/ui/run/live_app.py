@@ -22,11 +22,12 @@ from minengine.engine.engine import Engine
 from minengine.engine.events import DoneEvent, Event
 from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
+from minengine.plan.compute_ceiling import prefill_path_name
 from minengine.progress import StatusCallback
 from minengine.record.trace_io import trace_header
 from minengine.sampling.grammar import needs_grammar
 from minengine.text.tools import ToolChoice
-from reqscope.bench.ceiling import stored_ceiling
+from reqscope.bench.ceiling import stored_ceiling, stored_compute_ceiling
 from reqscope.engine_load import NO_LOAD, EngineLoad, LoadNote, LoadOptions
 from reqscope.ui.base import renewed
 from reqscope.ui.keys import LIVE, bindings
@@ -105,7 +106,9 @@ class LiveExplorer(RunExplorer):
     def _engine_ready(self, engine: Engine | None) -> None:
         assert engine is not None  # the loading screen is dismissed with the engine only
         self.engine = engine
-        self.header = trace_header(engine, stored_ceiling(engine.device).ceiling)  # the roofline's, if measured
+        compute = stored_compute_ceiling(engine.device, prefill_path_name(engine)).ceiling
+        # The rooflines' ceilings, where measured for this machine (and this model's prefill path).
+        self.header = trace_header(engine, stored_ceiling(engine.device).ceiling, compute_ceiling=compute)
         self._probe = MemoryProbe(engine.device.type, partial(device_memory_bytes, engine.device))
         self._start(self.request, paused=self.start_paused)
 

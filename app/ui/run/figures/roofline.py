@@ -1,17 +1,26 @@
-"""The roofline figures the latency panel draws: the latest decode step and the run so far, against the ceiling.
+"""The roofline figures the latency panel draws: the latest decode step and the run so far against the
+read ceiling, and the prefill against the compute ceiling, with the rows a step at which compute binds.
 
-The bytes come with each token event (`TokenEvent.bytes_read`), the ceiling with the run's header
-(the one `reqscope calibrate` kept for this machine, or the one a trace recorded), so a replay
-draws what the live run drew.
+The bytes come with each token event (`TokenEvent.bytes_read`), the ceilings and the model's
+arithmetic (`FlopShape`) with the run's header (those `reqscope calibrate` kept for this machine,
+or those a trace recorded), so a replay draws what the live run drew.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minengine.engine.roofline import RooflineSummary, StepBytes, StepRoofline, decode_roofline, step_roofline
+from minengine.engine.roofline import (
+    PrefillRoofline,
+    RooflineSummary,
+    StepBytes,
+    StepRoofline,
+    decode_roofline,
+    prefill_roofline,
+    step_roofline,
+)
 from minengine.record.trace_io import TraceHeader
-from reqscope.bench.ceiling import CALIBRATE_HINT
+from reqscope.bench.ceiling import CALIBRATE_HINT, COMPUTE_HINT
 from reqscope.ui.run.view import RunView
 
 
@@ -41,3 +50,28 @@ def roofline_figures(view: RunView, header: TraceHeader, replay: bool) -> Roofli
         note = "no read ceiling in this trace" if replay else f"no read ceiling for this machine: {CALIBRATE_HINT}"
     step = None if ceiling is None else step_roofline(last.bytes_read, last.read_step_ms, ceiling)
     return RooflineFigures(last.index, last.bytes_read, step, run, note)
+
+
+@dataclass(frozen=True)
+class PrefillFigures:
+    """The prefill against the compute ceiling (and the crossover), and where the ceiling came from."""
+
+    roofline: PrefillRoofline
+    ceiling_note: str  # where the compute ceiling came from and when, or why there is none
+
+
+def prefill_figures(view: RunView, header: TraceHeader, replay: bool) -> PrefillFigures | None:
+    """The prefill's figures; None before prefill ends, and in traces without the model's arithmetic."""
+    prefill, shape = view.prefill, header.flop_shape
+    if prefill is None or shape is None:
+        return None
+    computed = max(prefill.prompt_tokens - prefill.reused_tokens, 1)
+    rows = max((c.tokens for c in prefill.chunks), default=computed)  # its largest step; one step without chunks
+    compute = header.compute_ceiling
+    fig = prefill_roofline(shape, computed, prefill.reused_tokens, prefill.duration_ms, rows, compute,
+                           header.read_ceiling)  # fmt: skip
+    if compute is not None:
+        note = f"{compute.source}, {compute.measured_at}"
+    else:
+        note = "no compute ceiling in this trace" if replay else f"compute ceiling not measured: run {COMPUTE_HINT}"
+    return PrefillFigures(fig, note)

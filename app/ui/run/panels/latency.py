@@ -1,11 +1,14 @@
 """Running latency: TTFT, ITL and its spread, TPOT, both output rates, E2E, prefill against prompt length,
-and the roofline of the latest decode step.
+prefill's compute roofline, and the memory roofline of the latest decode step.
 
 The figures are the engine's: a run held at a step (paused, stepped) has the held time taken
 out, and the panel says how much was held and what the wall clock, as a client would have seen
 it, reads beside them. The roofline sets what the latest decode step read against this machine's
 read ceiling: the time those bytes take at the ceiling, the time the step took, the fraction
 reached; with room, what half the weight bytes would allow and where the ceiling came from.
+Prefill's roofline sets its FLOPs (per token, and over its time) against the compute ceiling
+of the path it ran, and says from how many rows a step compute binds instead of bandwidth,
+beside the rows its step ran.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from reqscope.ui.glyphs import ms, pairs
 from reqscope.ui.latency_lines import itl_chart, metric_figures
 from reqscope.ui.panel import Panel
 from reqscope.ui.run.figures.latency import LatencyFigures, RunTtft, ttft_without_hit
-from reqscope.ui.run.figures.roofline import RooflineFigures, roofline_figures
+from reqscope.ui.run.figures.roofline import PrefillFigures, RooflineFigures, prefill_figures, roofline_figures
 from reqscope.ui.run.frame import Frame
 
 if TYPE_CHECKING:  # numpy, only for a fit given with --service-model
@@ -41,14 +44,22 @@ class LatencyPanel(Panel):
         figures = metric_figures(fig.engine, fig.itl, fig.last_itl_ms)
         lines = pairs(figures, width) + held_lines(fig)
         lines.append(_prefill(fig.prefill_ms, fig.prompt_tokens, fig.reused_tokens))
+        prefill = prefill_figures(frame.view, frame.header, frame.replay)
+        roofline = roofline_figures(frame.view, frame.header, frame.replay)
+        more: list[Text] = []
         if frame.view.prefix_cache is not None and frame.view.prefix_cache.enabled and fig.prompt_tokens:
-            lines += prefix_cache_ttft(fig, frame.request_id, frame.ttft_history)
+            more += prefix_cache_ttft(fig, frame.request_id, frame.ttft_history)
         if frame.service_model is not None and fig.prompt_tokens:
-            lines.append(predicted_prefill(frame.service_model, fig))
+            more.append(predicted_prefill(frame.service_model, fig))
         if len(frame.prefill_history) > 1:
             history = " · ".join(f"{n} tok {t:.1f} ms" for n, t in frame.prefill_history[-6:])
-            lines.append(Text(f"prefill by tokens computed: {history}", style="dim", no_wrap=True, overflow="ellipsis"))
-        roofline = roofline_figures(frame.view, frame.header, frame.replay)
+            more.append(Text(f"prefill by tokens computed: {history}", style="dim", no_wrap=True, overflow="ellipsis"))
+        # Each roofline keeps a line when the panel is cramped: the lines above give way first.
+        kept_for_rooflines = (prefill is not None) + (roofline is not None)
+        lines += more[: max(height - len(lines) - kept_for_rooflines, 0)]
+        if prefill is not None:  # two lines where the decode roofline keeps its own, else the compute line
+            free = height - len(lines) - (1 if roofline is not None else 0)
+            lines += compute_lines(prefill, width, 2 if free >= _ROOFLINE_TWO else 1)
         if roofline is not None:
             free = height - len(lines)
             wanted = 3 if free >= _ROOFLINE_ROOMY else 2 if free >= _ROOFLINE_TWO else 1
@@ -56,6 +67,43 @@ class LatencyPanel(Panel):
         clock = " (engine time)" if fig.held_ms > 0 else ""
         lines += itl_chart(fig.itls_ms, width, height - len(lines), clock=clock)
         return Group(*lines[: max(height, 1)])
+
+
+def compute_lines(fig: PrefillFigures, width: int = 200, room: int = 2) -> list[Text]:
+    """Prefill against the compute ceiling: FLOPs a token, achieved FLOP/s, the fraction; then the crossover.
+
+    With `room` for one line only, both in one shorter line where `width` holds it.
+    """
+    p = fig.roofline
+    if room < 2 and p.fraction is not None and p.crossover is not None:
+        short = (f"compute    {p.flops_per_token / 1e9:.3g} GF/token · {p.flops_per_s / 1e9:.1f} GF/s = "
+                 f"{p.fraction:.0%} · binds from ~{_rows(p.crossover)} rows, step {p.rows}")  # fmt: skip
+        if len(short) <= width:
+            return [Text(short, no_wrap=True, overflow="ellipsis")]
+    first = Text(no_wrap=True, overflow="ellipsis")
+    first.append("compute    ", style="dim")
+    first.append(f"prefill {p.flops_per_token / 1e9:.3g} GFLOP/token, {p.flops_per_s / 1e9:.1f} GFLOP/s", style="bold")
+    fraction = p.fraction
+    if fraction is None or p.ceiling is None:
+        first.append(f" · {fig.ceiling_note}", style="dim")
+    else:
+        first.append(" = ")
+        first.append(f"{fraction:.0%}", style="bold green" if fraction >= 0.4 else "bold yellow")
+        first.append(f" of {p.ceiling.flops_per_s / 1e9:.1f} GFLOP/s", style="dim")
+    second = Text(no_wrap=True, overflow="ellipsis")
+    second.append("crossover  ", style="dim")
+    if p.crossover is None:
+        second.append(f"this step: {p.rows} rows; where compute binds needs both ceilings", style="dim")
+    else:
+        bound = "compute-bound" if p.rows >= p.crossover else "memory-bound"
+        second.append(f"compute binds from ~{_rows(p.crossover)} rows a step; this step: {p.rows} rows ", style="bold")
+        second.append(f"({bound})", style="dim")
+    return [first, second][:room]
+
+
+def _rows(crossover: float) -> str:
+    """The crossover's rows, to a tenth where a few rows already bind."""
+    return f"{crossover:.{1 if crossover < 10 else 0}f}"
 
 
 def roofline_lines(fig: RooflineFigures) -> list[Text]:

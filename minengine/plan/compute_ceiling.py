@@ -1,0 +1,80 @@
+"""This machine's compute ceiling for the path prefill runs: a timed product of the model's own shape.
+
+A prompt chunk's rows go through every layer's projections (q/k/v, o, gate/up, down), each bound
+at load to its product (`weight_layout.product`: a dense `bmm`, or a packed or panel kernel's own,
+with whatever activation format and tiles it chose). So the ceiling is measured through those
+very products, as loaded, over a prompt-sized block of rows, on the threads a prefill step runs
+on: the FLOP/s this path can reach on this machine, not the chip's theoretical peak. Attention,
+the norms and Python between the ops are left out: they are what a real prefill loses against
+this ceiling. The fastest pass is kept, as for the read ceiling: a ceiling is what the path can
+do, and on a shared machine a slower pass is the neighbours' load.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+import torch
+
+from minengine.device import synchronize
+from minengine.engine.engine import Engine
+from minengine.engine.roofline import ComputeCeiling, flop_shape
+
+COMPUTE_ROWS = 256  # a prompt chunk's worth: enough rows that the products run their prompt path
+COMPUTE_PASSES = 5  # of the whole stack of projections; the fastest is kept
+
+
+def prefill_path_name(engine: Engine) -> str:
+    """What a compute ceiling holds for: the model, its weights' format and the compute dtype (and the kernels
+    when they are not the fast ones)."""
+    kernels = "" if engine.kernels == "fast" else f", {engine.kernels} kernels"
+    return f"{engine.model_dir.name}, {engine.weights.format} weights, {str(engine.dtype).removeprefix('torch.')}" + (
+        kernels
+    )
+
+
+def measure_compute_ceiling(
+    engine: Engine, machine: str, source: str, rows: int = COMPUTE_ROWS, passes: int = COMPUTE_PASSES
+) -> ComputeCeiling:
+    """The fastest of `passes` passes of `rows` random rows through every layer's projections, as FLOP/s.
+
+    Runs on the model thread under a prefill step's threads. The rows are random activations of
+    the model's dtype: a product's time depends on the shapes, not the values.
+    """
+    runner, cfg = engine.runner, engine.cfg
+    shape = flop_shape(cfg, engine.model.decode_weight_bytes)
+    generator = torch.Generator().manual_seed(0)
+    q_size = cfg.num_attention_heads * cfg.head_dim
+
+    def block(width: int) -> torch.Tensor:
+        return torch.randn(rows, width, generator=generator).to(device=engine.device, dtype=engine.dtype)
+
+    hidden, attended, gated = block(cfg.hidden_size), block(q_size), block(cfg.intermediate_size)
+    layers = engine.model.layers
+
+    @torch.inference_mode()
+    def one_pass() -> float:
+        with runner.step_threads.step(False):
+            synchronize(engine.device)
+            start = time.perf_counter()
+            for layer in layers:
+                layer.qkv_proj(hidden)
+                layer.o_proj(attended)
+                layer.gate_up_proj.chunks(hidden)
+                layer.down_proj(gated)
+            synchronize(engine.device)
+            return time.perf_counter() - start
+
+    one_pass()  # untimed: the products' one-time costs (packing buffers, tile permission, thread wake-up)
+    seconds = min(one_pass() for _ in range(passes))
+    flops = 2 * shape.layer_params * rows
+    return ComputeCeiling(
+        flops_per_s=flops / seconds,
+        rows=rows,
+        probe=f"{shape.layers} layers' projections over {rows} rows, fastest of {passes} passes",
+        machine=machine,
+        path=prefill_path_name(engine),
+        measured_at=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        source=source,
+    )
