@@ -1,4 +1,5 @@
-"""The roofline in the latency panel, driven with Textual's Pilot over a trace that kept it."""
+"""The rooflines in the latency panel, driven with Textual's Pilot: decode's memory roofline over a trace
+that kept it, and prefill's compute roofline beside it in a real run of the default model."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from ui_fixtures import (
 )
 
 from minengine.engine.events import TokenEvent
+from minengine.engine.roofline import ComputeCeiling, prefill_flops
 from minengine.kv.arithmetic import MIB
-from reqscope.bench.ceiling import CALIBRATE_HINT, machine_name, save_ceiling
+from minengine.plan.compute_ceiling import prefill_path_name
+from reqscope.bench.ceiling import CALIBRATE_HINT, COMPUTE_HINT, machine_name, save_ceiling, save_compute_ceiling
 
 pytestmark = pytest.mark.anyio
 
@@ -97,3 +100,53 @@ async def test_a_live_run_reads_this_machines_ceiling(chatty_engine, read_ceilin
             assert "at 16.1 GB/s, took " in text and "ceiling    reqscope calibrate, 2026-12-01 09:55 UTC" in text
         else:
             assert f"no read ceiling for this machine: {CALIBRATE_HINT}" in text
+
+
+# -- prefill's compute roofline, beside decode's memory roofline ----------------------------------------
+
+COMPUTE_FLOPS = 50e9  # a compute ceiling kept for the machine and the model's path (the figures are the run's)
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+async def test_a_real_run_shows_prefills_compute_roofline_beside_decodes_memory_roofline(default_engine, size):
+    from dataclasses import replace
+
+    machine = machine_name(default_engine.device)
+    save_ceiling(replace(RECORDED_CEILING, machine=machine))
+    save_compute_ceiling(ComputeCeiling(COMPUTE_FLOPS, 256, "30 layers' projections over 256 rows, fastest of 5 passes",
+                                        machine, prefill_path_name(default_engine), "2026-12-01 09:56 UTC",
+                                        "reqscope calibrate"))  # fmt: skip
+    app = live_app(default_engine, kyoto_request(max_tokens=6))
+    async with app.run_test(size=size) as pilot:
+        await pilot.press("4")
+        await finished(pilot, app)
+        text = _latency(app)
+        prefill, shape = app.view.prefill, app.header.flop_shape
+        computed = prefill.prompt_tokens - prefill.reused_tokens
+        flops = prefill_flops(shape, computed, prefill.reused_tokens)  # the formula the hand count holds
+        per_s = flops / (prefill.duration_ms / 1000)
+        rows = max((c.tokens for c in prefill.chunks), default=computed)
+        per_row = 2 * (shape.layer_params + shape.head_params) / shape.weight_bytes  # FLOPs a weight byte, a row
+        crossover = COMPUTE_FLOPS / RECORDED_CEILING.bytes_per_s / per_row
+        cross = f"{crossover:.{1 if crossover < 10 else 0}f}"
+        if size == (120, 40):  # the compute line, then the crossover, each in full
+            assert (f"compute    prefill {flops / computed / 1e9:.3g} GFLOP/token, {per_s / 1e9:.1f} GFLOP/s = "
+                    f"{per_s / COMPUTE_FLOPS:.0%} of 50.0 GFLOP/s") in text, text  # fmt: skip
+            assert f"crossover  compute binds from ~{cross} rows a step; this step: {rows} rows" in text, text
+        else:  # both in one line
+            assert (f"compute    {flops / computed / 1e9:.3g} GF/token · {per_s / 1e9:.1f} GF/s = "
+                    f"{per_s / COMPUTE_FLOPS:.0%} · binds from ~{cross} rows, step {rows}") in text, text  # fmt: skip
+        last = app.view.tokens[-1]
+        assert f"roofline   step {last.index + 1} read {last.bytes_read.total / MIB:.1f} MiB: " in text, text
+        assert text.index("compute    ") < text.index("roofline   step")  # prefill's, then decode's
+
+
+async def test_without_a_compute_ceiling_the_prefill_shows_its_flops_and_says_what_to_run(chatty_engine):
+    app = live_app(chatty_engine, kyoto_request(max_tokens=4))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("4")
+        await finished(pilot, app)
+        text = _latency(app)
+        assert "compute    prefill " in text and " GFLOP/token, " in text
+        assert f"compute ceiling not measured: run {COMPUTE_HINT}" in text, text
+        assert "where compute binds needs both ceilings" in text
