@@ -1,11 +1,12 @@
 """reqscope's C kernels for the CPU, compiled once per machine and loaded with ctypes.
 
-Six sources make one library: `panel_rows.c` (the projections over weight panels,
+Seven sources make one library: `panel_rows.c` (the projections over weight panels,
 `panel_kernels`), `dot8_rows.c` (the block formats' products with rows rounded to int16 or int8, integer dot
 products: `panel_kernels.activations`), `amx_rows.c` (those int16 products on AMX tiles from 16 rows, the
 same bits: `panel_kernels.amx_setting`), `attention_rows.c` (decode attention read in place, `attention_rows`),
 `row_ops.c` (RMSNorm, the rotary embedding and SiLU-gating over a step's rows, `ops.c_rms_norm` and its neighbours)
-and `decode_layers.c` (every block of a one-token step in one call, `eager_step.LayerStack`).
+`decode_layers.c` (every block of a one-token step in one call, `eager_step.LayerStack`) and
+`chunk_attention.c` (a prompt chunk's attention, key-blocked, read in place: `chunk_attention`).
 They are built with the system compiler into the user cache (`library`), about two seconds,
 keyed by the sources, the compiler and its flags, and written atomically, so processes that
 race build the same bytes. Where there is no x86-64 CPU with AVX2, no compiler, or the build
@@ -26,9 +27,10 @@ from pathlib import Path
 from minengine import settings
 from minengine.settings import SettingValue
 
-_C_FILES = ("panel_rows.c", "dot8_rows.c", "amx_rows.c", "attention_rows.c", "row_ops.c", "decode_layers.c")
+_C_FILES = ("panel_rows.c", "dot8_rows.c", "amx_rows.c", "attention_rows.c", "row_ops.c", "decode_layers.c",
+            "chunk_attention.c")
 SOURCES = tuple(Path(__file__).with_name(name) for name in _C_FILES)
-_H_FILES = ("amx_rows.h", "attention_rows.h", "block_layout.h")
+_H_FILES = ("amx_rows.h", "attention_rows.h", "block_layout.h", "chunk_attention.h")
 HEADERS = tuple(Path(__file__).with_name(name) for name in _H_FILES)  # in the key
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 # Where torch finds AVX-512 (F, BW, VL and DQ, its "AVX512" capability) the panel tiles take zmm

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from minengine import settings
-from minengine.fast import attention_rows
+from minengine.fast import attention_rows, chunk_attention
 from minengine.fast.attention_rows import attend_one, attend_prompt, serves
 from minengine.fast.cpu_kernels import library
 from minengine.fast.panel_kernels import activations
@@ -108,8 +108,10 @@ def c_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start:
 
 def model_ops(device: torch.device, dtype: torch.dtype) -> ModelOps:
     """The row operations a model on `device` in `dtype` is built with, and why: C's for float32 on
-    the CPU where the kernels built, torch's otherwise. Under int8 activations a prompt's
-    attention runs a row per position (`attend_prompt`): the same bits however the prompt was cut."""
+    the CPU where the kernels built, torch's otherwise. A prompt chunk's attention runs the grouped,
+    key-blocked kernel (`chunk_attention`) where the build has AVX-512, SDPA elsewhere; under int8
+    activations a row per position (`attend_prompt`). Both C ones give a position the same bits
+    however the prompt was cut."""
     if device.type != "cpu" or dtype != _F32:
         why = f"torch's operations: the C row operations run float32 on the CPU, not {str(dtype)[6:]} on {device.type}"
         return ModelOps(TORCH_OPS.name, why, *_torch_calls())
@@ -120,6 +122,8 @@ def model_ops(device: torch.device, dtype: torch.dtype) -> ModelOps:
         decode, how = TORCH_OPS.decode_attention, "both attentions torch's (no C attention kernel)"
     elif activations() == "int8":
         prompt, how = c_prompt_attention, "a prompt's attention a row per position (int8 activations)"
+    elif chunk_attention.available():
+        prompt, how = chunk_attention.attend_chunk, "a prompt chunk's attention key-blocked in C, read in place"
     why = f"norm, rotation and gating in C (float32 on the CPU); {how}"
     return ModelOps("C", why, c_norm, c_rotate, c_silu_mul, decode, prompt)
 

@@ -203,6 +203,12 @@ class PagedKVCache:
         Returns K and V for positions [0, start+T) in the compute dtype, with `self.heads` heads,
         as `KVCache.update` does.
         """
+        self.write(layer, k, v, start)
+        return self.read(layer, start + k.shape[2])
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Store k/v [1, kv_heads, T, head_dim] at positions [start, start+T) of `layer`, reading
+        nothing back (for a kernel that reads the table's runs where they lie: `fast.chunk_attention`)."""
         end = start + k.shape[2]
         if end > self.capacity:
             self.make_room(end)
@@ -219,7 +225,6 @@ class PagedKVCache:
         else:
             self._write(layer, start, end, (k, v))
         self.lengths[layer] = end
-        return self.read(layer, end)
 
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` for positions [0, end) as `update` returns them, writing nothing."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from minengine.fast.chunk_attention import PagedChunk, in_place
 from minengine.fast.pooled_rows import PooledRows
 from minengine.model.ops import heads_first
 from minengine.model.transformer import Transformer
@@ -29,6 +30,14 @@ class RowsAttention:
         self.offsets = [sum(self.lengths[:i]) for i in range(len(rows))]
         self.lean = [r.plain(model) and not r.cache.borrowed and r.cache.contiguous for r in rows]
         self.scale, self.ops = model.scale, model.ops
+        # Chunk rows over a paged cache read its blocks in place where the model's prompt attention is
+        # the C chunk kernel (bound at load); a row whose attention is observed keeps the gathered keys.
+        self.paged = [
+            PagedChunk(r.cache, r.start, self.scale)  # type: ignore[arg-type]
+            if len(r.ids) > 1 and r.observer is None and in_place(model.ops.prompt_attention, r.cache)
+            else None
+            for r in rows
+        ]
         self.pooled: list[tuple[PooledRows, list[int]]] = []  # each group and its rows, in order
         threads = torch.get_num_threads()  # the C kernel's, which shares its rows out itself
         for group in groups:
@@ -88,6 +97,9 @@ class RowsAttention:
     def _chunk_row(self, i: int, index: int, q, k, v, q_at: int) -> torch.Tensor | None:
         row, at, length, nq = self.rows[i], self.offsets[i], self.lengths[i], self.queries[i]
         ks, vs = k[at : at + length], v[at : at + length]
+        paged = self.paged[i]
+        if paged is not None:  # written into its blocks and attended where they lie, nothing gathered
+            return paged(index, q[q_at : q_at + nq], ks, vs, nq)
         keys, values = row.cache.update(index, heads_first(ks), heads_first(vs), row.start)
         if nq == 0:
             return None

@@ -1,0 +1,181 @@
+"""A prompt chunk's attention through the grouped, key-blocked C kernel (`fast/chunk_attention`), held
+against torch's SDPA in float64 and, in a shared step over a long prompt, against the reference model.
+
+- The kernel alone, on the default model's shapes (9 query heads over 3 KV heads, d=64): chunks at
+  offsets 0, 17 and 300 of lengths 1 to 300, over a contiguous cache and over a paged one whose
+  blocks lie out of order across segments; within 1e-5 of SDPA in float64, relative to the
+  output's largest value. Causal with the chunk's offset: query i sees keys 0 .. start + i.
+- A position's output is the same bits however the prompt was cut into chunks, and whether its
+  cache is contiguous or paged (the kernel's key blocks start at fixed positions).
+- A long prompt prefilled in chunks beside a decoding sequence, each chunk read in place from its
+  block table: the prompt's logits within `FLOAT32_ATOL` of the reference model's (tests/engine/
+  test_reference.py's tolerance for float32 weights), and the greedy tokens after it the reference's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import TinySpec, build_tiny
+
+from minengine.config import ModelConfig
+from minengine.fast import chunk_attention
+from minengine.fast.chunk_attention import PagedChunk, attend_chunk
+from minengine.fast.cpu_kernels import library
+from minengine.kv.block_pool import BlockFormat, BlockPool
+from minengine.kv.paged_cache import PagedKVCache
+from minengine.reference.model import ReferenceModel
+from minengine.steps.load import load_model
+from minengine.steps.model_runner import ModelRunner
+from minengine.steps.rows import Row
+from minengine.steps.rows_attention import RowsAttention
+from minengine.steps.shared_step import pool_groups
+
+CPU = torch.device("cpu")
+HQ, HKV, D = 9, 3, 64  # the default model's (SmolLM2-135M)
+RELATIVE = 1e-5
+FLOAT32_ATOL = 1e-4  # float32 logits against the reference (test_reference.py)
+OFFSETS = (0, 17, 300)
+LENGTHS = (1, 2, 3, 5, 8, 11, 16, 17, 31, 47, 48, 63, 64, 65, 100, 127, 128, 129, 200, 255, 256, 299, 300)
+BLOCK = 16
+CFG = ModelConfig(
+    model_type="llama", vocab_size=96, hidden_size=HQ * D, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, rms_norm_eps=1e-5, rope_theta=1e4,
+    max_position_embeddings=1024, tie_word_embeddings=False,
+)  # fmt: skip
+
+pytestmark = pytest.mark.skipif(library().lib is None, reason=library().why_not or "no C kernels")
+
+
+def _sdpa64(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """SDPA in float64 with the chunk's causal offset: q [T, Hq, d] over keys/values [Hkv, start+T, d] -> [T, Hq*d]."""
+    T = q.shape[0]
+    mask = torch.arange(start + T).unsqueeze(0) <= torch.arange(T).unsqueeze(1) + start
+    out = F.scaled_dot_product_attention(
+        q.double().transpose(0, 1).unsqueeze(0), keys.double().unsqueeze(0), values.double().unsqueeze(0),
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    )  # fmt: skip
+    return out[0].transpose(0, 1).reshape(T, -1)
+
+
+def _close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    err = (ours.double() - ref).abs().max().item()
+    assert err <= RELATIVE * ref.abs().max().item(), f"{err:.3g} against a largest value of {ref.abs().max():.3g}"
+
+
+def _scattered_cache(end: int) -> tuple[PagedKVCache, list[PagedKVCache]]:
+    """A paged cache of CFG with room for `end` positions whose blocks lie out of order: interleaved
+    with two other caches' (a run per block), in segments of 8 blocks (the table crosses them)."""
+    fmt = BlockFormat(CFG.num_hidden_layers, HKV, D, BLOCK, torch.float32)
+    pool = BlockPool(64 << 20, CPU, first_segment_bytes=8 * fmt.nbytes)
+    caches = [PagedKVCache(pool, CFG, owner=f"r{i}", device=CPU, compute_dtype=torch.float32, block_size=BLOCK)
+              for i in range(3)]  # fmt: skip
+    for at in range(BLOCK, end + BLOCK, BLOCK):
+        for cache in caches if at // BLOCK % 2 else caches[::-1]:  # the order changes block by block
+            cache.make_room(min(at, end))
+    return caches[0], caches[1:]
+
+
+def test_the_kernel_equals_sdpa_in_float64_over_contiguous_and_paged_caches():
+    gen = torch.Generator().manual_seed(0)
+    scale = D**-0.5
+    for start in OFFSETS:
+        end = start + max(LENGTHS)
+        keys, values = (torch.randn(HKV, end, D, generator=gen) for _ in range(2))
+        paged, _others = _scattered_cache(end)
+        assert len(paged.runs(end)) > 1 and len({id(r.segment) for r in paged.runs(end)}) > 1
+        # Every position's K/V written into the table, layer 1 (the layer stride counts), up to `start`.
+        paged.write(1, keys[:, :start].unsqueeze(0), values[:, :start].unsqueeze(0), 0)
+        for T in LENGTHS:
+            q = torch.randn(T, HQ, D, generator=gen)
+            k, v = keys[:, : start + T], values[:, : start + T]
+            ref = _sdpa64(q, k, v, start, scale)
+            contiguous = attend_chunk(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), start, scale)
+            _close(contiguous[0].transpose(0, 1).reshape(T, -1), ref)
+            chunk = PagedChunk(paged, start, scale)
+            in_place = chunk(1, q, k[:, start:].transpose(0, 1), v[:, start:].transpose(0, 1), T)
+            _close(in_place, ref)
+            # The same arithmetic either way: contiguous and paged give the same bits.
+            assert torch.equal(in_place, contiguous[0].transpose(0, 1).reshape(T, -1))
+            assert torch.equal(in_place[-1:], chunk(1, q[-1:], k[:, start:].transpose(0, 1),
+                                                    v[:, start:].transpose(0, 1), 1))  # fmt: skip
+
+
+def test_a_positions_output_is_the_same_bits_however_the_prompt_was_cut():
+    gen = torch.Generator().manual_seed(1)
+    n, scale = 300, D**-0.5
+    q = torch.randn(n, HQ, D, generator=gen)
+    k, v = torch.randn(HKV, n, D, generator=gen), torch.randn(HKV, n, D, generator=gen)
+
+    def chunked(cuts: list[int]) -> torch.Tensor:
+        outs, at = [], 0
+        for end in [*cuts, n]:
+            part = attend_chunk(q[at:end].transpose(0, 1).unsqueeze(0), k[None, :, :end], v[None, :, :end], at, scale)
+            outs.append(part[0].transpose(0, 1).reshape(end - at, -1))
+            at = end
+        return torch.cat(outs)
+
+    whole = chunked([])
+    _close(whole, _sdpa64(q, k, v, 0, scale))
+    for cuts in ([1], [17, 18, 100], [63, 64, 65, 129], [11 * i for i in range(1, 27)]):
+        assert torch.equal(chunked(cuts), whole), cuts
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(chunked([40]), whole)  # one thread or several: each row's arithmetic is its own
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_model_binds_the_kernel_where_it_runs_natively():
+    from minengine.fast.row_ops import model_ops
+
+    ops = model_ops(CPU, torch.float32)
+    if chunk_attention.available():
+        assert ops.prompt_attention is attend_chunk
+        assert "key-blocked" in ops.why
+
+
+@pytest.fixture(scope="module")
+def gqa_model(tmp_path_factory):
+    """A tiny llama with the default model's attention shape (9 query heads over 3 KV heads, d=64)."""
+    folder = tmp_path_factory.mktemp("gqa93")
+    overrides = {"hidden_size": HQ * D, "num_attention_heads": HQ, "num_key_value_heads": HKV,
+                 "max_position_embeddings": 1024}  # fmt: skip
+    build_tiny(TinySpec("gqa-9-3", "llama", overrides), folder)
+    return folder
+
+
+def test_a_long_prompt_in_chunks_beside_decode_rows_matches_the_reference(gqa_model):
+    cfg = ModelConfig.from_file(gqa_model)
+    model = load_model(gqa_model, cfg, torch.float32, CPU)
+    runner, ref = ModelRunner(model, static_decode=False), ReferenceModel.load(gqa_model)
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, cfg.vocab_size, (700,), generator=gen)
+    other = torch.randint(3, cfg.vocab_size, (9,), generator=gen)
+    pool = BlockPool(64 << 20, CPU, first_segment_bytes=1 << 20)
+    long = PagedKVCache(pool, cfg, owner="long", device=CPU, compute_dtype=torch.float32, block_size=BLOCK)
+    beside = PagedKVCache(pool, cfg, owner="beside", device=CPU, compute_dtype=torch.float32, block_size=BLOCK)
+    token = int(runner.forward(other, 0, beside).argmax())
+    at, logits = 0, None
+    for size in (64, 5, 130, 1, 200, 64, 236):  # chunks of every kind of length; 700 in all
+        ids = tuple(prompt[at : at + size].tolist())
+        beside.make_room(len(other) + at + size)  # the two tables' blocks interleave
+        rows = [Row((token,), len(other), beside, True), Row(ids, at, long, at + size == len(prompt))]
+        attention = RowsAttention(rows, model, pool_groups(rows, model))
+        # A chunk row reads its table in place where the model binds the kernel; one token is a decode row.
+        assert (attention.paged[1] is not None) == (chunk_attention.available() and size > 1)
+        out = runner.forward_rows(rows)
+        token, logits, at = int(out[0].argmax()), out[1], at + size
+        other = torch.cat([other, torch.tensor([rows[0].ids[0]])])
+    assert not long.contiguous
+    ref_cache = ref.new_cache()
+    expected = ref.forward(prompt, 0, ref_cache)
+    assert (logits - expected).abs().max().item() <= FLOAT32_ATOL
+    # Greedy tokens after the prompt: the engine's (decode rows over the paged cache) and the reference's.
+    ours, theirs = [int(logits.argmax())], [int(expected.argmax())]
+    for pos in range(len(prompt), len(prompt) + 8):
+        ours.append(int(runner.forward_rows([Row((ours[-1],), pos, long, True)])[0].argmax()))
+        theirs.append(int(ref.forward(torch.tensor([theirs[-1]]), pos, ref_cache).argmax()))
+    assert ours == theirs
