@@ -10,7 +10,9 @@ cost: a chunk gets fewer tokens as its prompt goes on.
 The unit is one row's products. Attending over `p` positions costs `p / keys_per_row` of them:
 the model's multiply-adds per row against those of one attended position, times how much more
 an attention multiply-add costs than a product's on the engine's CPU path (float32 against the
-rounded rows' integer tiles; docs/serving.md says how it was measured).
+rounded rows' integer tiles). That weight depends on which prompt attention the model was built
+with (`ModelOps.prompt_attention`, bound at load): the grouped, key-blocked C kernel
+(`fast/chunk_attention`) or another (torch's SDPA, or a row per position under int8 activations).
 """
 
 from __future__ import annotations
@@ -19,9 +21,17 @@ import math
 from dataclasses import dataclass
 
 from minengine.config import ModelConfig
+from minengine.fast.chunk_attention import attend_chunk
+from minengine.model.ops import ModelOps
 
-# An attended position's multiply-add against a product's on the CPU path (float32 scores and
-# values against int16 x q4_1 tiles), fitted to chunk steps' times (docs/serving.md).
+# An attended position's multiply-add against a product's (float32 scores and values against int16 x
+# q4_1 tiles), on the default model's shape: for the C chunk kernel, its time per (query head x key)
+# over every layer of a 3,000-position cache against a 64-token chunk's time a row, measured on the
+# 2-core Zen 4 EPYC by `scripts/chunk_attention_cost --threads 1 --clock cpu` (docs/lab/long-prompt.md,
+# where the same measure puts SDPA at 3.1).
+KEYBLOCKED_MAC_WEIGHT = 2.4
+# For any other prompt attention: fitted to chunk steps' times through SDPA on the 2-core Xeon
+# (docs/lab/serving-against-vllm.md, "Step planning for waves and long prompts").
 ATTENTION_MAC_WEIGHT = 4.3
 
 
@@ -32,14 +42,16 @@ class ChunkCost:
     keys_per_row: float  # attended positions that cost as much as one row's products
 
     @classmethod
-    def of_model(cls, cfg: ModelConfig) -> ChunkCost:
-        """The weights of `cfg`'s rows and attended positions (see the module docstring)."""
+    def of_model(cls, cfg: ModelConfig, ops: ModelOps | None = None) -> ChunkCost:
+        """The weights of `cfg`'s rows and attended positions, for a model built with `ops` (None: its
+        prompt attention another than the C chunk kernel's); see the module docstring."""
         hidden, d = cfg.hidden_size, cfg.head_dim
         q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
         per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * cfg.intermediate_size
         row = cfg.num_hidden_layers * per_layer + cfg.vocab_size * hidden
         position = 2 * cfg.num_hidden_layers * q  # q.k and the weighted value, every query head
-        return cls(row / position / ATTENTION_MAC_WEIGHT)
+        keyblocked = ops is not None and ops.prompt_attention is attend_chunk
+        return cls(row / position / (KEYBLOCKED_MAC_WEIGHT if keyblocked else ATTENTION_MAC_WEIGHT))
 
     def rows(self, start: int, tokens: int) -> float:
         """The cost of prompt positions start .. start + tokens - 1, each seeing itself and all before it."""

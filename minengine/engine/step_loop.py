@@ -272,7 +272,7 @@ class StepLoop:
         limits.check()
         self.runner = runner
         self.limits = limits
-        self._chunk_cost = ChunkCost.of_model(runner.model.cfg)
+        self._chunk_cost = ChunkCost.of_model(runner.model.cfg, getattr(runner.model, "ops", None))
         self._bursts = Bursts()
         self.waiting = waiting
         self.pool = pool or (lambda m, _: PoolUsage(m.reserved_bytes, m.reserved_bytes, 0, 0))

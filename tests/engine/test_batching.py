@@ -223,7 +223,7 @@ def test_the_cpu_default_budget_takes_a_prompt_whole_while_nothing_decodes(chatt
         chunked = next(e for e in engine.start(_request(long_prompt)) if isinstance(e, PrefillEvent))
     # Each chunk beside the decoding row takes what the rest of the budget holds, its attention
     # over the positions before it counted, so the chunks shrink as the prompt goes on.
-    cost = ChunkCost.of_model(engine.model.cfg)
+    cost = ChunkCost.of_model(engine.model.cfg, engine.model.ops)
     beside_decoder = [c for c in chunked.chunks if c.step.decode_tokens == 1]
     assert len(beside_decoder) >= 3 and sum(c.tokens for c in chunked.chunks) == chunked.prompt_tokens
     for c in beside_decoder:

@@ -179,3 +179,20 @@ def test_a_long_prompt_in_chunks_beside_decode_rows_matches_the_reference(gqa_mo
         ours.append(int(runner.forward_rows([Row((ours[-1],), pos, long, True)])[0].argmax()))
         theirs.append(int(ref.forward(torch.tensor([theirs[-1]]), pos, ref_cache).argmax()))
     assert ours == theirs
+
+
+def test_the_planner_gives_a_chunk_far_into_a_prompt_more_tokens_where_the_kernel_attends():
+    """`ChunkCost` by the prompt attention the model was built with: the kernel's measured weight
+    (KEYBLOCKED_MAC_WEIGHT) where it is bound, the SDPA fit otherwise."""
+    from dataclasses import replace
+
+    from minengine.engine.chunk_cost import ATTENTION_MAC_WEIGHT, KEYBLOCKED_MAC_WEIGHT, ChunkCost
+    from minengine.model.ops import TORCH_OPS
+
+    smol = replace(CFG, vocab_size=49152, intermediate_size=1536, num_hidden_layers=30, tie_word_embeddings=True)
+    kernel = ChunkCost.of_model(smol, replace(TORCH_OPS, prompt_attention=attend_chunk))
+    sdpa = ChunkCost.of_model(smol, TORCH_OPS)
+    assert sdpa == ChunkCost.of_model(smol)
+    assert kernel.keys_per_row == pytest.approx(sdpa.keys_per_row * ATTENTION_MAC_WEIGHT / KEYBLOCKED_MAC_WEIGHT)
+    # Beside 16 decoding streams (48 rows of a 64-row step left), near position 3,000.
+    assert kernel.tokens(3000, 1000, 48.0) > sdpa.tokens(3000, 1000, 48.0) >= 11
