@@ -86,7 +86,7 @@ class Attention(Protocol):
     def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store layer `index`'s k/v for this step's positions; the attended heads, [rows of q, Hq*d].
 
-        q, k, v are `Transformer.qkv_heads`'s (their scratch views when the step has a `Scratch`).
+        q, k, v are `Transformer.qkv_heads`'s (a lean decode step's own scratch views, `fast.eager_step`).
         """
         ...
 
@@ -209,8 +209,8 @@ class Transformer:
         """Run positions [start, start+len(ids)) and return logits (float32).
 
         Returns logits for the last position ([vocab]) unless `all_logits`, then [T, vocab].
-        This is the general path, for any cache and any number of tokens; `runner.ModelRunner`
-        sends single-token steps through a leaner decode step when it can.
+        This is the general path, for any cache and any number of tokens; the step's plan
+        (`minengine.steps.model_runner`) sends single-token steps through a leaner decode step when it can.
         """
         x = self.embed_tokens(ids)  # [T, hidden]
         cos, sin = self.rope.lookup_signed(start, ids.shape[0])
