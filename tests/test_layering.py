@@ -183,16 +183,6 @@ def _folders() -> dict[Path, list[str]]:
     return folders
 
 
-def test_the_reference_model_and_its_loop_use_no_fast_path():
-    """minengine/reference/model.py and generate.py are plain PyTorch: nothing of the engine's model
-    (its ops try C first) or of the fast paths. Only the runner that seats the reference in the
-    engine touches the engine's step types."""
-    plain = ("minengine.reference.model", "minengine.reference.generate")
-    wrong = [imp.where() for imp in IMPORTS
-             if imp.source in plain and imp.target.startswith(("minengine.model", "minengine.fast"))]  # fmt: skip
-    assert not wrong, "the reference must stay plain PyTorch:\n  " + "\n  ".join(wrong)
-
-
 @pytest.mark.parametrize("folder", sorted(_folders()), ids=lambda p: str(p.relative_to(ROOT)))
 def test_folders_stay_small_and_named_by_idea(folder):
     modules = sorted(_folders()[folder])
