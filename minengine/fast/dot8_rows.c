@@ -40,6 +40,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -338,14 +339,28 @@ int dot8_native(void) { return DOT8_NATIVE; }
 /* Rows [r0, r0 + rows) of a group's DW columns into t, rows ldt floats apart. */
 typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8_t *G, float *t, long ldt);
 
+/* A long prompt's product is shared out as (group, span of rows) items where its groups alone are too few
+ * for the threads: at least ITEMS_PER_THREAD items a thread, spans a whole number of ROW_SPAN rows (the AMX
+ * tiles' windows and the 8-row passes start where they would over all the rows). The o and down projections
+ * of the default model have 18 groups: 16 threads took them in two rounds, half of them idle in the second. */
+#define ROW_SPAN AMX_MAX_ROWS
+#define ITEMS_PER_THREAD 4
+
 /* The groups of y [M, ldy] = the rounded rows of a times the DOT8 groups V of `panels` panels, block
  * bytes `block`, shared out among the threads of the enclosing parallel region (an orphaned loop):
- * each group (its weights in L1 for every 8 rows) goes to a thread, in shrinking runs as panel_rows.c's
- * block formats. Where the rows were split for the tiles (int16 rows, `a->split`), amx_rows.c's
- * tiles take them, q8_0's blocks (`q8`) or q4_1's: the same bits. Ends with the loop's barrier. */
+ * each group (its weights in L1 for every 8 rows), or for a long prompt over few groups each group's
+ * span of rows, goes to a thread, in shrinking runs as panel_rows.c's block formats. Where the rows
+ * were split for the tiles (int16 rows, `a->split`), amx_rows.c's tiles take them, q8_0's blocks
+ * (`q8`) or q4_1's: the same bits. A row's sums are its own whichever item and thread take it. Ends
+ * with the loop's barrier. */
 static void dot8_groups(const Acts *a, long M, long K, const uint8_t *V, long panels, float *y, long ldy, long block,
                         GroupRows rows_of, int wide, int q8) {
     long groups = (panels + GP - 1) / GP, per_group = K / QB * block;
+    long want = ((long)ITEMS_PER_THREAD * omp_get_num_threads() + groups - 1) / groups;
+    long spans = want < (M + ROW_SPAN - 1) / ROW_SPAN ? want : (M + ROW_SPAN - 1) / ROW_SPAN;
+    if (spans < 1) spans = 1;  /* no rows */
+    long span = (M + spans - 1) / spans;
+    span = (span + ROW_SPAN - 1) / ROW_SPAN * ROW_SPAN, spans = (M + span - 1) / span;
     float t[8 * DW];
     int tiles = wide && a->split;
     /* y's old lines are only overwritten: where y outgrows the caches, reading each line in before
@@ -353,15 +368,16 @@ static void dot8_groups(const Acts *a, long M, long K, const uint8_t *V, long pa
     int stream = M * ldy * (long)sizeof(float) >= AMX_STREAM_BYTES;
     if (tiles) amx_begin();
 #pragma omp for schedule(guided)
-    for (long g = 0; g < groups; g++) {
+    for (long item = 0; item < groups * spans; item++) {
+        long g = item / spans, first = item % spans * span, last = M - first < span ? M : first + span;
         long columns = (panels - g * GP < GP ? panels - g * GP : GP) * PW;
-        for (long r0 = 0; tiles && r0 < M; r0 += AMX_MAX_ROWS) {
-            long rows = M - r0 < AMX_MAX_ROWS ? M - r0 : AMX_MAX_ROWS;
+        for (long r0 = first; tiles && r0 < last; r0 += AMX_MAX_ROWS) {
+            long rows = last - r0 < AMX_MAX_ROWS ? last - r0 : AMX_MAX_ROWS;
             amx_group(q8, a->lo, a->hi, a->d, a->s, a->n, rows, r0, K, V + g * per_group, y + g * DW, ldy, columns,
                       stream);
         }
-        for (long r0 = 0; !tiles && r0 < M; r0 += 8) {
-            long rows = M - r0 < 8 ? M - r0 : 8;
+        for (long r0 = first; !tiles && r0 < last; r0 += 8) {
+            long rows = last - r0 < 8 ? last - r0 : 8;
             if (columns == DW) {  /* a whole group: straight into y */
                 rows_of(a, rows, r0, K, V + g * per_group, y + r0 * ldy + g * DW, ldy);
                 continue;

@@ -43,12 +43,12 @@ def _x(rows, features, seed=1):
     return x
 
 
-def _dot8(panel: PanelLinear, x: torch.Tensor, reference: bool = False) -> torch.Tensor:
+def _dot8(panel: PanelLinear, x: torch.Tensor, reference: bool = False, threads: int = 2) -> torch.Tensor:
     lib, rows = library().lib, x.shape[0]
     y = torch.empty(rows, panel.panel_count * PANEL)
     name = f"{panel.format}_{'dot16' if panel.rounding == 'int16' else 'dot8'}" + ("_reference" if reference else "")
     args = [x.contiguous().data_ptr(), rows, panel.in_features, panel.dot8.data_ptr(), panel.panel_count]
-    getattr(lib, name)(*args, y.data_ptr(), y.shape[1], *(() if reference else (2,)))
+    getattr(lib, name)(*args, y.data_ptr(), y.shape[1], *(() if reference else (threads,)))
     return y[:, : panel.out_features]
 
 
@@ -115,6 +115,22 @@ def test_the_vnni_tiles_give_the_references_bits_and_a_row_the_same_bits_in_any_
         assert torch.equal(got, _dot8(panel, x, reference=True)), rows
         assert torch.equal(got, torch.cat(alone[:rows])), rows
         assert torch.equal(panel.linear(x), got)  # the projection takes them
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("shape", "rows"), [((100, 64), 200), ((960, 576), 300)])
+def test_a_long_prompts_rows_shared_out_in_spans_keep_the_references_bits_and_each_rows_own(rounded, fmt, shape, rows):
+    """A prompt over few groups is shared out as (group, span of rows) items (dot8_rows.c's ROW_SPAN): with 8
+    threads the 4 groups of (100, 64) take 4 spans of 64 rows, the 30 of (960, 576) 2 spans; with one thread
+    each group takes every row. Each row is still its own chain: the reference's bits, alone or in the prompt."""
+    panel = PanelLinear(fmt, _weight(shape), 1)
+    x = _x(rows, shape[1])
+    spread = _dot8(panel, x, threads=8)
+    assert torch.equal(spread, _dot8(panel, x, reference=True))
+    assert torch.equal(spread, _dot8(panel, x, threads=1))
+    for r in (0, 63, 64, 130, rows - 1):  # either side of a span's edge, and the last
+        assert torch.equal(spread[r : r + 1], _dot8(panel, x[r : r + 1])), r
 
 
 @needs_vnni
