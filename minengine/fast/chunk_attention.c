@@ -20,54 +20,60 @@
  * the prompt was cut into chunks, whichever unit or thread ran it, and whether the cache was
  * paged or contiguous.
  *
- * The arithmetic is GCC's vector extensions over 16 floats: zmm where the build has AVX-512, two
- * ymm under AVX2. Built with the other kernels by minengine/fast/cpu_kernels.py.
+ * The arithmetic is GCC's vector extensions: 16 floats (a zmm) where the build has AVX-512, 8 (a ymm)
+ * under AVX2 (16 there, two ymm each, spilled the passes and ran 100x slower). The lanes change which
+ * rows share a vector, never a row's arithmetic. Built with the other kernels by
+ * minengine/fast/cpu_kernels.py.
  */
-#pragma GCC diagnostic ignored "-Wpsabi" /* v16 helpers are static inline: no ABI crosses a call */
+#pragma GCC diagnostic ignored "-Wpsabi" /* vf helpers are static inline: no ABI crosses a call */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "chunk_attention.h"
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int vi16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
+#if defined(__AVX512F__)
+#define LANES 16          /* tile rows a vector holds: a zmm */
+#else
+#define LANES 8           /* a ymm */
+#endif
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef int vi __attribute__((vector_size(4 * LANES)));
+typedef float vfu __attribute__((vector_size(4 * LANES), aligned(4)));
 
-#define LANES 16          /* tile rows a vector holds */
-#define VECS 3            /* vectors of rows a unit holds at most: 48 rows */
+#define VECS 3            /* vectors of rows a unit holds at most: 48 rows (24 under AVX2) */
 #define KEYS 64           /* keys a block */
 #if defined(__AVX512F__)
 #define STEP 8            /* keys scored, or head floats weighed, a pass: STEP x VECS accumulators (24 zmm) */
 #else
-#define STEP 2            /* 16 ymm registers, not 32 */
+#define STEP 2            /* 16 ymm registers, not 32: 6 accumulators */
 #endif
 
-static inline v16 load16(const float *p) { return *(const v16u *)p; }
-static inline void store16(float *p, v16 x) { *(v16u *)p = x; }
-static inline v16 splat(float x) { return (v16){0} + x; }
-static inline v16 pick(vi16 mask, v16 yes, v16 no) { return (v16)(((vi16)yes & mask) | ((vi16)no & ~mask)); }
-static inline v16 vmax(v16 a, v16 b) { return pick(a > b, a, b); }
+static inline vf loadv(const float *p) { return *(const vfu *)p; }
+static inline void storev(float *p, vf x) { *(vfu *)p = x; }
+static inline vf splat(float x) { return (vf){0} + x; }
+static inline vf pick(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
+static inline vf vmax(vf a, vf b) { return pick(a > b, a, b); }
 
 /* e^x for x <= 0 (scores less their row's maximum; -inf for a masked key): Cephes' expf, the
  * polynomial of attention_rows.c's exp_le0, exactly 0 below -87. */
-static inline v16 exp16_le0(v16 x) {
-    const v16 lo = splat(-87.0f);
-    vi16 under = x < lo;
+static inline vf expv_le0(vf x) {
+    const vf lo = splat(-87.0f);
+    vi under = x < lo;
     x = pick(under, lo, x);
-    const v16 magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to the nearest integer */
-    v16 n = (x * splat(1.44269504088896341f) + magic) - magic;
-    v16 r = x - n * splat(0.693359375f);
+    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to the nearest integer */
+    vf n = (x * splat(1.44269504088896341f) + magic) - magic;
+    vf r = x - n * splat(0.693359375f);
     r = r - n * splat(-2.12194440e-4f);
-    v16 y = splat(1.9875691500e-4f);
+    vf y = splat(1.9875691500e-4f);
     y = y * r + splat(1.3981999507e-3f);
     y = y * r + splat(8.3334519073e-3f);
     y = y * r + splat(4.1665795894e-2f);
     y = y * r + splat(1.6666665459e-1f);
     y = y * r + splat(5.0000001201e-1f);
     y = y * (r * r) + r + splat(1.0f);
-    vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
-    return (v16)((vi16)(y * (v16)e) & ~under);
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return (vf)((vi)(y * (vf)e) & ~under);
 }
 
 /* One thread's room. A unit's rows (a query head's query at one position each) lie across vectors'
@@ -76,7 +82,7 @@ static inline v16 exp16_le0(v16 x) {
  * the block lies, and a row of zeros for the keys that pad a block to a whole pass. */
 typedef struct {
     float *qt, *st, *ot, *zeros;
-    v16 pos[VECS], m[VECS], l[VECS], alpha[VECS];
+    vf pos[VECS], m[VECS], l[VECS], alpha[VECS];
     const float **kp, **vp;
 } Room;
 
@@ -112,19 +118,19 @@ static long locate(const ChunkArgs *a, long h, long first, long n, Room *r) {
 static inline __attribute__((always_inline)) void score(const Room *r, long keys, long d, int nv) {
     long w = nv * LANES;
     for (long j = 0; j < keys; j += STEP) {
-        v16 acc[STEP][VECS];
+        vf acc[STEP][VECS];
         for (int u = 0; u < STEP; u++)
-            for (int t = 0; t < nv; t++) acc[u][t] = (v16){0};
+            for (int t = 0; t < nv; t++) acc[u][t] = (vf){0};
         for (long c = 0; c < d; c++) {
-            v16 q[VECS];
-            for (int t = 0; t < nv; t++) q[t] = load16(r->qt + c * w + LANES * t);
+            vf q[VECS];
+            for (int t = 0; t < nv; t++) q[t] = loadv(r->qt + c * w + LANES * t);
             for (int u = 0; u < STEP; u++) {
-                v16 k = splat(r->kp[j + u][c]);
+                vf k = splat(r->kp[j + u][c]);
                 for (int t = 0; t < nv; t++) acc[u][t] += k * q[t];
             }
         }
         for (int u = 0; u < STEP; u++)
-            for (int t = 0; t < nv; t++) store16(r->st + (j + u) * w + LANES * t, acc[u][t]);
+            for (int t = 0; t < nv; t++) storev(r->st + (j + u) * w + LANES * t, acc[u][t]);
     }
 }
 
@@ -133,28 +139,28 @@ static inline __attribute__((always_inline)) void score(const Room *r, long keys
 static inline __attribute__((always_inline)) void fold(const ChunkArgs *a, Room *r, long first, long keys,
                                                         int nv, int mask) {
     long w = nv * LANES;
-    const v16 scale = splat(a->scale), none = splat(-INFINITY);
-    v16 top[VECS];
+    const vf scale = splat(a->scale), none = splat(-INFINITY);
+    vf top[VECS];
     for (int t = 0; t < nv; t++) top[t] = none;
     for (long j = 0; j < keys; j++) {
-        v16 at = splat((float)(first + j));
+        vf at = splat((float)(first + j));
         for (int t = 0; t < nv; t++) {
-            v16 s = load16(r->st + j * w + LANES * t) * scale;
+            vf s = loadv(r->st + j * w + LANES * t) * scale;
             if (mask) s = pick(at > r->pos[t], none, s);
-            store16(r->st + j * w + LANES * t, s);
+            storev(r->st + j * w + LANES * t, s);
             top[t] = vmax(top[t], s);
         }
     }
     for (int t = 0; t < nv; t++) {
-        v16 now = vmax(r->m[t], top[t]);
-        r->alpha[t] = exp16_le0(r->m[t] - now);
+        vf now = vmax(r->m[t], top[t]);
+        r->alpha[t] = expv_le0(r->m[t] - now);
         r->m[t] = now;
         top[t] = r->l[t] * r->alpha[t];
     }
     for (long j = 0; j < keys; j++)
         for (int t = 0; t < nv; t++) {
-            v16 e = exp16_le0(load16(r->st + j * w + LANES * t) - r->m[t]);
-            store16(r->st + j * w + LANES * t, e);
+            vf e = expv_le0(loadv(r->st + j * w + LANES * t) - r->m[t]);
+            storev(r->st + j * w + LANES * t, e);
             top[t] += e;
         }
     for (int t = 0; t < nv; t++) r->l[t] = top[t];
@@ -165,26 +171,26 @@ static inline __attribute__((always_inline)) void fold(const ChunkArgs *a, Room 
 static inline __attribute__((always_inline)) void weigh(const Room *r, long keys, long d, int nv) {
     long w = nv * LANES, c = 0;
     for (; c + STEP <= d; c += STEP) {
-        v16 acc[STEP][VECS];
+        vf acc[STEP][VECS];
         for (int u = 0; u < STEP; u++)
-            for (int t = 0; t < nv; t++) acc[u][t] = load16(r->ot + (c + u) * w + LANES * t) * r->alpha[t];
+            for (int t = 0; t < nv; t++) acc[u][t] = loadv(r->ot + (c + u) * w + LANES * t) * r->alpha[t];
         for (long j = 0; j < keys; j++) {
-            v16 p[VECS];
-            for (int t = 0; t < nv; t++) p[t] = load16(r->st + j * w + LANES * t);
+            vf p[VECS];
+            for (int t = 0; t < nv; t++) p[t] = loadv(r->st + j * w + LANES * t);
             for (int u = 0; u < STEP; u++) {
-                v16 v = splat(r->vp[j][c + u]);
+                vf v = splat(r->vp[j][c + u]);
                 for (int t = 0; t < nv; t++) acc[u][t] += v * p[t];
             }
         }
         for (int u = 0; u < STEP; u++)
-            for (int t = 0; t < nv; t++) store16(r->ot + (c + u) * w + LANES * t, acc[u][t]);
+            for (int t = 0; t < nv; t++) storev(r->ot + (c + u) * w + LANES * t, acc[u][t]);
     }
     for (; c < d; c++) { /* a head size that is not a whole number of passes: the same chains, one float a pass */
-        v16 acc[VECS];
-        for (int t = 0; t < nv; t++) acc[t] = load16(r->ot + c * w + LANES * t) * r->alpha[t];
+        vf acc[VECS];
+        for (int t = 0; t < nv; t++) acc[t] = loadv(r->ot + c * w + LANES * t) * r->alpha[t];
         for (long j = 0; j < keys; j++)
-            for (int t = 0; t < nv; t++) acc[t] += splat(r->vp[j][c]) * load16(r->st + j * w + LANES * t);
-        for (int t = 0; t < nv; t++) store16(r->ot + c * w + LANES * t, acc[t]);
+            for (int t = 0; t < nv; t++) acc[t] += splat(r->vp[j][c]) * loadv(r->st + j * w + LANES * t);
+        for (int t = 0; t < nv; t++) storev(r->ot + c * w + LANES * t, acc[t]);
     }
 }
 
@@ -203,7 +209,7 @@ static inline __attribute__((always_inline)) void attend_rows_of(const ChunkArgs
             for (long c = 0; c < d; c++) r->qt[c * w + x] = q[c];
         r->pos[x / LANES][x % LANES] = (float)(a->start + row / groups);
     }
-    for (int t = 0; t < nv; t++) r->m[t] = splat(-INFINITY), r->l[t] = (v16){0};
+    for (int t = 0; t < nv; t++) r->m[t] = splat(-INFINITY), r->l[t] = (vf){0};
     for (long first = 0; first <= last; first += KEYS) {
         long n = last + 1 - first < KEYS ? last + 1 - first : KEYS;
         long keys = locate(a, h, first, n, r);
@@ -236,8 +242,9 @@ static long units_per_head(long rows, long hkv, int threads) {
     return units;
 }
 
-/* Whether the build has AVX-512, where the vectors are registers of their own: under AVX2 alone each is
- * two, the passes spill, and SDPA is the faster path (the binding asks, once, at load). */
+/* Whether the build has AVX-512, where the kernel was measured 1.4-1.6x SDPA's speed and its cost set
+ * the step planner's (docs/lab/long-prompt.md); under AVX2 alone it ran about as fast as SDPA, and
+ * the binding keeps SDPA there (asked once, at load). */
 int chunk_attention_wide(void) {
 #if defined(__AVX512F__)
     return 1;
