@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from minengine.sampling.grammar import fill_masks
 from minengine.sampling.step_trace import StepTrace
 from minengine.sampling.trace import greedy_candidates
 
 if TYPE_CHECKING:
     from minengine.engine.batch_facts import BatchStep
     from minengine.engine.request import GenerationRequest
+    from minengine.sampling.grammar import GrammarMatcher
     from minengine.sampling.logit_stages import LogitStages
     from minengine.sampling.logit_summary import LogitSummary
 
@@ -50,6 +52,12 @@ class TokenChooser(Protocol):
     """What an unsteered session gives the loop to choose its tokens with (on the model thread)."""
 
     summarize: int | None  # top candidates the step summarizes its logits to (`logit_summary`); None: none
+
+    @property
+    def grammar(self) -> GrammarMatcher | None:
+        """The grammar whose next mask the step computes before choosing, with every other row's
+        (`prepare_choices`); None: the row has none."""
+        ...
 
     def choose(self, logits: torch.Tensor, summary: LogitSummary | None, fed_at: int) -> Chosen:
         """The next token after logits produced by the token fed at position `fed_at`."""
@@ -116,6 +124,20 @@ class Ahead:
         return item
 
 
+def prepare_choices(choosers: list[TokenChooser]) -> None:
+    """Before a step's rows are chosen, right after its forward, on the model thread: every
+    constrained row's mask for this step, one after another (`grammar.fill_masks`), instead of
+    a worker thread's beside the forward. A fill that fails is left for that row's own choice
+    to meet again, so it fails that request alone."""
+    for chooser in choosers:
+        grammar = chooser.grammar
+        if grammar is not None:
+            try:
+                fill_masks((grammar,))
+            except Exception:  # the row's `choose` computes it again and fails that request only
+                continue
+
+
 def stops_at(request: GenerationRequest, eos_ids: frozenset[int] | set[int], token: int, count: int) -> bool:
     """Whether `token`, the request's `count`-th, ends it as a stop token: end of sequence (unless
     ignore_eos) or one of its stop_token_ids, once min_tokens are out (vLLM's rule)."""
@@ -143,9 +165,16 @@ class RequestChooser:
     ) -> None:
         self.request, self.stages, self.eos_ids = request, stages, eos_ids
         self.context = context
+        if stages.grammar is not None:  # the loop computes its masks between steps (`prepare_choices`)
+            stages.grammar.fill_in_step()
         # A step's summary is of the model's own row; a grammar's row is another, so none is made for it.
         summarized = request.trace and stages.sampler.params.greedy and stages.grammar is None
         self.summarize = greedy_candidates(request.top_n) if summarized else None
+
+    @property
+    def grammar(self) -> GrammarMatcher | None:
+        """The request's grammar (its stages'), if it has one."""
+        return self.stages.grammar
 
     def choose(self, logits: torch.Tensor, summary: LogitSummary | None, fed_at: int) -> Chosen:
         """Pick the next token as the session would (its trace too, when asked), and say whether it ends."""

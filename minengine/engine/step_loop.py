@@ -57,7 +57,7 @@ from minengine.engine.batch_facts import BatchStep, PrefillChunk
 from minengine.engine.burst import BURST_STEP_TOKENS, Bursts
 from minengine.engine.chunk_cost import ChunkCost
 from minengine.engine.roofline import StepBytes, kv_position_bytes
-from minengine.engine.run_ahead import Ahead, Chosen, Decoded, TokenChooser
+from minengine.engine.run_ahead import Ahead, Chosen, Decoded, TokenChooser, prepare_choices
 from minengine.errors import Mention, RequestError, Setting
 from minengine.kv.block_pool import PoolExhausted
 from minengine.kv.cache import KVCache
@@ -639,11 +639,15 @@ class StepLoop:
     ) -> dict[int, Chosen | Exception]:
         """Outside the lock: the next token of every row that runs ahead and finished its work in
         this step, by its chooser (a failure is that request's alone)."""
-        out: dict[int, Chosen | Exception] = {}
+        due: list[tuple[int, _Work, Ahead, torch.Tensor]] = []
         for i, (work, n) in enumerate(plan):
             ahead, row = work.ahead, logits[i]
             if ahead is None or work.done + n != len(work.ids) or work.member.ahead is not ahead or row is None:
                 continue
+            due.append((i, work, ahead, row))
+        prepare_choices([ahead.chooser for _, _, ahead, _ in due])  # every constrained row's mask, at once
+        out: dict[int, Chosen | Exception] = {}
+        for i, work, ahead, row in due:
             try:
                 out[i] = ahead.chooser.choose(row, summaries.get(i), work.start + len(work.ids) - 1)
             except Exception as exc:  # e.g. logits with no finite maximum

@@ -164,9 +164,7 @@ class LogitStages:
         grammar = self.grammar
         if not (grammar is not None or self._holds_ends(grammar) or params.adjusts_logits):
             return row
-        out = row.clone()
-        if grammar is not None:
-            grammar.mask(out)
+        out = grammar.masked(row) if grammar is not None else row.clone()
         if self._holds_ends(grammar):
             out[self._end_tensor(out)] = NEG_INF
         self._bias_and_penalties(out, params)
@@ -179,10 +177,9 @@ class LogitStages:
         grammar = self.grammar
         if not (grammar is not None or self._holds_ends(grammar) or params.adjusts_logits):
             return row, None
-        out = row.clone()
+        out = grammar.masked(row) if grammar is not None else row.clone()
         facts = None
         if grammar is not None:
-            grammar.mask(out)
             facts = self._grammar_facts(grammar, row, out)
         masked_ends = 0
         if self._holds_ends(grammar):

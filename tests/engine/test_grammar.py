@@ -14,6 +14,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 from concurrent_runs import run_all
 
 from minengine.engine.engine import Engine
@@ -267,6 +268,74 @@ def test_forcing_a_token_the_grammar_forbids_is_refused_with_the_reason(engine):
             assert preview.adjustments is not None and preview.adjustments.grammar.allowed >= 1
             session.force_next(opening)  # one it allows is taken
     assert session.result.token_ids[0] == opening and session.result.text.startswith('{"name": "')
+
+
+# -- the mask, however it is computed and applied ---------------------------------------------------
+
+
+def reference_mask(matcher: grammar.GrammarMatcher, row: torch.Tensor) -> torch.Tensor:
+    """The mask applied as it first was: every token `allowed` does not name to -inf, in one masked_fill."""
+    allowed = matcher.allowed()
+    out = row.clone()
+    out[: allowed.numel()].masked_fill_(~allowed, float("-inf"))
+    out[allowed.numel() :] = float("-inf")
+    return out
+
+
+def walk(engine: Engine, structured: StructuredOutput) -> tuple[grammar.Grammar, list[int]]:
+    """A constrained request's grammar, and the tokens the tiny model wrote under it."""
+    req = request(structured=structured, max_tokens=60)
+    return grammar.compile_grammar(req, engine.tokenizer), list(run(engine, req).token_ids)
+
+
+def test_the_masked_row_forbids_exactly_what_the_grammar_forbids_at_every_step(engine):
+    # A row a little longer than the vocabulary (a padded head): the entries past it are never allowed.
+    # The schema's strings allow most of the vocabulary (the one-pass select), its keys and enums a
+    # token or a few (the sparse copy); both are held against one masked_fill of the allowed tokens.
+    compiled, tokens = walk(engine, schema_output())
+    matcher = grammar.GrammarMatcher(compiled, engine.tokenizer, overlap=False)
+    generator = torch.Generator().manual_seed(0)
+    vocab = matcher.tokenizer.vocab_size
+    sparse = dense = 0
+    for token in tokens:
+        row = torch.randn(vocab + 13, generator=generator)
+        masked = matcher.masked(row)
+        assert torch.equal(masked, reference_mask(matcher, row))
+        assert masked.data_ptr() != row.data_ptr() and torch.isfinite(row).all()  # a copy: the logits stay
+        allowed = int(matcher.allowed().sum())
+        sparse, dense = sparse + (allowed <= 64), dense + (allowed > 4096)
+        assert matcher.allows(token)
+        matcher.accept(token)
+    assert sparse > 5 and dense > 2
+
+
+def test_after_a_forbidden_token_only_the_end_of_turn_is_left(engine):
+    compiled, tokens = walk(engine, schema_output())
+    matcher = grammar.GrammarMatcher(compiled, engine.tokenizer, overlap=False)
+    forbidden = next(t for t in range(matcher.tokenizer.vocab_size) if not matcher.allows(t))
+    matcher.accept(forbidden)
+    row = torch.randn(matcher.tokenizer.vocab_size)
+    finite = torch.isfinite(matcher.masked(row)).nonzero().flatten().tolist()
+    assert finite == sorted(engine.tokenizer.eos_ids) and matcher.done
+
+
+def test_masks_filled_in_the_step_are_the_workers_masks(engine):
+    # A step loop turns each row's worker off and fills every row's mask at once, on its own thread,
+    # before choosing: the same masks as the worker computes beside the forward.
+    walks = [walk(engine, schema_output()), walk(engine, StructuredOutput("regex", r"[A-Z][a-z]{2,6}-\d{3}"))]
+    workers = [grammar.GrammarMatcher(g, engine.tokenizer) for g, _ in walks]
+    in_step = [grammar.GrammarMatcher(g, engine.tokenizer) for g, _ in walks]
+    for matcher in in_step:
+        matcher.fill_in_step()
+    for step in range(max(len(tokens) for _, tokens in walks)):
+        live = [i for i, (_, tokens) in enumerate(walks) if step < len(tokens)]
+        grammar.fill_masks([in_step[i] for i in live])
+        for i in live:
+            assert torch.equal(in_step[i].allowed(), workers[i].allowed())
+            token = walks[i][1][step]
+            for matcher in (workers[i], in_step[i]):
+                matcher.accept(token)
+            assert in_step[i]._pending is None  # no worker: the step fills it
 
 
 # -- the same text wherever it runs ---------------------------------------------------------------
