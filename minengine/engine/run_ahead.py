@@ -14,7 +14,9 @@ vLLM's engine core runs every request, with sampling in the step and detokenizin
 
 The chooser applies the request's own rules (its `LogitStages`: grammar, min_tokens' mask, bias
 and penalties, then its sampler, seed and sampler order; the tokens and the length that end it),
-so the loop feeds back only a token that does not end the request. A stop string is only seen by
+so the loop feeds back only a token that does not end the request. Right after a step's forward,
+before any of its rows is chosen, the loop computes the grammar mask of every constrained row
+(`prepare_choices`), on the model thread while no parallel region runs. A stop string is only seen by
 the consumer, after detokenizing: the loop may then have run one step too many for it, whose
 token is never streamed (vLLM's async scheduling does the same).
 """
