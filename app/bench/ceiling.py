@@ -66,7 +66,7 @@ def measure_ceiling(device: torch.device, passes: int = CEILING_PASSES) -> ReadC
     The fastest, not the median: a ceiling is what the machine can read, and on a shared machine
     the median is the load of those seconds, which a later, quieter run would then exceed.
     """
-    from reqscope.bench.roofline import ReadProbe
+    from reqscope.bench.read_probe import ReadProbe
 
     probe = ReadProbe(device)
     try:

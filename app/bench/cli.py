@@ -28,7 +28,7 @@ from reqscope.run_options import DEFAULT_PROMPT
 from reqscope.wording import error_text
 
 if TYPE_CHECKING:
-    from reqscope.bench.runner import BenchConfig
+    from reqscope.bench.schedule import BenchConfig
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +88,7 @@ def config_from_args(args: argparse.Namespace, progress=None) -> BenchConfig:
     """A BenchConfig from parsed flags (the default model is pulled first when missing)."""
     # Imported here, not above: the flags are parsed (`reqscope bench --help`, `bench serve`)
     # without torch, which the runner loads.
-    from reqscope.bench.runner import BenchConfig
+    from reqscope.bench.schedule import BenchConfig
 
     names = None if not args.peer else tuple(dict.fromkeys(args.peer))
     if args.no_peers:
@@ -143,7 +143,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Run the benchmark and print it; 1 with `--check` when a target failed."""
     from minengine.threads import model_thread
     from reqscope.bench.report import dumps, format_table, targets
-    from reqscope.bench.runner import run_bench
+    from reqscope.bench.schedule import run_bench
 
     config = config_from_args(args, progress=_stderr)
     # On the thread the engine steps on: one OpenMP team for its loads and every run it times.

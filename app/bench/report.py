@@ -21,7 +21,7 @@ from typing import Any
 from minengine.kv.arithmetic import MIB
 from reqscope.bench.fair.compare import REQSCOPE, FairComparison
 from reqscope.bench.formats import FormatsResult
-from reqscope.bench.runner import BenchReport, Comparison
+from reqscope.bench.schedule import BenchReport, Comparison
 from reqscope.bench.stats import Spread
 
 DECODE_SPEEDUP_GOAL = 1.5

@@ -22,7 +22,7 @@ from minengine.engine.events import DoneEvent, TokenEvent
 from minengine.engine.request import GenerationRequest
 from minengine.errors import ReqscopeError
 from minengine.steps.model_runner import ModelRunner
-from reqscope.bench.roofline import ReadProbe
+from reqscope.bench.read_probe import ReadProbe
 from reqscope.bench.timer import StepClock
 
 

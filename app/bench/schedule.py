@@ -65,7 +65,7 @@ from reqscope.bench.formats import (
     side_name,
 )
 from reqscope.bench.hf_reference import TransformersReference
-from reqscope.bench.roofline import (
+from reqscope.bench.read_probe import (
     ReadProbe,
     achieved_bandwidth,
     decode_bytes_per_step,

@@ -33,8 +33,8 @@ from minengine.engine.request import GenerationRequest
 from minengine.engine.timeline import Timeline
 from minengine.errors import ReqscopeError
 from reqscope.endpoint import events as ev
+from reqscope.endpoint.client_metrics import client_metrics, compare_tpot, compare_ttft, output_token_count
 from reqscope.endpoint.controls import OPENAI_API, OutputControls
-from reqscope.endpoint.metrics import client_metrics, compare_tpot, compare_ttft, output_token_count
 from reqscope.endpoint.options import DEFAULT_POLL_MS
 from reqscope.endpoint.server.detect import detect_server
 from reqscope.endpoint.server.hints import off_views

@@ -11,8 +11,8 @@ from minengine.kv.arithmetic import KIB, MIB
 from minengine.plan.planner import Plan
 from reqscope.console.latency_lines import ChunkStream, latency_lines
 from reqscope.endpoint import events as ev
+from reqscope.endpoint.client_metrics import prompt_count
 from reqscope.endpoint.controls import OutputControls, shape_line
-from reqscope.endpoint.metrics import prompt_count
 from reqscope.endpoint.server.reconcile import spike_marks
 from reqscope.endpoint.server.records import VLLM, ServerView
 from reqscope.endpoint.server.sglang import meta_info_line

@@ -42,7 +42,7 @@ from reqscope.serve.body import read_json
 from reqscope.serve.connections import CONNECTION_GUARD, ConnectionGuard, ConnectionLimits, track_requests
 from reqscope.serve.engine_session import Admitted, Crashed, Ended, EngineRun, Generated, SessionEnd
 from reqscope.serve.gateway import Arrival, Gateway, GatewayConfig, error_response, openai_errors
-from reqscope.serve.metrics import CONTENT_TYPE, ServeMetrics, scheduler_state
+from reqscope.serve.prometheus import CONTENT_TYPE, ServeMetrics, scheduler_state
 from reqscope.serve.reply import StreamedReply, whole_reply
 from reqscope.serve.telemetry import ServedRequest, TelemetryLog, server_report
 from reqscope.serve.tokenize import DETOKENIZE_PATH, TOKENIZE_PATH, tokenize_routes

@@ -18,14 +18,14 @@ from safetensors.torch import save_file
 
 from minengine.checkpoint.mapped_pages import MappedFiles
 from minengine.kv.arithmetic import MIB
-from reqscope.bench.report import targets, to_json
-from reqscope.bench.roofline import (
+from reqscope.bench.read_probe import (
     achieved_bandwidth,
     decode_bytes_per_step,
     roofline_fraction,
     roofline_tokens_per_second,
 )
-from reqscope.bench.runner import BenchConfig, run_bench
+from reqscope.bench.report import targets, to_json
+from reqscope.bench.schedule import BenchConfig, run_bench
 from reqscope.bench.stats import Spread, overhead_percent, ratios
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -233,7 +233,7 @@ def test_explorer_and_bare_loop_step_in_turn(chatty_tiny_dir):
 
 def test_decode_runs_between_probe_passes(chatty_tiny_dir):
     from minengine.engine.engine import Engine
-    from reqscope.bench.roofline import ReadProbe
+    from reqscope.bench.read_probe import ReadProbe
     from reqscope.bench.runs import decode_beside_probes
 
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32")

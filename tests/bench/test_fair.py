@@ -28,7 +28,7 @@ from reqscope.bench.fair.peers import (
 )
 from reqscope.bench.fair.pipes import stream_run
 from reqscope.bench.report import format_fair
-from reqscope.bench.runner import BenchConfig, fair_contenders
+from reqscope.bench.schedule import BenchConfig, fair_contenders
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -106,7 +106,7 @@ def test_a_fake_peer_sits_beside_both_sides_with_per_round_ratios():
 
 def test_both_sides_measured_through_pipes_each_in_its_users_environment(chatty_tiny_dir, policy_set_by_reqscope):
     from reqscope.bench.fair.peers import PeerSelection
-    from reqscope.bench.runner import _engine
+    from reqscope.bench.schedule import _engine
 
     config = BenchConfig(model_dir=chatty_tiny_dir, device="cpu", dtype="float32", rounds=1, new_tokens=5)
     contenders = fair_contenders(config, _engine(config), PeerSelection((), ()))

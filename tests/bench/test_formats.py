@@ -21,9 +21,9 @@ from minengine.kv.arithmetic import kv_bytes_per_token
 from reqscope.bench.fair.compare import REQSCOPE, TRANSFORMERS, run_fair
 from reqscope.bench.fair.peers import PeerSelection
 from reqscope.bench.formats import EVERY_FORMAT, format_rows, plan_formats
+from reqscope.bench.read_probe import decode_bytes_per_step
 from reqscope.bench.report import format_formats
-from reqscope.bench.roofline import decode_bytes_per_step
-from reqscope.bench.runner import BenchConfig, _engine, _long_prefills, fair_contenders
+from reqscope.bench.schedule import BenchConfig, _engine, _long_prefills, fair_contenders
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 PACKED = ("fp16", "bf16", "int8", "q8_0", "q4_1")

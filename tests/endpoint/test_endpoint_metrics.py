@@ -11,8 +11,8 @@ from aiohttp import web
 from minengine.engine.events import Usage
 from minengine.engine.request import GenerationRequest
 from reqscope.endpoint.client import EndpointClient
+from reqscope.endpoint.client_metrics import client_metrics, output_token_count
 from reqscope.endpoint.events import ChunkReceived, StreamEnded
-from reqscope.endpoint.metrics import client_metrics, output_token_count
 from reqscope.endpoint.wire import SseDecoder
 from reqscope.serve.runner import start_in_thread
 

@@ -15,7 +15,7 @@ from serve_harness import authorized, chat_body, one, raw_request, scrape, servi
 
 from reqscope.serve.access import ACCESS_LOGGER, ClientErrorsInOneLine, configure_logging
 from reqscope.serve.gateway import GatewayConfig
-from reqscope.serve.metrics import token_count_buckets
+from reqscope.serve.prometheus import token_count_buckets
 
 CHAT = "/v1/chat/completions"
 KEYLESS = GatewayConfig()

@@ -188,7 +188,7 @@ def gguf_read_bytes(path: Path) -> tuple[int, int]:
 
 def peer_bytes_per_step(plan: PeerPlan, prompt_tokens: int, steps: int) -> float:
     """Average bytes a decode step of `plan` reads over `steps` steps after the prompt."""
-    from reqscope.bench.roofline import decode_bytes_per_step  # torch: not while the bench's flags are parsed
+    from reqscope.bench.read_probe import decode_bytes_per_step  # torch: not while the bench's flags are parsed
 
     return decode_bytes_per_step(plan.weight_bytes_per_step, plan.kv_bytes_per_token, prompt_tokens, steps)
 

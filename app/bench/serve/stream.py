@@ -27,7 +27,7 @@ from minengine.engine.metrics import RequestMetrics, inter_token_gaps
 from minengine.sampling.structured import StructuredOutput
 from reqscope.bench.serve.prompts import BenchPrompt
 from reqscope.bench.serve.response_format import response_format_field
-from reqscope.endpoint.metrics import client_metrics, output_token_count
+from reqscope.endpoint.client_metrics import client_metrics, output_token_count
 from reqscope.endpoint.wire import SSE_DONE, body_error, parse_chunk, sse_data
 
 CHAT_SUFFIX = "/chat/completions"

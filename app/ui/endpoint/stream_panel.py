@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Group, RenderableType
 from rich.text import Text
 
-from reqscope.endpoint.metrics import prompt_count
+from reqscope.endpoint.client_metrics import prompt_count
 from reqscope.endpoint.tool_calls import tool_call_text
 from reqscope.ui.endpoint.frame import EndpointFrame
 from reqscope.ui.endpoint.view import CLIENT_PIPELINE

@@ -14,7 +14,7 @@ from minengine.engine.metrics import RequestMetrics
 from minengine.errors import ReqscopeError
 from minengine.text.tools import ToolCall
 from reqscope.endpoint import events as ev
-from reqscope.endpoint.metrics import client_metrics, output_token_count
+from reqscope.endpoint.client_metrics import client_metrics, output_token_count
 from reqscope.endpoint.server.records import BatchSample, PromptProgress, ServerView
 from reqscope.endpoint.tool_calls import ToolCallAssembler
 from reqscope.openai.logprobs import TokenLogprob
