@@ -7,7 +7,7 @@ naming its file, function and line:
 - a step path's name compared outside `step_path.py`: the plan runs, nobody dispatches on its name;
 - a C-or-torch branch in the request path's model code (`model/`, `fast/`, `steps/`, `checkpoint/`):
   a condition that asks whether a C kernel serves (`...serves...()`, `library()`, `.lib`, `available()`,
-  `activations()`, `amx_takes()`), whether an operand is a kernel's (`isinstance` with a kernel's
+  `activations()`, `amx_takes()`, `in_place()`), whether an operand is a kernel's (`isinstance` with a kernel's
   class), or compares a row count with a kernel's threshold (`UNPACK_ROWS`, `AMX_ROWS`), anywhere
   but in the functions `CHOOSERS` lists, each of which runs once at load, reports a setting, or
   is the plan. A condition whose branch only raises is a guard, not a choice.
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_CODE = ("minengine/model", "minengine/fast", "minengine/steps", "minengine/checkpoint")
 KERNEL_CLASSES = {"PanelLinear", "PackedLinear", "EmbeddingRows", "LayerStack", "KernelLibrary", "SlotKernel",
                   "RowsKernel"}  # fmt: skip
-ASKS = {"library", "available", "activations", "amx_takes"}  # and any `serves...`
+ASKS = {"library", "available", "activations", "amx_takes", "in_place"}  # and any `serves...`
 THRESHOLDS = {"UNPACK_ROWS", "AMX_ROWS"}
 
 # file::function -> why it may choose. Each runs once when the model (or a weight) is built, reports a
@@ -33,6 +33,7 @@ CHOOSERS = {
     "minengine/steps/model_runner.py::ModelRunner.pick_rows": "the plan of a shared step",
     "minengine/steps/model_runner.py::ModelRunner._stack_refusal": "the plan: why the C stack cannot take the rows",
     "minengine/steps/shared_step.py::pooled_rows_count": "the plan: which decode rows attend together",
+    "minengine/steps/shared_step.py::paged_chunks": "the plan: which chunk rows attend their blocks in place",
     "minengine/fast/row_ops.py::model_ops": "load: the model's row operations",
     "minengine/fast/eager_step.py::writer": "load: how each projection writes a decode step's scratch",
     "minengine/fast/eager_step.py::LayerStack.of": "load: the model's C stack, made once",
@@ -108,7 +109,7 @@ def choices_in(source: str, name: str) -> list[Choice]:
             for test in tests:
                 asks = asks_for_a_kernel(test)
                 if asks:
-                    found.append(Choice(f"{name}::{'.'.join(scope) or '<module>'}", child.lineno, asks))
+                    found.append(Choice(f"{name}::{'.'.join(scope) or '<module>'}", test.lineno, asks))
             visit(child, scope)
 
     visit(ast.parse(source), [])

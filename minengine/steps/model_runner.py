@@ -39,7 +39,7 @@ from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.request_cache import request_cache
 from minengine.model.transformer import Transformer
 from minengine.steps.rows import PoolGroup, Row
-from minengine.steps.shared_step import pool_groups, run_blocks, run_stacked, stacked_group
+from minengine.steps.shared_step import paged_chunks, pool_groups, run_blocks, run_stacked, stacked_group
 from minengine.steps.step_path import NOT_RUN, StepPath, StepPlan, weights_label
 from minengine.threads import model_thread
 
@@ -178,16 +178,18 @@ class ModelRunner:
             others = [i for i in range(n) if i not in set(decode)]
             why = f"{len(decode)} decode rows, then {len(others)} rows with a prompt chunk through the Python blocks"
             group = stacked_group(model, [rows[i] for i in decode])
+            paged = paged_chunks([rows[i] for i in others], model)
             return self._rows_plan(f"c-stack rows {label} + torch chunks", why + self._ops,
-                                   lambda: self._two_passes(rows, decode, group, others, computing))  # fmt: skip
+                                   lambda: self._two_passes(rows, decode, group, others, paged, computing))  # fmt: skip
         if len(decode) == n:
             why = refusal
         elif any(len(r.ids) != 1 for r in rows):
             why = f"{n} rows with a prompt chunk among them"
         else:
             why = f"{n} rows, one inspected (its attention seen on its own)"
-        groups = pool_groups(rows, model)
-        return self._rows_plan("torch rows", f"{why}{self._ops}", lambda: run_blocks(model, rows, groups, computing))
+        groups, paged = pool_groups(rows, model), paged_chunks(rows, model)
+        return self._rows_plan("torch rows", f"{why}{self._ops}", lambda: run_blocks(model, rows, groups, paged,
+                                                                                         computing))  # fmt: skip
 
     def _stack_refusal(self, rows: list[Row]) -> str | None:
         """Why the C stack over rows cannot take these decode rows (None where it can)."""
@@ -201,14 +203,14 @@ class ModelRunner:
         return None
 
     def _two_passes(
-        self, rows: list[Row], decode: list[int], group: PoolGroup, others: list[int], computing
+        self, rows: list[Row], decode: list[int], group: PoolGroup, others: list[int], paged: frozenset[int], computing
     ) -> RowsLogits:
         """The decode rows through the C stack over rows, then the chunks through the Python blocks.
         Each row's arithmetic is its own either way (the stack gives the Python blocks' bits), so
         only the time changes: a chunk no longer takes every decode row through the Python blocks.
         The second pass holds no row that could attend with others in the pool: no pool groups."""
         first = run_stacked(self.model, [rows[i] for i in decode], group, self._stack, computing)
-        second = run_blocks(self.model, [rows[i] for i in others], [], None)
+        second = run_blocks(self.model, [rows[i] for i in others], [], paged, None)
         out: RowsLogits = [None] * len(rows)
         for i, logits in zip(decode + others, first + second, strict=True):
             out[i] = logits

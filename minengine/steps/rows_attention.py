@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from minengine.fast.chunk_attention import PagedChunk, in_place
+from minengine.fast.chunk_attention import PagedChunk
 from minengine.fast.pooled_rows import PooledRows
 from minengine.model.ops import heads_first
 from minengine.model.transformer import Transformer
@@ -23,21 +23,19 @@ class RowsAttention:
     too small to share, see `threads.OneThread`), prompt chunks on all of them.
     """
 
-    def __init__(self, rows: list[Row], model: Transformer, groups: list[PoolGroup]) -> None:
+    def __init__(
+        self, rows: list[Row], model: Transformer, groups: list[PoolGroup], paged: frozenset[int] = frozenset()
+    ) -> None:
         self.rows = rows
         self.lengths = [len(r.ids) for r in rows]
         self.queries = list(self.lengths)  # query positions per row that go on past the K/V write
         self.offsets = [sum(self.lengths[:i]) for i in range(len(rows))]
         self.lean = [r.plain(model) and not r.cache.borrowed and r.cache.contiguous for r in rows]
         self.scale, self.ops = model.scale, model.ops
-        # Chunk rows over a paged cache read its blocks in place where the model's prompt attention is
-        # the C chunk kernel (bound at load); a row whose attention is observed keeps the gathered keys.
-        self.paged = [
-            PagedChunk(r.cache, r.start, self.scale)  # type: ignore[arg-type]
-            if len(r.ids) > 1 and r.observer is None and in_place(model.ops.prompt_attention, r.cache)
-            else None
-            for r in rows
-        ]
+        # The chunk rows the plan sends through the C chunk kernel over their blocks in place (`paged`,
+        # `shared_step.paged_chunks`); the others gather their keys.
+        self.paged = [PagedChunk(r.cache, r.start, self.scale) if i in paged else None  # type: ignore[arg-type]
+                      for i, r in enumerate(rows)]  # fmt: skip
         self.pooled: list[tuple[PooledRows, list[int]]] = []  # each group and its rows, in order
         threads = torch.get_num_threads()  # the C kernel's, which shares its rows out itself
         for group in groups:

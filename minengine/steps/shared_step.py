@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from minengine.fast.attention_rows import serves_store
+from minengine.fast.chunk_attention import in_place
 from minengine.fast.eager_step import LayerStack
 from minengine.fast.pooled_rows import pooled_count
 from minengine.kv.block_pool import Segment
@@ -48,6 +49,16 @@ def pool_groups(rows: list[Row], model: Transformer) -> list[PoolGroup]:
             chosen = sorted(sorted(found, key=lambda i: rows[i].start)[:count])
             groups.append(PoolGroup(segment, tuple(chosen), serves_store(segment.k)))
     return groups
+
+
+def paged_chunks(rows: list[Row], model: Transformer) -> frozenset[int]:
+    """The prompt-chunk rows whose attention reads their paged blocks in place (`PagedChunk`): where the
+    model's prompt attention is the C chunk kernel (bound at load) and the row is not observed (an
+    observer is handed the gathered keys). Part of the step's plan (`ModelRunner.pick_rows`)."""
+    return frozenset(
+        i for i, r in enumerate(rows)
+        if len(r.ids) > 1 and r.observer is None and in_place(model.ops.prompt_attention, r.cache)
+    )  # fmt: skip
 
 
 def stacked_group(model: Transformer, rows: list[Row]) -> PoolGroup | None:
@@ -124,18 +135,23 @@ def forward_rows(
     """Run every row's tokens through `model`'s Python blocks in one pass; each row's next-token
     logits [vocab] (float32), or None for a row that asked for none (a prompt chunk before the
     last). `computing` is called once the inputs are laid out, before the blocks run."""
-    return run_blocks(model, rows, pool_groups(rows, model), computing)
+    return run_blocks(model, rows, pool_groups(rows, model), paged_chunks(rows, model), computing)
 
 
 @torch.inference_mode()
 def run_blocks(
-    model: Transformer, rows: list[Row], groups: list[PoolGroup], computing: Callable[[], object] | None = None
+    model: Transformer,
+    rows: list[Row],
+    groups: list[PoolGroup],
+    paged: frozenset[int],
+    computing: Callable[[], object] | None = None,
 ) -> list[torch.Tensor | None]:
-    """The Python blocks over the stacked rows, the decode rows in `groups` attended together."""
+    """The Python blocks over the stacked rows, the decode rows in `groups` attended together, the
+    chunk rows in `paged` over their blocks in place."""
     if not rows:
         return []
     x, cos, sin = _inputs(model, rows)
-    attention = RowsAttention(rows, model, groups)
+    attention = RowsAttention(rows, model, groups, paged)
     if computing is not None:
         computing()
     # The rows whose last position's logits are wanted: only they go on past the last K/V write.

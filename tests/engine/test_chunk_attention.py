@@ -30,7 +30,7 @@ from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
 from minengine.steps.rows import Row
 from minengine.steps.rows_attention import RowsAttention
-from minengine.steps.shared_step import pool_groups
+from minengine.steps.shared_step import paged_chunks, pool_groups
 
 CPU = torch.device("cpu")
 HQ, HKV, D = 9, 3, 64  # the default model's (SmolLM2-135M)
@@ -163,8 +163,9 @@ def test_a_long_prompt_in_chunks_beside_decode_rows_matches_the_reference(gqa_mo
         ids = tuple(prompt[at : at + size].tolist())
         beside.make_room(len(other) + at + size)  # the two tables' blocks interleave
         rows = [Row((token,), len(other), beside, True), Row(ids, at, long, at + size == len(prompt))]
-        attention = RowsAttention(rows, model, pool_groups(rows, model))
-        # A chunk row reads its table in place where the model binds the kernel; one token is a decode row.
+        attention = RowsAttention(rows, model, pool_groups(rows, model), paged_chunks(rows, model))
+        # The plan sends a chunk row over its table in place where the model binds the kernel; one token is a
+        # decode row.
         assert (attention.paged[1] is not None) == (chunk_attention.available() and size > 1)
         out = runner.forward_rows(rows)
         token, logits, at = int(out[0].argmax()), out[1], at + size
