@@ -31,7 +31,7 @@ THRESHOLDS = {"UNPACK_ROWS", "AMX_ROWS"}
 CHOOSERS = {
     "minengine/steps/model_runner.py::ModelRunner.pick": "the plan of one sequence's step",
     "minengine/steps/model_runner.py::ModelRunner.pick_rows": "the plan of a shared step",
-    "minengine/steps/model_runner.py::ModelRunner._stack_refusal": "the plan: why the C stack cannot take the rows",
+    "minengine/steps/model_runner.py::ModelRunner._stack_group": "the plan: why the C stack cannot take the rows",
     "minengine/steps/shared_step.py::pooled_rows_count": "the plan: which decode rows attend together",
     "minengine/steps/shared_step.py::paged_chunks": "the plan: which chunk rows attend their blocks in place",
     "minengine/fast/row_ops.py::model_ops": "load: the model's row operations",

@@ -166,18 +166,17 @@ class ModelRunner:
             one = self.pick(ids, row.start, row.cache)
             return StepPlan(one.path, lambda: _after(computing, lambda: [one.run()]))
         decode = [i for i, r in enumerate(rows) if len(r.ids) == 1 and r.logits and r.observer is None]
-        refusal = self._stack_refusal([rows[i] for i in decode])
+        group, refusal = self._stack_group([rows[i] for i in decode])
         n, label, model = len(rows), self._label, self.model
         if len(decode) == n and refusal is None:
             tiles = " on AMX tiles" if label.startswith("int16") and amx_takes(n) else ""
             why = f"{n} decode rows in one pool segment, {label} panels{tiles}"
-            stack, group = self._stack, stacked_group(model, rows)
+            stack = self._stack
             return self._rows_plan(f"c-stack rows {label}", why, lambda: run_stacked(model, rows, group, stack,
                                                                                      computing))  # fmt: skip
         if len(decode) < n and len(decode) >= 2 and refusal is None:
             others = [i for i in range(n) if i not in set(decode)]
             why = f"{len(decode)} decode rows, then {len(others)} rows with a prompt chunk through the Python blocks"
-            group = stacked_group(model, [rows[i] for i in decode])
             paged = paged_chunks([rows[i] for i in others], model)
             return self._rows_plan(f"c-stack rows {label} + torch chunks", why + self._ops,
                                    lambda: self._two_passes(rows, decode, group, others, paged, computing))  # fmt: skip
@@ -191,16 +190,17 @@ class ModelRunner:
         return self._rows_plan("torch rows", f"{why}{self._ops}", lambda: run_blocks(model, rows, groups, paged,
                                                                                          computing))  # fmt: skip
 
-    def _stack_refusal(self, rows: list[Row]) -> str | None:
-        """Why the C stack over rows cannot take these decode rows (None where it can)."""
+    def _stack_group(self, rows: list[Row]) -> tuple[PoolGroup | None, str | None]:
+        """The pool group the C stack over rows would take these decode rows in, or why it cannot."""
         n, label = len(rows), self._label
         if not 2 <= n < UNPACK_ROWS:
-            return f"{n} decode rows: from {UNPACK_ROWS} the products are MKL's" if n else "no decode rows"
+            return None, f"{n} decode rows: from {UNPACK_ROWS} the products are MKL's" if n else "no decode rows"
         if self._stack is None:
-            return f"{n} decode rows; no C stack for {label} weights on {self.device.type}"
-        if stacked_group(self.model, rows) is None:
-            return f"{n} decode rows whose caches are not in one pool segment the C kernel reads in place"
-        return None
+            return None, f"{n} decode rows; no C stack for {label} weights on {self.device.type}"
+        group = stacked_group(self.model, rows)
+        if group is None:
+            return None, f"{n} decode rows whose caches are not in one pool segment the C kernel reads in place"
+        return group, None
 
     def _two_passes(
         self, rows: list[Row], decode: list[int], group: PoolGroup, others: list[int], paged: frozenset[int], computing
