@@ -201,6 +201,41 @@ def test_the_summary_is_vllms_block_and_the_chat_route_sends_messages(capsys, to
     assert "requests" in err  # the progress line, on stderr
 
 
+def test_output_lens_from_gives_each_request_the_length_its_twin_had(capsys, tokenizer_dir, tmp_path):
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"output_lens": [7, 2, 11]}))
+    fake = Fake()
+    with fake_server(fake) as url:
+        code, _, _ = bench_serve(
+            capsys, "--base-url", url, "--tokenizer", str(tokenizer_dir), "--num-prompts", "3", "--num-warmups",
+            "1", "--max-concurrency", "1", *SMALL, "--output-lens-from", str(earlier), "--json",
+        )  # fmt: skip
+    assert code == 0
+    # The warm-up keeps --output-len; the requests take the earlier run's lengths, in order.
+    assert [b["max_tokens"] for b in fake.bodies] == [5, 7, 2, 11]
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (None, "cannot read --output-lens-from"),
+        ("not json", "is not a bench serve result"),
+        ('{"duration": 1}', "has no output_lens list"),
+        ('{"output_lens": [3, 4]}', "holds 2 requests, not 3: pass --num-prompts 2"),
+        ('{"output_lens": [3, 0, 4]}', "has failed requests"),
+    ],
+)
+def test_a_bad_output_lens_file_is_a_one_line_error(capsys, tokenizer_dir, tmp_path, content, says):
+    path = tmp_path / "lens.json"
+    if content is not None:
+        path.write_text(content)
+    code, out, err = bench_serve(
+        capsys, "--model", "m", "--tokenizer", str(tokenizer_dir), "--num-prompts", "3", "--output-lens-from",
+        str(path),
+    )  # fmt: skip
+    assert code == 1 and out == "" and says in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("every_chunk", (False, True))
 def test_a_token_with_no_text_yet_is_one_gap_of_two_steps_or_two_with_time_every_chunk(
     capsys, tokenizer_dir, every_chunk

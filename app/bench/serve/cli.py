@@ -25,7 +25,13 @@ from minengine.settings import CLIENT_API_KEY_ENV, read_env
 from reqscope.argtypes import non_negative, positive, positive_whole_number, whole_number
 from reqscope.bench.serve.arrivals import send_offsets
 from reqscope.bench.serve.load import LoadPlan, run_load
-from reqscope.bench.serve.prompts import PromptShape, load_tokenizer, random_prompts
+from reqscope.bench.serve.prompts import (
+    PromptShape,
+    load_tokenizer,
+    output_lens_from,
+    random_prompts,
+    with_output_lens,
+)
 from reqscope.bench.serve.response_format import FORMATS, json_schema_file, structured_from_flags
 from reqscope.bench.serve.stream import CHAT_SUFFIX, RequestTarget
 from reqscope.bench.serve.summary import BenchSetup, result_dict, summarize, summary_block
@@ -93,6 +99,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     d.add_argument(
         "--random-prefix-len", metavar="N", type=whole_number, default=0, help="random tokens every prompt starts with"
+    )
+    d.add_argument(
+        "--output-lens-from",
+        metavar="FILE",
+        type=Path,
+        help="each request generates the tokens the same request did in an earlier run (its --output FILE), "
+        "so that two runs do the same work: a structured run against plain text, say",
     )
     d.add_argument(
         "--ignore-eos",
@@ -203,6 +216,9 @@ def plan_from_args(args: argparse.Namespace) -> tuple[BenchSetup, LoadPlan]:
     model = args.model or _listed_model(api_root(url), api_key)
     shape = PromptShape(args.input_len, args.output_len, args.random_range_ratio, args.random_prefix_len)
     prompts = random_prompts(tokenizer, shape, args.num_warmups + args.num_prompts, args.seed)
+    if args.output_lens_from is not None:
+        lens = output_lens_from(args.output_lens_from.expanduser(), args.num_prompts)
+        prompts = prompts[: args.num_warmups] + with_output_lens(prompts[args.num_warmups :], lens)
     target = RequestTarget(
         url=url,
         model=model,

@@ -11,8 +11,9 @@ the same prompts on every run.
 
 from __future__ import annotations
 
+import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from minengine.errors import ReqscopeError
@@ -62,6 +63,34 @@ def random_prompts(tokenizer: ModelTokenizer, shape: PromptShape, count: int, se
         text = tokenizer.decode(ids)
         prompts.append(BenchPrompt(text, len(tokenizer.encode(text)), output_len))
     return tuple(prompts)
+
+
+def output_lens_from(path: Path, count: int) -> tuple[int, ...]:
+    """The tokens each request generated in an earlier run, from its result JSON (`--output FILE`):
+    `count` lengths, so that another run's requests generate the same, request by request. A
+    request that failed there (length 0) has nothing to match and is refused."""
+    try:
+        lens = json.loads(path.read_text(encoding="utf-8")).get("output_lens")
+    except OSError as exc:
+        raise ReqscopeError(f"cannot read --output-lens-from {path}: {exc.strerror or exc}") from None
+    except (ValueError, AttributeError):
+        raise ReqscopeError(
+            f"--output-lens-from {path} is not a bench serve result: pass a file written by --output"
+        ) from None
+    if not isinstance(lens, list) or not all(isinstance(n, int) for n in lens):
+        raise ReqscopeError(f"--output-lens-from {path} has no output_lens list: pass a file written by --output")
+    if len(lens) != count:
+        raise ReqscopeError(
+            f"--output-lens-from {path} holds {len(lens)} requests, not {count}: pass --num-prompts {len(lens)}"
+        )
+    if any(n <= 0 for n in lens):
+        raise ReqscopeError(f"--output-lens-from {path} has failed requests (length 0): use a run with none failed")
+    return tuple(lens)
+
+
+def with_output_lens(prompts: tuple[BenchPrompt, ...], lens: tuple[int, ...]) -> tuple[BenchPrompt, ...]:
+    """`prompts` each generating its own length of `lens`, in order."""
+    return tuple(replace(prompt, output_len=n) for prompt, n in zip(prompts, lens, strict=True))
 
 
 def _drawn(rng: random.Random, length: int, ratio: float) -> int:
