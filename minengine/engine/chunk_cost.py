@@ -12,7 +12,8 @@ the model's multiply-adds per row against those of one attended position, times 
 an attention multiply-add costs than a product's on the engine's CPU path (float32 against the
 rounded rows' integer tiles). That weight depends on which prompt attention the model was built
 with (`ModelOps.prompt_attention`, bound at load): the grouped, key-blocked C kernel
-(`fast/chunk_attention`) or another (torch's SDPA, or a row per position under int8 activations).
+(`fast/chunk_attention`) or another (torch's SDPA, or a row per position under int8 activations
+where the build lacks AVX-512).
 """
 
 from __future__ import annotations

@@ -190,10 +190,13 @@ def test_a_prompts_rows_attend_as_softmax_does_and_alike_however_the_prompt_is_c
 def test_with_int8_activations_a_prompts_attention_is_the_same_bits_whatever_its_chunks(int8, total, cut):
     """SDPA cuts its queries into blocks by the chunk's length, so a position's output could differ in
     the last bits between a prompt taken whole and one cut in two (it does for these shapes); int8
-    rounding would turn that into another token. Under int8 activations each position is a row."""
-    from minengine.fast.row_ops import model_ops
+    rounding would turn that into another token. Under int8 activations the prompt's attention is
+    never SDPA: the key-blocked chunk kernel where the build has AVX-512, else a row per position."""
+    from minengine.fast import chunk_attention
+    from minengine.fast.row_ops import c_prompt_attention, model_ops
 
-    attend = model_ops(torch.device("cpu"), torch.float32).prompt_attention  # bound under int8: a row per position
+    attend = model_ops(torch.device("cpu"), torch.float32).prompt_attention
+    assert attend is (chunk_attention.attend_chunk if chunk_attention.available() else c_prompt_attention)
     gen = torch.Generator().manual_seed(3)
     k, v = torch.randn(1, 3, total, 64, generator=gen), torch.randn(1, 3, total, 64, generator=gen)
     q = torch.randn(1, 9, total, 64, generator=gen)
