@@ -206,13 +206,14 @@ def test_output_lens_from_gives_each_request_the_length_its_twin_had(capsys, tok
     earlier.write_text(json.dumps({"output_lens": [7, 2, 11]}))
     fake = Fake()
     with fake_server(fake) as url:
-        code, _, _ = bench_serve(
+        code, out, _ = bench_serve(
             capsys, "--base-url", url, "--tokenizer", str(tokenizer_dir), "--num-prompts", "3", "--num-warmups",
             "1", "--max-concurrency", "1", *SMALL, "--output-lens-from", str(earlier), "--json",
         )  # fmt: skip
     assert code == 0
     # The warm-up keeps --output-len; the requests take the earlier run's lengths, in order.
     assert [b["max_tokens"] for b in fake.bodies] == [5, 7, 2, 11]
+    assert json.loads(out)["output_lens_from"] == str(earlier)  # the result says where they came from
 
 
 @pytest.mark.parametrize(

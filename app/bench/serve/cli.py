@@ -251,6 +251,7 @@ def plan_from_args(args: argparse.Namespace) -> tuple[BenchSetup, LoadPlan]:
         seed=args.seed,
         every_chunk=args.time_every_chunk,
         structured=structured,
+        output_lens_from=None if args.output_lens_from is None else str(args.output_lens_from),
     )
     return setup, plan
 

@@ -49,6 +49,7 @@ class BenchSetup:
     seed: int
     every_chunk: bool = False  # every chunk with a choice timed (vLLM's client), not visible text alone
     structured: StructuredOutput | None = None  # the response_format every request asked for
+    output_lens_from: str | None = None  # the earlier result each request's output length came from
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ def result_dict(result: ServeBenchResult) -> dict:
         "num_prompts": setup.num_prompts,
         "random_input_len": setup.input_len,
         "random_output_len": setup.output_len,
+        "output_lens_from": setup.output_lens_from,
         "request_rate": "inf" if math.isinf(setup.request_rate) else setup.request_rate,
         "burstiness": setup.burstiness,
         "max_concurrency": setup.max_concurrency,
