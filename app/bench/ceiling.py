@@ -26,6 +26,7 @@ from minengine.checkpoint.paths import models_home
 from minengine.engine.roofline import ComputeCeiling, ReadCeiling
 from minengine.kv.arithmetic import MIB
 from minengine.settings import cpu_model
+from reqscope.bench.other_load import OTHER_LOAD_MARK
 
 if TYPE_CHECKING:
     import torch
@@ -126,7 +127,7 @@ def stored_compute_ceiling(device: torch.device, prefill_path: str, path: Path |
     machine = machine_name(device)
     for ceiling in _read_compute(path or ceiling_path()):
         if (ceiling.machine, ceiling.path) == (machine, prefill_path):
-            return ComputeLookup(ceiling, f"{ceiling.source}, {ceiling.measured_at}")
+            return ComputeLookup(ceiling, _origin(ceiling))
     return ComputeLookup(None, f"compute ceiling not measured for {prefill_path}: run {COMPUTE_HINT}")
 
 
@@ -135,8 +136,14 @@ def stored_ceiling(device: torch.device, path: Path | None = None) -> CeilingLoo
     machine = machine_name(device)
     for ceiling in _read(path or ceiling_path()):
         if ceiling.machine == machine:
-            return CeilingLookup(ceiling, machine, f"{ceiling.source}, {ceiling.measured_at}")
+            return CeilingLookup(ceiling, machine, _origin(ceiling))
     return CeilingLookup(None, machine, f"no read ceiling measured for {machine}: run {CALIBRATE_HINT}")
+
+
+def _origin(ceiling: ReadCeiling | ComputeCeiling) -> str:
+    """What measured `ceiling` and when, and that the machine was busy then if its probe says so."""
+    busy = " (other processes busy then)" if OTHER_LOAD_MARK in ceiling.probe else ""
+    return f"{ceiling.source}, {ceiling.measured_at}{busy}"
 
 
 def _read(path: Path) -> list[ReadCeiling]:

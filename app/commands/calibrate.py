@@ -7,7 +7,9 @@ in the reqscope home (`reqscope.bench.ceiling`), for the roofline every run show
 `--ceiling-only` measures just that (a few seconds, no model). With the model loaded it then
 measures the compute ceiling of the path prefill runs (`minengine.plan.compute_ceiling`: the
 model's own projections over a prompt chunk's rows) and keeps it beside, for prefill's roofline;
-`--ceilings-only` measures both and stops there.
+`--ceilings-only` measures both and stops there. Where other processes used more than a quarter of
+a core meanwhile (`reqscope.bench.other_load`), a warning says the ceiling is likely low, and the
+kept probe says how busy the machine was.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TypeVar
 
 from minengine.engine.roofline import ComputeCeiling, ReadCeiling
 from minengine.plan.calibrate import (
@@ -37,9 +40,11 @@ from minengine.plan.service_model import (
 )
 from minengine.threads import model_thread
 from reqscope.argtypes import positive_whole_number
+from reqscope.bench.other_load import OtherLoad, OtherLoadMeter
 from reqscope.engine_flags import add_engine_arguments
 
 PLOT_WIDTH, PLOT_HEIGHT = 56, 10
+C = TypeVar("C", ReadCeiling, ComputeCeiling)
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -94,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
 
     folder = None if args.ceiling_only else ModelFolder.of(args).ensure(stderr_progress)  # a bad one fails first
     # Before the model loads: the probe's buffer and the weights are never in memory together.
-    ceiling = measure_ceiling(resolve_device(args.device))
+    with OtherLoadMeter() as meter:
+        ceiling = measure_ceiling(resolve_device(args.device))
+    ceiling = _marked(ceiling, meter.load, "read ceiling")
     kept = save_ceiling(ceiling)
     if folder is None:
         print(json.dumps(asdict(ceiling), indent=2) if args.json else ceiling_line(ceiling, kept))
@@ -104,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
     plan = CalibrationPlan(args.prompt_lengths, args.context_lengths, args.repeats, args.decode_steps)
     engine = Engine(folder, device=args.device, dtype=args.dtype, weights=args.weights, kernels=args.kernels)
     machine = machine_name(engine.device)
-    compute = model_thread().call(lambda: measure_compute_ceiling(engine, machine, MEASURED_BY))
+    with OtherLoadMeter() as meter:
+        compute = model_thread().call(lambda: measure_compute_ceiling(engine, machine, MEASURED_BY))
+    compute = _marked(compute, meter.load, "compute ceiling")
     kept = save_compute_ceiling(compute)
     if args.ceilings_only:
         both = {"read_ceiling": asdict(ceiling), "compute_ceiling": asdict(compute)}
@@ -127,6 +136,19 @@ def run(args: argparse.Namespace) -> int:
             return 1
     print(json.dumps(model.as_json(), indent=2) if args.json else render(model))
     return 0
+
+
+def _marked(ceiling: C, load: OtherLoad, name: str) -> C:
+    """`ceiling`, its probe noting the other processes' load when they pulled it down (and a warning
+    line saying so); as measured otherwise."""
+    if not load.disturbed:
+        return ceiling
+    print(
+        f"reqscope: warning: {load.describe().replace(' meanwhile', '')} while the {name} was measured, so it is "
+        "likely low and fractions of it high; run `reqscope calibrate --ceilings-only` again on a quiet machine",
+        file=sys.stderr,
+    )
+    return replace(ceiling, probe=f"{ceiling.probe}; {load.describe()}")
 
 
 def ceiling_line(ceiling: ReadCeiling, kept: Path) -> str:

@@ -141,7 +141,9 @@ def test_calibrate_ceiling_only_measures_and_keeps_it(capsys, read_ceiling_file)
     assert set(printed) == {"bytes_per_s", "probe", "machine", "measured_at", "source"}
     assert 1e8 < printed["bytes_per_s"] < 1e13 and printed["machine"] == machine_name(CPU)
     found = stored_ceiling(CPU, read_ceiling_file)
-    assert found.ceiling == ReadCeiling(**printed) and found.note == f"reqscope calibrate, {printed['measured_at']}"
+    # (on a machine busy with other work the note says so: tests/cli/test_calibrate.py)
+    assert found.ceiling == ReadCeiling(**printed)
+    assert found.note.startswith(f"reqscope calibrate, {printed['measured_at']}")
     # Measured again, it replaces this machine's entry and keeps another machine's.
     other = dataclasses.replace(_ceiling(), machine="cuda Some GPU")
     save_ceiling(other, read_ceiling_file)
