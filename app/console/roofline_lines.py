@@ -62,6 +62,8 @@ def prefill_keys(ev: PrefillEvent, facts: PrefillFacts, read: ReadCeiling | None
         "computed_tokens": p.tokens,
         "flops": p.flops,
         "flops_per_token": round(p.flops_per_token),
+        "attention_flops": p.attention_flops,
+        "attention_share": round(p.attention_share, 4),
         "prefill_ms": round(p.prefill_ms, 3),
         "flops_per_s": round(p.flops_per_s),
         "roofline_fraction": None if p.fraction is None else round(p.fraction, 4),

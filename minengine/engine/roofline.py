@@ -206,9 +206,13 @@ def prefill_flops(shape: FlopShape, tokens: int, start: int = 0) -> int:
     one layer's share (1/layers) of the projections: it is a count of the model's arithmetic, not
     of the shortcuts a path takes.
     """
+    return 2 * shape.layer_params * tokens + 2 * shape.head_params + prefill_attention_flops(shape, tokens, start)
+
+
+def prefill_attention_flops(shape: FlopShape, tokens: int, start: int = 0) -> int:
+    """The attention term of `prefill_flops`: the part that grows with the context, not the tokens alone."""
     contexts = tokens * start + tokens * (tokens + 1) // 2
-    attention = 4 * shape.head_dim * shape.q_heads * shape.layers * contexts
-    return 2 * shape.layer_params * tokens + 2 * shape.head_params + attention
+    return 4 * shape.head_dim * shape.q_heads * shape.layers * contexts
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,7 @@ class PrefillRoofline:
 
     tokens: int  # computed (the prefix cache's left out)
     flops: int
+    attention_flops: int  # the part of `flops` that is attention over the context (`prefill_attention_flops`)
     prefill_ms: float
     rows: int  # the most rows one of its steps multiplied (its largest chunk)
     ceiling: ComputeCeiling | None
@@ -226,6 +231,11 @@ class PrefillRoofline:
     def flops_per_token(self) -> float:
         """The prefill's FLOPs over its computed tokens."""
         return self.flops / self.tokens if self.tokens else 0.0
+
+    @property
+    def attention_share(self) -> float:
+        """Attention's share of the prefill's FLOPs: small for a short prompt, most of a very long one's."""
+        return self.attention_flops / self.flops if self.flops else 0.0
 
     @property
     def flops_per_s(self) -> float:
@@ -265,4 +275,5 @@ def prefill_roofline(
     """A prefill of `tokens` from position `start` that took `prefill_ms`, its largest step `rows` rows,
     against the ceilings there are."""
     cross = None if compute is None or read is None else crossover_rows(shape, compute, read)
-    return PrefillRoofline(tokens, prefill_flops(shape, tokens, start), prefill_ms, rows, compute, cross)
+    flops, attention = prefill_flops(shape, tokens, start), prefill_attention_flops(shape, tokens, start)
+    return PrefillRoofline(tokens, flops, attention, prefill_ms, rows, compute, cross)

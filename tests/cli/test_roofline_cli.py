@@ -11,7 +11,7 @@ import torch
 
 from minengine.config import ModelConfig
 from minengine.engine.events import TokenEvent
-from minengine.engine.roofline import ReadCeiling, flop_shape, prefill_flops, step_intensity
+from minengine.engine.roofline import ReadCeiling, flop_shape, prefill_attention_flops, prefill_flops, step_intensity
 from minengine.record import trace_io
 from minengine.record.trace_io import read_trace
 from reqscope.bench.ceiling import CALIBRATE_HINT, COMPUTE_HINT, machine_name, save_ceiling, stored_ceiling
@@ -73,6 +73,8 @@ def test_the_done_record_carries_prefills_compute_roofline_beside_decodes(chatty
     tokens = p["computed_tokens"]
     assert tokens > 0 and p["flops"] == prefill_flops(shape, tokens)
     assert p["flops_per_token"] == round(p["flops"] / tokens)
+    assert p["attention_flops"] == prefill_attention_flops(shape, tokens) < p["flops"]
+    assert p["attention_share"] == round(p["attention_flops"] / p["flops"], 4)
     assert p["flops_per_s"] == pytest.approx(p["flops"] / (p["prefill_ms"] / 1000), rel=1e-4)
     assert p["roofline_fraction"] == pytest.approx(p["flops_per_s"] / compute["flops_per_s"], rel=1e-3, abs=1e-4)
     assert p["ceiling_flops_per_s"] == round(compute["flops_per_s"]) and p["ceiling"]["path"] == compute["path"]

@@ -21,6 +21,7 @@ from minengine.engine.roofline import (
     decode_roofline,
     flop_shape,
     kv_read_bytes,
+    prefill_attention_flops,
     prefill_flops,
     prefill_roofline,
     roofline_ms,
@@ -171,6 +172,7 @@ def test_prefill_flops_match_a_hand_count_for_the_default_model(default_model_di
     head = 2 * 28_311_552  # the last position's logits: 56,623,104
     attention = 4 * 64 * 9 * 30 * 741  # q.k and p.v over each position's context: 51,217,920
     assert prefill_flops(shape, 38) == projections + head + attention == 8_176_633_344
+    assert prefill_attention_flops(shape, 38) == attention  # the term that grows with the context
     # The same 38 tokens after 100 cached ones attend over 101 ... 138 positions: 38 x 100 + 741.
     assert prefill_flops(shape, 38, start=100) == projections + head + 4 * 64 * 9 * 30 * (3800 + 741)
     assert 0.2e9 < prefill_flops(shape, 1000) / 1000 < 0.3e9  # "about 0.27 GFLOP a token" with attention at 1,000
@@ -180,6 +182,13 @@ def test_prefill_roofline_sets_achieved_flops_against_the_ceiling_and_finds_the_
     shape = _default_shape(default_model_dir, weight_bytes=100_000_000)
     p = prefill_roofline(shape, 38, 0, 250.0, 38, COMPUTE, CEILING)
     assert p.flops == 8_176_633_344 and p.flops_per_token == pytest.approx(8_176_633_344 / 38)
+    assert p.attention_flops == 51_217_920 and p.attention_share == pytest.approx(51_217_920 / 8_176_633_344)
+    # Far into a long prompt attention is half a chunk's arithmetic: 16 tokens at position 3,000.
+    late = prefill_roofline(shape, 16, 3000, 250.0, 16, COMPUTE, CEILING)
+    attended = 4 * 64 * 9 * 30 * (16 * 3000 + 136)  # contexts 3,001 ... 3,016
+    assert late.attention_flops == attended
+    assert late.attention_share == pytest.approx(attended / (attended + 2 * 106_168_320 * 16 + 2 * 28_311_552))
+    assert 0.45 < late.attention_share < 0.55
     assert p.flops_per_s == pytest.approx(8_176_633_344 / 0.25)
     assert p.fraction == pytest.approx(8_176_633_344 / 0.25 / 72e9)
     # Ridge: 72e9 / 40e9 = 1.8 FLOPs a byte; a row is 2 x (106,168,320 + 28,311,552) FLOPs over 1e8 bytes.

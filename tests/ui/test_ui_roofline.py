@@ -19,7 +19,7 @@ from ui_fixtures import (
 )
 
 from minengine.engine.events import TokenEvent
-from minengine.engine.roofline import ComputeCeiling, prefill_flops
+from minengine.engine.roofline import ComputeCeiling, prefill_attention_flops, prefill_flops
 from minengine.kv.arithmetic import MIB
 from minengine.plan.compute_ceiling import prefill_path_name
 from reqscope.bench.ceiling import CALIBRATE_HINT, COMPUTE_HINT, machine_name, save_ceiling, save_compute_ceiling
@@ -133,6 +133,8 @@ async def test_a_real_run_shows_prefills_compute_roofline_beside_decodes_memory_
             assert (f"compute    prefill {flops / computed / 1e9:.3g} GFLOP/token, {per_s / 1e9:.1f} GFLOP/s = "
                     f"{per_s / COMPUTE_FLOPS:.0%} of 50.0 GFLOP/s") in text, text  # fmt: skip
             assert f"crossover  compute binds from ~{cross} rows a step; this step: {rows} rows" in text, text
+            share = prefill_attention_flops(shape, computed, prefill.reused_tokens) / flops
+            assert f" · attention {share:.0%} of the FLOPs" in text, text  # after the fraction, where it fits
         else:  # both in one line
             assert (f"compute    {flops / computed / 1e9:.3g} GF/token · {per_s / 1e9:.1f} GF/s = "
                     f"{per_s / COMPUTE_FLOPS:.0%} · binds from ~{cross} rows, step {rows}") in text, text  # fmt: skip

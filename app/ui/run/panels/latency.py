@@ -90,6 +90,7 @@ def compute_lines(fig: PrefillFigures, width: int = 200, room: int = 2) -> list[
         first.append(" = ")
         first.append(f"{fraction:.0%}", style="bold green" if fraction >= 0.4 else "bold yellow")
         first.append(f" of {p.ceiling.flops_per_s / 1e9:.1f} GFLOP/s", style="dim")
+    first.append(f" · attention {p.attention_share:.0%} of the FLOPs", style="dim")
     second = Text(no_wrap=True, overflow="ellipsis")
     second.append("crossover  ", style="dim")
     if p.crossover is None:
