@@ -1,9 +1,8 @@
 """How much of the CPU other processes took while a ceiling was measured.
 
 A ceiling is the fastest the machine goes, and every fraction shown against it divides by it.
-Measured while other processes use the cores, it comes out low, and the fractions come out high:
-a prefill once read 81% of a compute ceiling measured under load, 26% of the same machine's
-quiet one (docs/lab/engine-costs.md). `reqscope calibrate` therefore measures, beside each probe,
+Measured while other processes use the cores, it comes out low, and the fractions come out high
+(docs/lab/engine-costs.md has a run of each). `reqscope calibrate` therefore measures, beside each probe,
 the CPU that everything but this process used over the same seconds (the hypervisor's steal
 included), and says so when it was more than a quarter of a core.
 """
@@ -16,8 +15,8 @@ from dataclasses import dataclass
 
 import psutil
 
-# Other processes' mean use, in cores, from which a measurement is called disturbed: a quiet machine
-# reads a few hundredths (daemons, the terminal), a test run or a build beside it one or more.
+# Other processes' mean use, in cores, from which a measurement is called disturbed: daemons and a
+# terminal stay well below it, a test run or a build beside the probe well above.
 BUSY_CORES = 0.25
 # Fields of psutil.cpu_times() that are not time spent working: `guest` and `guest_nice` are already
 # counted in `user` and `nice` on Linux.
