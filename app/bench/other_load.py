@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import psutil
+if TYPE_CHECKING:
+    import psutil
 
 # Other processes' mean use, in cores, from which a measurement is called disturbed: daemons and a
 # terminal stay well below it, a test run or a build beside the probe well above.
@@ -46,6 +48,8 @@ class OtherLoadMeter:
     """`with OtherLoadMeter() as meter: ...`, then `meter.load`: what the others used over the block."""
 
     def __enter__(self) -> OtherLoadMeter:
+        import psutil  # here, not at the top: every run reads the ceilings' file, and the plain path skips psutil
+
         self._own = psutil.Process()
         self._start = (time.monotonic(), _busy_s(), _own_s(self._own))
         return self
@@ -58,6 +62,8 @@ class OtherLoadMeter:
 
 
 def _busy_s() -> float:
+    import psutil
+
     times = psutil.cpu_times()._asdict()
     return sum(value for name, value in times.items() if name not in _NOT_BUSY)
 
