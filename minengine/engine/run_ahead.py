@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from minengine.sampling.grammar import fill_masks
 from minengine.sampling.step_trace import StepTrace
 from minengine.sampling.trace import greedy_candidates
 
@@ -128,14 +127,15 @@ class Ahead:
 
 def prepare_choices(choosers: list[TokenChooser]) -> None:
     """Before a step's rows are chosen, right after its forward, on the model thread: every
-    constrained row's mask for this step, one after another (`grammar.fill_masks`), instead of
-    a worker thread's beside the forward. A fill that fails is left for that row's own choice
-    to meet again, so it fails that request alone."""
+    constrained row's mask for this step, one after another (`GrammarMatcher.fill`), instead of
+    a worker thread's beside the forward. llguidance's batch fill (`LLExecutor`) was no faster on
+    two cores and would hand the rows to threads of its own. A fill that fails is left for that
+    row's own choice to meet again, so it fails that request alone."""
     for chooser in choosers:
         grammar = chooser.grammar
         if grammar is not None:
             try:
-                fill_masks((grammar,))
+                grammar.fill()
             except Exception:  # the row's `choose` computes it again and fails that request only
                 continue
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -223,9 +222,10 @@ class GrammarMatcher:
     torch call (a torch parallel region would give it an OpenMP team of its own: `threads.ModelThread`
     says why that throttles every step). A step loop that chooses its rows' tokens itself
     (`engine.run_ahead`) turns the worker off (`fill_in_step`) and fills the masks of all its
-    constrained rows at once on the model thread, right after the forward (`fill_masks`): beside
-    the forward's OpenMP threads on two cores the worker took a core from them while a mask that
-    takes 0.04 ms alone took 0.16 ms there. `overlap=False` computes the mask when it is asked for.
+    constrained rows on the model thread, right after the forward (`run_ahead.prepare_choices`):
+    beside the forward's OpenMP threads on two cores the worker took a core from them, and each
+    mask took several times as long there (docs/lab/structured-output-cost.md). `overlap=False`
+    computes the mask when it is asked for.
     """
 
     def __init__(self, grammar: Grammar, tokenizer: ModelTokenizer, *, overlap: bool = True) -> None:
@@ -262,8 +262,8 @@ class GrammarMatcher:
             pending.result()
 
     def fill_in_step(self) -> None:
-        """From now on the next mask is computed when the step asks for it (`fill_masks`, or the
-        first use), not on the worker thread."""
+        """From now on the next mask is computed when the step asks for it (`fill`, or the first
+        use), not on the worker thread."""
         self._settle()
         self.overlap = False
 
@@ -309,8 +309,8 @@ class GrammarMatcher:
         past the tokenizer's vocabulary (a padded head) are never allowed.
 
         Where the allowed ids are few, the copy is -inf with only them copied over; else each entry
-        is chosen by the mask in one pass (`torch.where`). masked_fill over the row took 40 us a row
-        alone on a core, twice a plain row's whole pick; the sparse copy takes about 10."""
+        is chosen by the mask in one pass (`torch.where`). Both cost a fraction of a masked_fill over
+        the row (docs/lab/structured-output-cost.md), and both are held against it by the tests."""
         self.fill()
         few = self._few_allowed()
         if few is not None:
@@ -324,11 +324,6 @@ class GrammarMatcher:
         if row.numel() > n:
             out = torch.cat((out, torch.full_like(row[n:], float("-inf"))))
         return out
-
-    def mask(self, row: torch.Tensor) -> None:
-        """Forbidden tokens of `row` (a copy of one step's logits) to -inf, in place; entries past
-        the tokenizer's vocabulary (a padded head) are never allowed."""
-        row.copy_(self.masked(row))
 
     def allows(self, token: int) -> bool:
         """Whether the grammar lets `token` come next."""
@@ -374,15 +369,6 @@ class GrammarMatcher:
         if self.matcher.is_accepting():
             return "complete: may end or go on"
         return f"free: {int(self.allowed().sum())} tokens allowed"
-
-
-def fill_masks(matchers: Iterable[GrammarMatcher]) -> None:
-    """Compute this step's mask of every matcher in `matchers` that has none yet, one after another
-    on this thread (a step loop's, right after the forward: `GrammarMatcher` says why not beside
-    it). llguidance's batch fill (`LLExecutor`) took as long for 8 rows on two cores (75 us) and
-    would hand them to threads of its own."""
-    for matcher in matchers:
-        matcher.fill()
 
 
 _worker: ThreadPoolExecutor | None = None
