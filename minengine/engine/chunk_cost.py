@@ -29,7 +29,7 @@ from minengine.model.ops import ModelOps
 # q4_1 tiles), on the default model's shape: for the C chunk kernel, its time per (query head x key)
 # over every layer of a 3,000-position cache against a 64-token chunk's time a row, measured on the
 # 2-core Zen 4 EPYC by `scripts/chunk_attention_cost --threads 1 --clock cpu` (docs/lab/long-prompt.md,
-# where the same measure puts SDPA at 3.1).
+# where the same measure is taken of SDPA).
 KEYBLOCKED_MAC_WEIGHT = 2.4
 # For any other prompt attention: fitted to chunk steps' times through SDPA on the 2-core Xeon
 # (docs/lab/serving-against-vllm.md, "Step planning for waves and long prompts").

@@ -21,7 +21,7 @@
  * paged or contiguous.
  *
  * The arithmetic is GCC's vector extensions: 16 floats (a zmm) where the build has AVX-512, 8 (a ymm)
- * under AVX2 (16 there, two ymm each, spilled the passes and ran 100x slower). The lanes change which
+ * under AVX2 (16 there, two ymm each, spilled the passes and ran far slower). The lanes change which
  * rows share a vector, never a row's arithmetic. Built with the other kernels by
  * minengine/fast/cpu_kernels.py.
  */
@@ -242,7 +242,7 @@ static long units_per_head(long rows, long hkv, int threads) {
     return units;
 }
 
-/* Whether the build has AVX-512, where the kernel was measured 1.4-1.6x SDPA's speed and its cost set
+/* Whether the build has AVX-512, where the kernel was measured faster than SDPA and its cost set
  * the step planner's (docs/lab/long-prompt.md); under AVX2 alone it ran about as fast as SDPA, and
  * the binding keeps SDPA there (asked once, at load). */
 int chunk_attention_wide(void) {

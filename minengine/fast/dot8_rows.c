@@ -284,8 +284,8 @@ static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, l
         acc[h + r][v] = _mm512_fmadd_ps(S, _mm512_mul_ps(d, dx), acc[h + r][v]);                 \
     }
 /* acc += w's 16-bit pairs times the pair at xp, broadcast by the dot product's own memory operand: a separate
- * broadcast into a register for each pair and row took 2-3% more of a product at 8-256 rows on a Zen 4 EPYC
- * (docs/lab/prefill-profile.md). The same instruction and sum either way. */
+ * broadcast into a register for each pair and row was measurably slower (docs/lab/prefill-profile.md). The
+ * same instruction and sum either way. */
 #define EMB_DOT(acc, w, xp) __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(xp)))
 /* int16: quad `quad` of the rows' inputs, its even pair (x0, x2) and odd pair (x1, x3) broadcast, into
  * the n rows' sums against the weights' even (e) and odd (o) halves of columns 0..15 and 16..31. */
