@@ -12,8 +12,9 @@ the model's multiply-adds per row against those of one attended position, times 
 an attention multiply-add costs than a product's on the engine's CPU path (float32 against the
 rounded rows' integer tiles). That weight depends on which prompt attention the model was built
 with (`ModelOps.prompt_attention`, bound at load): the grouped, key-blocked C kernel
-(`fast/chunk_attention`) or another (torch's SDPA, or a row per position under int8 activations
-where the build lacks AVX-512).
+(`fast/chunk_attention`), its rounded twin (int16 dot products, where the products round their
+rows), or another (torch's SDPA, or a row per position under int8 activations where the build
+lacks AVX-512).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from minengine.config import ModelConfig
-from minengine.fast.chunk_attention import attend_chunk
+from minengine.fast.chunk_attention import attend_chunk, attend_chunk_rounded
 from minengine.model.ops import ModelOps
 
 # An attended position's multiply-add against a product's (float32 scores and values against int16 x
@@ -31,6 +32,8 @@ from minengine.model.ops import ModelOps
 # 2-core Zen 4 EPYC by `scripts/chunk_attention_cost --threads 1 --clock cpu` (docs/lab/long-prompt.md,
 # where the same measure is taken of SDPA).
 KEYBLOCKED_MAC_WEIGHT = 2.4
+# The same measure of the kernel's rounded twin (its scores and weighted values int16 dot products).
+ROUNDED_MAC_WEIGHT = 1.4
 # For any other prompt attention: fitted to chunk steps' times through SDPA on the 2-core Xeon
 # (docs/lab/serving-against-vllm.md, "Step planning for waves and long prompts").
 ATTENTION_MAC_WEIGHT = 4.3
@@ -45,14 +48,16 @@ class ChunkCost:
     @classmethod
     def of_model(cls, cfg: ModelConfig, ops: ModelOps | None = None) -> ChunkCost:
         """The weights of `cfg`'s rows and attended positions, for a model built with `ops` (None: its
-        prompt attention another than the C chunk kernel's); see the module docstring."""
+        prompt attention another than the C chunk kernel's or its twin's); see the module docstring."""
         hidden, d = cfg.hidden_size, cfg.head_dim
         q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
         per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * cfg.intermediate_size
         row = cfg.num_hidden_layers * per_layer + cfg.vocab_size * hidden
         position = 2 * cfg.num_hidden_layers * q  # q.k and the weighted value, every query head
-        keyblocked = ops is not None and ops.prompt_attention is attend_chunk
-        return cls(row / position / (KEYBLOCKED_MAC_WEIGHT if keyblocked else ATTENTION_MAC_WEIGHT))
+        attend = ops.prompt_attention if ops is not None else None
+        weight = {attend_chunk: KEYBLOCKED_MAC_WEIGHT, attend_chunk_rounded: ROUNDED_MAC_WEIGHT}.get(
+            attend, ATTENTION_MAC_WEIGHT)  # type: ignore[arg-type]
+        return cls(row / position / weight)
 
     def rows(self, start: int, tokens: int) -> float:
         """The cost of prompt positions start .. start + tokens - 1, each seeing itself and all before it."""

@@ -20,6 +20,11 @@
  * the prompt was cut into chunks, whichever unit or thread ran it, and whether the cache was
  * paged or contiguous.
  *
+ * Where the build has AVX-512 VNNI the int16 activations' arithmetic has a rounded twin beside this
+ * one (`rounded`, chosen by the caller): queries and keys rounded to int16 so that a score is one
+ * exact integer dot product (`VPDPWSSD`, 32 multiply-adds an instruction against an FMA's 16), and
+ * each block's weights rounded so that the weighted values are another. See the section below.
+ *
  * The arithmetic is GCC's vector extensions: 16 floats (a zmm) where the build has AVX-512, 8 (a ymm)
  * under AVX2 (16 there, two ymm each, spilled the passes and ran far slower). The lanes change which
  * rows share a vector, never a row's arithmetic. Built with the other kernels by
@@ -31,6 +36,13 @@
 #include <string.h>
 
 #include "chunk_attention.h"
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define ROUNDED 1
+#else
+#define ROUNDED 0
+#endif
 
 #if defined(__AVX512F__)
 #define LANES 16          /* tile rows a vector holds: a zmm */
@@ -232,6 +244,275 @@ static void attend_unit(const ChunkArgs *a, long h, long r0, long r1, Room *r) {
     else attend_rows_of(a, h, r0, r1, r, 3);
 }
 
+#if ROUNDED
+/* ---- The rounded twin: int16 dot products for the scores and the weighted values. ----
+ *
+ * A key (one KV head at one position, d floats) is rounded to int16 with a scale of its own, once a
+ * call for every position (`round_keys`), and a query likewise once a unit; a score is then
+ * (q's scale x k's scale) x the exact integer sum of their products. `VPDPWSSD` wraps in int32, so
+ * the sum is exact wherever the true sum fits: each vector is scaled to an L2 norm of at most
+ * NORM (and no element past 32767), and |q.k| <= |q| |k| < 2^31 (Cauchy-Schwarz; NORM leaves room
+ * for the rounding, half a step an element). A value vector is rounded by its largest element.
+ *
+ * The weighted values: a block's weights e^(s - max) times each value's scale are rounded per row,
+ * by the larger of two limits (32767 for the largest, 65500 for their sum, so that sum x 32767 stays
+ * under 2^31), and summed against the int16 values in one integer dot product per output, which
+ * the row's scale brings back. Every rounding depends only on the row's own query or on one
+ * position's key or value, never on which rows share a vector or where the prompt was cut, so the
+ * twin keeps the float kernel's invariance. A rounding is half a step of 1/46000 of a vector's norm
+ * or of 1/32767 of its largest element: the same order as the int16 activations' products.
+ */
+#define NORM 46000.0f
+typedef int vw __attribute__((vector_size(64)));  /* 16 int32 lanes: pairs of int16 */
+typedef int vwu __attribute__((vector_size(64), aligned(4)));
+
+static inline vw dp16(vw acc, vw a, vw b) { return (vw)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)a, (__m512i)b); }
+static inline vw splat_pair(int x) { return (vw){0} + x; }
+static inline vf to_float(vw x) { return __builtin_convertvector(x, vf); }
+static inline vw to_int(vf x) { return (vw)_mm512_cvtps_epi32((__m512)x); } /* nearest, ties to even */
+
+/* x's d floats rounded to int16 into out (pairs), by the smaller of the two scales above; its
+ * scale back (0 for a vector of zeros). d is a multiple of 32. */
+static float round16(const float *x, long d, int *out) {
+    vf amax = (vf){0}, ss = (vf){0};
+    for (long c = 0; c < d; c += LANES) {
+        vf v = loadv(x + c);
+        amax = vmax(amax, pick(v < 0, -v, v));
+        ss += v * v;
+    }
+    float top = _mm512_reduce_max_ps((__m512)amax), sum = _mm512_reduce_add_ps((__m512)ss);
+    if (top == 0.0f) {
+        memset(out, 0, sizeof(int) * (d / 2));
+        return 0.0f;
+    }
+    float s = 32767.0f / top, by_norm = NORM / sqrtf(sum);
+    s = by_norm < s ? by_norm : s;
+    for (long c = 0; c < d; c += 2 * LANES) {
+        vw lo = to_int(loadv(x + c) * s), hi = to_int(loadv(x + c + LANES) * s);
+        /* pair (c + 2i, c + 2i + 1) in lane i of the 32 rounded values */
+        __m512i idx_even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+        __m512i idx_odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+        vw even = (vw)_mm512_permutex2var_epi32((__m512i)lo, idx_even, (__m512i)hi);
+        vw odd = (vw)_mm512_permutex2var_epi32((__m512i)lo, idx_odd, (__m512i)hi);
+        *(vwu *)(out + c / 2) = (even & 0xFFFF) | (odd << 16);
+    }
+    return 1.0f / s;
+}
+
+/* The call's rounded keys and values, for keys 0 .. span - 1 of every KV head (span a whole
+ * number of blocks; positions past the chunk's last are zeros): keys as d / 2 pairs a position,
+ * values as pairs of positions (2i, 2i + 1) for each of the d floats. Grown, never shrunk, per
+ * calling thread. */
+typedef struct {
+    int *kq, *vq;
+    float *ks, *vs;
+} Rounded;
+
+static __thread void *rounded_room;
+static __thread size_t rounded_bytes;
+
+static Rounded rounded_of(long hkv, long span, long d) {
+    size_t ints = (size_t)(hkv * span * d), floats = (size_t)(2 * hkv * span);
+    size_t bytes = sizeof(int) * ints + sizeof(float) * floats;
+    if (bytes > rounded_bytes) {
+        free(rounded_room);
+        rounded_room = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+        rounded_bytes = rounded_room ? bytes : 0;
+    }
+    Rounded r = {0};
+    if (!rounded_room) return r;
+    r.kq = rounded_room;
+    r.vq = r.kq + hkv * span * d / 2;
+    r.ks = (float *)(r.vq + hkv * span * d / 2);
+    r.vs = r.ks + hkv * span;
+    return r;
+}
+
+/* Where position p of head h lies (runs are in order; a binary search). */
+static const ChunkRun *run_of(const ChunkArgs *a, long p) {
+    long lo = 0, hi = a->n_runs - 1;
+    while (lo < hi) {
+        long mid = (lo + hi + 1) / 2;
+        if (a->runs[mid].start <= p) lo = mid;
+        else hi = mid - 1;
+    }
+    return a->runs + lo;
+}
+
+/* A value's scale: its largest element over 32767 (0 for zeros); `by` is the scale it is rounded by. */
+static float value_scale(const float *v, long d, float *by) {
+    vf amax = (vf){0};
+    for (long c = 0; c < d; c += LANES) {
+        vf e = loadv(v + c);
+        amax = vmax(amax, pick(e < 0, -e, e));
+    }
+    float top = _mm512_reduce_max_ps((__m512)amax);
+    *by = top > 0.0f ? 32767.0f / top : 0.0f;
+    return top > 0.0f ? 1.0f / *by : 0.0f;
+}
+
+/* Round block b (KEYS positions) of head h: its keys, and its values paired by position. */
+static void round_block(const ChunkArgs *a, const Rounded *x, long span, long h, long b) {
+    long d = a->d, seen = a->start + a->length, first = b * KEYS;
+    for (long j = 0; j < KEYS; j += 2) {
+        const float *v[2];
+        float by[2];
+        for (int e = 0; e < 2; e++) {
+            long p = first + j + e;
+            int *kq = x->kq + (h * span + p) * d / 2;
+            float *ks = x->ks + h * span + p, *vs = x->vs + h * span + p;
+            if (p >= seen) {
+                memset(kq, 0, sizeof(int) * (d / 2));
+                *ks = *vs = by[e] = 0.0f;
+                v[e] = NULL;
+                continue;
+            }
+            const ChunkRun *u = run_of(a, p);
+            *ks = round16(u->k + a->layer * u->k_ls + h * u->k_hs + (p - u->start) * d, d, kq);
+            v[e] = u->v + a->layer * u->v_ls + h * u->v_hs + (p - u->start) * d;
+            *vs = value_scale(v[e], d, &by[e]);
+        }
+        /* positions first + j and first + j + 1 as the low and high halves of each float's pair */
+        int *out = x->vq + (h * span + first + j) * d / 2;
+        for (long c = 0; c < d; c += LANES) {
+            vw even = v[0] ? to_int(loadv(v[0] + c) * by[0]) : (vw){0};
+            vw odd = v[1] ? to_int(loadv(v[1] + c) * by[1]) : (vw){0};
+            *(vwu *)(out + c) = (even & 0xFFFF) | (odd << 16);
+        }
+    }
+}
+
+/* A unit's rounded queries and scales: qw[c2][row] holds row's floats 2 c2 and 2 c2 + 1. */
+typedef struct {
+    int *qw, *pw;   /* queries [d/2][w]; a block's rounded weights [KEYS/2][w] */
+    int *q16;       /* one query's pairs */
+    vf qs[VECS];    /* each row's query scale */
+} Room16;
+
+static Room16 room16(long d) {
+    long w = VECS * LANES;
+    Room16 r;
+    r.qw = aligned_alloc(64, sizeof(int) * ((d / 2 * w + KEYS / 2 * w + d / 2 + 15) & ~15L));
+    r.pw = r.qw + d / 2 * w;
+    r.q16 = r.pw + KEYS / 2 * w;
+    return r;
+}
+
+/* st[j][row] = the score of row against key j, STEP keys a pass: one integer sum over the head each. */
+static inline __attribute__((always_inline)) void score16(Room *r, const Room16 *z, const int *kq, const float *ks,
+                                                           long keys, long d, int nv) {
+    long w = nv * LANES, pairs = d / 2;
+    for (long j = 0; j < keys; j += STEP) {
+        vw acc[STEP][VECS];
+        for (int u = 0; u < STEP; u++)
+            for (int t = 0; t < nv; t++) acc[u][t] = (vw){0};
+        for (long c = 0; c < pairs; c++) {
+            vw q[VECS];
+            for (int t = 0; t < nv; t++) q[t] = *(const vwu *)(z->qw + c * w + LANES * t);
+            for (int u = 0; u < STEP; u++) {
+                vw k = splat_pair(kq[(j + u) * pairs + c]);
+                for (int t = 0; t < nv; t++) acc[u][t] = dp16(acc[u][t], q[t], k);
+            }
+        }
+        for (int u = 0; u < STEP; u++)
+            for (int t = 0; t < nv; t++)
+                storev(r->st + (j + u) * w + LANES * t, to_float(acc[u][t]) * z->qs[t] * splat(ks[j + u]));
+    }
+}
+
+/* ot[c][row] = ot[c][row] * alpha + the block's weights (st) times the values, the weights times each
+ * value's scale rounded per row first (see the section's comment), STEP floats of the head a pass. */
+static inline __attribute__((always_inline)) void weigh16(Room *r, Room16 *z, const int *vq, const float *vs,
+                                                           long keys, long d, int nv) {
+    long w = nv * LANES;
+    vf top[VECS], sum[VECS], s[VECS], back[VECS];
+    for (int t = 0; t < nv; t++) top[t] = sum[t] = (vf){0};
+    for (long j = 0; j < keys; j++)
+        for (int t = 0; t < nv; t++) {
+            vf x = loadv(r->st + j * w + LANES * t) * splat(vs[j]);
+            storev(r->st + j * w + LANES * t, x);
+            top[t] = vmax(top[t], x);
+            sum[t] += x;
+        }
+    for (int t = 0; t < nv; t++) {
+        vi some = top[t] > (vf){0};
+        vf by_top = splat(32767.0f) / pick(some, top[t], splat(1.0f));
+        vf by_sum = splat(65500.0f) / pick(some, sum[t], splat(1.0f));
+        s[t] = pick(some, pick(by_sum < by_top, by_sum, by_top), (vf){0});
+        back[t] = pick(some, splat(1.0f) / pick(some, s[t], splat(1.0f)), (vf){0});
+    }
+    for (long j = 0; j < keys; j += 2)
+        for (int t = 0; t < nv; t++) {
+            vw even = to_int(loadv(r->st + j * w + LANES * t) * s[t]);
+            vw odd = to_int(loadv(r->st + (j + 1) * w + LANES * t) * s[t]);
+            *(vwu *)(z->pw + j / 2 * w + LANES * t) = (even & 0xFFFF) | (odd << 16);
+        }
+    for (long c = 0; c < d; c += STEP) {
+        vw acc[STEP][VECS];
+        for (int u = 0; u < STEP; u++)
+            for (int t = 0; t < nv; t++) acc[u][t] = (vw){0};
+        for (long j = 0; j < keys / 2; j++) {
+            vw p[VECS];
+            for (int t = 0; t < nv; t++) p[t] = *(const vwu *)(z->pw + j * w + LANES * t);
+            for (int u = 0; u < STEP; u++) {
+                vw v = splat_pair(vq[j * d + c + u]);
+                for (int t = 0; t < nv; t++) acc[u][t] = dp16(acc[u][t], p[t], v);
+            }
+        }
+        for (int u = 0; u < STEP; u++)
+            for (int t = 0; t < nv; t++) {
+                float *o = r->ot + (c + u) * w + LANES * t;
+                storev(o, loadv(o) * r->alpha[t] + to_float(acc[u][t]) * back[t]);
+            }
+    }
+}
+
+/* attend_rows_of, rounded: the same unit, blocks and online softmax over the call's rounded keys. */
+static inline __attribute__((always_inline)) void attend_rows16_of(const ChunkArgs *a, const Rounded *x, long span,
+                                                                    long h, long r0, long r1, Room *r, Room16 *z,
+                                                                    int nv) {
+    long d = a->d, groups = a->hq / a->hkv, w = nv * LANES, rows = r1 - r0, pairs = d / 2;
+    long last = a->start + (r1 - 1) / groups, lowest = a->start + r0 / groups;
+    memset(z->qw, 0, sizeof(int) * pairs * w);
+    memset(r->ot, 0, sizeof(float) * d * w);
+    for (long i = 0; i < w; i++) {
+        long row = r0 + (i < rows ? i : rows - 1); /* padding lanes: the last row's position, a zero query */
+        float scale = 0.0f;
+        if (i < rows) {
+            const float *q = a->q + (row / groups) * a->q_rs + (h * groups + row % groups) * d;
+            scale = round16(q, d, z->q16);
+            for (long c = 0; c < pairs; c++) z->qw[c * w + i] = z->q16[c];
+        }
+        z->qs[i / LANES][i % LANES] = scale;
+        r->pos[i / LANES][i % LANES] = (float)(a->start + row / groups);
+    }
+    for (int t = 0; t < nv; t++) r->m[t] = splat(-INFINITY), r->l[t] = (vf){0};
+    const int *kq = x->kq + h * span * pairs, *vq = x->vq + h * span * pairs;
+    const float *ks = x->ks + h * span, *vs = x->vs + h * span;
+    for (long first = 0; first <= last; first += KEYS) {
+        long n = last + 1 - first < KEYS ? last + 1 - first : KEYS;
+        long keys = (n + STEP - 1) / STEP * STEP; /* the keys past n are the rounded zeros */
+        score16(r, z, kq + first * pairs, ks + first, keys, d, nv);
+        fold(a, r, first, keys, nv, first + keys - 1 > lowest);
+        weigh16(r, z, vq + first * pairs, vs + first, keys, d, nv);
+    }
+    for (long i = 0; i < rows; i++) {
+        long row = r0 + i;
+        float inv = 1.0f / r->l[i / LANES][i % LANES];
+        float *out = a->out + (row / groups) * a->out_rs + (h * groups + row % groups) * d;
+        for (long c = 0; c < d; c++) out[c] = r->ot[c * w + i] * inv;
+    }
+}
+
+static void attend_unit16(const ChunkArgs *a, const Rounded *x, long span, long h, long r0, long r1, Room *r,
+                          Room16 *z) {
+    long nv = (r1 - r0 + LANES - 1) / LANES;
+    if (nv == 1) attend_rows16_of(a, x, span, h, r0, r1, r, z, 1);
+    else if (nv == 2) attend_rows16_of(a, x, span, h, r0, r1, r, z, 2);
+    else attend_rows16_of(a, x, span, h, r0, r1, r, z, 3);
+}
+#endif
+
 /* How many units a KV head's rows make: at most VECS vectors of rows each, and where a few more units
  * make their count a multiple of the threads, that many (11 positions of 3 query heads, 3 KV heads,
  * 2 threads: two units a head, not one). */
@@ -253,6 +534,12 @@ int chunk_attention_wide(void) {
 #endif
 }
 
+/* Whether the rounded twin runs for a head of d floats: built with VNNI, and d a whole number of
+ * 32-float halves of a rounding pass. */
+int chunk_attention_rounded(long d) {
+    return ROUNDED && d > 0 && d % 32 == 0 && d <= 512;
+}
+
 void chunk_attention(const ChunkArgs *a) {
     if (a->length <= 0) return;
     long groups = a->hq / a->hkv, rows = a->length * groups;
@@ -262,6 +549,31 @@ void chunk_attention(const ChunkArgs *a) {
     long per_head = units_per_head(rows, a->hkv, threads);
     /* A unit's rows: whole vectors, shared as evenly as they go. */
     long vectors = (rows + LANES - 1) / LANES, units = per_head * a->hkv;
+#if ROUNDED
+    if (a->rounded && chunk_attention_rounded(a->d)) {
+        long blocks = (a->start + a->length + KEYS - 1) / KEYS, span = blocks * KEYS;
+        Rounded x = rounded_of(a->hkv, span, a->d);
+        if (!x.kq) abort(); /* out of memory: nothing sensible to return from a layer's attention */
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        {
+#pragma omp for schedule(static)
+            for (long i = 0; i < a->hkv * blocks; i++) round_block(a, &x, span, i / blocks, i % blocks);
+            Room r = room(a->d);
+            Room16 z = room16(a->d);
+#pragma omp for schedule(dynamic, 1)
+            for (long u = 0; u < units; u++) {
+                long b = per_head - 1 - u / a->hkv, h = u % a->hkv;
+                long v0 = vectors * b / per_head, v1 = vectors * (b + 1) / per_head;
+                long r0 = v0 * LANES, r1 = v1 * LANES < rows ? v1 * LANES : rows;
+                if (r1 > r0) attend_unit16(a, &x, span, h, r0, r1, &r, &z);
+            }
+            free(r.qt);
+            free(r.kp);
+            free(z.qw);
+        }
+        return;
+    }
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         Room r = room(a->d);

@@ -24,9 +24,11 @@ typedef struct {
     long layer;                /* the layer the runs' strides reach */
     float *out;                /* position i's attended heads at out + i * out_rs, heads d apart */
     long out_rs;
+    int rounded;               /* scores and weighted values as int16 dot products (chunk_attention_rounded) */
 } ChunkArgs;
 
 void chunk_attention(const ChunkArgs *a);
 int chunk_attention_wide(void);
+int chunk_attention_rounded(long d);
 
 #endif

@@ -11,6 +11,12 @@ shared step's chunk row runs: `rows_attention.RowsAttention`).
 
 Where the build has no AVX-512 the kernel's vectors spill and SDPA is faster; `available` says
 whether it runs natively here, asked once at load.
+
+Beside it, where the build has AVX-512 VNNI, its rounded twin (`attend_chunk_rounded`, `rounded`):
+the same units, blocks and online softmax with queries, keys and each block's weights rounded to
+int16 so that the scores and the weighted values are exact integer dot products. It is what the
+int16 (and int8) activations bind, whose products round their rows already; float32 activations
+keep the float kernel's bits (`row_ops.model_ops` chooses, at load).
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ class ChunkArgs(ctypes.Structure):
         ("hq", ctypes.c_long), ("hkv", ctypes.c_long), ("d", ctypes.c_long),
         ("scale", ctypes.c_float), ("threads", ctypes.c_int),
         ("q", _ptr), ("q_rs", ctypes.c_long), ("runs", _ptr), ("n_runs", ctypes.c_long), ("layer", ctypes.c_long),
-        ("out", _ptr), ("out_rs", ctypes.c_long),
+        ("out", _ptr), ("out_rs", ctypes.c_long), ("rounded", ctypes.c_int),
     ]  # fmt: skip
 
 
@@ -52,6 +58,12 @@ def available() -> bool:
     """Whether the kernel runs natively here: built, with AVX-512's registers (see the module docstring)."""
     lib = library().lib
     return lib is not None and bool(lib.chunk_attention_wide())
+
+
+def rounded(d: int) -> bool:
+    """Whether the rounded twin runs here for heads of `d` floats: the kernel runs natively, built with
+    AVX-512 VNNI, and d a multiple of 32."""
+    return available() and bool(library().lib.chunk_attention_rounded(d))
 
 
 def _rows(q: torch.Tensor) -> torch.Tensor:
@@ -66,14 +78,17 @@ def _call(args: ChunkArgs) -> None:
     library().lib.chunk_attention(ctypes.byref(args))
 
 
-def _run(q: torch.Tensor, start: int, hkv: int, scale: float, runs, n_runs: int, layer: int) -> torch.Tensor:
-    """The kernel over q [T, Hq, d] at positions start.. with keys in `runs`: [T, Hq * d]."""
+def _run(
+    q: torch.Tensor, start: int, hkv: int, scale: float, runs, n_runs: int, layer: int, round_: bool
+) -> torch.Tensor:
+    """The kernel (its rounded twin where `round_`) over q [T, Hq, d] at positions start.. with keys in
+    `runs`: [T, Hq * d]."""
     length, hq, d = q.shape
     out = torch.empty(length, hq * d, dtype=torch.float32)
     args = ChunkArgs(
         length=length, start=start, hq=hq, hkv=hkv, d=d, scale=scale, threads=torch.get_num_threads(),
         q=q.data_ptr(), q_rs=q.stride(0), runs=ctypes.addressof(runs), n_runs=n_runs, layer=layer,
-        out=out.data_ptr(), out_rs=hq * d,
+        out=out.data_ptr(), out_rs=hq * d, rounded=int(round_),
     )  # fmt: skip
     _call(args)
     return out
@@ -83,6 +98,23 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, 
     """`ops.prompt_attention` through the kernel: q [1, Hq, T, d] at positions start.. over k/v
     [1, Hkv, start+T, d] (a head's positions d apart, as a cache's buffer or view lays them),
     causal: [1, Hq, T, d], a view of a [T, Hq, d] tensor."""
+    return _attend(q, k, v, start, scale, False)
+
+
+def attend_chunk_rounded(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float
+) -> torch.Tensor:
+    """`attend_chunk` through the rounded twin (int16 dot products; the module docstring)."""
+    if not rounded(q.shape[-1]):
+        raise ValueError(f"the rounded chunk attention needs AVX-512 VNNI and a head size a multiple of 32, "
+                         f"not {q.shape[-1]}")  # fmt: skip
+    return _attend(q, k, v, start, scale, True)
+
+
+KEYBLOCKED = (attend_chunk, attend_chunk_rounded)  # the prompt attentions that are this kernel
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float, round_: bool):
     keys, values = k[0], v[0]
     d = keys.shape[-1]
     if not all(t.dtype == torch.float32 and t.stride(-1) == 1 and t.stride(-2) == d for t in (keys, values)):
@@ -90,7 +122,7 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, 
     rows = _rows(q[0].transpose(0, 1))
     run = ChunkRun(k=keys.data_ptr(), v=values.data_ptr(), start=0, tokens=keys.shape[1],
                    k_hs=keys.stride(0), v_hs=values.stride(0))  # fmt: skip
-    out = _run(rows, start, keys.shape[0], scale, run, 1, 0)
+    out = _run(rows, start, keys.shape[0], scale, run, 1, 0, round_)
     length, hq = rows.shape[0], rows.shape[1]
     return out.view(length, hq, d).transpose(0, 1).unsqueeze(0)
 
@@ -100,7 +132,7 @@ def in_place(prompt_attention: object, cache: object) -> bool:
     kernel as its prompt attention (`row_ops.model_ops`, at load) and the cache is a table of float32
     blocks holding K/V as the model computes them. Asked once a step, when the step's attention is made."""
     return (
-        prompt_attention is attend_chunk
+        prompt_attention in KEYBLOCKED
         and isinstance(cache, PagedKVCache)
         and cache.layout == "gqa"
         and cache.storage_dtype == torch.float32
@@ -112,8 +144,8 @@ class PagedChunk:
     its queries attended over the table's runs where they lie, layer after layer, with nothing
     gathered. Made once a step (the runs are read again only when the table grows)."""
 
-    def __init__(self, cache: PagedKVCache, start: int, scale: float) -> None:
-        self.cache, self.start, self.scale = cache, start, scale
+    def __init__(self, cache: PagedKVCache, start: int, scale: float, round_: bool = False) -> None:
+        self.cache, self.start, self.scale, self.round = cache, start, scale, round_
         self._made: tuple[int, int] | None = None  # (blocks, end) the runs were made for
         self._runs: ctypes.Array | None = None
 
@@ -143,4 +175,4 @@ class PagedChunk:
         end = self.start + length
         runs = self._table(end)
         first = end - queries  # the position of the first query attended
-        return _run(_rows(q), first, k.shape[1], self.scale, runs, len(runs), layer)
+        return _run(_rows(q), first, k.shape[1], self.scale, runs, len(runs), layer, self.round)

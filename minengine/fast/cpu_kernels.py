@@ -75,6 +75,7 @@ class KernelLibrary:
             lib.rope_rows.argtypes = [*rows, ptr, ptr, ptr, c_long, c_long]  # cos, signed sin, y, strides
             lib.silu_mul_rows.argtypes = [ptr, ptr, ptr, c_long, c_long, c_long, c_long, c_long]
             lib.decode_layers.argtypes = [ptr]  # a StackArgs (eager_step.StackArgs)
+            lib.chunk_attention_rounded.argtypes, lib.chunk_attention_rounded.restype = [c_long], c_int
             for name in ("f32_panels", "f16_panels", "q8_0_panels", "q4_1_panels", "q4_1_unpack", "attend_rows",
                          "rms_norm_rows", "rope_rows", "silu_mul_rows", "decode_layers", "q4_1_dot8", "q8_0_dot8",
                          "q4_1_dot8_reference", "q8_0_dot8_reference", "q4_1_dot16", "q8_0_dot16", "q4_1_dot8_pack",

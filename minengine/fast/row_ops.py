@@ -106,13 +106,14 @@ def c_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start:
     return attend_prompt(q, k, v, start, scale)
 
 
-def model_ops(device: torch.device, dtype: torch.dtype) -> ModelOps:
+def model_ops(device: torch.device, dtype: torch.dtype, rounded: bool = False) -> ModelOps:
     """The row operations a model on `device` in `dtype` is built with, and why: C's for float32 on
     the CPU where the kernels built, torch's otherwise. A prompt chunk's attention runs the grouped,
-    key-blocked kernel (`chunk_attention`) where the build has AVX-512; elsewhere SDPA, or under int8
-    activations a row per position (`attend_prompt`), since int8 rounding would turn SDPA's
-    chunk-dependent last bits into other tokens. Both C ones give a position the same bits however
-    the prompt was cut."""
+    key-blocked kernel (`chunk_attention`) where the build has AVX-512, its rounded twin where the
+    model's products round their rows (`rounded`, `steps.load.rounds_rows`); elsewhere SDPA, or
+    under int8 activations a row per position (`attend_prompt`), since int8 rounding would turn
+    SDPA's chunk-dependent last bits into other tokens. The C ones give a position the same bits
+    however the prompt was cut."""
     if device.type != "cpu" or dtype != _F32:
         why = f"torch's operations: the C row operations run float32 on the CPU, not {str(dtype)[6:]} on {device.type}"
         return ModelOps(TORCH_OPS.name, why, *_torch_calls())
@@ -121,6 +122,9 @@ def model_ops(device: torch.device, dtype: torch.dtype) -> ModelOps:
     decode, prompt, how = c_decode_attention, TORCH_OPS.prompt_attention, "a prompt's attention through SDPA"
     if not attention_rows.available():
         decode, how = TORCH_OPS.decode_attention, "both attentions torch's (no C attention kernel)"
+    elif rounded and chunk_attention.available():
+        prompt = chunk_attention.attend_chunk_rounded
+        how = "a prompt chunk's attention key-blocked in C, read in place, in int16 dot products"
     elif chunk_attention.available():
         prompt, how = chunk_attention.attend_chunk, "a prompt chunk's attention key-blocked in C, read in place"
     elif activations() == "int8":

@@ -14,9 +14,20 @@ import torch
 
 from minengine.checkpoint import loader
 from minengine.config import ModelConfig
+from minengine.fast import chunk_attention
+from minengine.fast.panel_kernels import BLOCK_FORMATS, activations
 from minengine.fast.row_ops import model_ops
 from minengine.model.transformer import Transformer
 from minengine.progress import ProgressCallback
+
+
+def rounds_rows(cfg: ModelConfig, device: torch.device, packs: str | None) -> bool:
+    """Whether the model's products round their rows (int16 or int8 activations over block weights, on
+    the CPU), so that its prompt attention takes the chunk kernel's rounded twin where it runs for
+    the model's head size: one rounding scheme through the whole prompt, not float32 attention
+    between rounded products."""
+    block = packs is not None and packs.split("-")[0] in BLOCK_FORMATS
+    return device.type == "cpu" and block and activations() != "float32" and chunk_attention.rounded(cfg.head_dim)
 
 
 def load_model(
@@ -31,6 +42,6 @@ def load_model(
     """The checkpoint in `folder` as a `Transformer` (validated, through the layout cache, whose
     first build reports to `progress`); `packs` names a packed weight format (`linear_kernels`),
     None keeps dense operands in `dtype`. Its row operations are this machine's (`model_ops`)."""
-    ops = model_ops(device, dtype)
+    ops = model_ops(device, dtype, rounds_rows(cfg, device, packs))
     return loader.build(folder, cfg, dtype, device, lambda weights: Transformer(cfg, weights, device, ops), progress,
                         packs)  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from minengine.fast.chunk_attention import PagedChunk
+from minengine.fast.chunk_attention import PagedChunk, attend_chunk_rounded
 from minengine.fast.pooled_rows import PooledRows
 from minengine.model.ops import heads_first
 from minengine.model.transformer import Transformer
@@ -34,7 +34,8 @@ class RowsAttention:
         self.scale, self.ops = model.scale, model.ops
         # The chunk rows the plan sends through the C chunk kernel over their blocks in place (`paged`,
         # `shared_step.paged_chunks`); the others gather their keys.
-        self.paged = [PagedChunk(r.cache, r.start, self.scale) if i in paged else None  # type: ignore[arg-type]
+        round_ = self.ops.prompt_attention is attend_chunk_rounded
+        self.paged = [PagedChunk(r.cache, r.start, self.scale, round_) if i in paged else None  # type: ignore[arg-type]
                       for i, r in enumerate(rows)]  # fmt: skip
         self.pooled: list[tuple[PooledRows, list[int]]] = []  # each group and its rows, in order
         threads = torch.get_num_threads()  # the C kernel's, which shares its rows out itself
