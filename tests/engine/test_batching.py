@@ -199,17 +199,17 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_step_budget(chatty_tiny
 
 
 def test_the_cpu_default_budget_takes_a_prompt_whole_while_nothing_decodes(chatty_tiny_dir):
-    """The default limits on the CPU: 64 rows a step beside a decoding sequence, a chunk's
+    """The default limits on the CPU: 80 rows a step beside a decoding sequence, a chunk's
     attention counted among them, and 2,048 tokens while none decodes (chunks there only cost);
     a budget given by name stays a hard cap on tokens alone."""
     from minengine.engine.step_loop import IDLE_TOKEN_BUDGET, default_limits
 
     cpu = torch.device("cpu")
     # Without a cap, as many sequences as a step's token budget gives a token each (vLLM's 256 at most).
-    assert default_limits(cpu, None, None) == BatchLimits(64, 64, IDLE_TOKEN_BUDGET, attention_counted=True)
+    assert default_limits(cpu, None, None) == BatchLimits(80, 80, IDLE_TOKEN_BUDGET, attention_counted=True)
     assert default_limits(torch.device("cuda"), None, None) == BatchLimits(256, 2048, None)
     assert default_limits(cpu, None, 20) == BatchLimits(20, 20, None)
-    assert default_limits(cpu, 8, None) == BatchLimits(8, 64, IDLE_TOKEN_BUDGET, attention_counted=True)
+    assert default_limits(cpu, 8, None) == BatchLimits(8, 80, IDLE_TOKEN_BUDGET, attention_counted=True)
     assert default_limits(cpu, 8, 64) == BatchLimits(8, 64, None)
     assert default_limits(torch.device("cuda"), 8, None) == BatchLimits(8, 2048, None)
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False)
@@ -223,13 +223,14 @@ def test_the_cpu_default_budget_takes_a_prompt_whole_while_nothing_decodes(chatt
         chunked = next(e for e in engine.start(_request(long_prompt)) if isinstance(e, PrefillEvent))
     # Each chunk beside the decoding row takes what the rest of the budget holds, its attention
     # over the positions before it counted, so the chunks shrink as the prompt goes on.
-    cost = ChunkCost.of_model(engine.model.cfg, engine.model.ops)
+    cost, budget = ChunkCost.of_model(engine.model.cfg, engine.model.ops), engine.steps.limits.max_num_batched_tokens
+    assert budget == 80
     beside_decoder = [c for c in chunked.chunks if c.step.decode_tokens == 1]
     assert len(beside_decoder) >= 3 and sum(c.tokens for c in chunked.chunks) == chunked.prompt_tokens
     for c in beside_decoder:
         left = chunked.prompt_tokens - c.start
-        assert c.tokens == min(left, max(1, cost.tokens(c.start, left, 64 - 1)))
-        assert c.step.sequences == 2 and cost.rows(c.start, c.tokens) <= 63 or c.tokens == 1
+        assert c.tokens == min(left, max(1, cost.tokens(c.start, left, budget - 1)))
+        assert c.step.sequences == 2 and cost.rows(c.start, c.tokens) <= budget - 1 or c.tokens == 1
     sizes = [c.tokens for c in beside_decoder if c.tokens < chunked.prompt_tokens - c.start]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
 
