@@ -550,10 +550,9 @@ void chunk_attention(const ChunkArgs *a) {
     /* A unit's rows: whole vectors, shared as evenly as they go. */
     long vectors = (rows + LANES - 1) / LANES, units = per_head * a->hkv;
 #if ROUNDED
-    if (a->rounded && chunk_attention_rounded(a->d)) {
-        long blocks = (a->start + a->length + KEYS - 1) / KEYS, span = blocks * KEYS;
-        Rounded x = rounded_of(a->hkv, span, a->d);
-        if (!x.kq) abort(); /* out of memory: nothing sensible to return from a layer's attention */
+    long blocks = (a->start + a->length + KEYS - 1) / KEYS, span = blocks * KEYS;
+    Rounded x = a->rounded && chunk_attention_rounded(a->d) ? rounded_of(a->hkv, span, a->d) : (Rounded){0};
+    if (x.kq) { /* (no room for the rounded keys, a few MB: the float kernel below, rather than no answer) */
 #pragma omp parallel num_threads(threads) if (threads > 1)
         {
 #pragma omp for schedule(static)

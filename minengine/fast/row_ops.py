@@ -138,7 +138,8 @@ def _torch_calls() -> tuple:
     return t.norm, t.rotate, t.silu_mul, t.decode_attention, t.prompt_attention
 
 
-def row_ops_setting(device: torch.device) -> SettingValue:
-    """The row operations a float32 model on `device` is built with, and why, as a setting."""
-    ops = model_ops(device, _F32)
+def row_ops_setting(device: torch.device, ops: ModelOps | None = None) -> SettingValue:
+    """The row operations a float32 model on `device` is built with, and why, as a setting: a loaded
+    model's own `ops` where given (its prompt attention depends on its weights' rounding)."""
+    ops = model_ops(device, _F32) if ops is None else ops
     return SettingValue("row_ops", ops.name, "C", settings.PROBE, ops.why)

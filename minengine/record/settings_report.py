@@ -64,6 +64,10 @@ def collect_for_engine(engine: Engine, *, kv_budget_given_by: str | None = None)
     if kv_budget_given_by is not None or engine.kv_budget_given:
         budget = budget.given(used, kv_budget_given_by or Setting.KV_BUDGET.value)
     found = collect(engine.device, kv_budget=budget, load_kernels=False)
+    bound = getattr(engine.model, "ops", None)  # the reference kernels' model binds none
+    if bound is not None and found["row_ops"].value is not None:  # the model's own binding, not a fresh model's
+        ops = row_ops_setting(engine.device, bound)
+        found = Settings(tuple(ops if s.name == "row_ops" else s for s in found.values))
     # Which arithmetic the engine's steps run (`Engine(kernels=...)`): the fast paths unless asked.
     source = settings.DEFAULT if engine.kernels == "fast" else settings.FLAG
     kernels = SettingValue("kernels", engine.kernels, "fast", source, "" if source == settings.DEFAULT else "kernels")

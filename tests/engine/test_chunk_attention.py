@@ -252,3 +252,19 @@ def test_the_planner_gives_a_chunk_far_into_a_prompt_more_tokens_where_the_kerne
     twin = ChunkCost.of_model(smol, replace(TORCH_OPS, prompt_attention=attend_chunk_rounded))
     assert twin.keys_per_row == pytest.approx(sdpa.keys_per_row * ATTENTION_MAC_WEIGHT / ROUNDED_MAC_WEIGHT)
     assert twin.tokens(3000, 1000, 48.0) > kernel.tokens(3000, 1000, 48.0)
+
+
+@needs_rounded
+def test_a_loaded_engines_settings_name_the_attention_its_model_binds(chatty_tiny_dir, monkeypatch):
+    """`--json`'s and the trace's settings report the model's own prompt attention (the twin where its
+    products round their rows), not the float kernel a fresh float32 model would bind."""
+    from minengine.engine.engine import Engine
+    from minengine.record.settings_report import collect, collect_for_engine
+    from minengine.steps import load
+
+    monkeypatch.setattr(load, "rounds_rows", lambda *_: True)
+    engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", prefix_cache=False)
+    assert engine.model.ops.prompt_attention is attend_chunk_rounded
+    row_ops = collect_for_engine(engine)["row_ops"]
+    assert row_ops.detail == engine.model.ops.why and row_ops.detail.endswith("in int16 dot products")
+    assert "int16" not in collect(CPU)["row_ops"].detail

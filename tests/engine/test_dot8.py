@@ -191,12 +191,20 @@ def test_with_int8_activations_a_prompts_attention_is_the_same_bits_whatever_its
     """SDPA cuts its queries into blocks by the chunk's length, so a position's output could differ in
     the last bits between a prompt taken whole and one cut in two (it does for these shapes); int8
     rounding would turn that into another token. Under int8 activations the prompt's attention is
-    never SDPA: the key-blocked chunk kernel where the build has AVX-512, else a row per position."""
+    never SDPA: the key-blocked chunk kernel's rounded twin where the build has VNNI (as a q4_1 model
+    is built), else a row per position."""
+    from minengine.config import ModelConfig
     from minengine.fast import chunk_attention
     from minengine.fast.row_ops import c_prompt_attention, model_ops
+    from minengine.steps.load import rounds_rows
 
-    attend = model_ops(torch.device("cpu"), torch.float32).prompt_attention
-    assert attend is (chunk_attention.attend_chunk if chunk_attention.available() else c_prompt_attention)
+    cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=576, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e4,
+                      max_position_embeddings=1024, tie_word_embeddings=False)  # fmt: skip
+    cpu = torch.device("cpu")
+    attend = model_ops(cpu, torch.float32, rounds_rows(cfg, cpu, "q4_1")).prompt_attention
+    twin = chunk_attention.attend_chunk_rounded if chunk_attention.rounded(64) else chunk_attention.attend_chunk
+    assert attend is (twin if chunk_attention.available() else c_prompt_attention)
     gen = torch.Generator().manual_seed(3)
     k, v = torch.randn(1, 3, total, 64, generator=gen), torch.randn(1, 3, total, 64, generator=gen)
     q = torch.randn(1, 9, total, 64, generator=gen)
