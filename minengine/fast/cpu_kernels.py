@@ -71,9 +71,10 @@ class KernelLibrary:
             lib.amx_use.argtypes, lib.amx_use.restype = [c_int], None
             lib.attend_rows.argtypes = [ptr]  # an AttendArgs (attention_rows.AttendArgs)
             rows = [ptr, c_long, c_long, c_long, c_long, c_long]  # x, T, H, d, stride of T, stride of H
-            lib.rms_norm_rows.argtypes = [*rows, ptr, ctypes.c_float, ptr, c_long, c_long]  # weight, eps, y, strides
-            lib.rope_rows.argtypes = [*rows, ptr, ptr, ptr, c_long, c_long]  # cos, signed sin, y, strides
-            lib.silu_mul_rows.argtypes = [ptr, ptr, ptr, c_long, c_long, c_long, c_long, c_long]
+            # weight, eps, y, strides, threads
+            lib.rms_norm_rows.argtypes = [*rows, ptr, ctypes.c_float, ptr, c_long, c_long, c_int]
+            lib.rope_rows.argtypes = [*rows, ptr, ptr, ptr, c_long, c_long, c_int]  # cos, signed sin, y, ...
+            lib.silu_mul_rows.argtypes = [ptr, ptr, ptr, c_long, c_long, c_long, c_long, c_long, c_int]
             lib.decode_layers.argtypes = [ptr]  # a StackArgs (eager_step.StackArgs)
             lib.chunk_attention_rounded.argtypes, lib.chunk_attention_rounded.restype = [c_long], c_int
             for name in ("f32_panels", "f16_panels", "q8_0_panels", "q4_1_panels", "q4_1_unpack", "attend_rows",

@@ -34,11 +34,13 @@ void q8_0_dot8(const float *x, long M, long K, const uint8_t *V, long panels, fl
 void q4_1_dot8(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads);
 void q8_0_dot16(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads);
 void q4_1_dot16(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads);
+/* row_ops.c; the last argument is the threads a prompt's rows may go to: 1 here, inside a step's team */
 void rms_norm_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *w, float eps,
-                   float *y, long syt, long syh);
+                   float *y, long syt, long syh, int threads);
 void rope_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *cos_t, const float *sin_t,
-               float *y, long syt, long syh);
-void silu_mul_rows(const float *gate, const float *up, float *out, long T, long n, long sg, long su, long so);
+               float *y, long syt, long syh, int threads);
+void silu_mul_rows(const float *gate, const float *up, float *out, long T, long n, long sg, long su, long so,
+                   int threads);
 /* dot8_rows.c: the DOT8 products inside one parallel region */
 void *dot8_acts(long M, long K);
 void dot8_round_row(void *a, const float *x, long K, long r, int wide);
@@ -136,14 +138,14 @@ static void team_stack(const StackArgs *a, void *acts) {
 #pragma omp for schedule(static)
             for (long r = 0; r < m; r++) {
                 if (i) add(a->x + r * n, a->down + r * n, n);  /* the layer before's MLP, into the residual */
-                rms_norm_rows(a->x + r * n, 1, 1, n, n, 0, l->input_norm, a->eps, a->h + r * n, n, 0);
+                rms_norm_rows(a->x + r * n, 1, 1, n, n, 0, l->input_norm, a->eps, a->h + r * n, n, 0, 1);
                 round_for(acts, &l->qkv, a->h, r);
             }
             team_project(acts, &l->qkv, m, a->qkv);
 #pragma omp for schedule(static)
             for (long r = 0; r < m; r++)
                 rope_rows(a->qkv + r * qkv_w, 1, a->heads, d, qkv_w, d, a->cos + r * d, a->sin + r * d,
-                          a->rotated + r * rot_w, rot_w, d);
+                          a->rotated + r * rot_w, rot_w, d, 1);
 #pragma omp single
             at->kc = l->kc, at->vc = l->vc, taken = 0;
             attend_units(at, &taken, s);
@@ -154,14 +156,14 @@ static void team_stack(const StackArgs *a, void *acts) {
 #pragma omp for schedule(static)
             for (long r = 0; r < m; r++) {
                 add(a->x + r * n, a->o + r * n, n);
-                rms_norm_rows(a->x + r * n, 1, 1, n, n, 0, l->post_norm, a->eps, a->h + r * n, n, 0);
+                rms_norm_rows(a->x + r * n, 1, 1, n, n, 0, l->post_norm, a->eps, a->h + r * n, n, 0, 1);
                 round_for(acts, &l->gate_up, a->h, r);
             }
             team_project(acts, &l->gate_up, m, a->gate_up);
 #pragma omp for schedule(static)
             for (long r = 0; r < m; r++) {
                 silu_mul_rows(a->gate_up + r * 2 * ff, a->gate_up + r * 2 * ff + ff, a->gated + r * ff, 1, ff, 2 * ff,
-                              2 * ff, ff);
+                              2 * ff, ff, 1);
                 round_for(acts, &l->down, a->gated, r);
             }
             team_project(acts, &l->down, m, a->down);
@@ -170,7 +172,7 @@ static void team_stack(const StackArgs *a, void *acts) {
         for (long r = 0; r < m; r++) {
             add(a->x + r * n, a->down + r * n, n);
             if (a->logits) {
-                rms_norm_rows(a->x + r * n, 1, 1, n, n, 0, a->final_norm, a->eps, a->h + r * n, n, 0);
+                rms_norm_rows(a->x + r * n, 1, 1, n, n, 0, a->final_norm, a->eps, a->h + r * n, n, 0, 1);
                 round_for(acts, &a->head, a->h, r);
             }
         }
@@ -196,21 +198,21 @@ void decode_layers(const StackArgs *a) {
     }
     for (long i = 0; i < a->layers; i++) {
         const LayerArgs *l = a->layer + i;
-        rms_norm_rows(a->x, m, 1, n, n, 0, l->input_norm, a->eps, a->h, n, 0);
+        rms_norm_rows(a->x, m, 1, n, n, 0, l->input_norm, a->eps, a->h, n, 0, 1);
         project(&l->qkv, m, a->h, a->xp, a->qkv, a->threads);
-        rope_rows(a->qkv, m, a->heads, d, qkv_w, d, a->cos, a->sin, a->rotated, rot_w, d);
+        rope_rows(a->qkv, m, a->heads, d, qkv_w, d, a->cos, a->sin, a->rotated, rot_w, d, 1);
         at->kc = l->kc, at->vc = l->vc;
         attend_rows(at);
         project(&l->o, m, a->attended, a->xp, a->o, a->threads);
         add(a->x, a->o, m * n);
-        rms_norm_rows(a->x, m, 1, n, n, 0, l->post_norm, a->eps, a->h, n, 0);
+        rms_norm_rows(a->x, m, 1, n, n, 0, l->post_norm, a->eps, a->h, n, 0, 1);
         project(&l->gate_up, m, a->h, a->xp, a->gate_up, a->threads);
-        silu_mul_rows(a->gate_up, a->gate_up + ff, a->gated, m, ff, 2 * ff, 2 * ff, ff);
+        silu_mul_rows(a->gate_up, a->gate_up + ff, a->gated, m, ff, 2 * ff, 2 * ff, ff, 1);
         project(&l->down, m, a->gated, a->xp, a->down, a->threads);
         add(a->x, a->down, m * n);
     }
     if (a->logits) {
-        rms_norm_rows(a->x, m, 1, n, n, 0, a->final_norm, a->eps, a->h, n, 0);
+        rms_norm_rows(a->x, m, 1, n, n, 0, a->final_norm, a->eps, a->h, n, 0, 1);
         project(&a->head, m, a->h, a->xp, a->logits, a->threads);
     }
 }

@@ -8,7 +8,8 @@
  * Rows are addressed as [T][H][d] with strides for T and H (d contiguous), so q and k heads
  * viewed inside a fused q/k/v row need no copy. Every row is computed alone, in one fixed
  * order, whatever T, H and the rows beside it: a row's result is the same bits alone or in a
- * batch. Single-threaded: a step's rows are too small to share out.
+ * batch. A decode step's rows are too small to share out; a prompt's (SHARED_ROWS or more) go
+ * to `threads` threads, each row still computed alone, so the same bits.
  *
  * Built with panel_rows.c by minengine/fast/cpu_kernels.py.
  */
@@ -17,10 +18,14 @@
 
 __m256 exp8_le0(__m256 x); /* attention_rows.c: e^x for x <= 0, Cephes' polynomial */
 
+/* Rows from which a call shares them out: below, a team's wake-up costs more than the rows. */
+#define SHARED_ROWS 256
+
 /* y = w * (x * 1 / sqrt(eps + sum(x^2) / d)) per row (Hugging Face's order: normalise, then
  * scale). The sum runs in 8 lanes over d, then the lanes are added in a fixed order. */
 void rms_norm_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *w, float eps,
-                   float *y, long syt, long syh) {
+                   float *y, long syt, long syh, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T >= SHARED_ROWS)
     for (long t = 0; t < T; t++)
         for (long h = 0; h < H; h++) {
             const float *xr = x + t * sxt + h * sxh;
@@ -53,8 +58,9 @@ void rms_norm_rows(const float *x, long T, long H, long d, long sxt, long sxh, c
 __attribute__((optimize("fp-contract=off")))
 #endif
 void rope_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *cos_t, const float *sin_t,
-               float *y, long syt, long syh) {
+               float *y, long syt, long syh, int threads) {
     long half = d / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T >= SHARED_ROWS)
     for (long t = 0; t < T; t++) {
         const float *c = cos_t + t * d, *s = sin_t + t * d;
         for (long h = 0; h < H; h++) {
@@ -87,6 +93,8 @@ static void silu_mul_row(const float *gate, const float *up, float *out, long n)
     }
 }
 
-void silu_mul_rows(const float *gate, const float *up, float *out, long T, long n, long sg, long su, long so) {
+void silu_mul_rows(const float *gate, const float *up, float *out, long T, long n, long sg, long su, long so,
+                   int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T >= SHARED_ROWS)
     for (long t = 0; t < T; t++) silu_mul_row(gate + t * sg, up + t * su, out + t * so, n);
 }

@@ -47,7 +47,7 @@ class CNorm:
         d = x.shape[-1]
         y = torch.empty(x.shape, dtype=_F32)
         library().lib.rms_norm_rows(x.data_ptr(), T, H, d, st, sh, self.weight.data_ptr(), self.eps_value,
-                                    y.data_ptr(), H * d, d)  # fmt: skip
+                                    y.data_ptr(), H * d, d, torch.get_num_threads())  # fmt: skip
         return y
 
 
@@ -74,7 +74,8 @@ def c_rotate(
     _, _, st, sh = _rows(x)
     y = torch.empty(x.shape, dtype=_F32) if out is None else out
     _, _, yt, yh = _rows(y)
-    library().lib.rope_rows(x.data_ptr(), T, H, d, st, sh, cos.data_ptr(), signed_sin.data_ptr(), y.data_ptr(), yt, yh)
+    library().lib.rope_rows(x.data_ptr(), T, H, d, st, sh, cos.data_ptr(), signed_sin.data_ptr(), y.data_ptr(), yt, yh,
+                            torch.get_num_threads())  # fmt: skip
     return y
 
 
@@ -85,7 +86,7 @@ def c_silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = 
         raise ValueError(f"the C gating takes [T, n] rows with a contiguous last dim, not {gate.shape}")
     T, n = gate.shape
     library().lib.silu_mul_rows(gate.data_ptr(), up.data_ptr(), y.data_ptr(), T, n, gate.stride(0), up.stride(0),
-                                y.stride(0))  # fmt: skip
+                                y.stride(0), torch.get_num_threads())  # fmt: skip
     return y
 
 

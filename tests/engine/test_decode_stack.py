@@ -86,6 +86,30 @@ def test_silu_gating_is_float64s_in_place_or_not(n):
     assert c_silu_mul(inplace, up, out=inplace) is inplace and torch.equal(inplace, y)
 
 
+@needs_kernel
+def test_a_prompts_rows_shared_among_threads_are_each_rows_own_bits():
+    """From 256 rows a call shares its rows out among torch's threads (a prompt's norms, rotations and
+    gating); each row is still computed alone: the same bits as one row at a time, on one thread."""
+    rows = 300
+    weight, x = _randn(576, seed=6), _randn(rows, 576, seed=7) * 3
+    norm = CNorm(weight, 1e-5)
+    cos, sin = _randn(rows, 1, 64, seed=8), _randn(rows, 1, 64, seed=9)
+    qk = _randn(rows, 12, 64, seed=10)
+    gate, up = _randn(rows, 1536, seed=11) * 10, _randn(rows, 1536, seed=12)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(max(2, threads))
+        shared = norm(x), c_rotate(qk, cos, sin, None), c_silu_mul(gate, up)
+        torch.set_num_threads(1)
+        alone = (torch.cat([norm(x[i : i + 1]) for i in range(rows)]),
+                 torch.cat([c_rotate(qk[i : i + 1], cos[i : i + 1], sin[i : i + 1], None) for i in range(rows)]),
+                 torch.cat([c_silu_mul(gate[i : i + 1], up[i : i + 1]) for i in range(rows)]))  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    for ours, theirs in zip(shared, alone, strict=True):
+        assert torch.equal(ours, theirs)
+
+
 # -- the stack ------------------------------------------------------------------------------------
 
 
