@@ -248,16 +248,16 @@ static void attend_unit(const ChunkArgs *a, long h, long r0, long r1, Room *r) {
 /* ---- The rounded twin: int16 dot products for the scores and the weighted values. ----
  *
  * A key (one KV head at one position, d floats) is rounded to int16 with a scale of its own, once a
- * call for every position (`round_keys`), and a query likewise once a unit; a score is then
+ * call for every position (`round_block`), and a query likewise once a unit; a score is then
  * (q's scale x k's scale) x the exact integer sum of their products. `VPDPWSSD` wraps in int32, so
  * the sum is exact wherever the true sum fits: each vector is scaled to an L2 norm of at most
  * NORM (and no element past 32767), and |q.k| <= |q| |k| < 2^31 (Cauchy-Schwarz; NORM leaves room
  * for the rounding, half a step an element). A value vector is rounded by its largest element.
  *
  * The weighted values: a block's weights e^(s - max) times each value's scale are rounded per row,
- * by the larger of two limits (32767 for the largest, 65500 for their sum, so that sum x 32767 stays
- * under 2^31), and summed against the int16 values in one integer dot product per output, which
- * the row's scale brings back. Every rounding depends only on the row's own query or on one
+ * by the smaller of two scales (32767 over the largest, 65500 over their sum, so that their rounded
+ * sum x 32767 stays under 2^31), and summed against the int16 values in one integer dot product per
+ * output, which the row's scale brings back. Every rounding depends only on the row's own query or on one
  * position's key or value, never on which rows share a vector or where the prompt was cut, so the
  * twin keeps the float kernel's invariance. A rounding is half a step of 1/46000 of a vector's norm
  * or of 1/32767 of its largest element: the same order as the int16 activations' products.
