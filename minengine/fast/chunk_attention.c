@@ -540,19 +540,33 @@ int chunk_attention_rounded(long d) {
     return ROUNDED && d > 0 && d % 32 == 0 && d <= 512;
 }
 
-void chunk_attention(const ChunkArgs *a) {
-    if (a->length <= 0) return;
+/* Unit u's KV head and rows [*r0, *r1): the last rows, which see the most keys, first, so that no
+ * thread is left with them at the end; a unit's rows whole vectors, shared as evenly as they go. */
+static void unit_rows(const ChunkArgs *a, long u, long per_head, long vectors, long rows, long *h, long *r0,
+                      long *r1) {
+    long b = per_head - 1 - u / a->hkv, v0 = vectors * b / per_head, v1 = vectors * (b + 1) / per_head;
+    *h = u % a->hkv;
+    *r0 = v0 * LANES;
+    *r1 = v1 * LANES < rows ? v1 * LANES : rows;
+}
+
+/* 0 once attended; 1 where the rounded twin was asked for a head size it does not take (or a build
+ * without VNNI), 2 where there was no room for its rounded keys: the caller says so, since the float
+ * arithmetic in its place would be another kernel than the one the model was built with. */
+int chunk_attention(const ChunkArgs *a) {
+    if (a->length <= 0) return 0;
+    if (a->rounded && !chunk_attention_rounded(a->d)) return 1;
     long groups = a->hq / a->hkv, rows = a->length * groups;
     long work = a->length * (a->start + a->length) * a->hq * a->d;
     /* Below some 64k multiply-adds a second thread's wake-up costs more than it saves. */
     int threads = work >= (1L << 16) && a->threads > 1 ? a->threads : 1;
     long per_head = units_per_head(rows, a->hkv, threads);
-    /* A unit's rows: whole vectors, shared as evenly as they go. */
     long vectors = (rows + LANES - 1) / LANES, units = per_head * a->hkv;
 #if ROUNDED
-    long blocks = (a->start + a->length + KEYS - 1) / KEYS, span = blocks * KEYS;
-    Rounded x = a->rounded && chunk_attention_rounded(a->d) ? rounded_of(a->hkv, span, a->d) : (Rounded){0};
-    if (x.kq) { /* (no room for the rounded keys, a few MB: the float kernel below, rather than no answer) */
+    if (a->rounded) {
+        long blocks = (a->start + a->length + KEYS - 1) / KEYS, span = blocks * KEYS;
+        Rounded x = rounded_of(a->hkv, span, a->d);
+        if (!x.kq) return 2;
 #pragma omp parallel num_threads(threads) if (threads > 1)
         {
 #pragma omp for schedule(static)
@@ -561,30 +575,28 @@ void chunk_attention(const ChunkArgs *a) {
             Room16 z = room16(a->d);
 #pragma omp for schedule(dynamic, 1)
             for (long u = 0; u < units; u++) {
-                long b = per_head - 1 - u / a->hkv, h = u % a->hkv;
-                long v0 = vectors * b / per_head, v1 = vectors * (b + 1) / per_head;
-                long r0 = v0 * LANES, r1 = v1 * LANES < rows ? v1 * LANES : rows;
+                long h, r0, r1;
+                unit_rows(a, u, per_head, vectors, rows, &h, &r0, &r1);
                 if (r1 > r0) attend_unit16(a, &x, span, h, r0, r1, &r, &z);
             }
             free(r.qt);
             free(r.kp);
             free(z.qw);
         }
-        return;
+        return 0;
     }
 #endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         Room r = room(a->d);
-        /* The last rows see the most keys: taken first, so that no thread is left with them at the end. */
 #pragma omp for schedule(dynamic, 1)
         for (long u = 0; u < units; u++) {
-            long b = per_head - 1 - u / a->hkv, h = u % a->hkv;
-            long v0 = vectors * b / per_head, v1 = vectors * (b + 1) / per_head;
-            long r0 = v0 * LANES, r1 = v1 * LANES < rows ? v1 * LANES : rows;
+            long h, r0, r1;
+            unit_rows(a, u, per_head, vectors, rows, &h, &r0, &r1);
             if (r1 > r0) attend_unit(a, h, r0, r1, &r);
         }
         free(r.qt);
         free(r.kp);
     }
+    return 0;
 }

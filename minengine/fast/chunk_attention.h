@@ -27,7 +27,7 @@ typedef struct {
     int rounded;               /* scores and weighted values as int16 dot products (chunk_attention_rounded) */
 } ChunkArgs;
 
-void chunk_attention(const ChunkArgs *a);
+int chunk_attention(const ChunkArgs *a); /* 0, or why not: see chunk_attention.c */
 int chunk_attention_wide(void);
 int chunk_attention_rounded(long d);
 

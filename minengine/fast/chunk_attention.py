@@ -75,7 +75,11 @@ def _rows(q: torch.Tensor) -> torch.Tensor:
 
 
 def _call(args: ChunkArgs) -> None:
-    library().lib.chunk_attention(ctypes.byref(args))
+    status = library().lib.chunk_attention(ctypes.byref(args))
+    if status == 1:
+        raise ValueError(f"the rounded chunk attention does not take heads of {args.d} floats on this build")
+    if status == 2:
+        raise MemoryError("no memory for the rounded chunk attention's keys")
 
 
 def _run(

@@ -105,6 +105,12 @@ def activations() -> str:
     return asked if lib is not None and lib.dot8_native() else "float32"
 
 
+def rows_rounding(fmt: str) -> str:
+    """What a projection stored in `fmt` multiplies by: the activations (`activations`) for a block
+    format, float32 rows for the others."""
+    return activations() if fmt in BLOCK_FORMATS else "float32"
+
+
 def activations_refusal() -> str | None:
     """Why the activations the environment asks for are not used here (None where they are, or nothing
     was asked for)."""
@@ -242,7 +248,7 @@ class PanelLinear:
         for dot8_rows.c's integer dot products (its DOT8 LAYOUT); the groups stay for everything else
         (lookups, a long prompt's unpacking)."""
         self.dot8, self.rounding = None, None
-        rounding = activations() if self.format in BLOCK_FORMATS else "float32"
+        rounding = rows_rounding(self.format)
         if rounding == "float32":
             return
         self.rounding = rounding

@@ -15,7 +15,7 @@ import torch
 from minengine.checkpoint import loader
 from minengine.config import ModelConfig
 from minengine.fast import chunk_attention
-from minengine.fast.panel_kernels import BLOCK_FORMATS, activations
+from minengine.fast.panel_kernels import rows_rounding
 from minengine.fast.row_ops import model_ops
 from minengine.model.transformer import Transformer
 from minengine.progress import ProgressCallback
@@ -26,8 +26,8 @@ def rounds_rows(cfg: ModelConfig, device: torch.device, packs: str | None) -> bo
     the CPU), so that its prompt attention takes the chunk kernel's rounded twin where it runs for
     the model's head size: one rounding scheme through the whole prompt, not float32 attention
     between rounded products."""
-    block = packs is not None and packs.split("-")[0] in BLOCK_FORMATS
-    return device.type == "cpu" and block and activations() != "float32" and chunk_attention.rounded(cfg.head_dim)
+    rounds = packs is not None and rows_rounding(packs.split("-")[0]) != "float32"  # "q4_1-exact" is q4_1's panels
+    return device.type == "cpu" and rounds and chunk_attention.rounded(cfg.head_dim)
 
 
 def load_model(

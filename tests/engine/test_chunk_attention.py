@@ -268,3 +268,21 @@ def test_a_loaded_engines_settings_name_the_attention_its_model_binds(chatty_tin
     row_ops = collect_for_engine(engine)["row_ops"]
     assert row_ops.detail == engine.model.ops.why and row_ops.detail.endswith("in int16 dot products")
     assert "int16" not in collect(CPU)["row_ops"].detail
+
+
+def test_the_twin_asked_for_a_head_it_does_not_take_says_so_rather_than_run_the_float_kernel():
+    """The kernel never swaps its arithmetic by itself: a rounded chunk over heads of 48 floats (not a
+    multiple of 32) is refused with the reason, as attend_chunk_rounded refuses it up front."""
+    if not chunk_attention.available():
+        pytest.skip("the chunk kernel does not run natively here")
+    cfg = replace(CFG, head_dim=48, hidden_size=HQ * 48)
+    pool = BlockPool(8 << 20, CPU)
+    cache = PagedKVCache(pool, cfg, owner="odd", device=CPU, compute_dtype=torch.float32, block_size=BLOCK)
+    cache.make_room(5)
+    q, k, v = torch.randn(5, HQ, 48), torch.randn(5, HKV, 48), torch.randn(5, HKV, 48)
+    with pytest.raises(ValueError, match="heads of 48 floats"):
+        PagedChunk(cache, 0, 48**-0.5, True)(0, q, k, v, 5)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        attend_chunk_rounded(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                             v.transpose(0, 1).unsqueeze(0), 0, 48**-0.5)  # fmt: skip
+    assert PagedChunk(cache, 0, 48**-0.5)(0, q, k, v, 5).shape == (5, HQ * 48)  # the float kernel takes it
