@@ -19,30 +19,8 @@
 #include <stdlib.h>
 
 #include "attention_rows.h"
+#include "exp_le0.h"
 
-/* e^x, 8 lanes, for x <= 0 (scores less their maximum): Cephes' expf, exactly 0 below -87. */
-static inline __m256 exp_le0(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r);
-    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-}
-
-/* exp_le0 out of line, for row_ops.c's SiLU (one definition of the polynomial). */
-__m256 exp8_le0(__m256 x) { return exp_le0(x); }
 
 static inline float hsum(__m256 a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -227,7 +205,7 @@ static void attend_unit(const AttendArgs *a, long r, long h, float *s, long padd
         for (long i = 0; i < padded; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sg + i));
         __m256 top = _mm256_set1_ps(hmax(m)), sum = _mm256_setzero_ps();
         for (long i = 0; i < padded; i += 8) {
-            __m256 e = exp_le0(_mm256_sub_ps(_mm256_loadu_ps(sg + i), top));
+            __m256 e = exp8_le0(_mm256_sub_ps(_mm256_loadu_ps(sg + i), top));
             _mm256_storeu_ps(sg + i, e);
             sum = _mm256_add_ps(sum, e);
         }

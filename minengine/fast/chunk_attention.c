@@ -68,7 +68,7 @@ static inline vf pick(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | (
 static inline vf vmax(vf a, vf b) { return pick(a > b, a, b); }
 
 /* e^x for x <= 0 (scores less their row's maximum; -inf for a masked key): Cephes' expf, the
- * polynomial of attention_rows.c's exp_le0, exactly 0 below -87. */
+ * polynomial of exp_le0.h's, exactly 0 below -87. */
 static inline vf expv_le0(vf x) {
     const vf lo = splat(-87.0f);
     vi under = x < lo;

@@ -30,7 +30,7 @@ from minengine.settings import SettingValue
 _C_FILES = ("panel_rows.c", "dot8_rows.c", "amx_rows.c", "attention_rows.c", "row_ops.c", "decode_layers.c",
             "chunk_attention.c")
 SOURCES = tuple(Path(__file__).with_name(name) for name in _C_FILES)
-_H_FILES = ("amx_rows.h", "attention_rows.h", "block_layout.h", "chunk_attention.h")
+_H_FILES = ("amx_rows.h", "attention_rows.h", "block_layout.h", "chunk_attention.h", "exp_le0.h")
 HEADERS = tuple(Path(__file__).with_name(name) for name in _H_FILES)  # in the key
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 # Where torch finds AVX-512 (F, BW, VL and DQ, its "AVX512" capability) the panel tiles take zmm

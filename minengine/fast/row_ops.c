@@ -16,7 +16,7 @@
 #include <immintrin.h>
 #include <math.h>
 
-__m256 exp8_le0(__m256 x); /* attention_rows.c: e^x for x <= 0, Cephes' polynomial */
+#include "exp_le0.h"
 
 /* Rows from which a call shares them out: below, a team's wake-up costs more than the rows. */
 #define SHARED_ROWS 256
@@ -74,10 +74,22 @@ void rope_rows(const float *x, long T, long H, long d, long sxt, long sxh, const
 
 /* out = silu(gate) * up, T rows of n values (row strides sg, su, so; out may be gate): the MLP's
  * gating. silu(g) = g * sigmoid(g), the sigmoid from e^-|g| so the exponential never overflows.
- * Each value on its own, in 8 lanes; a row's tail through the same lanes, padded. */
+ * Each value on its own: 16 lanes where the build has AVX-512, then 8 (the same operations on each
+ * lane, so the same bits in either), a row's tail through the 8 lanes, padded. */
 static void silu_mul_row(const float *gate, const float *up, float *out, long n) {
-    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     long i = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    const __m512 one16 = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= n; i += 16) {
+        __m512 g = _mm512_loadu_ps(gate + i);
+        __m512 e = exp16_le0(_mm512_or_ps(g, _mm512_set1_ps(-0.0f)));  /* e^-|g| */
+        __m512 inv = _mm512_div_ps(one16, _mm512_add_ps(one16, e));
+        /* g's sign bit picks e / (1 + e), as _mm256_blendv_ps does below */
+        __m512 sig = _mm512_mask_blend_ps(_mm512_movepi32_mask(_mm512_castps_si512(g)), inv, _mm512_mul_ps(e, inv));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_loadu_ps(up + i)));
+    }
+#endif
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     for (; i + 8 <= n; i += 8) {
         __m256 g = _mm256_loadu_ps(gate + i);
         __m256 e = exp8_le0(_mm256_or_ps(g, sign));  /* e^-|g| */

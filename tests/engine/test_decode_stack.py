@@ -87,6 +87,19 @@ def test_silu_gating_is_float64s_in_place_or_not(n):
 
 
 @needs_kernel
+def test_silu_gating_gives_a_value_the_same_bits_in_16_lanes_as_in_8():
+    # A row of 1,536 goes through the 16 lanes where the build has AVX-512; rows of 8 values only
+    # through the 8 (exp_le0.h's two widths of one arithmetic). Edge values included: zeros of
+    # both signs, denormals, values past the exponential's cut at -87 and infinities.
+    edges = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 86.9, -86.9, 88.0, -88.0, 1e4, -1e4, float("inf"), -float("inf")])
+    gate = torch.cat([_randn(1, 1536 - edges.numel())[0] * 8, edges]).view(1, -1)
+    up = _randn(1, 1536, seed=7)
+    whole = c_silu_mul(gate, up)
+    by_eight = c_silu_mul(gate.view(-1, 8), up.view(-1, 8)).view(1, -1)
+    assert torch.equal(whole.view(torch.int32), by_eight.view(torch.int32))
+
+
+@needs_kernel
 def test_a_prompts_rows_shared_among_threads_are_each_rows_own_bits():
     """From 256 rows a call shares its rows out among torch's threads (a prompt's norms, rotations and
     gating); each row is still computed alone: the same bits as one row at a time, on one thread."""
