@@ -37,8 +37,9 @@
 
 #include "chunk_attention.h"
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #define ROUNDED 1
 #else
 #define ROUNDED 0
@@ -65,14 +66,23 @@ static inline vf loadv(const float *p) { return *(const vfu *)p; }
 static inline void storev(float *p, vf x) { *(vfu *)p = x; }
 static inline vf splat(float x) { return (vf){0} + x; }
 static inline vf pick(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
-static inline vf vmax(vf a, vf b) { return pick(a > b, a, b); }
+/* a > b ? a : b, lane-wise: exactly MAXPS's rule (b where they are equal or either is NaN), in one
+ * instruction where `pick` over a comparison takes three. */
+#if defined(__AVX512F__)
+static inline vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
+#else
+static inline vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
+#endif
+
+/* |x|, the sign bit cleared (a zero's sign aside, `pick(x < 0, -x, x)` in one instruction). */
+static inline vf vabs(vf x) { return (vf)((vi)x & 0x7FFFFFFF); }
 
 /* e^x for x <= 0 (scores less their row's maximum; -inf for a masked key): Cephes' expf, the
  * polynomial of exp_le0.h's, exactly 0 below -87. */
 static inline vf expv_le0(vf x) {
     const vf lo = splat(-87.0f);
     vi under = x < lo;
-    x = pick(under, lo, x);
+    x = vmax(lo, x); /* x < lo ? lo : x */
     const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to the nearest integer */
     vf n = (x * splat(1.44269504088896341f) + magic) - magic;
     vf r = x - n * splat(0.693359375f);
@@ -277,7 +287,7 @@ static float round16(const float *x, long d, int *out) {
     vf amax = (vf){0}, ss = (vf){0};
     for (long c = 0; c < d; c += LANES) {
         vf v = loadv(x + c);
-        amax = vmax(amax, pick(v < 0, -v, v));
+        amax = vmax(amax, vabs(v));
         ss += v * v;
     }
     float top = _mm512_reduce_max_ps((__m512)amax), sum = _mm512_reduce_add_ps((__m512)ss);
@@ -344,7 +354,7 @@ static float value_scale(const float *v, long d, float *by) {
     vf amax = (vf){0};
     for (long c = 0; c < d; c += LANES) {
         vf e = loadv(v + c);
-        amax = vmax(amax, pick(e < 0, -e, e));
+        amax = vmax(amax, vabs(e));
     }
     float top = _mm512_reduce_max_ps((__m512)amax);
     *by = top > 0.0f ? 32767.0f / top : 0.0f;
