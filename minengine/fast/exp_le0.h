@@ -3,9 +3,10 @@
  *
  * Two widths of one arithmetic: 8 lanes (AVX2) and, where the build has AVX-512, 16. The same
  * operations in the same order on every lane, so a value's result is the same bits in either
- * width (tests/engine/test_row_ops.py holds SiLU's 16-lane rows to its 8-lane tail). In a header so
- * that each kernel inlines it: an out-of-line call per 8 values cost SiLU a call and a reload of
- * the constants every vector.
+ * width (tests/engine/test_decode_stack.py holds SiLU's 16-lane rows to its 8-lane ones). The 16
+ * are written out rather than run as two halves of the 8, which SiLU measured slower
+ * (docs/lab/prefill-profile.md). In a header so that each kernel inlines it: an out-of-line
+ * call per 8 values cost SiLU a call and a reload of the constants every vector.
  */
 #ifndef REQSCOPE_EXP_LE0_H
 #define REQSCOPE_EXP_LE0_H
