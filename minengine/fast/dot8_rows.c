@@ -336,6 +336,19 @@ D_ROWS(w8_tile)
 #define DOT8_NATIVE 0
 #endif
 
+/* rows x DW floats of t (a tile's sums) into y, ldy apart, written around the caches: whole lines, each
+ * row's 32 floats 64-byte aligned. */
+static void stream_lines(const float *t, long rows, float *y, long ldy) {
+#if DOT8_NATIVE
+    for (long r = 0; r < rows; r++) {
+        _mm512_stream_ps(y + r * ldy, _mm512_load_ps(t + r * DW));
+        _mm512_stream_ps(y + r * ldy + 16, _mm512_load_ps(t + r * DW + 16));
+    }
+#else
+    (void)t, (void)rows, (void)y, (void)ldy;  /* stream_whole is never set without the tiles */
+#endif
+}
+
 /* Whether the VNNI tiles were built (else the products run the reference, correct but slow). */
 int dot8_native(void) { return DOT8_NATIVE; }
 
@@ -347,6 +360,7 @@ typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8
  * tiles' windows and the 8-row passes start where they would over all the rows). The o and down projections
  * of the default model have 18 groups: 16 threads took them in two rounds, half of them idle in the second. */
 #define ROW_SPAN AMX_MAX_ROWS
+#define STREAM_ROWS 64 /* from this many rows (and AMX_STREAM_BYTES of y) the VNNI tiles' sums are streamed */
 #define ITEMS_PER_THREAD 4
 
 /* The groups of y [M, ldy] = the rounded rows of a times the DOT8 groups V of `panels` panels, block
@@ -364,11 +378,16 @@ static void dot8_groups(const Acts *a, long M, long K, const uint8_t *V, long pa
     if (spans < 1) spans = 1;  /* no rows */
     long span = (M + spans - 1) / spans;
     span = (span + ROW_SPAN - 1) / ROW_SPAN * ROW_SPAN, spans = (M + span - 1) / span;
-    float t[8 * DW];
+    float t[8 * DW] __attribute__((aligned(64)));
     int tiles = wide && a->split;
     /* y's old lines are only overwritten: where y outgrows the caches, reading each line in before
-     * writing it cost 14% of a 256-row product (docs/performance.md, "AMX tiles under the int16 products"). */
+     * writing it cost 14% of a 256-row product on the AMX tiles and 5-7% of a prompt's products on the
+     * VNNI tiles (docs/performance.md, "AMX tiles under the int16 products"; docs/lab/prefill-profile.md).
+     * The VNNI tiles stream only a prompt's rows: a decode step's logits (1 MiB from 6 rows) are read
+     * straight back by the sampler, and streaming them made 8- and 16-row steps about 1% slower. */
     int stream = M * ldy * (long)sizeof(float) >= AMX_STREAM_BYTES;
+    int stream_whole = stream && M >= STREAM_ROWS && DOT8_NATIVE
+                       && (((uintptr_t)y | (uintptr_t)(ldy * sizeof(float))) & 63) == 0;
     if (tiles) amx_begin();
 #pragma omp for schedule(guided)
     for (long item = 0; item < groups * spans; item++) {
@@ -381,13 +400,15 @@ static void dot8_groups(const Acts *a, long M, long K, const uint8_t *V, long pa
         }
         for (long r0 = first; !tiles && r0 < last; r0 += 8) {
             long rows = last - r0 < 8 ? last - r0 : 8;
-            if (columns == DW) {  /* a whole group: straight into y */
+            if (columns == DW && !stream_whole) {  /* a whole group: straight into y */
                 rows_of(a, rows, r0, K, V + g * per_group, y + r0 * ldy + g * DW, ldy);
                 continue;
             }
             rows_of(a, rows, r0, K, V + g * per_group, t, DW);  /* the last group's padding columns stay in t */
-            for (long r = 0; r < rows; r++) memcpy(y + (r0 + r) * ldy + g * DW, t + r * DW, sizeof(float) * columns);
+            if (columns == DW) stream_lines(t, rows, y + r0 * ldy + g * DW, ldy);
+            else for (long r = 0; r < rows; r++) memcpy(y + (r0 + r) * ldy + g * DW, t + r * DW, sizeof(float) * columns);
         }
+        if (stream_whole) _mm_sfence();  /* before another thread reads them */
     }
     if (tiles) amx_end();
 }

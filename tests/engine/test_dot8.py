@@ -119,6 +119,22 @@ def test_the_vnni_tiles_give_the_references_bits_and_a_row_the_same_bits_in_any_
 
 @needs_vnni
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("shape", "rows"), [((4080, 576), 80), ((100, 64), 2600)])
+def test_an_output_past_the_caches_written_around_them_keeps_each_rows_bits(rounded, fmt, shape, rows):
+    """From 1 MiB of output (AMX_STREAM_BYTES) a whole group's sums go to y in streaming stores where y's rows
+    are 64-byte aligned: (4080, 576) has them (the last group's 16 columns still copied), (100, 64)'s rows of
+    104 floats do not. Either way each row is the one it is computed alone (a small y, written as usual)."""
+    panel = PanelLinear(fmt, _weight(shape), 1)
+    x = _x(rows, shape[1])
+    whole = _dot8(panel, x)
+    assert whole.shape[0] * panel.panel_count * PANEL * 4 >= 1 << 20
+    alone = torch.cat([_dot8(panel, x[r : r + 1]) for r in range(0, rows, 37)])
+    assert torch.equal(whole[::37], alone)
+    assert torch.equal(whole, _dot8(panel, x, reference=True))
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("shape", "rows"), [((100, 64), 200), ((960, 576), 300)])
 def test_a_long_prompts_rows_shared_out_in_spans_keep_the_references_bits_and_each_rows_own(rounded, fmt, shape, rows):
     """A prompt over few groups is shared out as (group, span of rows) items (dot8_rows.c's ROW_SPAN): with 8
