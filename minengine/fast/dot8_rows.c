@@ -381,10 +381,10 @@ static void dot8_groups(const Acts *a, long M, long K, const uint8_t *V, long pa
     float t[8 * DW] __attribute__((aligned(64)));
     int tiles = wide && a->split;
     /* y's old lines are only overwritten: where y outgrows the caches, reading each line in before
-     * writing it cost 14% of a 256-row product on the AMX tiles and 5-7% of a prompt's products on the
-     * VNNI tiles (docs/performance.md, "AMX tiles under the int16 products"; docs/lab/prefill-profile.md).
-     * The VNNI tiles stream only a prompt's rows: a decode step's logits (1 MiB from 6 rows) are read
-     * straight back by the sampler, and streaming them made 8- and 16-row steps about 1% slower. */
+     * writing it is most of what a prompt's products lose against their arithmetic, on the AMX tiles
+     * and the VNNI tiles alike (docs/performance.md, "AMX tiles under the int16 products";
+     * docs/lab/prefill-profile.md). The VNNI tiles stream only a prompt's rows (STREAM_ROWS): a decode
+     * step's logits are read straight back by the sampler, and streaming them gained nothing. */
     int stream = M * ldy * (long)sizeof(float) >= AMX_STREAM_BYTES;
     int stream_whole = stream && M >= STREAM_ROWS && DOT8_NATIVE
                        && (((uintptr_t)y | (uintptr_t)(ldy * sizeof(float))) & 63) == 0;
