@@ -50,6 +50,7 @@ CHOOSERS = {
     "minengine/checkpoint/weight_format.py::resolve_weights": "load: the weight format",
     "minengine/checkpoint/layout_cache.py::RecordingReader.projection": "load: recording the built layout",
     "minengine/checkpoint/weight_layout.py::token_lookup": "load: how token ids become embedding rows",
+    "minengine/checkpoint/weight_layout.py::KernelProduct.gating": "load: whether a gate/up kernel gates its sums",
     "minengine/checkpoint/weight_layout.py::read_bytes": "a byte count: runs nothing",
 }
 

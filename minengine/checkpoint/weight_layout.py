@@ -197,6 +197,13 @@ class KernelProduct:
         y = y.view(chunks, 1, -1) if T == 1 else y.view(T, chunks, -1).transpose(0, 1)
         return y if out is None else out.copy_(y)
 
+    def gating(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """silu(gate) * up of a gate/up weight in one call where its kernel gates its own sums with the C
+        row operations' gating (`PanelLinear.gated`), else None."""
+        if self.bias is None and isinstance(self.weight, PanelLinear) and self.weight.gates:
+            return self.weight.gated
+        return None
+
 
 Product = DenseProduct | KernelProduct
 

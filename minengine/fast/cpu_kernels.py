@@ -62,6 +62,8 @@ class KernelLibrary:
             for name in ("q4_1_dot8", "q8_0_dot8", "q4_1_dot16", "q8_0_dot16"):  # over the DOT8 copy
                 getattr(lib, name).argtypes = lib.q8_0_panels.argtypes
                 getattr(lib, f"{name}_reference").argtypes = lib.q8_0_panels.argtypes[:-1]
+                gated = getattr(lib, f"{name}_gated")  # the product and its gating (1: panels not in pairs)
+                gated.argtypes, gated.restype = lib.q8_0_panels.argtypes, c_int
             lib.q4_1_dot8_pack.argtypes = lib.q8_0_dot8_pack.argtypes = lib.q4_1_unpack.argtypes  # Q, panels, K, V
             lib.dot8_bytes.argtypes, lib.dot8_bytes.restype = [c_int, c_long, c_long], c_long
             lib.dot8_native.argtypes, lib.dot8_native.restype = [], c_int

@@ -214,17 +214,19 @@ static void reference(const Acts *a, int q8, int wide, long M, long r0, long K, 
             t[r * ldt + c] = acc;
         }
 }
-static void d4_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t, long ldt) { reference(a, 0, 0, M, r0, K, G, t, ldt); }
-static void d8_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t, long ldt) { reference(a, 1, 0, M, r0, K, G, t, ldt); }
-static void d4_reference16_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t, long ldt) { reference(a, 0, 1, M, r0, K, G, t, ldt); }
-static void d8_reference16_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t, long ldt) { reference(a, 1, 1, M, r0, K, G, t, ldt); }
+static void d4_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t, long ldt, int around) { (void)around; reference(a, 0, 0, M, r0, K, G, t, ldt); }
+static void d8_reference_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t, long ldt, int around) { (void)around; reference(a, 1, 0, M, r0, K, G, t, ldt); }
+static void d4_reference16_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t, long ldt, int around) { (void)around; reference(a, 0, 1, M, r0, K, G, t, ldt); }
+static void d8_reference16_rows(const Acts *a, long M, long r0, long K, const uint8_t *G, float *t, long ldt, int around) { (void)around; reference(a, 1, 1, M, r0, K, G, t, ldt); }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define DOT8_NATIVE 1
 /* RT rows (at most 8) x a group's DW columns over the whole input: 2 x RT float sums in registers,
- * each block's integer sums 4 rows at a time (8 x 2 int32 sums would not fit beside them). */
+ * each block's integer sums 4 rows at a time (8 x 2 int32 sums would not fit beside them). With `around`
+ * the sums go from the registers to t around the caches (whole 64-byte-aligned lines: dot8_groups). */
 #define D_TILE(NAME, BLOCK, WEIGHTS, FINISH)                                                     \
-static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, long r0, long K, const uint8_t *G, float *t, long ldt) { \
+static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, long r0, long K, const uint8_t *G, \
+                                                       float *t, long ldt, int around) {         \
     long blocks = K / QB;                                                                        \
     __m512 acc[8][2];                                                                            \
     for (int r = 0; r < RT; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                    \
@@ -245,7 +247,10 @@ static inline __attribute__((always_inline)) void NAME(const Acts *a, long RT, l
         }                                                                                        \
     }                                                                                            \
     for (int r = 0; r < RT; r++)                                                                 \
-        for (int v = 0; v < 2; v++) _mm512_storeu_ps(t + r * ldt + 16 * v, acc[r][v]);           \
+        for (int v = 0; v < 2; v++) {                                                            \
+            if (around) _mm512_stream_ps(t + r * ldt + 16 * v, acc[r][v]);                       \
+            else _mm512_storeu_ps(t + r * ldt + 16 * v, acc[r][v]);                              \
+        }                                                                                        \
 }
 /* Quad `quad` of the block's inputs (its 4 bytes of each row, broadcast) into the n rows' sums. */
 #define DOT_QUAD(w0, w1, quad)                                                                   \
@@ -316,16 +321,16 @@ D_TILE(w4_tile, D4_BLOCK, W4_WEIGHTS, D4_FINISH)
 D_TILE(w8_tile, D8_BLOCK, W8_WEIGHTS, D8_FINISH)
 /* A constant row count for each call, so the loops over rows unroll. */
 #define D_ROWS(TILE)                                                                             \
-    static void TILE##_rows(const Acts *a, long RT, long r0, long K, const uint8_t *G, float *t, long ldt) {   \
+    static void TILE##_rows(const Acts *a, long RT, long r0, long K, const uint8_t *G, float *t, long ldt, int around) { \
         switch (RT) {                                                                            \
-            case 1: TILE(a, 1, r0, K, G, t, ldt); break;                                         \
-            case 2: TILE(a, 2, r0, K, G, t, ldt); break;                                         \
-            case 3: TILE(a, 3, r0, K, G, t, ldt); break;                                         \
-            case 4: TILE(a, 4, r0, K, G, t, ldt); break;                                         \
-            case 5: TILE(a, 5, r0, K, G, t, ldt); break;                                         \
-            case 6: TILE(a, 6, r0, K, G, t, ldt); break;                                         \
-            case 7: TILE(a, 7, r0, K, G, t, ldt); break;                                         \
-            default: TILE(a, 8, r0, K, G, t, ldt); break;                                        \
+            case 1: TILE(a, 1, r0, K, G, t, ldt, around); break;                                 \
+            case 2: TILE(a, 2, r0, K, G, t, ldt, around); break;                                 \
+            case 3: TILE(a, 3, r0, K, G, t, ldt, around); break;                                 \
+            case 4: TILE(a, 4, r0, K, G, t, ldt, around); break;                                 \
+            case 5: TILE(a, 5, r0, K, G, t, ldt, around); break;                                 \
+            case 6: TILE(a, 6, r0, K, G, t, ldt, around); break;                                 \
+            case 7: TILE(a, 7, r0, K, G, t, ldt, around); break;                                 \
+            default: TILE(a, 8, r0, K, G, t, ldt, around); break;                                \
         }                                                                                        \
     }
 D_ROWS(d4_tile)
@@ -336,24 +341,12 @@ D_ROWS(w8_tile)
 #define DOT8_NATIVE 0
 #endif
 
-/* rows x DW floats of t (a tile's sums) into y, ldy apart, written around the caches: whole lines, each
- * row's 32 floats 64-byte aligned. */
-static void stream_lines(const float *t, long rows, float *y, long ldy) {
-#if DOT8_NATIVE
-    for (long r = 0; r < rows; r++) {
-        _mm512_stream_ps(y + r * ldy, _mm512_load_ps(t + r * DW));
-        _mm512_stream_ps(y + r * ldy + 16, _mm512_load_ps(t + r * DW + 16));
-    }
-#else
-    (void)t, (void)rows, (void)y, (void)ldy;  /* stream_whole is never set without the tiles */
-#endif
-}
-
 /* Whether the VNNI tiles were built (else the products run the reference, correct but slow). */
 int dot8_native(void) { return DOT8_NATIVE; }
 
-/* Rows [r0, r0 + rows) of a group's DW columns into t, rows ldt floats apart. */
-typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8_t *G, float *t, long ldt);
+/* Rows [r0, r0 + rows) of a group's DW columns into t, rows ldt floats apart; with `around` (the VNNI
+ * tiles: t's rows whole 64-byte-aligned lines) written around the caches. */
+typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8_t *G, float *t, long ldt, int around);
 
 /* A long prompt's product is shared out as (group, span of rows) items where its groups alone are too few
  * for the threads: at least ITEMS_PER_THREAD items a thread, spans a whole number of ROW_SPAN rows (the AMX
@@ -400,28 +393,69 @@ static void dot8_groups(const Acts *a, long M, long K, const uint8_t *V, long pa
         }
         for (long r0 = first; !tiles && r0 < last; r0 += 8) {
             long rows = last - r0 < 8 ? last - r0 : 8;
-            if (columns == DW && !stream_whole) {  /* a whole group: straight into y */
-                rows_of(a, rows, r0, K, V + g * per_group, y + r0 * ldy + g * DW, ldy);
+            if (columns == DW) {  /* a whole group: straight into y (around the caches where stream_whole) */
+                rows_of(a, rows, r0, K, V + g * per_group, y + r0 * ldy + g * DW, ldy, stream_whole);
                 continue;
             }
-            rows_of(a, rows, r0, K, V + g * per_group, t, DW);  /* the last group's padding columns stay in t */
-            if (columns == DW) stream_lines(t, rows, y + r0 * ldy + g * DW, ldy);
-            else for (long r = 0; r < rows; r++) memcpy(y + (r0 + r) * ldy + g * DW, t + r * DW, sizeof(float) * columns);
+            rows_of(a, rows, r0, K, V + g * per_group, t, DW, 0);  /* the last group's padding columns stay in t */
+            for (long r = 0; r < rows; r++) memcpy(y + (r0 + r) * ldy + g * DW, t + r * DW, sizeof(float) * columns);
         }
         if (stream_whole) _mm_sfence();  /* before another thread reads them */
     }
     if (tiles) amx_end();
 }
 
-/* y [M, ldy] = x [M, K] times the DOT8 groups V of `panels` panels. The rows are rounded once, into
- * the calling thread's Acts; then `dot8_groups` shares the groups out. */
+/* silu(gate) * up over n values: row_ops.c's gating, the one definition of it. */
+void silu_mul_row(const float *gate, const float *up, float *out, long n);
+
+/* The MLP's gating inside its gate/up product (`*_gated`): V's first half of groups are the gate's
+ * columns, its second half the up's, and y [M, ldy] = silu(gate) * up, panels / 2 panels wide. An item
+ * takes the gate's group g and the up's group g over a span of rows (as `dot8_groups` cuts them), 8 rows
+ * at a time (AMX_MAX_ROWS on the tiles): both groups' sums into the thread's scratch, then gated into y.
+ * The product's sums are never written out and read back (2 x 6 MiB at 1,000 tokens of the default
+ * model, then read by the gating from memory). Each sum is the product's and the gating row_ops.c's:
+ * the same bits as the product, then `silu_mul_rows` over its two halves. */
+static void dot8_gated_groups(const Acts *a, long M, long K, const uint8_t *V, long panels, float *y, long ldy,
+                              long block, GroupRows rows_of, int wide, int q8) {
+    long pairs = panels / GP / 2, per_group = K / QB * block;
+    long want = ((long)ITEMS_PER_THREAD * omp_get_num_threads() + pairs - 1) / pairs;
+    long spans = want < (M + ROW_SPAN - 1) / ROW_SPAN ? want : (M + ROW_SPAN - 1) / ROW_SPAN;
+    if (spans < 1) spans = 1;  /* no rows */
+    long span = (M + spans - 1) / spans;
+    span = (span + ROW_SPAN - 1) / ROW_SPAN * ROW_SPAN, spans = (M + span - 1) / span;
+    float gate[AMX_MAX_ROWS * DW] __attribute__((aligned(64))), up[AMX_MAX_ROWS * DW] __attribute__((aligned(64)));
+    int tiles = wide && a->split;
+    long step = tiles ? AMX_MAX_ROWS : 8;
+    if (tiles) amx_begin();
+#pragma omp for schedule(guided)
+    for (long item = 0; item < pairs * spans; item++) {
+        long g = item / spans, first = item % spans * span, last = M - first < span ? M : first + span;
+        const uint8_t *G = V + g * per_group, *U = V + (g + pairs) * per_group;
+        for (long r0 = first; r0 < last; r0 += step) {
+            long rows = last - r0 < step ? last - r0 : step;
+            if (tiles) {
+                amx_group(q8, a->lo, a->hi, a->d, a->s, a->n, rows, r0, K, G, gate, DW, DW, 0);
+                amx_group(q8, a->lo, a->hi, a->d, a->s, a->n, rows, r0, K, U, up, DW, DW, 0);
+            } else {
+                rows_of(a, rows, r0, K, G, gate, DW, 0);
+                rows_of(a, rows, r0, K, U, up, DW, 0);
+            }
+            for (long r = 0; r < rows; r++) silu_mul_row(gate + r * DW, up + r * DW, y + (r0 + r) * ldy + g * DW, DW);
+        }
+    }
+    if (tiles) amx_end();
+}
+
+/* y [M, ldy] = x [M, K] times the DOT8 groups V of `panels` panels (with `gated`, that product's gating). The
+ * rows are rounded once, into the calling thread's Acts; then `dot8_groups` (`dot8_gated_groups`) shares the
+ * groups out. */
 static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy,
-                        int threads, long block, int wide, GroupRows rows_of, int may_tile) {
+                        int threads, long block, int wide, GroupRows rows_of, int may_tile, int gated) {
     int q8 = block == D8_BLOCK, ok = reserve(M, K, wide ? 2 : 1);
     if (!may_tile) acts.split = 0;  /* the references' rows never take the tiles */
     if (!ok) {  /* no memory for the rounded rows: NaN, never another call's numbers */
         for (long r = 0; r < M; r++)
-            for (long c = 0; c < panels * PW; c++) y[r * ldy + c] = NAN;
+            for (long c = 0; c < panels * PW / (gated ? 2 : 1); c++) y[r * ldy + c] = NAN;
         return;
     }
     long blocks = K / QB;
@@ -434,7 +468,8 @@ static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long p
 #pragma omp for schedule(static)
             for (long rb = 0; rb < M * blocks; rb++) quantize_block(a, x, K, rb / blocks, rb % blocks, wide);
         }
-        dot8_groups(a, M, K, V, panels, y, ldy, block, rows_of, wide, q8);
+        if (gated) dot8_gated_groups(a, M, K, V, panels, y, ldy, block, rows_of, wide, q8);
+        else dot8_groups(a, M, K, V, panels, y, ldy, block, rows_of, wide, q8);
     }
 }
 
@@ -446,18 +481,22 @@ static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long p
 #else
 #define TILE_OR_REFERENCE(tile, reference) reference
 #endif
-void q4_1_dot8(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) {
-    dot8_panels(x, M, K, V, panels, y, ldy, threads, D4_BLOCK, 0, TILE_OR_REFERENCE(d4_tile_rows, d4_reference_rows), 1);
+/* Each entry point, and its gated twin (`*_gated`: `dot8_gated_groups`, y panels / 2 panels wide). The
+ * twin takes panels in whole pairs of groups, the gate's and the up's, and returns 1, computing nothing,
+ * for any other count; 0 once computed. */
+#define DOT8_ENTRY(NAME, BLOCK, WIDE, TILE, REFERENCE)                                                  \
+void NAME(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) { \
+    dot8_panels(x, M, K, V, panels, y, ldy, threads, BLOCK, WIDE, TILE_OR_REFERENCE(TILE, REFERENCE), 1, 0); \
+}                                                                                                     \
+int NAME##_gated(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) { \
+    if (panels % (2 * GP)) return 1;                                                                  \
+    dot8_panels(x, M, K, V, panels, y, ldy, threads, BLOCK, WIDE, TILE_OR_REFERENCE(TILE, REFERENCE), 1, 1); \
+    return 0;                                                                                         \
 }
-void q8_0_dot8(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) {
-    dot8_panels(x, M, K, V, panels, y, ldy, threads, D8_BLOCK, 0, TILE_OR_REFERENCE(d8_tile_rows, d8_reference_rows), 1);
-}
-void q4_1_dot16(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) {
-    dot8_panels(x, M, K, V, panels, y, ldy, threads, D4_BLOCK, 1, TILE_OR_REFERENCE(w4_tile_rows, d4_reference16_rows), 1);
-}
-void q8_0_dot16(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads) {
-    dot8_panels(x, M, K, V, panels, y, ldy, threads, D8_BLOCK, 1, TILE_OR_REFERENCE(w8_tile_rows, d8_reference16_rows), 1);
-}
+DOT8_ENTRY(q4_1_dot8, D4_BLOCK, 0, d4_tile_rows, d4_reference_rows)
+DOT8_ENTRY(q8_0_dot8, D8_BLOCK, 0, d8_tile_rows, d8_reference_rows)
+DOT8_ENTRY(q4_1_dot16, D4_BLOCK, 1, w4_tile_rows, d4_reference16_rows)
+DOT8_ENTRY(q8_0_dot16, D8_BLOCK, 1, w8_tile_rows, d8_reference16_rows)
 /* The same products inside a parallel region that every thread of it enters (decode_layers.c's stack,
  * one region for a whole step): `dot8_acts` readies the calling thread's Acts for M rows of up to K
  * inputs (NULL where memory runs out) before the region; in it, each row is rounded by whichever
@@ -480,16 +519,16 @@ void dot8_team(const void *a, int q8, int wide, long M, long K, const uint8_t *V
 }
 
 void q4_1_dot8_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
-    dot8_panels(x, M, K, V, panels, y, ldy, 1, D4_BLOCK, 0, d4_reference_rows, 0);
+    dot8_panels(x, M, K, V, panels, y, ldy, 1, D4_BLOCK, 0, d4_reference_rows, 0, 0);
 }
 void q8_0_dot8_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
-    dot8_panels(x, M, K, V, panels, y, ldy, 1, D8_BLOCK, 0, d8_reference_rows, 0);
+    dot8_panels(x, M, K, V, panels, y, ldy, 1, D8_BLOCK, 0, d8_reference_rows, 0, 0);
 }
 void q4_1_dot16_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
-    dot8_panels(x, M, K, V, panels, y, ldy, 1, D4_BLOCK, 1, d4_reference16_rows, 0);
+    dot8_panels(x, M, K, V, panels, y, ldy, 1, D4_BLOCK, 1, d4_reference16_rows, 0, 0);
 }
 void q8_0_dot16_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
-    dot8_panels(x, M, K, V, panels, y, ldy, 1, D8_BLOCK, 1, d8_reference16_rows, 0);
+    dot8_panels(x, M, K, V, panels, y, ldy, 1, D8_BLOCK, 1, d8_reference16_rows, 0, 0);
 }
 
 /* Bytes of the DOT8 copy of `panels` panels over K inputs. */

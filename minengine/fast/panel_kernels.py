@@ -307,6 +307,25 @@ class PanelLinear:
         y = y if width == self.out_features else y[:, : self.out_features].contiguous()
         return y if out is None else out.copy_(y)
 
+    @property
+    def gates(self) -> bool:
+        """Whether `gated` takes this weight: the DOT8 copy, two chunks (an MLP's gate, then its up), each
+        a whole number of the kernel's column groups."""
+        return self.dot8 is not None and self.chunks == 2 and self.out_features % (2 * GROUP * PANEL) == 0
+
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for x [T, in] through a gate/up weight (`gates`), in one call: [T, out / 2],
+        float32. The kernel gates each group of its sums as it makes them (`dot8_rows.c`'s `*_gated`), so
+        the product's [T, out] is never written out; the same bits as `linear` then the C gating."""
+        x = x.contiguous()
+        rows, width = x.shape[0], self.out_features // 2
+        y = torch.empty(rows, width, dtype=torch.float32)
+        kernel = getattr(self._lib, f"{self.format}_{'dot16' if self.rounding == 'int16' else 'dot8'}_gated")
+        if kernel(x.data_ptr(), rows, self.in_features, self.dot8.data_ptr(), self.panel_count, y.data_ptr(), width,
+                  torch.get_num_threads()):  # fmt: skip
+            raise ValueError(f"the gated product takes a gate/up weight in whole column groups, not {self.shape}")
+        return y
+
     def _unpacked(self) -> torch.Tensor:
         """The weight as a dense [out, in] float32 matrix (fp16's converted, q8_0's dequantized), in this thread's
         scratch: valid until its next unpacking."""

@@ -75,8 +75,10 @@ void rope_rows(const float *x, long T, long H, long d, long sxt, long sxh, const
 /* out = silu(gate) * up, T rows of n values (row strides sg, su, so; out may be gate): the MLP's
  * gating. silu(g) = g * sigmoid(g), the sigmoid from e^-|g| so the exponential never overflows.
  * Each value on its own: 16 lanes where the build has AVX-512, then 8 (the same operations on each
- * lane, so the same bits in either), a row's tail through the 8 lanes, padded. */
-static void silu_mul_row(const float *gate, const float *up, float *out, long n) {
+ * lane, so the same bits in either), a row's tail through the 8 lanes, padded. `silu_mul_row` is
+ * also the gating dot8_rows.c applies to a gate/up product's sums where the product gates them
+ * itself: one definition, so the same bits either way. */
+void silu_mul_row(const float *gate, const float *up, float *out, long n) {
     long i = 0;
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
     const __m512 one16 = _mm512_set1_ps(1.0f);

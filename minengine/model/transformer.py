@@ -32,6 +32,7 @@ import torch
 from minengine.checkpoint.weight_layout import (
     CheckpointReader,
     Embedding,
+    KernelProduct,
     Operand,
     WeightSource,
     product,
@@ -64,6 +65,12 @@ class Layer:
         # Each projection's product, bound to its operand's kind once: what the block calls.
         self.qkv_proj, self.o_proj = product(self.qkv, self.qkv_bias), product(self.o)
         self.gate_up_proj, self.down_proj = product(self.gate_up), product(self.down)
+        # The MLP's gate/up product and its gating: one C call where the panel kernel gates its own sums
+        # with the C row operations' gating (the same bits, and the product's [T, 2 x ff] never written
+        # out), else the product's two chunks through `ops.silu_mul`.
+        fused = self.gate_up_proj.gating() if isinstance(self.gate_up_proj, KernelProduct) and ops.name == "C" else None
+        self.gating_in_product = fused is not None
+        self.gated = fused or (lambda h: ops.silu_mul(*self.gate_up_proj.chunks(h)))
         self.q_norm = ckpt.optional(a + "q_norm.weight")
         self.k_norm = ckpt.optional(a + "k_norm.weight")
         # qwen3 normalises each q head and each k head; one weight row per head lets a single
@@ -193,8 +200,7 @@ class Transformer:
 
     def mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         """The SiLU-gated MLP of `layer` on normalised h [T, hidden]: [T, hidden]."""
-        gate, up = layer.gate_up_proj.chunks(h)  # two chunks, gate then up
-        return layer.down_proj(self.ops.silu_mul(gate, up))
+        return layer.down_proj(layer.gated(h))
 
     def logits(self, x: torch.Tensor, *, per_position: bool = False) -> torch.Tensor:
         """Float32 logits of the final residual stream: [vocab] for x [1, hidden], or [T, vocab]

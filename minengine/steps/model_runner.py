@@ -58,7 +58,10 @@ class ModelRunner:
         self.last_path: StepPath = NOT_RUN  # the path of the step that ran last (`pick`)
         self._label = weights_label(model.layers[0].qkv)  # "int16×q4_1": what the projections multiply
         self._stack = LayerStack.of(model)  # every block in one C call, where the weights allow it
-        self._ops = f" ({model.ops.name} row ops)"  # what the Python blocks' norms, rotations and attentions run
+        # What the Python blocks' norms, rotations, gating and attentions run, and where the gating is
+        # the gate/up product's own (`Layer.gated`).
+        gating = ", gating in the gate/up product" if model.layers[0].gating_in_product else ""
+        self._ops = f" ({model.ops.name} row ops{gating})"
         self.static_decoder: StaticDecoder | None = None
         self.use_static_decode(model.device.type == "cuda" if static_decode is None else static_decode)
         cpu = model.device.type == "cpu"

@@ -11,6 +11,7 @@ from minengine import settings
 from minengine.config import ModelConfig
 from minengine.fast.cpu_kernels import library
 from minengine.fast.panel_kernels import ACTIVATIONS_ENV, PANEL, PanelLinear, amx_setting
+from minengine.fast.row_ops import c_silu_mul
 from minengine.kv.block_pool import BlockPool
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.steps.load import load_model
@@ -67,6 +68,29 @@ def test_the_tiles_give_the_vnni_tiles_bits_and_the_references(int16, fmt, shape
         assert torch.equal(tiles, _products(panel, x, tiles=False)), rows
         if rows in (16, 33):
             assert torch.equal(tiles, _products(panel, x, tiles=False, reference=True)), rows
+
+
+@needs_tiles
+@pytest.mark.parametrize("fmt", ("q4_1", "q8_0"))
+def test_a_gate_up_product_gating_its_own_sums_on_the_tiles_gives_the_vnni_tiles_bits(int16, fmt):
+    """dot8_rows.c's `*_gated` takes the tiles from 16 rows too, AMX_MAX_ROWS rows of the gate's group and the up's
+    at a time into its scratch: the same bits as without the tiles, and as the product then the C gating."""
+    ff, lib = 1536, library().lib
+    weight = torch.randn(2 * ff, 576, generator=torch.Generator().manual_seed(0)) * 0.02
+    panel = PanelLinear(fmt, weight, 2)
+    assert panel.gates
+    for rows in (15, 16, 65, 300):
+        x = _x(rows, 576, seed=rows)
+        y = _products(panel, x, tiles=True)
+        want = c_silu_mul(y[:, :ff], y[:, ff:])
+        got = {}
+        for tiles in (True, False):
+            lib.amx_use(int(tiles))
+            try:
+                got[tiles] = panel.gated(x)
+            finally:
+                lib.amx_use(1)
+        assert torch.equal(got[True], want) and torch.equal(got[False], want), rows
 
 
 @needs_tiles

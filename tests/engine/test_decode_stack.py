@@ -225,3 +225,26 @@ def test_the_stack_serves_llama_shaped_blocks_in_panels_only(tiny_models):
     assert not LayerStack.serves(_runner(folder, None)[1].model)  # dense operands
     for name in ("qwen2", "qwen3"):  # q/k/v bias; per-head q/k norms
         assert not LayerStack.serves(_runner(tiny_models[name][0], "fp16-panels")[1].model)
+
+
+@needs_kernel
+@pytest.mark.parametrize("packs", ROUNDED)
+def test_a_prompt_through_the_python_blocks_is_the_same_bits_gated_in_the_product_or_after_it(
+    tiny_models, monkeypatch, packs
+):
+    """Over a DOT8 copy each layer's gate/up product gates its own sums (`Layer.gated`, bound at load), and a
+    path through the Python blocks says so; the logits of every position are those of the product, then the C
+    gating over its two chunks."""
+    cfg, runner = _runner(tiny_models["llama-gqa"][0], packs, monkeypatch)
+    layers, ops = runner.model.layers, runner.model.ops
+    assert all(layer.gating_in_product for layer in layers)
+    ids = _randn(200, seed=4).abs().mul(100).long() % cfg.vocab_size
+
+    def logits() -> torch.Tensor:
+        return runner.model.forward(ids, 0, KVCache(cfg, 256, device=CPU, compute_dtype=torch.float32), all_logits=True)
+
+    assert "gating in the gate/up product" in runner.pick(ids, 0, _cache(cfg)).path.why
+    gated = logits()
+    for layer in layers:
+        monkeypatch.setattr(layer, "gated", lambda h, layer=layer: ops.silu_mul(*layer.gate_up_proj.chunks(h)))
+    assert torch.equal(gated, logits())

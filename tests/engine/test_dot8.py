@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from minengine.checkpoint.weight_format import resolve_weights
+from minengine.checkpoint.weight_layout import KernelProduct
 from minengine.fast.cpu_kernels import library
 from minengine.fast.panel_kernels import ACTIVATIONS_ENV, PANEL, PanelLinear, activations
+from minengine.fast.row_ops import c_silu_mul
 
 CPU = torch.device("cpu")
 SHAPES = [(960, 576), (576, 1536), (100, 64), (17, 96), (4096, 576)]  # whole groups, a partial one, a lone panel
@@ -131,6 +133,56 @@ def test_an_output_past_the_caches_written_around_them_keeps_each_rows_bits(roun
     alone = torch.cat([_dot8(panel, x[r : r + 1]) for r in range(0, rows, 37)])
     assert torch.equal(whole[::37], alone)
     assert torch.equal(whole, _dot8(panel, x, reference=True))
+
+
+def _gated(panel: PanelLinear, x: torch.Tensor, threads: int = 2) -> torch.Tensor:
+    """dot8_rows.c's gated product called as `PanelLinear.gated` calls it, on `threads` threads."""
+    lib, rows = library().lib, x.shape[0]
+    y = torch.empty(rows, panel.out_features // 2)
+    name = f"{panel.format}_{'dot16' if panel.rounding == 'int16' else 'dot8'}_gated"
+    args = [x.contiguous().data_ptr(), rows, panel.in_features, panel.dot8.data_ptr(), panel.panel_count]
+    assert getattr(lib, name)(*args, y.data_ptr(), y.shape[1], threads) == 0
+    return y
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("ff", "rows"), [(1536, 1), (1536, 9), (1536, 300), (96, 70), (64, 2600)])
+def test_a_gate_up_product_that_gates_its_own_sums_gives_the_product_then_the_gating_bit_for_bit(
+    rounded, fmt, ff, rows
+):
+    """`PanelLinear.gated` (dot8_rows.c's `*_gated`) gates each group of the gate's sums and the up's beside it
+    as the tiles make them: the product's bits, whatever rows share the call and however many threads take its
+    items (one, two, eight: spans of rows), then the C gating's, the same function. Large inputs put the gate's
+    sums where the exponential underflows and saturates."""
+    panel = PanelLinear(fmt, torch.cat([_weight((ff, 576)), _weight((ff, 576), seed=3)]), 2)
+    assert panel.gates
+    for scale in (1.0, 300.0):
+        x = _x(rows, 576) * scale
+        y = panel.linear(x)
+        want = c_silu_mul(y[:, :ff], y[:, ff:])
+        assert scale == 1.0 or (y[:, :ff].abs() > 90).any()
+        for threads in (1, 2, 8):
+            assert torch.equal(_gated(panel, x, threads), want), threads
+        assert torch.equal(panel.gated(x), want)
+        for r in {0, rows // 2, rows - 1}:
+            assert torch.equal(_gated(panel, x[r : r + 1]), want[r : r + 1]), r
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_gate_up_product_gates_only_in_whole_pairs_of_column_groups(rounded, fmt):
+    """Each half must be a whole number of the tiles' 32-column groups for an item to pair the gate's group with
+    the up's: 2 x 100 columns are not, so the weight does not gate (the layer gates after the product), and the
+    kernel asked anyway computes nothing and says so."""
+    panel = PanelLinear(fmt, _weight((200, 64)), 2)
+    assert not panel.gates
+    assert KernelProduct(panel, None).gating() is None
+    with pytest.raises(ValueError, match="whole column groups"):
+        panel.gated(_x(3, 64))
+    whole = PanelLinear(fmt, _weight((128, 64)), 2)
+    assert whole.gates and KernelProduct(whole, None).gating() is not None
+    assert KernelProduct(whole, torch.zeros(128)).gating() is None  # a bias goes in before the gating
 
 
 @needs_vnni
