@@ -356,6 +356,19 @@ typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8
 #define STREAM_ROWS 64 /* from this many rows (and AMX_STREAM_BYTES of y) the VNNI tiles' sums are streamed */
 #define ITEMS_PER_THREAD 4
 
+/* How a call's M rows are cut beside `items` column items (groups, or pairs of them) for the enclosing
+ * team: as many spans of whole ROW_SPAN rows as give each thread ITEMS_PER_THREAD items, one where the
+ * column items alone do, none for no rows. Returns the spans; *span their rows. */
+static long row_spans(long M, long items, long *span) {
+    *span = 0;
+    if (M <= 0) return 0;  /* no rows: no items (a span of 0 rows would divide by zero) */
+    long want = ((long)ITEMS_PER_THREAD * omp_get_num_threads() + items - 1) / items;
+    long most = (M + ROW_SPAN - 1) / ROW_SPAN, spans = want < most ? want : most;
+    if (spans < 1) spans = 1;
+    *span = ((M + spans - 1) / spans + ROW_SPAN - 1) / ROW_SPAN * ROW_SPAN;
+    return (M + *span - 1) / *span;
+}
+
 /* The groups of y [M, ldy] = the rounded rows of a times the DOT8 groups V of `panels` panels, block
  * bytes `block`, shared out among the threads of the enclosing parallel region (an orphaned loop):
  * each group (its weights in L1 for every 8 rows), or for a long prompt over few groups each group's
@@ -365,12 +378,7 @@ typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8
  * with the loop's barrier. */
 static void dot8_groups(const Acts *a, long M, long K, const uint8_t *V, long panels, float *y, long ldy, long block,
                         GroupRows rows_of, int wide, int q8) {
-    long groups = (panels + GP - 1) / GP, per_group = K / QB * block;
-    long want = ((long)ITEMS_PER_THREAD * omp_get_num_threads() + groups - 1) / groups;
-    long spans = want < (M + ROW_SPAN - 1) / ROW_SPAN ? want : (M + ROW_SPAN - 1) / ROW_SPAN;
-    if (spans < 1) spans = 1;  /* no rows */
-    long span = (M + spans - 1) / spans;
-    span = (span + ROW_SPAN - 1) / ROW_SPAN * ROW_SPAN, spans = (M + span - 1) / span;
+    long groups = (panels + GP - 1) / GP, per_group = K / QB * block, span, spans = row_spans(M, groups, &span);
     float t[8 * DW] __attribute__((aligned(64)));
     int tiles = wide && a->split;
     /* y's old lines are only overwritten: where y outgrows the caches, reading each line in before
@@ -417,12 +425,7 @@ void silu_mul_row(const float *gate, const float *up, float *out, long n);
  * the same bits as the product, then `silu_mul_rows` over its two halves. */
 static void dot8_gated_groups(const Acts *a, long M, long K, const uint8_t *V, long panels, float *y, long ldy,
                               long block, GroupRows rows_of, int wide, int q8) {
-    long pairs = panels / GP / 2, per_group = K / QB * block;
-    long want = ((long)ITEMS_PER_THREAD * omp_get_num_threads() + pairs - 1) / pairs;
-    long spans = want < (M + ROW_SPAN - 1) / ROW_SPAN ? want : (M + ROW_SPAN - 1) / ROW_SPAN;
-    if (spans < 1) spans = 1;  /* no rows */
-    long span = (M + spans - 1) / spans;
-    span = (span + ROW_SPAN - 1) / ROW_SPAN * ROW_SPAN, spans = (M + span - 1) / span;
+    long pairs = panels / GP / 2, per_group = K / QB * block, span, spans = row_spans(M, pairs, &span);
     float gate[AMX_MAX_ROWS * DW] __attribute__((aligned(64))), up[AMX_MAX_ROWS * DW] __attribute__((aligned(64)));
     int tiles = wide && a->split;
     long step = tiles ? AMX_MAX_ROWS : 8;

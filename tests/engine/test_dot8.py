@@ -171,6 +171,16 @@ def test_a_gate_up_product_that_gates_its_own_sums_gives_the_product_then_the_ga
 
 @needs_vnni
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_a_product_over_no_rows_returns_no_rows(rounded, fmt):
+    """Zero rows make zero items (the rows' spans once came out as 0 rows, and dividing by them killed the
+    process with SIGFPE)."""
+    panel = PanelLinear(fmt, _weight((128, 64)), 2)
+    assert panel.linear(torch.empty(0, 64)).shape == (0, 128)
+    assert panel.gated(torch.empty(0, 64)).shape == (0, 64)
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_a_gate_up_product_gates_only_in_whole_pairs_of_column_groups(rounded, fmt):
     """Each half must be a whole number of the tiles' 32-column groups for an item to pair the gate's group with
     the up's: 2 x 100 columns are not, so the weight does not gate (the layer gates after the product), and the
