@@ -177,6 +177,10 @@ class DenseProduct:
             return torch.bmm(rows, self.weight, out=out)
         return torch.baddbmm(self.bias, rows, self.weight, out=out)
 
+    def gating(self) -> None:
+        """A dense product never gates its own sums (`KernelProduct.gating`): the layer gates after it."""
+        return None
+
 
 class KernelProduct:
     """x [T, in] times a packed or panel kernel's weight (+ bias [out]), by the kernel's own product."""

@@ -290,7 +290,7 @@ class PanelLinear:
         y = out if direct else torch.empty(rows, width, dtype=torch.float32)
         lib, threads = self._lib, torch.get_num_threads()
         if self.dot8 is not None:
-            kernel = getattr(lib, f"{self.format}_{'dot16' if self.rounding == 'int16' else 'dot8'}")
+            kernel = getattr(lib, self._dot8_kernel)
             kernel(x.data_ptr(), rows, self.in_features, self.dot8.data_ptr(), panels, y.data_ptr(), width, threads)
         elif self.format in BLOCK_FORMATS:
             kernel = lib.q4_1_panels if self.format == "q4_1" else lib.q8_0_panels
@@ -308,6 +308,11 @@ class PanelLinear:
         return y if out is None else out.copy_(y)
 
     @property
+    def _dot8_kernel(self) -> str:
+        """The DOT8 copy's product in dot8_rows.c for this format and rounding, e.g. `q4_1_dot16`."""
+        return f"{self.format}_{'dot16' if self.rounding == 'int16' else 'dot8'}"
+
+    @property
     def gates(self) -> bool:
         """Whether `gated` takes this weight: the DOT8 copy, two chunks (an MLP's gate, then its up), each
         a whole number of the kernel's column groups."""
@@ -320,7 +325,7 @@ class PanelLinear:
         x = x.contiguous()
         rows, width = x.shape[0], self.out_features // 2
         y = torch.empty(rows, width, dtype=torch.float32)
-        kernel = getattr(self._lib, f"{self.format}_{'dot16' if self.rounding == 'int16' else 'dot8'}_gated")
+        kernel = getattr(self._lib, f"{self._dot8_kernel}_gated")
         if kernel(x.data_ptr(), rows, self.in_features, self.dot8.data_ptr(), self.panel_count, y.data_ptr(), width,
                   torch.get_num_threads()):  # fmt: skip
             raise ValueError(f"the gated product takes a gate/up weight in whole column groups, not {self.shape}")

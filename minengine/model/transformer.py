@@ -32,7 +32,6 @@ import torch
 from minengine.checkpoint.weight_layout import (
     CheckpointReader,
     Embedding,
-    KernelProduct,
     Operand,
     WeightSource,
     product,
@@ -68,7 +67,7 @@ class Layer:
         # The MLP's gate/up product and its gating: one C call where the panel kernel gates its own sums
         # with the C row operations' gating (the same bits, and the product's [T, 2 x ff] never written
         # out), else the product's two chunks through `ops.silu_mul`.
-        fused = self.gate_up_proj.gating() if isinstance(self.gate_up_proj, KernelProduct) and ops.name == "C" else None
+        fused = self.gate_up_proj.gating() if ops.name == "C" else None
         self.gating_in_product = fused is not None
         self.gated = fused or (lambda h: ops.silu_mul(*self.gate_up_proj.chunks(h)))
         self.q_norm = ckpt.optional(a + "q_norm.weight")
