@@ -356,6 +356,24 @@ typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8
 #define STREAM_ROWS 64 /* from this many rows (and AMX_STREAM_BYTES of y) the VNNI tiles' sums are streamed */
 #define ITEMS_PER_THREAD 4
 
+/* From this many rows a product's items go to the threads one at a time, below it in shrinking runs
+ * (`guided`). A run hands its thread up to half the items at once, and on a shared host two cores' rates
+ * can differ 2x from one moment to the next (a hyperthread whose sibling another tenant uses:
+ * scripts/core_rates), so the faster core waited at the loop's end for the slower one's half. A decode
+ * step's item takes a microsecond or two, and there the runs stay: a thread's next item is then the
+ * group after its last, which its prefetch (DOT8_AHEAD) already asked for, and one at a time was
+ * slower. Which thread takes an item never changes its sums. The figures: docs/lab/prefill-profile.md,
+ * "A prompt's items one at a time". */
+#define ONE_AT_A_TIME_ROWS 16
+/* The items [0, n) of a product over M rows, shared out among the enclosing team (an orphaned loop)
+ * as above; `ITEM(item)` does one. Ends with the loop's barrier. */
+#define SHARE_ITEMS(M, n, ITEM)                                                                  \
+    if ((M) >= ONE_AT_A_TIME_ROWS) {                                                             \
+        _Pragma("omp for schedule(dynamic, 1)") for (long item = 0; item < (n); item++) ITEM(item); \
+    } else {                                                                                     \
+        _Pragma("omp for schedule(guided)") for (long item = 0; item < (n); item++) ITEM(item);  \
+    }
+
 /* How a call's M rows are cut beside `items` column items (groups, or pairs of them) for the enclosing
  * team: as many spans of whole ROW_SPAN rows as give each thread ITEMS_PER_THREAD items, one where the
  * column items alone do, none for no rows. Returns the spans; *span their rows. */
@@ -372,10 +390,10 @@ static long row_spans(long M, long items, long *span) {
 /* The groups of y [M, ldy] = the rounded rows of a times the DOT8 groups V of `panels` panels, block
  * bytes `block`, shared out among the threads of the enclosing parallel region (an orphaned loop):
  * each group (its weights in L1 for every 8 rows), or for a long prompt over few groups each group's
- * span of rows, goes to a thread, in shrinking runs as panel_rows.c's block formats. Where the rows
- * were split for the tiles (int16 rows, `a->split`), amx_rows.c's tiles take them, q8_0's blocks
- * (`q8`) or q4_1's: the same bits. A row's sums are its own whichever item and thread take it. Ends
- * with the loop's barrier. */
+ * span of rows, goes to a thread (`SHARE_ITEMS`: one at a time for a prompt's rows, in shrinking runs
+ * for a decode step's). Where the rows were split for the tiles (int16 rows, `a->split`), amx_rows.c's
+ * tiles take them, q8_0's blocks (`q8`) or q4_1's: the same bits. A row's sums are its own whichever
+ * item and thread take it. Ends with the loop's barrier. */
 static void dot8_groups(const Acts *a, long M, long K, const uint8_t *V, long panels, float *y, long ldy, long block,
                         GroupRows rows_of, int wide, int q8) {
     long groups = (panels + GP - 1) / GP, per_group = K / QB * block, span, spans = row_spans(M, groups, &span);
@@ -390,26 +408,28 @@ static void dot8_groups(const Acts *a, long M, long K, const uint8_t *V, long pa
     int stream_whole = stream && M >= STREAM_ROWS && DOT8_NATIVE
                        && (((uintptr_t)y | (uintptr_t)(ldy * sizeof(float))) & 63) == 0;
     if (tiles) amx_begin();
-#pragma omp for schedule(guided)
-    for (long item = 0; item < groups * spans; item++) {
-        long g = item / spans, first = item % spans * span, last = M - first < span ? M : first + span;
-        long columns = (panels - g * GP < GP ? panels - g * GP : GP) * PW;
-        for (long r0 = first; tiles && r0 < last; r0 += AMX_MAX_ROWS) {
-            long rows = last - r0 < AMX_MAX_ROWS ? last - r0 : AMX_MAX_ROWS;
-            amx_group(q8, a->lo, a->hi, a->d, a->s, a->n, rows, r0, K, V + g * per_group, y + g * DW, ldy, columns,
-                      stream);
-        }
-        for (long r0 = first; !tiles && r0 < last; r0 += 8) {
-            long rows = last - r0 < 8 ? last - r0 : 8;
-            if (columns == DW) {  /* a whole group: straight into y (around the caches where stream_whole) */
-                rows_of(a, rows, r0, K, V + g * per_group, y + r0 * ldy + g * DW, ldy, stream_whole);
-                continue;
-            }
-            rows_of(a, rows, r0, K, V + g * per_group, t, DW, 0);  /* the last group's padding columns stay in t */
-            for (long r = 0; r < rows; r++) memcpy(y + (r0 + r) * ldy + g * DW, t + r * DW, sizeof(float) * columns);
-        }
-        if (stream_whole) _mm_sfence();  /* before another thread reads them */
+#define GROUP_ITEM(item)                                                                         \
+    {                                                                                            \
+        long g = (item) / spans, first = (item) % spans * span, last = M - first < span ? M : first + span; \
+        long columns = (panels - g * GP < GP ? panels - g * GP : GP) * PW;                       \
+        for (long r0 = first; tiles && r0 < last; r0 += AMX_MAX_ROWS) {                          \
+            long rows = last - r0 < AMX_MAX_ROWS ? last - r0 : AMX_MAX_ROWS;                     \
+            amx_group(q8, a->lo, a->hi, a->d, a->s, a->n, rows, r0, K, V + g * per_group, y + g * DW, ldy, columns, \
+                      stream);                                                                   \
+        }                                                                                        \
+        for (long r0 = first; !tiles && r0 < last; r0 += 8) {                                    \
+            long rows = last - r0 < 8 ? last - r0 : 8;                                           \
+            if (columns == DW) { /* a whole group: straight into y (around the caches where stream_whole) */ \
+                rows_of(a, rows, r0, K, V + g * per_group, y + r0 * ldy + g * DW, ldy, stream_whole); \
+                continue;                                                                        \
+            }                                                                                    \
+            rows_of(a, rows, r0, K, V + g * per_group, t, DW, 0); /* the last group's padding columns stay in t */ \
+            for (long r = 0; r < rows; r++) memcpy(y + (r0 + r) * ldy + g * DW, t + r * DW, sizeof(float) * columns); \
+        }                                                                                        \
+        if (stream_whole) _mm_sfence(); /* before another thread reads them */                   \
     }
+    SHARE_ITEMS(M, groups * spans, GROUP_ITEM)
+#undef GROUP_ITEM
     if (tiles) amx_end();
 }
 
@@ -430,22 +450,24 @@ static void dot8_gated_groups(const Acts *a, long M, long K, const uint8_t *V, l
     int tiles = wide && a->split;
     long step = tiles ? AMX_MAX_ROWS : 8;
     if (tiles) amx_begin();
-#pragma omp for schedule(guided)
-    for (long item = 0; item < pairs * spans; item++) {
-        long g = item / spans, first = item % spans * span, last = M - first < span ? M : first + span;
-        const uint8_t *G = V + g * per_group, *U = V + (g + pairs) * per_group;
-        for (long r0 = first; r0 < last; r0 += step) {
-            long rows = last - r0 < step ? last - r0 : step;
-            if (tiles) {
-                amx_group(q8, a->lo, a->hi, a->d, a->s, a->n, rows, r0, K, G, gate, DW, DW, 0);
-                amx_group(q8, a->lo, a->hi, a->d, a->s, a->n, rows, r0, K, U, up, DW, DW, 0);
-            } else {
-                rows_of(a, rows, r0, K, G, gate, DW, 0);
-                rows_of(a, rows, r0, K, U, up, DW, 0);
-            }
-            for (long r = 0; r < rows; r++) silu_mul_row(gate + r * DW, up + r * DW, y + (r0 + r) * ldy + g * DW, DW);
-        }
+#define GATED_ITEM(item)                                                                         \
+    {                                                                                            \
+        long g = (item) / spans, first = (item) % spans * span, last = M - first < span ? M : first + span; \
+        const uint8_t *G = V + g * per_group, *U = V + (g + pairs) * per_group;                  \
+        for (long r0 = first; r0 < last; r0 += step) {                                           \
+            long rows = last - r0 < step ? last - r0 : step;                                     \
+            if (tiles) {                                                                         \
+                amx_group(q8, a->lo, a->hi, a->d, a->s, a->n, rows, r0, K, G, gate, DW, DW, 0);  \
+                amx_group(q8, a->lo, a->hi, a->d, a->s, a->n, rows, r0, K, U, up, DW, DW, 0);    \
+            } else {                                                                             \
+                rows_of(a, rows, r0, K, G, gate, DW, 0);                                         \
+                rows_of(a, rows, r0, K, U, up, DW, 0);                                           \
+            }                                                                                    \
+            for (long r = 0; r < rows; r++) silu_mul_row(gate + r * DW, up + r * DW, y + (r0 + r) * ldy + g * DW, DW); \
+        }                                                                                        \
     }
+    SHARE_ITEMS(M, pairs * spans, GATED_ITEM)
+#undef GATED_ITEM
     if (tiles) amx_end();
 }
 
