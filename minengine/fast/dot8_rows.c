@@ -360,11 +360,11 @@ typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8
  * (`guided`). A run hands its thread up to half the items at once, and on a shared host two cores' rates
  * can differ 2x from one moment to the next (a hyperthread whose sibling another tenant uses:
  * scripts/core_rates), so the faster core waited at the loop's end for the slower one's half. A decode
- * step's item takes a microsecond or two, and there the runs stay: a thread's next item is then the
+ * step streams its weights from memory, and there the runs stay: a thread's next item is then the
  * group after its last, which its prefetch (DOT8_AHEAD) already asked for, and one at a time was
- * slower. Which thread takes an item never changes its sums. The figures: docs/lab/prefill-profile.md,
- * "A prompt's items one at a time". */
-#define ONE_AT_A_TIME_ROWS 16
+ * slower (at 1-4 rows, and served at 16 streams). Which thread takes an item never changes its sums.
+ * The figures: docs/lab/prefill-profile.md, "A prompt's items one at a time". */
+#define ONE_AT_A_TIME_ROWS 64
 /* The items [0, n) of a product over M rows, shared out among the enclosing team (an orphaned loop)
  * as above; `ITEM(item)` does one. Ends with the loop's barrier. */
 #define SHARE_ITEMS(M, n, ITEM)                                                                  \
