@@ -579,7 +579,7 @@ int chunk_attention(const ChunkArgs *a) {
         if (!x.kq) return 2;
 #pragma omp parallel num_threads(threads) if (threads > 1)
         {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)  /* as the units below: the cores' rates may differ 2x */
             for (long i = 0; i < a->hkv * blocks; i++) round_block(a, &x, span, i / blocks, i % blocks);
             Room r = room(a->d);
             Room16 z = room16(a->d);

@@ -365,6 +365,7 @@ typedef void (*GroupRows)(const Acts *a, long rows, long r0, long K, const uint8
  * slower (at 1-4 rows, and served at 16 streams). Which thread takes an item never changes its sums.
  * The figures: docs/lab/prefill-profile.md, "A prompt's items one at a time". */
 #define ONE_AT_A_TIME_ROWS 64
+#define ROUND_RUN 16 /* rows a prompt's rounding hands a thread at a time */
 /* The items [0, n) of a product over M rows, shared out among the enclosing team (an orphaned loop)
  * as above; `ITEM(item)` does one. Ends with the loop's barrier. */
 #define SHARE_ITEMS(M, n, ITEM)                                                                  \
@@ -489,7 +490,14 @@ static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long p
     for (long rb = 0; !together && rb < M * blocks; rb++) quantize_block(a, x, K, rb / blocks, rb % blocks, wide);
 #pragma omp parallel num_threads(threads)
     {
-        if (together) {  /* then multiply once every block is rounded (the loop's barrier) */
+        /* then multiply once every block is rounded (the loop's barrier). A prompt's rows go out in runs
+         * of ROUND_RUN, one at a time, as its groups do (SHARE_ITEMS says why); a step's, in halves. */
+        if (together && M >= ONE_AT_A_TIME_ROWS) {
+#pragma omp for schedule(dynamic, 1)
+            for (long run = 0; run < (M + ROUND_RUN - 1) / ROUND_RUN; run++)
+                for (long r = run * ROUND_RUN; r < M && r < (run + 1) * ROUND_RUN; r++)
+                    for (long b = 0; b < blocks; b++) quantize_block(a, x, K, r, b, wide);
+        } else if (together) {
 #pragma omp for schedule(static)
             for (long rb = 0; rb < M * blocks; rb++) quantize_block(a, x, K, rb / blocks, rb % blocks, wide);
         }

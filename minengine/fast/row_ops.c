@@ -9,7 +9,7 @@
  * viewed inside a fused q/k/v row need no copy. Every row is computed alone, in one fixed
  * order, whatever T, H and the rows beside it: a row's result is the same bits alone or in a
  * batch. A decode step's rows are too small to share out; a prompt's (SHARED_ROWS or more) go
- * to `threads` threads, each row still computed alone, so the same bits.
+ * to `threads` threads, each row still computed alone, so the same bits whichever thread takes it.
  *
  * Built with panel_rows.c by minengine/fast/cpu_kernels.py.
  */
@@ -18,14 +18,17 @@
 
 #include "exp_le0.h"
 
-/* Rows from which a call shares them out: below, a team's wake-up costs more than the rows. */
+/* Rows from which a call shares them out: below, a team's wake-up costs more than the rows. They go
+ * out in runs of ROW_RUN, one run at a time: the two cores of a shared host can differ 2x in rate
+ * (scripts/core_rates), and an even split then keeps the faster waiting for the slower's half. */
 #define SHARED_ROWS 256
+#define ROW_RUN 16
 
 /* y = w * (x * 1 / sqrt(eps + sum(x^2) / d)) per row (Hugging Face's order: normalise, then
  * scale). The sum runs in 8 lanes over d, then the lanes are added in a fixed order. */
 void rms_norm_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *w, float eps,
                    float *y, long syt, long syh, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T >= SHARED_ROWS)
+#pragma omp parallel for schedule(dynamic, ROW_RUN) num_threads(threads) if (threads > 1 && T >= SHARED_ROWS)
     for (long t = 0; t < T; t++)
         for (long h = 0; h < H; h++) {
             const float *xr = x + t * sxt + h * sxh;
@@ -60,7 +63,7 @@ __attribute__((optimize("fp-contract=off")))
 void rope_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *cos_t, const float *sin_t,
                float *y, long syt, long syh, int threads) {
     long half = d / 2;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T >= SHARED_ROWS)
+#pragma omp parallel for schedule(dynamic, ROW_RUN) num_threads(threads) if (threads > 1 && T >= SHARED_ROWS)
     for (long t = 0; t < T; t++) {
         const float *c = cos_t + t * d, *s = sin_t + t * d;
         for (long h = 0; h < H; h++) {
@@ -109,6 +112,6 @@ void silu_mul_row(const float *gate, const float *up, float *out, long n) {
 
 void silu_mul_rows(const float *gate, const float *up, float *out, long T, long n, long sg, long su, long so,
                    int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && T >= SHARED_ROWS)
+#pragma omp parallel for schedule(dynamic, ROW_RUN) num_threads(threads) if (threads > 1 && T >= SHARED_ROWS)
     for (long t = 0; t < T; t++) silu_mul_row(gate + t * sg, up + t * su, out + t * so, n);
 }

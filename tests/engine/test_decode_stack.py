@@ -87,6 +87,32 @@ def test_silu_gating_is_float64s_in_place_or_not(n):
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_prompts_rows_shared_among_threads_keep_each_rows_bits(threads):
+    # From 256 rows (row_ops.c's SHARED_ROWS) the rows go to the threads in runs, whichever thread
+    # is free next: a row's result must not depend on which took it, nor on the rows beside it.
+    rows, before = 301, torch.get_num_threads()
+    x, weight = _randn(rows, 576) * 3, _randn(576, seed=1)
+    qk = _randn(rows, 12, 64, seed=2)
+    cos, sin = _randn(rows, 1, 64, seed=3), _randn(rows, 1, 64, seed=4)
+    gate, up = _randn(rows, 1536, seed=5) * 8, _randn(rows, 1536, seed=6)
+    norm = CNorm(weight, 1e-5)
+    try:
+        torch.set_num_threads(1)
+        alone = [
+            torch.cat([norm(x[i : i + 1]) for i in range(rows)]),
+            torch.cat([c_rotate(qk[i : i + 1], cos[i : i + 1], sin[i : i + 1]) for i in range(rows)]),
+            torch.cat([c_silu_mul(gate[i : i + 1], up[i : i + 1]) for i in range(rows)]),
+        ]
+        torch.set_num_threads(threads)
+        shared = [norm(x), c_rotate(qk, cos, sin), c_silu_mul(gate, up)]
+    finally:
+        torch.set_num_threads(before)
+    for one, together in zip(alone, shared, strict=True):
+        assert torch.equal(one.view(torch.int32), together.view(torch.int32))
+
+
+@needs_kernel
 def test_silu_gating_gives_a_value_the_same_bits_in_16_lanes_as_in_8():
     # A row of 1,536 goes through the 16 lanes where the build has AVX-512; rows of 8 values only
     # through the 8 (exp_le0.h's two widths of one arithmetic). Edge values included: zeros of
