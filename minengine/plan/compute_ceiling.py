@@ -8,6 +8,11 @@ on: the FLOP/s this path can reach on this machine, not the chip's theoretical p
 the norms and Python between the ops are left out: they are what a real prefill loses against
 this ceiling. The fastest pass is kept, as for the read ceiling: a ceiling is what the path can
 do, and on a shared machine a slower pass is the neighbours' load.
+
+It is measured at two chunk sizes and the faster kept. The integer tiles run at one rate from a few
+dozen rows on, but the float32 GEMM a CPU without VNNI runs lays each weight out again for every
+product, a cost the rows share: measured over 256 rows only, a 1,000-token prompt's whole prefill
+ran well above that "ceiling" on such a CPU (docs/lab/prefill-profile.md).
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from minengine.device import synchronize
 from minengine.engine.engine import Engine
 from minengine.engine.roofline import ComputeCeiling, flop_shape
 
-COMPUTE_ROWS = 256  # a prompt chunk's worth: enough rows that the products run their prompt path
-COMPUTE_PASSES = 5  # of the whole stack of projections; the fastest is kept
+COMPUTE_ROWS = (256, 1024)  # prompt chunks' worth: enough rows that the products run their prompt path
+COMPUTE_PASSES = 5  # of the whole stack of projections at each size; the fastest is kept
 
 
 def prefill_path_name(engine: Engine) -> str:
@@ -35,13 +40,35 @@ def prefill_path_name(engine: Engine) -> str:
 
 
 def measure_compute_ceiling(
-    engine: Engine, machine: str, source: str, rows: int = COMPUTE_ROWS, passes: int = COMPUTE_PASSES
+    engine: Engine,
+    machine: str,
+    source: str,
+    rows: tuple[int, ...] = COMPUTE_ROWS,
+    passes: int = COMPUTE_PASSES,
 ) -> ComputeCeiling:
-    """The fastest of `passes` passes of `rows` random rows through every layer's projections, as FLOP/s.
+    """The fastest pass, as FLOP/s, of `passes` passes through every layer's projections at each of
+    `rows` (a block of random rows each), and the rows it ran at.
 
     Runs on the model thread under a prefill step's threads. The rows are random activations of
     the model's dtype: a product's time depends on the shapes, not the values.
     """
+    shape = flop_shape(engine.cfg, engine.model.decode_weight_bytes)
+    rates = {n: projections_rate(engine, n, passes) for n in rows}
+    best = max(rates, key=rates.__getitem__)
+    sizes = f" (of {' and '.join(map(str, rows))})" if len(rows) > 1 else ""
+    return ComputeCeiling(
+        flops_per_s=rates[best],
+        rows=best,
+        probe=f"{shape.layers} layers' projections over {best} rows{sizes}, fastest of {passes} passes",
+        machine=machine,
+        path=prefill_path_name(engine),
+        measured_at=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        source=source,
+    )
+
+
+def projections_rate(engine: Engine, rows: int, passes: int) -> float:
+    """The FLOP/s of the fastest of `passes` timed passes of `rows` rows through every layer's projections."""
     runner, cfg = engine.runner, engine.cfg
     shape = flop_shape(cfg, engine.model.decode_weight_bytes)
     generator = torch.Generator().manual_seed(0)
@@ -68,13 +95,4 @@ def measure_compute_ceiling(
 
     one_pass()  # untimed: the products' one-time costs (packing buffers, tile permission, thread wake-up)
     seconds = min(one_pass() for _ in range(passes))
-    flops = 2 * shape.layer_params * rows
-    return ComputeCeiling(
-        flops_per_s=flops / seconds,
-        rows=rows,
-        probe=f"{shape.layers} layers' projections over {rows} rows, fastest of {passes} passes",
-        machine=machine,
-        path=prefill_path_name(engine),
-        measured_at=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        source=source,
-    )
+    return 2 * shape.layer_params * rows / seconds

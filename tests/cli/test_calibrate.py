@@ -115,7 +115,8 @@ def test_calibrate_measures_the_compute_ceiling_keeps_it_and_reads_it_back(chatt
     assert main(["calibrate", "--ceilings-only", "--model", str(chatty_tiny_dir), "--device", "cpu", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     compute, read = printed["compute_ceiling"], printed["read_ceiling"]
-    assert compute["flops_per_s"] > 0 and compute["rows"] == COMPUTE_ROWS
+    assert compute["flops_per_s"] > 0 and compute["rows"] in COMPUTE_ROWS
+    assert f"over {compute['rows']} rows (of 256 and 1024), fastest of 5 passes" in compute["probe"]
     name, weights, dtype = compute["path"].split(", ")  # the model, the weights' format it chose, the compute dtype
     assert name == chatty_tiny_dir.name and weights.endswith(" weights") and dtype == "float32"
     assert compute["machine"] == read["machine"] == machine_name(CPU)
@@ -130,6 +131,24 @@ def test_calibrate_measures_the_compute_ceiling_keeps_it_and_reads_it_back(chatt
     # Another path (weights, dtype or model) has none yet, and says what to run.
     other = stored_compute_ceiling(CPU, "another model, q4_1 weights, float32", read_ceiling_file)
     assert other.ceiling is None and "compute ceiling not measured" in other.note and COMPUTE_HINT in other.note
+
+
+def test_the_compute_ceiling_is_the_faster_chunk_size_and_names_it(chatty_tiny_dir, monkeypatch):
+    # A float32 GEMM that lays each weight out again per product runs faster over more rows: the
+    # ceiling must be the rate of the faster size, or a long prompt's prefill reads above it.
+    from minengine.engine.engine import Engine
+    from minengine.plan import compute_ceiling
+
+    engine = Engine(chatty_tiny_dir, device="cpu")
+    timed = {rows: compute_ceiling.projections_rate(engine, rows, 1) for rows in COMPUTE_ROWS}
+    assert all(rate > 0 for rate in timed.values())
+    rates = {256: 91e9, 1024: 130e9}
+    monkeypatch.setattr(compute_ceiling, "projections_rate", lambda engine, rows, passes: rates[rows])
+    ceiling = compute_ceiling.measure_compute_ceiling(engine, "cpu test, 2 threads", "a test")
+    assert (ceiling.flops_per_s, ceiling.rows) == (130e9, 1024)
+    assert "over 1024 rows (of 256 and 1024), fastest of 5 passes" in ceiling.probe
+    rates[256] = 140e9
+    assert compute_ceiling.measure_compute_ceiling(engine, "cpu test", "a test").rows == 256
 
 
 def test_a_ceiling_file_from_before_compute_ceilings_still_loads(read_ceiling_file):
