@@ -3,7 +3,8 @@
 A live test skips where its server is not provisioned, and the browser test where chromium is
 missing: on a developer's machine that is fine, but a CI run green with those skipped has tested
 nothing of them. So where `CI` is set (CI runs `.ci/run` with CI=true), every skip's reason is
-checked against ALLOWED, the skips that no install can undo on a CPU machine, and any other fails
+checked against ALLOWED, the skips that no install can undo on a CPU machine, and
+ALLOWED_ON_CPUS_WITHOUT, a CPU feature's tests where this CPU lacks that feature; any other fails
 the run with one line per test. Outside CI every skip stays allowed; `-rs` (pyproject.toml) lists
 them all the same.
 
