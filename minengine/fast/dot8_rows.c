@@ -472,6 +472,8 @@ static void dot8_gated_groups(const Acts *a, long M, long K, const uint8_t *V, l
     if (tiles) amx_end();
 }
 
+void dot8_round_row(void *a, const float *x, long K, long r, int wide);
+
 /* y [M, ldy] = x [M, K] times the DOT8 groups V of `panels` panels (with `gated`, that product's gating). The
  * rows are rounded once, into the calling thread's Acts; then `dot8_groups` (`dot8_gated_groups`) shares the
  * groups out. */
@@ -495,8 +497,7 @@ static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long p
         if (together && M >= ONE_AT_A_TIME_ROWS) {
 #pragma omp for schedule(dynamic, 1)
             for (long run = 0; run < (M + ROUND_RUN - 1) / ROUND_RUN; run++)
-                for (long r = run * ROUND_RUN; r < M && r < (run + 1) * ROUND_RUN; r++)
-                    for (long b = 0; b < blocks; b++) quantize_block(a, x, K, r, b, wide);
+                for (long r = run * ROUND_RUN; r < M && r < (run + 1) * ROUND_RUN; r++) dot8_round_row(a, x, K, r, wide);
         } else if (together) {
 #pragma omp for schedule(static)
             for (long rb = 0; rb < M * blocks; rb++) quantize_block(a, x, K, rb / blocks, rb % blocks, wide);
