@@ -62,8 +62,8 @@ def add_engine_arguments(
                     "--max-num-batched-tokens",
                     type=int,
                     help="tokens one engine step may schedule, decode and prefill chunks together; a longer prompt "
-                    "is prefilled in chunks, as vLLM's flag (default: 80 on the CPU, 2048 there while nothing decodes, "
-                    "2048 on CUDA)",
+                    "is prefilled in chunks, as vLLM's flag (default: 80 on the CPU, 56 where its products "
+                    "multiply float32 rows, 2048 there while nothing decodes, 2048 on CUDA)",
                 )
             case _:
                 raise ValueError(f"no engine flag {flag!r}")

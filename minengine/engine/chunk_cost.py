@@ -9,12 +9,11 @@ cost: a chunk gets fewer tokens as its prompt goes on.
 
 The unit is one row's products. Attending over `p` positions costs `p / keys_per_row` of them:
 the model's multiply-adds per row against those of one attended position, times how much more
-an attention multiply-add costs than a product's on the engine's CPU path (float32 against the
-rounded rows' integer tiles). That weight depends on which prompt attention the model was built
-with (`ModelOps.prompt_attention`, bound at load): the grouped, key-blocked C kernel
-(`fast/chunk_attention`), its rounded twin (int16 dot products, where the products round their
-rows), or another (torch's SDPA, or a row per position under int8 activations where the build
-lacks AVX-512).
+an attention multiply-add costs than a product's on the engine's CPU path. That weight depends on
+which prompt attention the model was built with (`ModelOps.prompt_attention`, bound at load), each
+measured beside the products it is bound with: the grouped, key-blocked C kernel
+(`fast/chunk_attention`) beside float32 rows, its rounded twin (int16 dot products) beside the
+rounded rows' integer tiles, or another (torch's SDPA, where the model runs torch's operations).
 """
 
 from __future__ import annotations
@@ -26,13 +25,14 @@ from minengine.config import ModelConfig
 from minengine.fast.chunk_attention import attend_chunk, attend_chunk_rounded
 from minengine.model.ops import ModelOps
 
-# An attended position's multiply-add against a product's (float32 scores and values against int16 x
-# q4_1 tiles), on the default model's shape: for the C chunk kernel, its time per (query head x key)
-# over every layer of a 3,000-position cache against a 64-token chunk's time a row, measured on the
-# 2-core Zen 4 EPYC by `scripts/chunk_attention_cost --threads 1 --clock cpu` (docs/lab/long-prompt.md,
-# where the same measure is taken of SDPA).
-KEYBLOCKED_MAC_WEIGHT = 2.4
-# The same measure of the kernel's rounded twin (its scores and weighted values int16 dot products).
+# An attended position's multiply-add against a product's, on the default model's shape: the attention's time
+# per (query head x key) over every layer of a 3,000-position cache against a 64-token chunk's time a row,
+# by `scripts/chunk_attention_cost --threads 1 --clock cpu` (docs/lab/long-prompt.md). The C chunk kernel
+# is bound where the products multiply float32 rows; its AVX2 build, beside them on a 2-core Zen 3 EPYC:
+# 1.06-1.64 over five runs, median 1.34 (2.4, measured on the Zen 4 beside the int16 tiles it no longer
+# runs with, counted it nearly twice over).
+KEYBLOCKED_MAC_WEIGHT = 1.35
+# The kernel's rounded twin (its scores and weighted values int16 dot products), beside the int16 tiles, Zen 4.
 ROUNDED_MAC_WEIGHT = 1.4
 # For any other prompt attention: fitted to chunk steps' times through SDPA on the 2-core Xeon
 # (docs/lab/serving-against-vllm.md, "Step planning for waves and long prompts").

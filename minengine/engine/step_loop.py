@@ -59,6 +59,7 @@ from minengine.engine.chunk_cost import ChunkCost
 from minengine.engine.roofline import StepBytes, kv_position_bytes
 from minengine.engine.run_ahead import Ahead, Chosen, Decoded, TokenChooser, prepare_choices
 from minengine.errors import Mention, RequestError, Setting
+from minengine.fast.panel_kernels import activations
 from minengine.kv.block_pool import PoolExhausted
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
@@ -136,6 +137,10 @@ class BatchLimits:
 
 
 CPU_TOKEN_BUDGET = 80
+# Where the products multiply float32 rows (a CPU without VNNI's dot products, or float32 asked for), a
+# plain 16-row decode step is already bound by the FMAs, so each prompt row beside it adds nearly its
+# whole cost: on a Zen 3 EPYC 80 rows made a step about three times a plain one (docs/lab/long-prompt.md).
+FLOAT_ROWS_TOKEN_BUDGET = 56
 
 
 def default_token_budget(device: torch.device) -> int:
@@ -144,8 +149,11 @@ def default_token_budget(device: torch.device) -> int:
     The CPU's trades a long prompt's TTFT beside sixteen decoding streams against the streams' p99
     gap over their median: with the rounded chunk kernel, 80 rows put the TTFT under vLLM's in most
     runs with the gap within 3x at its median, where 64 kept the gap lower and the TTFT at about
-    vLLM's (docs/lab/long-prompt.md)."""
-    return CPU_TOKEN_BUDGET if device.type == "cpu" else 2048
+    vLLM's; where the products multiply float32 rows, 56 kept the gap under 2.3x with the TTFT a
+    third of vLLM's (docs/lab/long-prompt.md)."""
+    if device.type != "cpu":
+        return 2048
+    return FLOAT_ROWS_TOKEN_BUDGET if activations() == "float32" else CPU_TOKEN_BUDGET
 
 
 def default_limits(

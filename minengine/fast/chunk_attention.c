@@ -533,17 +533,6 @@ static long units_per_head(long rows, long hkv, int threads) {
     return units;
 }
 
-/* Whether the build has AVX-512, where the kernel was measured faster than SDPA and its cost set
- * the step planner's (docs/lab/long-prompt.md); under AVX2 alone it ran about as fast as SDPA, and
- * the binding keeps SDPA there (asked once, at load). */
-int chunk_attention_wide(void) {
-#if defined(__AVX512F__)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 /* Whether the rounded twin runs for a head of d floats: built with VNNI, and d a whole number of
  * 32-float halves of a rounding pass. */
 int chunk_attention_rounded(long d) {

@@ -28,7 +28,6 @@ typedef struct {
 } ChunkArgs;
 
 int chunk_attention(const ChunkArgs *a); /* 0, or why not: see chunk_attention.c */
-int chunk_attention_wide(void);
 int chunk_attention_rounded(long d);
 
 #endif

@@ -14,10 +14,9 @@ from __future__ import annotations
 import torch
 
 from minengine import settings
-from minengine.fast import attention_rows, chunk_attention
-from minengine.fast.attention_rows import attend_one, attend_prompt, serves
+from minengine.fast import chunk_attention
+from minengine.fast.attention_rows import attend_one, serves
 from minengine.fast.cpu_kernels import library
-from minengine.fast.panel_kernels import activations
 from minengine.model.ops import TORCH_OPS, ModelOps, Norm, RMSNorm
 from minengine.settings import SettingValue
 
@@ -99,39 +98,24 @@ def c_decode_attention(
     return attend_one(q, keys, values, scale, out)
 
 
-def c_prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """`ops.prompt_attention` a row per position (`attend_prompt`): a position's output the same bits
-    however the prompt was cut into chunks."""
-    if not serves(q, k[0], v[0]):
-        raise ValueError("the C prompt attention takes float32 heads with a head's positions d apart")
-    return attend_prompt(q, k, v, start, scale)
-
-
 def model_ops(device: torch.device, dtype: torch.dtype, rounded: bool = False) -> ModelOps:
     """The row operations a model on `device` in `dtype` is built with, and why: C's for float32 on
-    the CPU where the kernels built, torch's otherwise. A prompt chunk's attention runs the grouped,
-    key-blocked kernel (`chunk_attention`) where the build has AVX-512, its rounded twin where the
-    model's products round their rows (`rounded`, `steps.load.rounds_rows`); elsewhere SDPA, or
-    under int8 activations a row per position (`attend_prompt`), since int8 rounding would turn
-    SDPA's chunk-dependent last bits into other tokens. The C ones give a position the same bits
-    however the prompt was cut."""
+    the CPU where the kernels built, torch's otherwise. A prompt chunk's attention then runs the
+    grouped, key-blocked kernel (`chunk_attention`), or its rounded twin where the model's products
+    round their rows (`rounded`, `steps.load.rounds_rows`): either gives a position the same bits
+    however the prompt was cut, which SDPA does not (int8 rounding would turn its chunk-dependent
+    last bits into other tokens)."""
     if device.type != "cpu" or dtype != _F32:
         why = f"torch's operations: the C row operations run float32 on the CPU, not {str(dtype)[6:]} on {device.type}"
         return ModelOps(TORCH_OPS.name, why, *_torch_calls())
     if library().lib is None:
         return ModelOps(TORCH_OPS.name, f"torch's operations: no C kernels here ({library().why_not})", *_torch_calls())
-    decode, prompt, how = c_decode_attention, TORCH_OPS.prompt_attention, "a prompt's attention through SDPA"
-    if not attention_rows.available():
-        decode, how = TORCH_OPS.decode_attention, "both attentions torch's (no C attention kernel)"
-    elif rounded and chunk_attention.available():
+    prompt, how = chunk_attention.attend_chunk, "a prompt chunk's attention key-blocked in C, read in place"
+    if rounded:
         prompt = chunk_attention.attend_chunk_rounded
         how = "a prompt chunk's attention key-blocked in C, read in place, in int16 dot products"
-    elif chunk_attention.available():
-        prompt, how = chunk_attention.attend_chunk, "a prompt chunk's attention key-blocked in C, read in place"
-    elif activations() == "int8":
-        prompt, how = c_prompt_attention, "a prompt's attention a row per position (int8 activations)"
     why = f"norm, rotation and gating in C (float32 on the CPU); {how}"
-    return ModelOps("C", why, c_norm, c_rotate, c_silu_mul, decode, prompt)
+    return ModelOps("C", why, c_norm, c_rotate, c_silu_mul, c_decode_attention, prompt)
 
 
 def _torch_calls() -> tuple:

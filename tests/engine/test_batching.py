@@ -199,21 +199,22 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_step_budget(chatty_tiny
 
 
 def test_the_cpu_default_budget_takes_a_prompt_whole_while_nothing_decodes(chatty_tiny_dir):
-    """The default limits on the CPU: 80 rows a step beside a decoding sequence, a chunk's
-    attention counted among them, and 2,048 tokens while none decodes (chunks there only cost);
-    a budget given by name stays a hard cap on tokens alone."""
-    from minengine.engine.step_loop import IDLE_TOKEN_BUDGET, default_limits
+    """The default limits on the CPU: 80 rows a step beside a decoding sequence (56 where the products
+    multiply float32 rows), a chunk's attention counted among them, and 2,048 tokens while none
+    decodes (chunks there only cost); a budget given by name stays a hard cap on tokens alone."""
+    from minengine.engine.step_loop import IDLE_TOKEN_BUDGET, default_limits, default_token_budget
 
     cpu = torch.device("cpu")
+    rows = default_token_budget(cpu)
     # Without a cap, as many sequences as a step's token budget gives a token each (vLLM's 256 at most).
-    assert default_limits(cpu, None, None) == BatchLimits(80, 80, IDLE_TOKEN_BUDGET, attention_counted=True)
+    assert default_limits(cpu, None, None) == BatchLimits(rows, rows, IDLE_TOKEN_BUDGET, attention_counted=True)
     assert default_limits(torch.device("cuda"), None, None) == BatchLimits(256, 2048, None)
     assert default_limits(cpu, None, 20) == BatchLimits(20, 20, None)
-    assert default_limits(cpu, 8, None) == BatchLimits(8, 80, IDLE_TOKEN_BUDGET, attention_counted=True)
+    assert default_limits(cpu, 8, None) == BatchLimits(8, rows, IDLE_TOKEN_BUDGET, attention_counted=True)
     assert default_limits(cpu, 8, 64) == BatchLimits(8, 64, None)
     assert default_limits(torch.device("cuda"), 8, None) == BatchLimits(8, 2048, None)
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 << 20, prefix_cache=False)
-    long_prompt = "Describe step-free routes between the stations of Kyoto, " * 12
+    long_prompt = "Describe step-free routes between the stations of Kyoto, " * 30  # far enough for chunks to shrink
     alone = next(e for e in engine.start(_request(long_prompt)) if isinstance(e, PrefillEvent))
     assert alone.prompt_tokens > 128 and len(alone.chunks) == 1  # nobody decoding: one step
     # Beside a request that decodes, the same prompt goes in chunks of the budget.
@@ -224,7 +225,7 @@ def test_the_cpu_default_budget_takes_a_prompt_whole_while_nothing_decodes(chatt
     # Each chunk beside the decoding row takes what the rest of the budget holds, its attention
     # over the positions before it counted, so the chunks shrink as the prompt goes on.
     cost, budget = ChunkCost.of_model(engine.model.cfg, engine.model.ops), engine.steps.limits.max_num_batched_tokens
-    assert budget == 80
+    assert budget == rows
     beside_decoder = [c for c in chunked.chunks if c.step.decode_tokens == 1]
     assert len(beside_decoder) >= 3 and sum(c.tokens for c in chunked.chunks) == chunked.prompt_tokens
     for c in beside_decoder:
@@ -233,6 +234,22 @@ def test_the_cpu_default_budget_takes_a_prompt_whole_while_nothing_decodes(chatt
         assert c.step.sequences == 2 and cost.rows(c.start, c.tokens) <= budget - 1 or c.tokens == 1
     sizes = [c.tokens for c in beside_decoder if c.tokens < chunked.prompt_tokens - c.start]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+
+
+def test_the_cpu_budget_is_smaller_where_the_products_multiply_float32_rows(monkeypatch):
+    """80 rows beside decoding sequences where the products round their rows (VNNI's integer tiles); 56
+    where they multiply float32 rows, asked for here as a user asks (`REQSCOPE_ACTIVATIONS`) or where
+    the CPU has no VNNI, since a plain decode step is then bound by the FMAs already; a GPU's 2,048."""
+    from minengine.engine import step_loop
+    from minengine.settings import ACTIVATIONS_ENV
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(ACTIVATIONS_ENV, "float32")
+    assert step_loop.default_token_budget(cpu) == step_loop.FLOAT_ROWS_TOKEN_BUDGET == 56
+    assert step_loop.default_limits(cpu, None, None).max_num_batched_tokens == 56
+    monkeypatch.setattr(step_loop, "activations", lambda: "int16")  # the rounded rows a VNNI CPU multiplies
+    assert step_loop.default_token_budget(cpu) == step_loop.CPU_TOKEN_BUDGET == 80
+    assert step_loop.default_token_budget(torch.device("cuda")) == 2048
 
 
 def test_a_chunk_costs_its_rows_and_its_attention():

@@ -269,11 +269,10 @@ def test_with_int8_activations_a_prompts_attention_is_the_same_bits_whatever_its
     """SDPA cuts its queries into blocks by the chunk's length, so a position's output could differ in
     the last bits between a prompt taken whole and one cut in two (it does for these shapes); int8
     rounding would turn that into another token. Under int8 activations the prompt's attention is
-    never SDPA: the key-blocked chunk kernel's rounded twin where the build has VNNI (as a q4_1 model
-    is built), else a row per position."""
+    never SDPA: the key-blocked chunk kernel's rounded twin (as a q4_1 model is built)."""
     from minengine.config import ModelConfig
     from minengine.fast import chunk_attention
-    from minengine.fast.row_ops import c_prompt_attention, model_ops
+    from minengine.fast.row_ops import model_ops
     from minengine.steps.load import rounds_rows
 
     cfg = ModelConfig(model_type="llama", vocab_size=96, hidden_size=576, intermediate_size=128, num_hidden_layers=2,
@@ -282,7 +281,7 @@ def test_with_int8_activations_a_prompts_attention_is_the_same_bits_whatever_its
     cpu = torch.device("cpu")
     attend = model_ops(cpu, torch.float32, rounds_rows(cfg, cpu, "q4_1")).prompt_attention
     twin = chunk_attention.attend_chunk_rounded if chunk_attention.rounded(64) else chunk_attention.attend_chunk
-    assert attend is (twin if chunk_attention.available() else c_prompt_attention)
+    assert attend is twin
     gen = torch.Generator().manual_seed(3)
     k, v = torch.randn(1, 3, total, 64, generator=gen), torch.randn(1, 3, total, 64, generator=gen)
     q = torch.randn(1, 9, total, 64, generator=gen)
