@@ -149,8 +149,9 @@ def default_token_budget(device: torch.device) -> int:
     The CPU's trades a long prompt's TTFT beside sixteen decoding streams against the streams' p99
     gap over their median: with the rounded chunk kernel, 80 rows put the TTFT under vLLM's in most
     runs with the gap within 3x at its median, where 64 kept the gap lower and the TTFT at about
-    vLLM's; where the products multiply float32 rows, 56 kept the gap under 2.3x with the TTFT a
-    third of vLLM's (docs/lab/long-prompt.md)."""
+    vLLM's; where the products multiply float32 rows, 56 rows with the chunk kernel kept the gap at
+    its old median (about 2.5x) with the TTFT a fifth lower, under a third of vLLM's
+    (docs/lab/long-prompt.md)."""
     if device.type != "cpu":
         return 2048
     return FLOAT_ROWS_TOKEN_BUDGET if activations() == "float32" else CPU_TOKEN_BUDGET

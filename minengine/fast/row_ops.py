@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from minengine import settings
-from minengine.fast import chunk_attention
+from minengine.fast import attention_rows, chunk_attention
 from minengine.fast.attention_rows import attend_one, serves
 from minengine.fast.cpu_kernels import library
 from minengine.model.ops import TORCH_OPS, ModelOps, Norm, RMSNorm
@@ -110,12 +110,16 @@ def model_ops(device: torch.device, dtype: torch.dtype, rounded: bool = False) -
         return ModelOps(TORCH_OPS.name, why, *_torch_calls())
     if library().lib is None:
         return ModelOps(TORCH_OPS.name, f"torch's operations: no C kernels here ({library().why_not})", *_torch_calls())
-    prompt, how = chunk_attention.attend_chunk, "a prompt chunk's attention key-blocked in C, read in place"
-    if rounded:
+    decode, prompt = c_decode_attention, chunk_attention.attend_chunk
+    how = "a prompt chunk's attention key-blocked in C, read in place"
+    if not attention_rows.available():
+        decode, prompt = TORCH_OPS.decode_attention, TORCH_OPS.prompt_attention
+        how = "both attentions torch's (no C attention kernel)"
+    elif rounded:
         prompt = chunk_attention.attend_chunk_rounded
         how = "a prompt chunk's attention key-blocked in C, read in place, in int16 dot products"
     why = f"norm, rotation and gating in C (float32 on the CPU); {how}"
-    return ModelOps("C", why, c_norm, c_rotate, c_silu_mul, c_decode_attention, prompt)
+    return ModelOps("C", why, c_norm, c_rotate, c_silu_mul, decode, prompt)
 
 
 def _torch_calls() -> tuple:

@@ -32,6 +32,7 @@ from footprint import wait_until_idle, workers
 from serve_harness import chat_body, serving
 
 from minengine.engine.engine import Engine
+from minengine.engine.step_loop import default_token_budget
 from minengine.kv.arithmetic import MIB
 from reqscope.serve.app import memory_queue_bound
 from reqscope.serve.gateway import GatewayConfig
@@ -123,7 +124,8 @@ def _check_pool_back(engine: Engine) -> None:
 
 def test_two_hundred_at_once_at_the_defaults_are_all_served(chatty_tiny_dir, capsys):
     engine = Engine(chatty_tiny_dir, device="cpu", dtype="float32", kv_budget_bytes=64 * MIB)
-    assert engine.steps.limits.max_num_seqs == 80  # by capacity: the CPU step's 80 tokens, one each
+    # By capacity: the CPU step's token budget (80, or 56 where the products multiply float32 rows), one each.
+    assert engine.steps.limits.max_num_seqs == default_token_budget(engine.device)
     with serving(engine, GatewayConfig()) as served:  # no key, and every other setting the default
         assert engine.scheduler.max_queue == memory_queue_bound(engine) >= BURST
         solo = [asyncio.run(_send_all(served.url, f"solo{spec}", [spec]))[0] for spec in range(len(SPECS))]
