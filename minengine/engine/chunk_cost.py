@@ -28,9 +28,8 @@ from minengine.model.ops import ModelOps
 # An attended position's multiply-add against a product's, on the default model's shape: the attention's time
 # per (query head x key) over every layer of a 3,000-position cache against a 64-token chunk's time a row,
 # by `scripts/chunk_attention_cost --threads 1 --clock cpu` (docs/lab/long-prompt.md). The C chunk kernel
-# is bound where the products multiply float32 rows; its AVX2 build, beside them on a 2-core Zen 3 EPYC:
-# 1.06-1.64 over five runs, median 1.34 (2.4, measured on the Zen 4 beside the int16 tiles it no longer
-# runs with, counted it nearly twice over).
+# is bound where the products multiply float32 rows, and is measured beside them (its AVX2 build, on a
+# 2-core Zen 3 EPYC; the runs and the older Zen 4 figure beside int16 tiles are in the lab book).
 KEYBLOCKED_MAC_WEIGHT = 1.35
 # The kernel's rounded twin (its scores and weighted values int16 dot products), beside the int16 tiles, Zen 4.
 ROUNDED_MAC_WEIGHT = 1.4

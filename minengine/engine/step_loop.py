@@ -139,7 +139,7 @@ class BatchLimits:
 CPU_TOKEN_BUDGET = 80
 # Where the products multiply float32 rows (a CPU without VNNI's dot products, or float32 asked for), a
 # plain 16-row decode step is already bound by the FMAs, so each prompt row beside it adds nearly its
-# whole cost: on a Zen 3 EPYC 80 rows made a step about three times a plain one (docs/lab/long-prompt.md).
+# whole cost, and 80 rows made a step far dearer than a plain one (docs/lab/long-prompt.md, a Zen 3 EPYC).
 FLOAT_ROWS_TOKEN_BUDGET = 56
 
 
@@ -149,9 +149,8 @@ def default_token_budget(device: torch.device) -> int:
     The CPU's trades a long prompt's TTFT beside sixteen decoding streams against the streams' p99
     gap over their median: with the rounded chunk kernel, 80 rows put the TTFT under vLLM's in most
     runs with the gap within 3x at its median, where 64 kept the gap lower and the TTFT at about
-    vLLM's; where the products multiply float32 rows, 56 rows with the chunk kernel kept the gap at
-    its old median (about 2.5x) with the TTFT a fifth lower, under a third of vLLM's
-    (docs/lab/long-prompt.md)."""
+    vLLM's; where the products multiply float32 rows, 56 rows with the chunk kernel kept the gap where
+    80 rows had it before the kernel, with a lower TTFT (docs/lab/long-prompt.md)."""
     if device.type != "cpu":
         return 2048
     return FLOAT_ROWS_TOKEN_BUDGET if activations() == "float32" else CPU_TOKEN_BUDGET

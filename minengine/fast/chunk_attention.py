@@ -9,8 +9,8 @@ prompt was cut into chunks, and whether its cache is contiguous (`attend_chunk`,
 model's prompt attention by `row_ops.model_ops`) or a table of blocks (`PagedChunk`, which a
 shared step's chunk row runs: `rows_attention.RowsAttention`).
 
-It runs wherever the kernels built: 16 rows to a vector under AVX-512, 8 under AVX2, where a lone
-~3,900-token prompt's TTFT on a Zen 3 was 0.84x its TTFT through SDPA (docs/lab/prefill-profile.md).
+It runs wherever the kernels built: 16 rows to a vector under AVX-512, 8 under AVX2, where it also
+outran SDPA over a whole long prompt (docs/lab/prefill-profile.md).
 `available` says whether it is built here, asked once at load.
 
 Beside it, where the build has AVX-512 VNNI, its rounded twin (`attend_chunk_rounded`, `rounded`):

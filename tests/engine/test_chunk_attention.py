@@ -153,7 +153,7 @@ def test_a_positions_output_is_the_same_bits_however_the_prompt_was_cut(attend):
 
 
 def test_the_model_binds_the_kernel_wherever_the_kernels_built():
-    """Under AVX2 as under AVX-512: on a Zen 3 a lone long prompt ran 0.84x its TTFT through SDPA."""
+    """Under AVX2 as under AVX-512 (docs/lab/prefill-profile.md: it outran SDPA on a Zen 3 too)."""
     from minengine.fast.row_ops import model_ops
 
     assert chunk_attention.available()
