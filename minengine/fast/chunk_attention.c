@@ -59,12 +59,19 @@ typedef float vfu __attribute__((vector_size(4 * LANES), aligned(4)));
 #if defined(__AVX512F__)
 #define STEP 8            /* keys scored, or head floats weighed, a pass: STEP x VECS accumulators (24 zmm) */
 #else
-#define STEP 2            /* 16 ymm registers, not 32: 6 accumulators */
+#define STEP 4            /* 12 accumulators, 3 vectors of rows and a broadcast key: the 16 ymm registers */
 #endif
 
 static inline vf loadv(const float *p) { return *(const vfu *)p; }
 static inline void storev(float *p, vf x) { *(vfu *)p = x; }
-static inline vf splat(float x) { return (vf){0} + x; }
+/* x in every lane. Not `(vf){0} + x`: that is an add (0 + -0 is +0) and a broadcast from a register,
+ * which under AVX2 took an FMA pipe's slot for every key a pass; set1 of a float read from memory is
+ * one broadcast load. */
+#if defined(__AVX512F__)
+static inline vf splat(float x) { return (vf)_mm512_set1_ps(x); }
+#else
+static inline vf splat(float x) { return (vf)_mm256_set1_ps(x); }
+#endif
 static inline vf pick(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
 /* a > b ? a : b, lane-wise: exactly MAXPS's rule (b where they are equal or either is NaN), in one
  * instruction where `pick` over a comparison takes three. */
