@@ -30,7 +30,7 @@ from minengine.model.ops import ModelOps
 # by `scripts/chunk_attention_cost --threads 1 --clock cpu` (docs/lab/long-prompt.md). The C chunk kernel
 # is bound where the products multiply float32 rows, and is measured beside them (its AVX2 build, on a
 # 2-core Zen 3 EPYC; the runs and the older Zen 4 figure beside int16 tiles are in the lab book).
-KEYBLOCKED_MAC_WEIGHT = 1.35
+KEYBLOCKED_MAC_WEIGHT = 1.0
 # The kernel's rounded twin (its scores and weighted values int16 dot products), beside the int16 tiles, Zen 4.
 ROUNDED_MAC_WEIGHT = 1.4
 # For any other prompt attention: fitted to chunk steps' times through SDPA on the 2-core Xeon
