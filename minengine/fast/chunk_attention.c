@@ -65,8 +65,8 @@ typedef float vfu __attribute__((vector_size(4 * LANES), aligned(4)));
 static inline vf loadv(const float *p) { return *(const vfu *)p; }
 static inline void storev(float *p, vf x) { *(vfu *)p = x; }
 /* x in every lane. Not `(vf){0} + x`: that is an add (0 + -0 is +0) and a broadcast from a register,
- * which under AVX2 took an FMA pipe's slot for every key a pass; set1 of a float read from memory is
- * one broadcast load. */
+ * two operations on the FP pipes beside the FMAs for every key a pass; set1 of a float read from
+ * memory is one broadcast load (docs/lab/prefill-profile.md). */
 #if defined(__AVX512F__)
 static inline vf splat(float x) { return (vf)_mm512_set1_ps(x); }
 #else
