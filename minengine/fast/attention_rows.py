@@ -90,29 +90,6 @@ def attend_one(
     return out
 
 
-def attend_prompt(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """A prompt chunk's queries q [1, Hq, T, d] at positions start.. over keys/values [1, Hkv, start+T, d],
-    causal, each query position a row of its own: [1, Hq, T, d].
-
-    Slower than SDPA for a long prompt (every row reads its keys again), but a position's output
-    depends only on its query and the keys and values up to it, as a decode row's does: the same
-    bits however the prompt was cut into chunks. The caller checked `serves` on keys[0], values[0]."""
-    _, hq, length, d = q.shape
-    hkv = keys.shape[1]
-    rows = q[0].transpose(0, 1).contiguous()  # [T, Hq, d]
-    out = torch.empty(length, hq * d, dtype=torch.float32)
-    # row i sees positions 0 .. start + i: lengths start + 1 .., and `ends` their running sums
-    ends = torch.arange(start + 1, start + length + 1, dtype=torch.long).cumsum(0)
-    k, v = keys[0], values[0]
-    args = AttendArgs(
-        rows=length, hq=hq, hkv=hkv, d=d, scale=scale, threads=torch.get_num_threads(),
-        q=rows.data_ptr(), q_rs=hq * d, kc=k.data_ptr(), vc=v.data_ptr(), kc_hs=k.stride(0), vc_hs=v.stride(0),
-        ends=ends.data_ptr(), out=out.data_ptr(), out_rs=hq * d,
-    )  # fmt: skip
-    library().lib.attend_rows(ctypes.addressof(args))
-    return out.view(length, hq, d).transpose(0, 1).unsqueeze(0)
-
-
 class RowsKernel:
     """Decode rows of one step over caches in one K/V store (a pool segment), one call per layer.
 

@@ -8,12 +8,13 @@ out the same bits as each row alone, on any thread count.
 
 from __future__ import annotations
 
+import ctypes
 import random
 
 import pytest
 import torch
 
-from minengine.fast.attention_rows import RowsKernel, SlotKernel, attend_one, serves
+from minengine.fast.attention_rows import AttendArgs, RowsKernel, SlotKernel, attend_one, serves
 from minengine.fast.cpu_kernels import library
 
 pytestmark = pytest.mark.skipif(library().lib is None, reason=library().why_not)
@@ -105,3 +106,41 @@ def test_the_eager_step_kernel_writes_the_slot_and_attends_as_one_query_does():
     assert torch.equal(keys[1][:, pos], k) and torch.equal(values[1][:, pos], v)
     expected = attend_one(q, keys[1][:, : pos + 1], values[1][:, : pos + 1], d**-0.5)
     assert torch.equal(out, expected)
+
+
+def _rows_per_position(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float
+) -> torch.Tensor:
+    """A prompt chunk's queries q [1, Hq, T, d] at positions start.. over keys/values [1, Hkv, start+T, d],
+    causal, through the decode kernel with each query position a row of its own: [1, Hq, T, d]. A row's
+    output depends only on its query and the keys and values up to it, so it is the same bits however
+    the prompt was cut."""
+    _, hq, length, d = q.shape
+    hkv = keys.shape[1]
+    rows = q[0].transpose(0, 1).contiguous()  # [T, Hq, d]
+    out = torch.empty(length, hq * d, dtype=torch.float32)
+    # row i sees positions 0 .. start + i: lengths start + 1 .., and `ends` their running sums
+    ends = torch.arange(start + 1, start + length + 1, dtype=torch.long).cumsum(0)
+    k, v = keys[0], values[0]
+    args = AttendArgs(
+        rows=length, hq=hq, hkv=hkv, d=d, scale=scale, threads=torch.get_num_threads(),
+        q=rows.data_ptr(), q_rs=hq * d, kc=k.data_ptr(), vc=v.data_ptr(), kc_hs=k.stride(0), vc_hs=v.stride(0),
+        ends=ends.data_ptr(), out=out.data_ptr(), out_rs=hq * d,
+    )  # fmt: skip
+    library().lib.attend_rows(ctypes.addressof(args))
+    return out.view(length, hq, d).transpose(0, 1).unsqueeze(0)
+
+
+@pytest.mark.parametrize(("length", "start"), [(40, 0), (16, 24), (1, 39), (9, 100)])
+def test_a_prompts_rows_attend_as_softmax_does_and_alike_however_the_prompt_is_chunked(length, start):
+    gen = torch.Generator().manual_seed(3)
+    total = start + length
+    k, v = torch.randn(1, 3, total, 64, generator=gen), torch.randn(1, 3, total, 64, generator=gen)
+    q = torch.randn(1, 9, total, 64, generator=gen)
+    whole = _rows_per_position(q, k, v, 0, 0.125)
+    part = _rows_per_position(q[:, :, start:].contiguous(), k, v, start, 0.125)
+    assert torch.equal(part, whole[:, :, start:])
+    scores = torch.einsum("hqd,hkd->hqk", q[0].double(), k[0].double().repeat_interleave(3, 0)) * 0.125
+    scores.masked_fill_(torch.ones(total, total).triu(1).bool(), float("-inf"))
+    ref = torch.einsum("hqk,hkd->hqd", scores.softmax(-1), v[0].double().repeat_interleave(3, 0))
+    assert (whole[0].double() - ref).abs().max() < 1e-5

@@ -245,24 +245,6 @@ def test_rounded_activations_asked_for_without_vnni_fall_back_saying_why(monkeyp
     assert "float32 activations, since" in choice.label
 
 
-@needs_kernel
-@pytest.mark.parametrize(("length", "start"), [(40, 0), (16, 24), (1, 39), (9, 100)])
-def test_a_prompts_rows_attend_as_softmax_does_and_alike_however_the_prompt_is_chunked(length, start):
-    from minengine.fast.attention_rows import attend_prompt
-
-    gen = torch.Generator().manual_seed(3)
-    total = start + length
-    k, v = torch.randn(1, 3, total, 64, generator=gen), torch.randn(1, 3, total, 64, generator=gen)
-    q = torch.randn(1, 9, total, 64, generator=gen)
-    whole = attend_prompt(q, k, v, 0, 0.125)
-    part = attend_prompt(q[:, :, start:].contiguous(), k, v, start, 0.125)
-    assert torch.equal(part, whole[:, :, start:])
-    scores = torch.einsum("hqd,hkd->hqk", q[0].double(), k[0].double().repeat_interleave(3, 0)) * 0.125
-    scores.masked_fill_(torch.ones(total, total).triu(1).bool(), float("-inf"))
-    ref = torch.einsum("hqk,hkd->hqd", scores.softmax(-1), v[0].double().repeat_interleave(3, 0))
-    assert (whole[0].double() - ref).abs().max() < 1e-5
-
-
 @needs_vnni
 @pytest.mark.parametrize(("total", "cut"), [(40, 24), (100, 37), (300, 256), (64, 17)])
 def test_with_int8_activations_a_prompts_attention_is_the_same_bits_whatever_its_chunks(int8, total, cut):
