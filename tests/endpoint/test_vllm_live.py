@@ -39,6 +39,7 @@ if vllm_python() is None:
 
 MODEL = "smollm2"  # the name the session's vLLM serves the default model under (conftest.py)
 SPAN_TIMEOUT_S = 15.0
+IDLE_TIMEOUT_S = 60.0
 # Long enough (about 30 ms a token here) for a /metrics poll to land while it decodes.
 MAX_TOKENS = 96
 MESSAGES = [{"role": "user", "content": "Name three colors, then tell a short story about each."}]
@@ -127,6 +128,13 @@ async def _exchange(root: str, request_id: str) -> Exchange:
 
         t0 = time.perf_counter()
         before, page = await sample()
+        # The session's vLLM is shared: a stream another module dropped may still be finishing, and
+        # its scheduling would move the counters read here. Start from an idle server.
+        deadline = time.perf_counter() + IDLE_TIMEOUT_S
+        while (before.running, before.waiting) != (0, 0):
+            assert time.perf_counter() < deadline, f"vLLM still busy after {IDLE_TIMEOUT_S} s: {before}"
+            await asyncio.sleep(0.2)
+            before, page = await sample()
         chunks: list[dict] = []
         poll: asyncio.Task | None = None
         first_token_at = None
