@@ -57,6 +57,7 @@ COLUMNS_ENV = "COLUMNS"
 
 FLOAT32_KERNELS = ("dense", "onednn", "panels")
 OFF_WORDS = ("0", "false", "no", "off")
+AMX_EMULATE = "emulate"  # REQSCOPE_AMX's word for amx_rows.c with its tile instructions in C (amx_emulated.h)
 LAYOUT_CACHE_OFF = OFF_WORDS
 LAYOUT_CACHE_EVERYWHERE = ("1", "true", "yes", "on", "all")
 # The CPU flags the C kernels' build and paths depend on (`fast.cpu_kernels`), as /proc/cpuinfo names them.
@@ -146,7 +147,7 @@ VARIABLES: tuple[EnvVariable, ...] = (
     EnvVariable(HOME_ENV, "the folder pulled models are kept in"),
     EnvVariable(LAYOUT_CACHE_ENV, "which model folders keep a CPU weight layout: auto, 1/all or 0/off"),
     EnvVariable(ACTIVATIONS_ENV, "what the block formats multiply by: int16, int8 or float32"),
-    EnvVariable(AMX_ENV, "0/off: no AMX tiles for the int16 products"),
+    EnvVariable(AMX_ENV, "0/off: no AMX tiles for the int16 products; emulate: the tiles in C (slow, for tests)"),
     EnvVariable(FLOAT32_KERNEL_ENV, f"float32's CPU kernel: {', '.join(FLOAT32_KERNELS)}"),
     EnvVariable(CC_ENV, "the C compiler the kernels are built with"),
     EnvVariable(OMP_WAIT_POLICY_ENV, "OpenMP's wait policy (unset: reqscope chooses one per verb)"),
@@ -190,8 +191,8 @@ def float32_kernel() -> SettingValue:
 
 def amx_asked() -> str:
     """What the environment says of AMX's tiles for the int16 products (`REQSCOPE_AMX`; one of
-    OFF_WORDS turns them off), as written ("" when nothing); `fast.panel_kernels.amx_setting` says
-    what runs."""
+    OFF_WORDS turns them off, AMX_EMULATE builds them in C), as written ("" when nothing);
+    `fast.panel_kernels.amx_setting` says what runs."""
     return (_env(AMX_ENV) or "").strip().lower()
 
 

@@ -20,7 +20,8 @@
  * 4-5 the rows' low and high bytes, 6-7 the two halves' weights.
  *
  * Linux hands a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM); `amx_ready`
- * asks once. Built only where the compiler was given -mamx-int8 (cpu_kernels.py, on a CPU that has it).
+ * asks once. Built only where the compiler was given -mamx-int8 (cpu_kernels.py, on a CPU that has it),
+ * or with the tile instructions emulated (below).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -36,15 +37,34 @@
 static int enabled = 1;
 void amx_use(int on) { enabled = on; }
 
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BW__)
+/* Where the tile instructions come from: the CPU's (-mamx-int8), or C's (`REQSCOPE_AMX=emulate`:
+ * amx_emulated.h, this file's every other line as on AMX, for the tests on a CPU without tiles). */
+#if defined(REQSCOPE_AMX_EMULATED) && defined(__AVX512BW__)
+#include "amx_emulated.h"
+#define AMX_TILES 1
+#define AMX_EMULATED 1
+#elif defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BW__)
+#define AMX_TILES 1
+#define AMX_EMULATED 0
+#else
+#define AMX_TILES 0
+#define AMX_EMULATED 0
+#endif
+
+int amx_emulated(void) { return AMX_EMULATED; }
+
+#if AMX_TILES
+int amx_built(void) { return 1; }
+
+#if AMX_EMULATED
+int amx_ready(void) { return 1; } /* no tile state to ask Linux for */
+#else
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-
-int amx_built(void) { return 1; }
 
 int amx_ready(void) {
     static int ready = -1;
@@ -55,6 +75,7 @@ int amx_ready(void) {
     }
     return ready;
 }
+#endif
 
 int amx_on(void) { return enabled && amx_ready(); }
 
@@ -147,13 +168,13 @@ void amx_group(int q8, const uint8_t *lo, const int8_t *hi, const float *dx, con
     }
     if (stream && columns == DW && (((uintptr_t)y | (uintptr_t)(ldy * sizeof(float))) & 63) == 0) {
         for (long r = 0; r < rows; r++) {  /* whole lines, around the caches: y's old lines are never read */
-            _mm512_stream_ps(y + (r0 + r) * ldy, _mm512_load_ps(acc + r * DW));
-            _mm512_stream_ps(y + (r0 + r) * ldy + 16, _mm512_load_ps(acc + r * DW + 16));
+            _mm512_stream_ps(y + r * ldy, _mm512_load_ps(acc + r * DW));
+            _mm512_stream_ps(y + r * ldy + 16, _mm512_load_ps(acc + r * DW + 16));
         }
         _mm_sfence();  /* before another thread reads them */
         return;
     }
-    for (long r = 0; r < rows; r++) memcpy(y + (r0 + r) * ldy, acc + r * DW, sizeof(float) * columns);
+    for (long r = 0; r < rows; r++) memcpy(y + r * ldy, acc + r * DW, sizeof(float) * columns);
 }
 #else
 int amx_built(void) { return 0; }

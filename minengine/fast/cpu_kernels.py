@@ -30,7 +30,7 @@ from minengine.settings import SettingValue
 _C_FILES = ("panel_rows.c", "dot8_rows.c", "amx_rows.c", "attention_rows.c", "row_ops.c", "decode_layers.c",
             "chunk_attention.c")
 SOURCES = tuple(Path(__file__).with_name(name) for name in _C_FILES)
-_H_FILES = ("amx_rows.h", "attention_rows.h", "block_layout.h", "chunk_attention.h", "exp_le0.h")
+_H_FILES = ("amx_emulated.h", "amx_rows.h", "attention_rows.h", "block_layout.h", "chunk_attention.h", "exp_le0.h")
 HEADERS = tuple(Path(__file__).with_name(name) for name in _H_FILES)  # in the key
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 # Where torch finds AVX-512 (F, BW, VL and DQ, its "AVX512" capability) the panel tiles take zmm
@@ -43,6 +43,9 @@ VNNI_FLAGS = ("-mavx512vnni",)
 # products of 16 rows or more run on them (`amx_rows.c`); a build the compiler refuses them in is
 # made again without.
 AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
+# `REQSCOPE_AMX=emulate`, on any CPU with AVX-512 VNNI: amx_rows.c as it runs on AMX, its tile instructions
+# in C (amx_emulated.h), so that the tests hold that path to the VNNI tiles' bits where no tiles are.
+AMX_EMULATED_FLAGS = ("-DREQSCOPE_AMX_EMULATED",)
 _BUILD_TIMEOUT_S = 120
 
 
@@ -68,6 +71,7 @@ class KernelLibrary:
             lib.dot8_bytes.argtypes, lib.dot8_bytes.restype = [c_int, c_long, c_long], c_long
             lib.dot8_native.argtypes, lib.dot8_native.restype = [], c_int
             lib.amx_built.argtypes, lib.amx_built.restype = [], c_int
+            lib.amx_emulated.argtypes, lib.amx_emulated.restype = [], c_int
             lib.amx_ready.argtypes, lib.amx_ready.restype = [], c_int
             lib.amx_on.argtypes, lib.amx_on.restype = [], c_int
             lib.amx_use.argtypes, lib.amx_use.restype = [c_int], None
@@ -102,6 +106,8 @@ def isa_flags(capability: str, cpu_flags: frozenset[str] | None = None) -> tuple
     flags = settings.cpu_flags() if cpu_flags is None else cpu_flags
     if "avx512_vnni" not in flags:
         return FLAGS + AVX512_FLAGS
+    if settings.amx_asked() == settings.AMX_EMULATE:
+        return FLAGS + AVX512_FLAGS + VNNI_FLAGS + AMX_EMULATED_FLAGS
     amx = {"amx_tile", "amx_int8"} <= flags
     return FLAGS + AVX512_FLAGS + VNNI_FLAGS + (AMX_FLAGS if amx else ())
 

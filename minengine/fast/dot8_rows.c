@@ -415,8 +415,8 @@ static void dot8_groups(const Acts *a, long M, long K, const uint8_t *V, long pa
         long columns = (panels - g * GP < GP ? panels - g * GP : GP) * PW;                       \
         for (long r0 = first; tiles && r0 < last; r0 += AMX_MAX_ROWS) {                          \
             long rows = last - r0 < AMX_MAX_ROWS ? last - r0 : AMX_MAX_ROWS;                     \
-            amx_group(q8, a->lo, a->hi, a->d, a->s, a->n, rows, r0, K, V + g * per_group, y + g * DW, ldy, columns, \
-                      stream);                                                                   \
+            amx_group(q8, a->lo, a->hi, a->d, a->s, a->n, rows, r0, K, V + g * per_group, y + r0 * ldy + g * DW, ldy, \
+                      columns, stream);                                                          \
         }                                                                                        \
         for (long r0 = first; !tiles && r0 < last; r0 += 8) {                                    \
             long rows = last - r0 < 8 ? last - r0 : 8;                                           \

@@ -144,6 +144,12 @@ def amx_takes(rows: int) -> bool:
     return rows >= AMX_ROWS and lib is not None and bool(lib.amx_on()) and activations() == "int16"
 
 
+def amx_tiles_name() -> str:
+    """What a step's why calls the tiles: "AMX tiles", or "AMX tiles emulated in C" (`REQSCOPE_AMX=emulate`)."""
+    lib = library().lib
+    return "AMX tiles emulated in C" if lib is not None and lib.amx_emulated() else "AMX tiles"
+
+
 def amx_setting() -> SettingValue:
     """Whether the int16 products of 16 rows or more run on AMX's tiles (`amx_rows.c`, the same bits as
     the VNNI tiles): on where the CPU has them and Linux grants them, unless `REQSCOPE_AMX` turns them off."""
@@ -160,6 +166,9 @@ def amx_setting() -> SettingValue:
         return off(settings.PROBE, "Linux refused this process the tile state (arch_prctl)")
     if activations() != "int16":
         return off(settings.PROBE, f"tiles granted, but the activations are {activations()}")
+    if lib.amx_emulated():
+        why = f"{settings.AMX_ENV}={settings.AMX_EMULATE}: the tile instructions in C, many times slower (for tests)"
+        return SettingValue("amx", "emulated", "on", settings.ENVIRONMENT, why)
     return SettingValue("amx", "on", "on", settings.PROBE, "amx_int8 probed, tiles granted: int16 from 16 rows")
 
 

@@ -33,7 +33,7 @@ import torch
 from minengine.fast.cuda_graph import StaticDecoder
 from minengine.fast.decode_threads import StepThreads
 from minengine.fast.eager_step import EagerDecoder, LayerStack
-from minengine.fast.panel_kernels import UNPACK_ROWS, amx_takes
+from minengine.fast.panel_kernels import UNPACK_ROWS, amx_takes, amx_tiles_name
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.request_cache import request_cache
@@ -172,7 +172,7 @@ class ModelRunner:
         group, refusal = self._stack_group([rows[i] for i in decode])
         n, label, model = len(rows), self._label, self.model
         if len(decode) == n and refusal is None:
-            tiles = " on AMX tiles" if label.startswith("int16") and amx_takes(n) else ""
+            tiles = f" on {amx_tiles_name()}" if label.startswith("int16") and amx_takes(n) else ""
             why = f"{n} decode rows in one pool segment, {label} panels{tiles}"
             stack = self._stack
             return self._rows_plan(f"c-stack rows {label}", why, lambda: run_stacked(model, rows, group, stack,

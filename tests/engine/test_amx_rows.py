@@ -117,6 +117,27 @@ def test_a_shared_step_through_the_c_stack_gives_the_same_logits_with_and_withou
     assert torch.equal(outs[True], outs[False])  # both wrote position 3 of each cache, the same K/V
 
 
+@needs_tiles
+def test_a_prompt_gives_the_same_logits_with_and_without_the_tiles(tiny_models, int16):
+    """A 150-token prompt through the Python blocks: every product and the gated MLP in three 64-row windows,
+    the last one short, then a decode step over the cache it wrote."""
+    folder, _ = tiny_models["llama-gqa"]
+    cfg = ModelConfig.from_file(folder)
+    runner = ModelRunner(load_model(folder, cfg, torch.float32, CPU, packs="q4_1"), static_decode=False)
+    pool, lib = BlockPool(64 << 20, CPU), library().lib
+    ids = torch.arange(150) * 7 % cfg.vocab_size
+    outs = {}
+    for tiles in (True, False):
+        lib.amx_use(int(tiles))
+        try:
+            cache = PagedKVCache(pool, cfg, owner=f"tiles {tiles}", device=CPU, compute_dtype=torch.float32)
+            prompt = runner.forward(ids, 0, cache, all_logits=True)
+            outs[tiles] = (prompt, runner.forward(torch.tensor([9]), 150, cache))
+        finally:
+            lib.amx_use(1)
+    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
+
+
 def test_the_setting_says_whether_the_tiles_run_and_the_environment_turns_them_off(monkeypatch):
     monkeypatch.setenv(settings.AMX_ENV, "off")
     off = amx_setting()
@@ -124,7 +145,9 @@ def test_the_setting_says_whether_the_tiles_run_and_the_environment_turns_them_o
     monkeypatch.delenv(settings.AMX_ENV)
     found = amx_setting()
     lib = library().lib
-    if lib is not None and lib.amx_ready():
+    if lib is not None and lib.amx_emulated():  # built as REQSCOPE_AMX=emulate asked, whatever it says now
+        assert (found.value, found.source) == ("emulated", settings.ENVIRONMENT) and "in C" in found.detail
+    elif lib is not None and lib.amx_ready():
         assert (found.value, found.source) == ("on", settings.PROBE)
     else:
         assert found.value == "off" and found.detail  # says why: no tiles built, granted or no int16
