@@ -6,10 +6,13 @@ AVX-512 VNNI, AVX2 only), and each run would otherwise test only the build its o
   instructions themselves (the rows split into bytes, the 64-row windows, the float chain, the gated product's
   scratch, the streamed stores) is held to the VNNI tiles' bits on any CPU with AVX-512 VNNI; the instructions
   are checked where a Xeon grants the tiles (scripts/gpu-check runs that module there).
-- The AVX2 build (an AMD Zen 3's) on a CPU with AVX-512: the C kernels' tests in a process where torch reports
-  AVX2 (`ATEN_CPU_CAPABILITY=avx2`), so that the kernels are built without AVX-512. Only the modules of
-  reqscope's own kernels: oneDNN and FBGEMM probe the CPU themselves, so torch's own products stay AVX-512
-  there and the tests that expect them at torch's capability do not apply.
+- AVX-512 without VNNI (a Skylake's): the C kernels' tests in a process that sees the CPU without
+  `avx512_vnni` (tests/conftest.py's REQSCOPE_TEST_CPU_WITHOUT), so the kernels are built without it and the
+  rows stay float32.
+- The AVX2 build (an AMD Zen 3's) on a CPU with AVX-512: the same tests where torch reports AVX2
+  (`ATEN_CPU_CAPABILITY=avx2`), so that the kernels are built without AVX-512. Only the modules of reqscope's
+  own kernels: oneDNN and FBGEMM probe the CPU themselves, so torch's own products stay AVX-512 there and the
+  tests that expect them at torch's capability do not apply.
 """
 
 from __future__ import annotations
@@ -24,17 +27,17 @@ import pytest
 from minengine import settings
 
 ROOT = Path(__file__).resolve().parents[2]
-AVX2_MODULES = tuple(
+KERNEL_MODULES = tuple(
     f"tests/engine/{name}.py"
     for name in ("test_panel_kernels", "test_chunk_attention", "test_decode_stack", "test_pooled_rows",
-                 "test_attention_rows", "test_decode_step", "test_model_parity")
+                 "test_attention_rows", "test_decode_step", "test_model_parity", "test_dot8")
 )  # fmt: skip
 
 
 def _pytest(modules: tuple[str, ...], **env: str) -> tuple[int, str, str]:
     """Run `modules` in a fresh process with `env` added; CI's skip policy left out (this CPU has what the
     skips it allows say it lacks): the caller checks the summary."""
-    child = {k: v for k, v in os.environ.items() if k != "CI"} | env
+    child = {k: v for k, v in os.environ.items() if k not in ("CI", "REQSCOPE_TEST_CPU_WITHOUT")} | env
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *modules],
         cwd=ROOT,
@@ -54,9 +57,16 @@ def test_the_tiles_tests_pass_with_the_tile_instructions_emulated():
     assert "passed" in summary and "skipped" not in summary, summary  # every tiles test ran, none skipped
 
 
+@pytest.mark.skipif("avx512_vnni" not in settings.cpu_flags(), reason="rounded rows need AVX-512 VNNI")
+def test_the_kernels_tests_pass_on_the_avx512_build_without_vnni():
+    code, summary, tail = _pytest(KERNEL_MODULES, REQSCOPE_TEST_CPU_WITHOUT="avx512_vnni,amx_tile,amx_int8")
+    assert code == 0, tail
+    assert "passed" in summary, summary
+
+
 @pytest.mark.skipif("avx512f" not in settings.cpu_flags(), reason="no AVX-512 here")
 def test_the_kernels_tests_pass_on_the_avx2_build():
-    code, summary, tail = _pytest(AVX2_MODULES, **{settings.CPU_CAPABILITY_ENV: "avx2"})
+    code, summary, tail = _pytest(KERNEL_MODULES, **{settings.CPU_CAPABILITY_ENV: "avx2"})
     assert code == 0, tail
     assert "passed" in summary, summary
 
