@@ -40,7 +40,9 @@ def _x(rows: int, features: int, seed: int = 1) -> torch.Tensor:
     return x
 
 
-def _products(panel: PanelLinear, x: torch.Tensor, *, tiles: bool, reference: bool = False) -> torch.Tensor:
+def _products(
+    panel: PanelLinear, x: torch.Tensor, *, tiles: bool, reference: bool = False, threads: int = 2
+) -> torch.Tensor:
     lib = library().lib
     y = torch.empty(x.shape[0], panel.panel_count * PANEL)
     args = [x.contiguous().data_ptr(), x.shape[0], panel.in_features, panel.dot8.data_ptr(), panel.panel_count]
@@ -49,7 +51,7 @@ def _products(panel: PanelLinear, x: torch.Tensor, *, tiles: bool, reference: bo
         if reference:
             getattr(lib, f"{panel.format}_dot16_reference")(*args, y.data_ptr(), y.shape[1])
         else:
-            getattr(lib, f"{panel.format}_dot16")(*args, y.data_ptr(), y.shape[1], 2)
+            getattr(lib, f"{panel.format}_dot16")(*args, y.data_ptr(), y.shape[1], threads)
     finally:
         lib.amx_use(1)
     return y[:, : panel.out_features]
@@ -68,6 +70,8 @@ def test_the_tiles_give_the_vnni_tiles_bits_and_the_references(int16, fmt, shape
         assert torch.equal(tiles, _products(panel, x, tiles=False)), rows
         if rows in (16, 33):
             assert torch.equal(tiles, _products(panel, x, tiles=False, reference=True)), rows
+        if rows >= 130:  # more threads than the groups serve: each group's rows in spans of 64, on the tiles
+            assert torch.equal(tiles, _products(panel, x, tiles=True, threads=7)), rows
 
 
 @needs_tiles
