@@ -119,7 +119,17 @@ def activations_refusal() -> str | None:
         return None
     if asked not in ACTIVATIONS:
         return f"{ACTIVATIONS_ENV}={asked!r} is none of {', '.join(ACTIVATIONS)}"
-    return library().why_not or "this CPU has no AVX-512 VNNI dot products"
+    return _no_dot_products()
+
+
+def _no_dot_products() -> str:
+    """Why the kernels have no VNNI dot products here: no kernels, a CPU without them, or a build for a
+    capability below AVX-512 (torch's, which ATEN_CPU_CAPABILITY can set) on a CPU that has them."""
+    if library().why_not:
+        return library().why_not
+    if "avx512_vnni" in settings.cpu_flags():
+        return f"the kernels were built for torch's {settings.cpu_capability()} capability, without VNNI"
+    return "this CPU has no AVX-512 VNNI dot products"
 
 
 def activations_setting() -> SettingValue:
@@ -130,7 +140,7 @@ def activations_setting() -> SettingValue:
         return SettingValue("activations", value, "int16", settings.ENVIRONMENT, ACTIVATIONS_ENV)
     if value == "int16":  # asked for nothing, or for something that is none of them (`why` says so)
         return SettingValue("activations", value, "int16", settings.DEFAULT, why or "")
-    lacking = why or library().why_not or "this CPU has no AVX-512 VNNI dot products"
+    lacking = why or _no_dot_products()
     asked_for = f"{ACTIVATIONS_ENV}={asked} asked; " if asked in ACTIVATIONS else ""
     return SettingValue("activations", value, "int16", settings.PROBE, f"{asked_for}avx512_vnni probed: {lacking}")
 
