@@ -25,18 +25,24 @@ import torch
 from minengine.device import synchronize
 from minengine.engine.engine import Engine
 from minengine.engine.roofline import ComputeCeiling, flop_shape
+from minengine.fast.panel_kernels import amx_takes, amx_tiles_name
+from minengine.steps.step_path import weights_label
 
 COMPUTE_ROWS = (256, 1024)  # prompt chunks' worth: enough rows that the products run their prompt path
 COMPUTE_PASSES = 5  # of the whole stack of projections at each size; the fastest is kept
 
 
 def prefill_path_name(engine: Engine) -> str:
-    """What a compute ceiling holds for: the model, its weights' format and the compute dtype (and the kernels
-    when they are not the fast ones)."""
+    """What a compute ceiling holds for: the model, its weights' format, the compute dtype, what a prompt's
+    products multiply and on what (`int16×q4_1 products on AMX tiles`: int8 rows run about twice int16's
+    rate, the tiles faster again, and their emulation far slower), and the kernels when they are not the
+    fast ones. A ceiling measured one way is never the yardstick of a prefill run another."""
+    products = weights_label(engine.model.layers[0].qkv)
+    if products.startswith("int16") and amx_takes(max(COMPUTE_ROWS)):
+        products += f" on {amx_tiles_name()}"
     kernels = "" if engine.kernels == "fast" else f", {engine.kernels} kernels"
-    return f"{engine.model_dir.name}, {engine.weights.format} weights, {str(engine.dtype).removeprefix('torch.')}" + (
-        kernels
-    )
+    dtype = str(engine.dtype).removeprefix("torch.")
+    return f"{engine.model_dir.name}, {engine.weights.format} weights, {dtype}, {products} products{kernels}"
 
 
 def measure_compute_ceiling(

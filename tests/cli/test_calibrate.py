@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -117,8 +118,11 @@ def test_calibrate_measures_the_compute_ceiling_keeps_it_and_reads_it_back(chatt
     compute, read = printed["compute_ceiling"], printed["read_ceiling"]
     assert compute["flops_per_s"] > 0 and compute["rows"] in COMPUTE_ROWS
     assert f"over {compute['rows']} rows (of 256 and 1024), fastest of 5 passes" in compute["probe"]
-    name, weights, dtype = compute["path"].split(", ")  # the model, the weights' format it chose, the compute dtype
+    # the model, the weights' format it chose, the compute dtype, what a prompt's products multiply (and on what)
+    name, weights, dtype, products = compute["path"].split(", ")
     assert name == chatty_tiny_dir.name and weights.endswith(" weights") and dtype == "float32"
+    rows = r"(int16|int8|float32|bfloat16|float16)(×\w+)?"
+    assert re.fullmatch(rows + r"( on AMX tiles( emulated in C)?)? products", products), products
     assert compute["machine"] == read["machine"] == machine_name(CPU)
     found = stored_compute_ceiling(CPU, compute["path"], read_ceiling_file)
     # (a machine busy with other work adds a mark to the note: a later test's point)

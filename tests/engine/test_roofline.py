@@ -200,3 +200,28 @@ def test_prefill_roofline_sets_achieved_flops_against_the_ceiling_and_finds_the_
     assert alone.fraction is None and alone.crossover is None and alone.flops_per_s == p.flops_per_s
     with pytest.raises(ValueError):
         crossover_rows(shape, dataclasses.replace(COMPUTE, flops_per_s=0.0), CEILING)
+
+
+def test_a_compute_ceiling_is_named_for_the_arithmetic_it_was_measured_with(monkeypatch):
+    """int8 rows run about twice int16's rate, and float32's slower: a ceiling `reqscope calibrate` measured with
+    one set of rows is kept under another name than the others', so it is never another run's yardstick."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    from minengine.fast.cpu_kernels import library
+    from minengine.fast.panel_kernels import ACTIVATIONS_ENV, PanelLinear
+    from minengine.plan.compute_ceiling import prefill_path_name
+
+    names = {}
+    for rows in ("int16", "int8", "float32"):
+        monkeypatch.setenv(ACTIVATIONS_ENV, rows)
+        panel = PanelLinear("q4_1", torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * 0.02, 1)
+        model = SimpleNamespace(layers=[SimpleNamespace(qkv=panel)])
+        engine = SimpleNamespace(model=model, kernels="fast", model_dir=Path("tiny"),
+                                 weights=SimpleNamespace(format="q4_1"), dtype=torch.float32)  # fmt: skip
+        names[rows] = prefill_path_name(engine)
+    assert names["float32"] == "tiny, q4_1 weights, float32, float32×q4_1 products"
+    rounded = library().lib is not None and library().lib.dot8_native()
+    assert len(set(names.values())) == (3 if rounded else 1), names  # without VNNI every row stays float32
