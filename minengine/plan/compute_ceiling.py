@@ -37,11 +37,12 @@ def prefill_path_name(engine: Engine) -> str:
     products multiply and on what (`int16×q4_1 products on AMX tiles`: int8 rows run about twice int16's
     rate, the tiles faster again, and their emulation far slower), and the kernels when they are not the
     fast ones. A ceiling measured one way is never the yardstick of a prefill run another."""
-    products = weights_label(engine.model.layers[0].qkv)
+    dtype = str(engine.dtype).removeprefix("torch.")
+    # The reference kernels' model holds dense weights of the compute dtype, and its layers no fused q/k/v.
+    products = dtype if engine.kernels == "reference" else weights_label(engine.model.layers[0].qkv)
     if products.startswith("int16") and amx_takes(max(COMPUTE_ROWS)):
         products += f" on {amx_tiles_name()}"
     kernels = "" if engine.kernels == "fast" else f", {engine.kernels} kernels"
-    dtype = str(engine.dtype).removeprefix("torch.")
     return f"{engine.model_dir.name}, {engine.weights.format} weights, {dtype}, {products} products{kernels}"
 
 
