@@ -23,14 +23,27 @@ typedef struct {
 static __thread EmulatedTileConfig emulated_config;
 static __thread uint8_t emulated_tiles[8][16][64]; /* 8 tiles of at most 16 rows of 64 bytes */
 
-static inline void emulated_loadconfig(const void *config) { memcpy(&emulated_config, config, sizeof emulated_config); }
+/* Where the CPU would fault (#GP at LDTILECFG, #UD at a tile product), the emulation traps too: palette 1 has
+ * 8 tiles of at most 16 rows of 64 bytes, and a product's shapes must agree. */
+static inline void emulated_check(int ok) {
+    if (!ok) __builtin_trap();
+}
+
+static inline void emulated_loadconfig(const void *config) {
+    memcpy(&emulated_config, config, sizeof emulated_config);
+    emulated_check(emulated_config.palette == 1);
+    for (int t = 0; t < 8; t++) emulated_check(emulated_config.rows[t] <= 16 && emulated_config.colsb[t] <= 64);
+}
 
 static inline void emulated_release(void) {
     memset(&emulated_config, 0, sizeof emulated_config);
     memset(emulated_tiles, 0, sizeof emulated_tiles);
 }
 
-static inline void emulated_zero(int t) { memset(emulated_tiles[t], 0, sizeof emulated_tiles[t]); }
+static inline void emulated_zero(int t) {
+    emulated_check(emulated_config.palette == 1);  /* no LDTILECFG yet, or released: the CPU faults */
+    memset(emulated_tiles[t], 0, sizeof emulated_tiles[t]);
+}
 
 /* TILELOADD: the tile's rows, each its colsb bytes from base + row * stride; the rest of the tile zeroed. */
 static inline void emulated_loadd(int t, const void *base, long stride) {
@@ -40,6 +53,7 @@ static inline void emulated_loadd(int t, const void *base, long stride) {
 }
 
 static inline void emulated_stored(int t, void *base, long stride) {
+    emulated_check(emulated_config.palette == 1);
     for (int r = 0; r < emulated_config.rows[t]; r++)
         memcpy((uint8_t *)base + r * stride, emulated_tiles[t][r], emulated_config.colsb[t]);
 }
@@ -49,6 +63,8 @@ static inline void emulated_stored(int t, void *base, long stride) {
  * tiles (wrapping, which these products never reach). */
 static inline void emulated_dp(int c, int a, int b, int a_signed) {
     int rows = emulated_config.rows[c], cols = emulated_config.colsb[c] / 4, ks = emulated_config.colsb[a] / 4;
+    emulated_check(rows > 0 && rows == emulated_config.rows[a] && ks == emulated_config.rows[b]
+                   && emulated_config.colsb[c] == emulated_config.colsb[b] && c != a && c != b && a != b);
     for (int m = 0; m < rows; m++) {
         int32_t *out = (int32_t *)emulated_tiles[c][m];
         for (int n = 0; n < cols; n++) {
