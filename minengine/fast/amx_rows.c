@@ -125,7 +125,7 @@ void amx_group(int q8, const uint8_t *lo, const int8_t *hi, const float *dx, con
             _tile_loadd(6, w[0], 64);
             _tile_loadd(7, w[1], 64);
         }
-        __m512 d[2], m[2];
+        __m512 d[2], m[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}; /* m: q4_1's only */
         for (int v = 0; v < 2; v++) {
             if (q8) {
                 d[v] = _mm512_loadu_ps((const float *)blk + 16 * v);
