@@ -125,11 +125,9 @@ def activations_refusal() -> str | None:
 def _no_dot_products() -> str:
     """Why the kernels have no VNNI dot products here: no kernels, a CPU without them, or a build for a
     capability below AVX-512 (torch's, which ATEN_CPU_CAPABILITY can set) on a CPU that has them."""
-    if library().why_not:
-        return library().why_not
-    if "avx512_vnni" in settings.cpu_flags():
-        return f"the kernels were built for torch's {settings.cpu_capability()} capability, without VNNI"
-    return "this CPU has no AVX-512 VNNI dot products"
+    built_without = f"the kernels were built for torch's {settings.cpu_capability()} capability, without VNNI"
+    lacking = built_without if "avx512_vnni" in settings.cpu_flags() else "this CPU has no AVX-512 VNNI dot products"
+    return library().why_not or lacking
 
 
 def activations_setting() -> SettingValue:
