@@ -109,8 +109,10 @@ def run(args: argparse.Namespace) -> int:
                                  settings=settings, prefill=prefill_facts(engine))  # fmt: skip
         else:
             from reqscope.console.plain import print_plain
+            from reqscope.console.roofline_lines import prefill_facts
 
-            result = print_plain(engine, events, request=request, ceiling=ceiling, load=note)
+            result = print_plain(engine, events, request=request, ceiling=ceiling, load=note,
+                                 prefill=prefill_facts(engine))  # fmt: skip
     if args.export:
         from minengine.record.export import export_run
         from minengine.record.trace_io import trace_header

@@ -12,7 +12,7 @@ from minengine.engine.engine import Engine
 from minengine.engine.request import GenerationRequest, settings_line
 from minengine.kv.arithmetic import KIB, MIB
 from reqscope.console.latency_lines import latency_lines
-from reqscope.console.roofline_lines import plain_lines, summary_of
+from reqscope.console.roofline_lines import PrefillFacts, plain_lines, plain_prefill_lines, summary_of
 from reqscope.console.tool_facts import call_lines, reply_calls, run_stages, step_lines
 
 if TYPE_CHECKING:
@@ -28,10 +28,12 @@ def print_plain(
     request: GenerationRequest | None = None,
     ceiling: CeilingLookup | None = None,
     load: LoadNote | None = None,
+    prefill: PrefillFacts | None = None,
 ) -> ev.RequestResult:
     """Stream `events` as text; return the request's result (given the request, its settings' sources too).
 
-    Given this machine's read `ceiling`, the summary sets the decode steps' bytes against it.
+    Given this machine's read `ceiling`, the summary sets the decode steps' bytes against it; given the
+    `prefill` facts (the model's arithmetic and the compute ceiling), the prefill's FLOPs against theirs.
     Given the `load` beside it (`--background`, `--serve-port`), a line says what shares the engine.
     After the answer, a line per step that ran a stage before the filters (the grammar's mask, min_tokens,
     bias, penalties) says what each did, and given a request with tools, a line per tool call read from it.
@@ -40,6 +42,7 @@ def print_plain(
     err = err or sys.stderr
     result: ev.RequestResult | None = None
     tokens: list[ev.TokenEvent] = []
+    prefilled: ev.PrefillEvent | None = None
     streamed = ""
     print(f"· model     {engine.describe()}  (loaded in {engine.load_ms:.0f} ms)", file=err, flush=True)
     if request is not None and request.setting_sources:
@@ -62,6 +65,7 @@ def print_plain(
         elif isinstance(event, ev.PrefixCacheEvent):
             print(f"· prefix    {event.duration_ms:9.2f} ms  {prefix_cache_line(event)}", file=err, flush=True)
         elif isinstance(event, ev.PrefillEvent):
+            prefilled = event  # the last: a preempted request's recompute is the prefill its tokens followed
             if len(event.chunks) > 1:
                 print(f"· chunks    {chunks_line(event)}", file=err, flush=True)
             print("", file=err, flush=True)
@@ -88,7 +92,8 @@ def print_plain(
         print(f"· {line}", file=err, flush=True)
     read_ceiling = None if ceiling is None else ceiling.ceiling
     roofline = plain_lines(summary_of(tokens, read_ceiling), "" if ceiling is None else ceiling.note)
-    print(summary(engine, result, roofline, run_stages(tokens)), file=err, flush=True)
+    compute = None if prefill is None or prefilled is None else plain_prefill_lines(prefilled, prefill, read_ceiling)
+    print(summary(engine, result, roofline, run_stages(tokens), compute), file=err, flush=True)
     return result
 
 
@@ -140,10 +145,15 @@ def prefix_cache_line(event: ev.PrefixCacheEvent) -> str:
 
 
 def summary(
-    engine: Engine, r: ev.RequestResult, roofline: list[str] | None = None, before: tuple[str, ...] = ()
+    engine: Engine,
+    r: ev.RequestResult,
+    roofline: list[str] | None = None,
+    before: tuple[str, ...] = (),
+    compute: list[str] | None = None,
 ) -> str:
     """A llama.cpp-style timing summary of a finished request (`roofline`: its lines, after the decode line;
-    `before`: the stages that ran before the filters, named on the sampler's line)."""
+    `before`: the stages that ran before the filters, named on the sampler's line; `compute`: prefill's
+    roofline lines, after the prefill line)."""
     lines = [""]
     if r.error:
         lines.append(f"error: {r.error}")
@@ -160,6 +170,7 @@ def summary(
         lines.append(
             f"prefill   {p:9.2f} ms / {n:5d} tokens ({p / n:7.2f} ms/token, {1000 * n / p:8.2f} tokens/s){reused}"
         )
+        lines += compute or []
     m = r.metrics
     if m is not None:
         if "decode" in stages and m.output_tokens > 1:

@@ -54,9 +54,7 @@ def prefill_keys(ev: PrefillEvent, facts: PrefillFacts, read: ReadCeiling | None
     `crossover_rows` (rows a step from which compute binds: compute ceiling over read ceiling, in
     FLOPs per weight byte of a row) is None without both ceilings; `fraction` None without a compute ceiling.
     """
-    computed = max(ev.prompt_tokens - ev.reused_tokens, 1)
-    rows = max((c.tokens for c in ev.chunks), default=computed)
-    p = prefill_roofline(facts.shape, computed, ev.reused_tokens, ev.duration_ms, rows, facts.compute, read)
+    p = _prefill_of(ev, facts, read)
     c = p.ceiling
     return {
         "computed_tokens": p.tokens,
@@ -120,6 +118,31 @@ def done_keys(summary: RooflineSummary | None, note: str) -> dict | None:
                                            "source": c.source},  # fmt: skip
         "ceiling_note": note,
     }
+
+
+def _prefill_of(ev: PrefillEvent, facts: PrefillFacts, read: ReadCeiling | None):
+    """`prefill_roofline` of the prefill `ev` reports: the tokens it computed, its widest chunk's rows a step."""
+    computed = max(ev.prompt_tokens - ev.reused_tokens, 1)
+    rows = max((c.tokens for c in ev.chunks), default=computed)
+    return prefill_roofline(facts.shape, computed, ev.reused_tokens, ev.duration_ms, rows, facts.compute, read)
+
+
+def plain_prefill_lines(ev: PrefillEvent, facts: PrefillFacts, read: ReadCeiling | None) -> list[str]:
+    """--plain's prefill roofline, after its prefill line: the FLOPs a token and the FLOP/s reached against the
+    compute ceiling (or what to run for one), then the rows from which compute binds and this step's."""
+    p = _prefill_of(ev, facts, read)
+    reached = f"compute   prefill {p.flops_per_token / 1e9:.3g} GFLOP/token, {p.flops_per_s / 1e9:.1f} GFLOP/s"
+    attention = f"attention {p.attention_share:.0%} of the FLOPs"
+    if p.fraction is None or p.ceiling is None:
+        lines = [f"{reached}; {attention}; {facts.note}"]
+    else:
+        lines = [f"{reached} = {p.fraction:.0%} of {p.ceiling.flops_per_s / 1e9:.1f} GFLOP/s (compute ceiling: "
+                 f"{facts.note}); {attention}"]  # fmt: skip
+    if p.crossover is None:
+        return [*lines, f"          this step: {p.rows} rows; where compute binds needs both ceilings"]
+    bound = "compute-bound" if p.rows >= p.crossover else "memory-bound"
+    binds = f"{p.crossover:.{1 if p.crossover < 10 else 0}f}"
+    return [*lines, f"          compute binds from ~{binds} rows a step; this step: {p.rows} rows ({bound})"]
 
 
 def _rounded(value: float | None) -> float | None:

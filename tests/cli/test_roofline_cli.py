@@ -110,6 +110,31 @@ def test_plain_summary_has_the_roofline_lines(chatty_tiny_dir, capsys, read_ceil
     assert "MiB read per step = weights" in second and "with half the weight bytes" in second
 
 
+def test_plain_summary_has_prefills_compute_roofline_after_its_prefill_line(chatty_tiny_dir, capsys):
+    argv = ["--plain", "--model", str(chatty_tiny_dir), "--device", "cpu", "--temperature", "0", "--max-tokens", "5",
+            "hi"]  # fmt: skip
+    assert main(argv) == 0  # no compute ceiling yet: the FLOPs, and what to run
+    lines = capsys.readouterr().err.splitlines()
+    first = lines[[line.split()[0] if line.split() else "" for line in lines].index("prefill") + 1]
+    assert first.startswith("compute   prefill ") and " GFLOP/token, " in first
+    assert first.endswith(f"run {COMPUTE_HINT}")
+    assert "where compute binds needs both ceilings" in lines[lines.index(first) + 1]
+    assert main(["calibrate", "--ceilings-only", "--model", str(chatty_tiny_dir), "--device", "cpu", "--json"]) == 0
+    compute = json.loads(capsys.readouterr().out)["compute_ceiling"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().err.splitlines()
+    first = next(line for line in lines if line.startswith("compute   prefill "))
+    second = lines[lines.index(first) + 1]
+    reached, ceiling = first.split(" GFLOP/s = ")[0], f" of {compute['flops_per_s'] / 1e9:.1f} GFLOP/s"
+    flops_per_s = float(reached.rsplit(", ", 1)[1]) * 1e9
+    fraction = int(first.split(" GFLOP/s = ")[1].split("%")[0])
+    assert ceiling + " (compute ceiling: reqscope calibrate, " in first and "% of the FLOPs" in first
+    # both printed rounded: the FLOP/s to 0.1 GFLOP/s, the fraction to 1%
+    low, high = ((flops_per_s + e) / compute["flops_per_s"] * 100 for e in (-0.05e9, 0.05e9))
+    assert low - 0.5 <= fraction <= high + 0.5, (first, compute["flops_per_s"])
+    assert second.strip().startswith("compute binds from ~") and second.endswith("-bound)")
+
+
 def test_the_trace_keeps_the_bytes_and_the_ceiling_and_older_readers_skip_them(chatty_tiny_dir, tmp_path, capsys,
                                                                                read_ceiling_file):  # fmt: skip
     save_ceiling(_ceiling(), read_ceiling_file)
