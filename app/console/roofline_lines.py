@@ -141,8 +141,13 @@ def plain_prefill_lines(ev: PrefillEvent, facts: PrefillFacts, read: ReadCeiling
     if p.crossover is None:
         return [*lines, f"          this step: {p.rows} rows; where compute binds needs both ceilings"]
     bound = "compute-bound" if p.rows >= p.crossover else "memory-bound"
-    binds = f"{p.crossover:.{1 if p.crossover < 10 else 0}f}"
+    binds = crossover_rows_text(p.crossover)
     return [*lines, f"          compute binds from ~{binds} rows a step; this step: {p.rows} rows ({bound})"]
+
+
+def crossover_rows_text(crossover: float) -> str:
+    """The crossover's rows as the console and the explorer print them: to a tenth where a few rows already bind."""
+    return f"{crossover:.{1 if crossover < 10 else 0}f}"
 
 
 def _rounded(value: float | None) -> float | None:

@@ -20,6 +20,7 @@ from rich.text import Text
 
 from minengine.engine.roofline import FEWER_BYTES
 from minengine.kv.arithmetic import MIB
+from reqscope.console.roofline_lines import crossover_rows_text
 from reqscope.ui.glyphs import ms, pairs
 from reqscope.ui.latency_lines import itl_chart, metric_figures
 from reqscope.ui.panel import Panel
@@ -77,7 +78,7 @@ def compute_lines(fig: PrefillFigures, width: int = 200, room: int = 2) -> list[
     p = fig.roofline
     if room < 2 and p.fraction is not None and p.crossover is not None:
         short = (f"compute    {p.flops_per_token / 1e9:.3g} GF/token · {p.flops_per_s / 1e9:.1f} GF/s = "
-                 f"{p.fraction:.0%} · binds from ~{_rows(p.crossover)} rows, step {p.rows}")  # fmt: skip
+                 f"{p.fraction:.0%} · binds from ~{crossover_rows_text(p.crossover)} rows, step {p.rows}")  # fmt: skip
         if len(short) <= width:
             return [Text(short, no_wrap=True, overflow="ellipsis")]
     first = Text(no_wrap=True, overflow="ellipsis")
@@ -97,14 +98,10 @@ def compute_lines(fig: PrefillFigures, width: int = 200, room: int = 2) -> list[
         second.append(f"this step: {p.rows} rows; where compute binds needs both ceilings", style="dim")
     else:
         bound = "compute-bound" if p.rows >= p.crossover else "memory-bound"
-        second.append(f"compute binds from ~{_rows(p.crossover)} rows a step; this step: {p.rows} rows ", style="bold")
+        binds = crossover_rows_text(p.crossover)
+        second.append(f"compute binds from ~{binds} rows a step; this step: {p.rows} rows ", style="bold")
         second.append(f"({bound})", style="dim")
     return [first, second][:room]
-
-
-def _rows(crossover: float) -> str:
-    """The crossover's rows, to a tenth where a few rows already bind."""
-    return f"{crossover:.{1 if crossover < 10 else 0}f}"
 
 
 def roofline_lines(fig: RooflineFigures) -> list[Text]:
