@@ -67,7 +67,7 @@ def prefill_keys(ev: PrefillEvent, facts: PrefillFacts, read: ReadCeiling | None
         "roofline_fraction": None if p.fraction is None else round(p.fraction, 4),
         "step_rows": p.rows,
         "crossover_rows": None if p.crossover is None else round(p.crossover, 2),
-        "bound": None if p.crossover is None else "compute" if p.rows >= p.crossover else "memory",
+        "bound": p.bound,
         "ceiling_flops_per_s": None if c is None else round(c.flops_per_s),
         "ceiling": None if c is None else {k: v for k, v in asdict(c).items() if k != "flops_per_s"},
         "ceiling_note": facts.note,
@@ -140,9 +140,8 @@ def plain_prefill_lines(ev: PrefillEvent, facts: PrefillFacts, read: ReadCeiling
                  f"{facts.note}); {attention}"]  # fmt: skip
     if p.crossover is None:
         return [*lines, f"          this step: {p.rows} rows; where compute binds needs both ceilings"]
-    bound = "compute-bound" if p.rows >= p.crossover else "memory-bound"
     binds = crossover_rows_text(p.crossover)
-    return [*lines, f"          compute binds from ~{binds} rows a step; this step: {p.rows} rows ({bound})"]
+    return [*lines, f"          compute binds from ~{binds} rows a step; this step: {p.rows} rows ({p.bound}-bound)"]
 
 
 def crossover_rows_text(crossover: float) -> str:

@@ -243,6 +243,14 @@ class PrefillRoofline:
         return self.flops / (self.prefill_ms / 1000) if self.prefill_ms > 0 else 0.0
 
     @property
+    def bound(self) -> str | None:
+        """What bound its largest step: "compute" from the crossover's rows on, else "memory" (None without
+        both ceilings)."""
+        if self.crossover is None:
+            return None
+        return "compute" if self.rows >= self.crossover else "memory"
+
+    @property
     def fraction(self) -> float | None:
         """The achieved FLOP/s over the ceiling's (None without one)."""
         if self.ceiling is None or self.ceiling.flops_per_s <= 0:

@@ -196,8 +196,13 @@ def test_prefill_roofline_sets_achieved_flops_against_the_ceiling_and_finds_the_
     assert p.crossover == pytest.approx(1.8 / per_row)
     assert step_intensity(shape, 1) == pytest.approx(per_row)
     assert step_intensity(shape, p.crossover) == pytest.approx(COMPUTE.flops_per_s / CEILING.bytes_per_s)
+    # The crossover is 1.8 / 2.69 = 0.67 rows here: a step of 1 row is past it, of none not.
+    assert p.bound == "compute" and dataclasses.replace(p, rows=0).bound == "memory"
+    slow_read = prefill_roofline(shape, 38, 0, 250.0, 38, COMPUTE, dataclasses.replace(CEILING, bytes_per_s=1e8))
+    assert slow_read.crossover == pytest.approx(720 / per_row) and slow_read.bound == "memory"
     alone = prefill_roofline(shape, 38, 0, 250.0, 38, None, CEILING)
     assert alone.fraction is None and alone.crossover is None and alone.flops_per_s == p.flops_per_s
+    assert alone.bound is None
     with pytest.raises(ValueError):
         crossover_rows(shape, dataclasses.replace(COMPUTE, flops_per_s=0.0), CEILING)
 

@@ -97,10 +97,9 @@ def compute_lines(fig: PrefillFigures, width: int = 200, room: int = 2) -> list[
     if p.crossover is None:
         second.append(f"this step: {p.rows} rows; where compute binds needs both ceilings", style="dim")
     else:
-        bound = "compute-bound" if p.rows >= p.crossover else "memory-bound"
         binds = crossover_rows_text(p.crossover)
         second.append(f"compute binds from ~{binds} rows a step; this step: {p.rows} rows ", style="bold")
-        second.append(f"({bound})", style="dim")
+        second.append(f"({p.bound}-bound)", style="dim")
     return [first, second][:room]
 
 
