@@ -21,8 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_CODE = ("minengine/model", "minengine/fast", "minengine/steps", "minengine/checkpoint")
-KERNEL_CLASSES = {"PanelLinear", "PackedLinear", "EmbeddingRows", "LayerStack", "KernelLibrary", "SlotKernel",
-                  "RowsKernel"}  # fmt: skip
+KERNEL_CLASSES = {"PanelLinear", "PackedLinear", "EmbeddingRows", "LayerStack", "PromptStack", "KernelLibrary",
+                  "SlotKernel", "RowsKernel"}  # fmt: skip
 ASKS = {"library", "available", "activations", "amx_takes", "in_place"}  # and any `serves...`
 THRESHOLDS = {"UNPACK_ROWS", "AMX_ROWS"}
 
@@ -38,6 +38,8 @@ CHOOSERS = {
     "minengine/fast/eager_step.py::writer": "load: how each projection writes a decode step's scratch",
     "minengine/fast/eager_step.py::LayerStack.of": "load: the model's C stack, made once",
     "minengine/fast/eager_step.py::LayerStack.serves": "load: whether the blocks are the C stack's shape",
+    "minengine/fast/prompt_stack.py::PromptStack.of": "load: the model's C prompt stack, made once",
+    "minengine/fast/prompt_stack.py::PromptStack.serves_model": "load: whether it computes the Python blocks' bits",
     "minengine/fast/cpu_kernels.py::kernels_setting": "a setting's report (`reqscope env`)",
     "minengine/fast/panel_kernels.py::activations_refusal": "a setting's report",
     "minengine/fast/panel_kernels.py::amx_setting": "a setting's report",

@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "chunk_attention.h"
+#include <omp.h>
 
 #include <immintrin.h>
 
@@ -320,10 +321,7 @@ static float round16(const float *x, long d, int *out) {
  * number of blocks; positions past the chunk's last are zeros): keys as d / 2 pairs a position,
  * values as pairs of positions (2i, 2i + 1) for each of the d floats. Grown, never shrunk, per
  * calling thread. */
-typedef struct {
-    int *kq, *vq;
-    float *ks, *vs;
-} Rounded;
+typedef ChunkRounded Rounded;
 
 static __thread void *rounded_room;
 static __thread size_t rounded_bytes;
@@ -556,53 +554,72 @@ static void unit_rows(const ChunkArgs *a, long u, long per_head, long vectors, l
     *r1 = v1 * LANES < rows ? v1 * LANES : rows;
 }
 
+/* The call's work, inside a parallel region every thread of it enters (orphaned loops): the rounded twin's
+ * keys and values first where it runs (x), then the units, one at a time (the cores' rates may differ 2x).
+ * Ends with the units loop's barrier. */
+static void attend_in_team(const ChunkArgs *a, const ChunkRounded *x, int threads) {
+    long groups = a->hq / a->hkv, rows = a->length * groups;
+    long per_head = units_per_head(rows, a->hkv, threads);
+    long vectors = (rows + LANES - 1) / LANES, units = per_head * a->hkv;
+    Room r = room(a->d);
+#if ROUNDED
+    if (a->rounded) {
+        long blocks = (a->start + a->length + KEYS - 1) / KEYS, span = blocks * KEYS;
+#pragma omp for schedule(dynamic, 1)
+        for (long i = 0; i < a->hkv * blocks; i++) round_block(a, x, span, i / blocks, i % blocks);
+        Room16 z = room16(a->d);
+#pragma omp for schedule(dynamic, 1)
+        for (long u = 0; u < units; u++) {
+            long h, r0, r1;
+            unit_rows(a, u, per_head, vectors, rows, &h, &r0, &r1);
+            if (r1 > r0) attend_unit16(a, x, span, h, r0, r1, &r, &z);
+        }
+        free(z.qw);
+        free(r.qt);
+        free(r.kp);
+        return;
+    }
+#endif
+    (void)x;
+#pragma omp for schedule(dynamic, 1)
+    for (long u = 0; u < units; u++) {
+        long h, r0, r1;
+        unit_rows(a, u, per_head, vectors, rows, &h, &r0, &r1);
+        if (r1 > r0) attend_unit(a, h, r0, r1, &r);
+    }
+    free(r.qt);
+    free(r.kp);
+}
+
+int chunk_attention_room(const ChunkArgs *a, ChunkRounded *x) {
+    *x = (ChunkRounded){0};
+    if (a->rounded && !chunk_attention_rounded(a->d)) return 1;
+#if ROUNDED
+    if (a->rounded && a->length > 0) {
+        long blocks = (a->start + a->length + KEYS - 1) / KEYS;
+        *x = rounded_of(a->hkv, blocks * KEYS, a->d);
+        if (!x->kq) return 2;
+    }
+#endif
+    return 0;
+}
+
+void chunk_attention_team(const ChunkArgs *a, const ChunkRounded *x) {
+    if (a->length > 0) attend_in_team(a, x, omp_get_num_threads());
+}
+
 /* 0 once attended; 1 where the rounded twin was asked for a head size it does not take (or a build
  * without VNNI), 2 where there was no room for its rounded keys: the caller says so, since the float
  * arithmetic in its place would be another kernel than the one the model was built with. */
 int chunk_attention(const ChunkArgs *a) {
     if (a->length <= 0) return 0;
-    if (a->rounded && !chunk_attention_rounded(a->d)) return 1;
-    long groups = a->hq / a->hkv, rows = a->length * groups;
+    ChunkRounded x;
+    int status = chunk_attention_room(a, &x);
+    if (status) return status;
     long work = a->length * (a->start + a->length) * a->hq * a->d;
     /* Below some 64k multiply-adds a second thread's wake-up costs more than it saves. */
     int threads = work >= (1L << 16) && a->threads > 1 ? a->threads : 1;
-    long per_head = units_per_head(rows, a->hkv, threads);
-    long vectors = (rows + LANES - 1) / LANES, units = per_head * a->hkv;
-#if ROUNDED
-    if (a->rounded) {
-        long blocks = (a->start + a->length + KEYS - 1) / KEYS, span = blocks * KEYS;
-        Rounded x = rounded_of(a->hkv, span, a->d);
-        if (!x.kq) return 2;
 #pragma omp parallel num_threads(threads) if (threads > 1)
-        {
-#pragma omp for schedule(dynamic, 1)  /* as the units below: the cores' rates may differ 2x */
-            for (long i = 0; i < a->hkv * blocks; i++) round_block(a, &x, span, i / blocks, i % blocks);
-            Room r = room(a->d);
-            Room16 z = room16(a->d);
-#pragma omp for schedule(dynamic, 1)
-            for (long u = 0; u < units; u++) {
-                long h, r0, r1;
-                unit_rows(a, u, per_head, vectors, rows, &h, &r0, &r1);
-                if (r1 > r0) attend_unit16(a, &x, span, h, r0, r1, &r, &z);
-            }
-            free(r.qt);
-            free(r.kp);
-            free(z.qw);
-        }
-        return 0;
-    }
-#endif
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        Room r = room(a->d);
-#pragma omp for schedule(dynamic, 1)
-        for (long u = 0; u < units; u++) {
-            long h, r0, r1;
-            unit_rows(a, u, per_head, vectors, rows, &h, &r0, &r1);
-            if (r1 > r0) attend_unit(a, h, r0, r1, &r);
-        }
-        free(r.qt);
-        free(r.kp);
-    }
+    attend_in_team(a, &x, threads);
     return 0;
 }

@@ -30,4 +30,15 @@ typedef struct {
 int chunk_attention(const ChunkArgs *a); /* 0, or why not: see chunk_attention.c */
 int chunk_attention_rounded(long d);
 
+/* The same attention inside a caller's parallel region (prompt_layers.c): before the region the calling
+ * thread readies its room for the rounded twin's keys and values (chunk_attention_room: 0, or
+ * chunk_attention's 1 or 2), then every thread of the region calls chunk_attention_team with the same
+ * arguments. Ends with a barrier. */
+typedef struct {
+    int *kq, *vq;
+    float *ks, *vs;
+} ChunkRounded;
+int chunk_attention_room(const ChunkArgs *a, ChunkRounded *x);
+void chunk_attention_team(const ChunkArgs *a, const ChunkRounded *x);
+
 #endif

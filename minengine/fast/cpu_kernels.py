@@ -1,12 +1,13 @@
 """reqscope's C kernels for the CPU, compiled once per machine and loaded with ctypes.
 
-Seven sources make one library: `panel_rows.c` (the projections over weight panels,
+Eight sources make one library: `panel_rows.c` (the projections over weight panels,
 `panel_kernels`), `dot8_rows.c` (the block formats' products with rows rounded to int16 or int8, integer dot
 products: `panel_kernels.activations`), `amx_rows.c` (those int16 products on AMX tiles from 16 rows, the
 same bits: `panel_kernels.amx_setting`), `attention_rows.c` (decode attention read in place, `attention_rows`),
 `row_ops.c` (RMSNorm, the rotary embedding and SiLU-gating over a step's rows, `ops.c_rms_norm` and its neighbours)
-`decode_layers.c` (every block of a one-token step in one call, `eager_step.LayerStack`) and
-`chunk_attention.c` (a prompt chunk's attention, key-blocked, read in place: `chunk_attention`).
+`decode_layers.c` (every block of a one-token step in one call, `eager_step.LayerStack`),
+`chunk_attention.c` (a prompt chunk's attention, key-blocked, read in place: `chunk_attention`) and
+`prompt_layers.c` (every block of one sequence's prompt chunk in one call, `prompt_stack.PromptStack`).
 They are built with the system compiler into the user cache (`library`), about two seconds,
 keyed by the sources, the compiler and its flags, and written atomically, so processes that
 race build the same bytes. Where there is no x86-64 CPU with AVX2, no compiler, or the build
@@ -28,9 +29,10 @@ from minengine import settings
 from minengine.settings import SettingValue
 
 _C_FILES = ("panel_rows.c", "dot8_rows.c", "amx_rows.c", "attention_rows.c", "row_ops.c", "decode_layers.c",
-            "chunk_attention.c")
+            "chunk_attention.c", "prompt_layers.c")
 SOURCES = tuple(Path(__file__).with_name(name) for name in _C_FILES)
-_H_FILES = ("amx_emulated.h", "amx_rows.h", "attention_rows.h", "block_layout.h", "chunk_attention.h", "exp_le0.h")
+_H_FILES = ("amx_emulated.h", "amx_rows.h", "attention_rows.h", "block_layout.h", "chunk_attention.h", "exp_le0.h",
+            "stack_layers.h")
 HEADERS = tuple(Path(__file__).with_name(name) for name in _H_FILES)  # in the key
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 # Where torch finds AVX-512 (F, BW, VL and DQ, its "AVX512" capability) the panel tiles take zmm
@@ -82,6 +84,7 @@ class KernelLibrary:
             lib.rope_rows.argtypes = [*rows, ptr, ptr, ptr, c_long, c_long, c_int]  # cos, signed sin, y, ...
             lib.silu_mul_rows.argtypes = [ptr, ptr, ptr, c_long, c_long, c_long, c_long, c_long, c_int]
             lib.decode_layers.argtypes = [ptr]  # a StackArgs (eager_step.StackArgs)
+            lib.prompt_layers.argtypes, lib.prompt_layers.restype = [ptr], c_int  # a PromptArgs (prompt_stack)
             lib.chunk_attention_rounded.argtypes, lib.chunk_attention_rounded.restype = [c_long], c_int
             for name in ("f32_panels", "f16_panels", "q8_0_panels", "q4_1_panels", "q4_1_unpack", "attend_rows",
                          "rms_norm_rows", "rope_rows", "silu_mul_rows", "decode_layers", "q4_1_dot8", "q8_0_dot8",

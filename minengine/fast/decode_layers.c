@@ -22,45 +22,7 @@
 #include <stdlib.h>
 
 #include "attention_rows.h"
-
-/* panel_rows.c and row_ops.c */
-void f32_panels(const float *x, long M, long K, float *xp, const float *P, long panels, float *y, long ldy,
-                int threads);
-void f16_panels(const float *x, long M, long K, float *xp, const uint16_t *P, long panels, float *y, long ldy,
-                int threads);
-void q8_0_panels(const float *x, long M, long K, const uint8_t *Q, long panels, float *y, long ldy, int threads);
-void q4_1_panels(const float *x, long M, long K, const uint8_t *Q, long panels, float *y, long ldy, int threads);
-void q8_0_dot8(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads);
-void q4_1_dot8(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads);
-void q8_0_dot16(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads);
-void q4_1_dot16(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy, int threads);
-/* row_ops.c; the last argument is the threads a prompt's rows may go to: 1 here, inside a step's team */
-void rms_norm_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *w, float eps,
-                   float *y, long syt, long syh, int threads);
-void rope_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *cos_t, const float *sin_t,
-               float *y, long syt, long syh, int threads);
-void silu_mul_rows(const float *gate, const float *up, float *out, long T, long n, long sg, long su, long so,
-                   int threads);
-/* dot8_rows.c: the DOT8 products inside one parallel region */
-void *dot8_acts(long M, long K);
-void dot8_round_row(void *a, const float *x, long K, long r, int wide);
-void dot8_team(const void *a, int q8, int wide, long M, long K, const uint8_t *V, long panels, float *y, long ldy);
-
-/* DOT8: the DOT8 copy, rows rounded to int8; DOT16: to int16 (dot8_rows.c) */
-enum { F32 = 0, F16 = 1, Q8_0 = 2, Q4_1 = 3, Q8_0_DOT8 = 4, Q4_1_DOT8 = 5, Q8_0_DOT16 = 6, Q4_1_DOT16 = 7 };
-
-/* One projection's panels (panel_kernels.PanelLinear): out a whole number of panels. */
-typedef struct {
-    long kind, in, panels;
-    const void *weights;  /* float32 or fp16 panels; q8_0's and q4_1's groups (their scales inside), or their
-                           * DOT8 copy (dot8_rows.c) */
-} Proj;
-
-typedef struct {
-    const float *input_norm, *post_norm;
-    Proj qkv, o, gate_up, down;
-    float *kc, *vc;  /* the cache's K and V for this layer (attention_rows' kc/vc) */
-} LayerArgs;
+#include "stack_layers.h"
 
 typedef struct {
     long rows, layers, hidden, heads, d, ff;  /* heads: query and KV heads, rotated together */
@@ -93,11 +55,6 @@ static void project(const Proj *p, long rows, const float *x, float *xp, float *
     else q4_1_dot16(x, rows, p->in, p->weights, p->panels, y, ldy, threads);
 }
 
-static void add(float *x, const float *y, long n) {
-    for (long i = 0; i < n; i++) x[i] += y[i];
-}
-
-static int dot8_kind(long kind) { return kind >= Q8_0_DOT8; }
 
 /* Whether every projection reads a DOT8 copy (dot8_rows.c), which the stack can run in one region. */
 static int all_dot8(const StackArgs *a) {
@@ -109,14 +66,6 @@ static int all_dot8(const StackArgs *a) {
     return 1;
 }
 
-/* Row r of x (K inputs a row) rounded for p; then, once every row is, p's products over the rows into y. */
-static void round_for(void *acts, const Proj *p, const float *x, long r) {
-    dot8_round_row(acts, x, p->in, r, p->kind >= Q8_0_DOT16);
-}
-static void team_project(const void *acts, const Proj *p, long rows, float *y) {
-    dot8_team(acts, p->kind == Q8_0_DOT8 || p->kind == Q8_0_DOT16, p->kind >= Q8_0_DOT16, rows, p->in, p->weights,
-              p->panels, y, p->panels * 8);
-}
 
 /* The stack over DOT8 copies in one parallel region. Opened per product, as the other formats' stack
  * does, a region left the second thread waiting while the first ran a layer's norms, rotation,

@@ -544,12 +544,22 @@ void dot8_round_row(void *a, const float *x, long K, long r, int wide) {
     for (long b = 0; b < K / QB; b++) quantize_block(a, x, K, r, b, wide);
 }
 
+static GroupRows team_rows(int q8, int wide) {
+    return q8 ? (wide ? TILE_OR_REFERENCE(w8_tile_rows, d8_reference16_rows)
+                      : TILE_OR_REFERENCE(d8_tile_rows, d8_reference_rows))
+              : (wide ? TILE_OR_REFERENCE(w4_tile_rows, d4_reference16_rows)
+                      : TILE_OR_REFERENCE(d4_tile_rows, d4_reference_rows));
+}
+
 void dot8_team(const void *a, int q8, int wide, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {
-    GroupRows rows_of = q8 ? (wide ? TILE_OR_REFERENCE(w8_tile_rows, d8_reference16_rows)
-                                   : TILE_OR_REFERENCE(d8_tile_rows, d8_reference_rows))
-                           : (wide ? TILE_OR_REFERENCE(w4_tile_rows, d4_reference16_rows)
-                                   : TILE_OR_REFERENCE(d4_tile_rows, d4_reference_rows));
-    dot8_groups(a, M, K, V, panels, y, ldy, q8 ? D8_BLOCK : D4_BLOCK, rows_of, wide, q8);
+    dot8_groups(a, M, K, V, panels, y, ldy, q8 ? D8_BLOCK : D4_BLOCK, team_rows(q8, wide), wide, q8);
+}
+
+/* `dot8_team` for the gate/up product gating its own sums (`*_gated`, whose panel count it takes as given: whole
+ * pairs of groups), y [M, ldy] panels / 2 panels wide. */
+void dot8_team_gated(const void *a, int q8, int wide, long M, long K, const uint8_t *V, long panels, float *y,
+                     long ldy) {
+    dot8_gated_groups(a, M, K, V, panels, y, ldy, q8 ? D8_BLOCK : D4_BLOCK, team_rows(q8, wide), wide, q8);
 }
 
 void q4_1_dot8_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {

@@ -1,6 +1,6 @@
 """Running the model for requests: making their KV caches, and planning how each step runs.
 
-Three ways run one sequence's step, and differ in where K/V live and what a step allocates:
+Four ways run one sequence's step, and differ in where K/V live and what a step allocates:
 
 - the static step (`cuda_graph.StaticDecoder`): one token in a K/V arena lent to one request
   at a time, captured in CUDA graphs (on by default on CUDA, where a step is several hundred
@@ -8,6 +8,8 @@ Three ways run one sequence's step, and differ in where K/V live and what a step
 - the eager step (`eager_step.EagerDecoder`): one token into scratch buffers, for a cache that
   stores K/V as computed (a paged table too, while its blocks are consecutive): every block in
   one C call where the C stack serves the weights, else the Python blocks;
+- the prompt stack (`prompt_stack.PromptStack`): a prompt chunk of one sequence, every block in one
+  C call, into a cache that holds K/V as computed;
 - the general path (`Transformer.forward`): any number of tokens, any cache (prefill, and
   decode over quantized, widened or outgrown caches).
 
@@ -34,6 +36,7 @@ from minengine.fast.cuda_graph import StaticDecoder
 from minengine.fast.decode_threads import StepThreads
 from minengine.fast.eager_step import EagerDecoder, LayerStack
 from minengine.fast.panel_kernels import UNPACK_ROWS, amx_takes, amx_tiles_name
+from minengine.fast.prompt_stack import PromptStack
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.kv.request_cache import request_cache
@@ -58,6 +61,7 @@ class ModelRunner:
         self.last_path: StepPath = NOT_RUN  # the path of the step that ran last (`pick`)
         self._label = weights_label(model.layers[0].qkv)  # "int16×q4_1": what the projections multiply
         self._stack = LayerStack.of(model)  # every block in one C call, where the weights allow it
+        self._prompt = PromptStack.of(model)  # a prompt chunk's blocks in one C call, where the weights allow it
         # What the Python blocks' norms, rotations, gating and attentions run, and where the gating is
         # the gate/up product's own (`Layer.gated`).
         gating = ", gating in the gate/up product" if model.layers[0].gating_in_product else ""
@@ -110,10 +114,17 @@ class ModelRunner:
     def pick(
         self, ids: torch.Tensor, start: int, cache: KVCache | PagedKVCache, all_logits: bool = False
     ) -> StepPlan[Logits]:
-        """The plan of one sequence's step: the static step where it holds this cache, else the
+        """The plan of one sequence's step: a prompt chunk through the C prompt stack where it serves the
+        weights and the cache; one token through the static step where it holds this cache, else the
         lean one-token step where the cache allows it (the C stack where it serves the weights and
-        the cache, else the Python blocks), else the general path."""
+        the cache, else the Python blocks); else the general path."""
         one = ids.shape[0] == 1 and not all_logits
+        prompt, length = self._prompt, ids.shape[0]
+        if not one and not all_logits and prompt is not None and prompt.serves(cache, start, length):
+            label = self._label
+            tiles = f" on {amx_tiles_name()}" if label.startswith("int16") and amx_takes(length) else ""
+            why = f"{length} positions of one sequence on the CPU; {label} panels{tiles}, every block in one C call"
+            return self._plan(f"c-stack prompt {label}", why, False, lambda: prompt.run(ids, start, cache))
         if not one:
             why = f"{ids.shape[0]} positions" if not all_logits else "every position's logits asked for"
             return self._plan("torch general", why + self._ops, False,

@@ -11,7 +11,10 @@ model instead (`reference_runner`).
 - `c-stack ACT×FMT`: one token, every block in one C call (`eager_step.LayerStack`), the
   products in FMT weights times ACT-rounded rows;
 - `torch eager`: one token through the Python block into scratch buffers (`eager_step`);
-- `torch general`: any tokens, any cache (`Transformer.forward`): prefill, quantized caches;
+- `c-stack prompt ACT×FMT`: one sequence's prompt chunk, every block in one C call
+  (`prompt_stack.PromptStack`);
+- `torch general`: any tokens, any cache (`Transformer.forward`): prefill the prompt stack does not
+  take, quantized caches;
 - `c-stack rows ACT×FMT` / `torch rows`: several sequences' rows in one shared step
   (`shared_step`), through the C stack or the Python blocks;
 - `c-stack rows ACT×FMT + torch chunks`: a shared step of decode rows and prompt chunks in two

@@ -1,7 +1,8 @@
 """The C kernels as other CPUs build them, tested on this one: CI draws its machine from several CPU kinds (AMX,
 AVX-512 VNNI, AVX2 only), and each run would otherwise test only the build its own CPU makes.
 
-- AMX's tiles where there are none: test_amx_rows.py in a process whose kernels were built with the tile
+- AMX's tiles where there are none: test_amx_rows.py and test_prompt_stack.py (whose chunks of 64 rows or
+  more take the tiles) in a process whose kernels were built with the tile
   instructions emulated in C (`REQSCOPE_AMX=emulate`, amx_emulated.h). Everything of amx_rows.c but the
   instructions themselves (the rows split into bytes, the 64-row windows, the float chain, the gated product's
   scratch, the streamed stores) is held to the VNNI tiles' bits on any CPU with AVX-512 VNNI; the instructions
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNEL_MODULES = tuple(
     f"tests/engine/{name}.py"
     for name in ("test_panel_kernels", "test_chunk_attention", "test_decode_stack", "test_pooled_rows",
-                 "test_attention_rows", "test_decode_step", "test_model_parity", "test_dot8")
+                 "test_attention_rows", "test_decode_step", "test_model_parity", "test_dot8", "test_prompt_stack")
 )  # fmt: skip
 
 
@@ -52,7 +53,8 @@ def _pytest(modules: tuple[str, ...], **env: str) -> tuple[int, str, str]:
 
 @pytest.mark.skipif("avx512_vnni" not in settings.cpu_flags(), reason="rounded rows need AVX-512 VNNI")
 def test_the_tiles_tests_pass_with_the_tile_instructions_emulated():
-    code, summary, tail = _pytest(("tests/engine/test_amx_rows.py",), **{settings.AMX_ENV: settings.AMX_EMULATE})
+    modules = ("tests/engine/test_amx_rows.py", "tests/engine/test_prompt_stack.py")
+    code, summary, tail = _pytest(modules, **{settings.AMX_ENV: settings.AMX_EMULATE})
     assert code == 0, tail
     assert "passed" in summary and "skipped" not in summary, summary  # every tiles test ran, none skipped
 
