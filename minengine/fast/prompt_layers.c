@@ -7,8 +7,7 @@
  * barrier per stage; the norms, the residual adds, the rotation and the cache write run row by row,
  * fused with rounding the next product's rows. Every value is computed by the function the Python block
  * calls for it (dot8_rows.c's rounding and groups, row_ops.c's norm and rotation, chunk_attention.c's
- * kernel, attention_rows.c's for the last layer's one query, as `CacheAttention` runs it), on the same
- * inputs in the same order, so the residual stream and the cache it leaves are the Python block's bit for
+ * kernel), on the same inputs in the same order, so the residual stream and the cache it leaves are the Python block's bit for
  * bit (tests/engine/test_prompt_stack.py).
  *
  * As `Transformer.forward` does, the last layer takes only the chunk's last position past its K/V write.
@@ -19,10 +18,8 @@
  * Built with the other sources by minengine/fast/cpu_kernels.py.
  */
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
-#include "attention_rows.h"
 #include "chunk_attention.h"
 #include "stack_layers.h"
 
@@ -61,15 +58,13 @@ int prompt_layers(const PromptArgs *a) {
     ChunkRounded room;
     int status = chunk_attention_room(&chunk, &room);
     if (status) return status;
-    /* The last layer's one query (the chunk's last position) over every key: attend_one's arguments. */
-    long seen = a->start + T, taken = 0;
-    AttendArgs one = {.rows = 1, .hq = hq, .hkv = hkv, .d = d, .scale = a->scale, .threads = a->threads,
-                      .q = a->rotated + last * rot_w, .q_rs = att_w, .kc_hs = a->kc_hs, .vc_hs = a->vc_hs,
-                      .ends = &seen, .out = a->attended + last * att_w, .out_rs = att_w};
-    long scores = attend_scratch(&one);
+    /* The last layer's one query, the chunk's last position, over every key: the same kernel (its room the
+     * same keys'), as `CacheAttention` attends it. */
+    ChunkArgs one = chunk;
+    one.length = 1, one.start = a->start + last;
+    one.q = a->rotated + last * rot_w, one.out = a->attended + last * att_w;
 #pragma omp parallel num_threads(a->threads)
     {
-        float *s = malloc(sizeof(float) * scores);
         for (long i = 0; i < a->layers; i++) {
             const LayerArgs *l = a->layer + i;
             int final = i == a->layers - 1;
@@ -92,16 +87,9 @@ int prompt_layers(const PromptArgs *a) {
             }
             /* Past the attention: every position, or in the last layer its last alone (rows r0 ..). */
             long r0 = final ? last : 0, rows = T - r0;
-            if (final) {
 #pragma omp single
-                one.kc = l->kc, one.vc = l->vc, taken = 0;
-                attend_units(&one, &taken, s);
-#pragma omp barrier
-            } else {
-#pragma omp single
-                run.k = l->kc, run.v = l->vc;
-                chunk_attention_team(&chunk, &room);
-            }
+            run.k = l->kc, run.v = l->vc;
+            chunk_attention_team(final ? &one : &chunk, &room);
             const float *attended = a->attended + r0 * att_w;
 #pragma omp for schedule(dynamic, RUN)
             for (long r = 0; r < rows; r++) round_for(acts, &l->o, attended, r);
@@ -122,7 +110,6 @@ int prompt_layers(const PromptArgs *a) {
         }
 #pragma omp single
         add(a->x + last * n, a->down, n);  /* the last layer's MLP, into the last position's residual */
-        free(s);
     }
     return 0;
 }

@@ -24,7 +24,6 @@ from minengine.fast import chunk_attention
 from minengine.fast.cpu_kernels import library
 from minengine.fast.eager_step import LayerArgs, LayerStack, Proj
 from minengine.fast.panel_kernels import PanelLinear
-from minengine.fast.row_ops import c_decode_attention
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.transformer import Transformer
@@ -60,12 +59,11 @@ class PromptStack:
     @staticmethod
     def serves_model(model: Transformer) -> bool:
         """Whether the stack computes what the Python blocks compute for this model: `LayerStack`'s block
-        shape, every projection over a DOT8 copy with the gate/up product gating its own sums, the chunk
-        kernel as the prompt's attention and the C kernel as a lone query's."""
+        shape, every projection over a DOT8 copy with the gate/up product gating its own sums, and the chunk
+        kernel as the prompt's attention."""
         if not LayerStack.serves(model):
             return False
-        ops = model.ops
-        if ops.prompt_attention not in chunk_attention.KEYBLOCKED or ops.decode_attention is not c_decode_attention:
+        if model.ops.prompt_attention not in chunk_attention.KEYBLOCKED:
             return False
         for layer in model.layers:
             projections = (layer.qkv, layer.o, layer.gate_up, layer.down)

@@ -108,13 +108,16 @@ class CacheAttention:
         self.cache, self.start, self.scale, self.ops = cache, start, scale, ops
 
     def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        T = q.shape[0]
+        T, queries = k.shape[0], q.shape[0]
         keys, values = self.cache.update(index, heads_first(k), heads_first(v), self.start)
-        if T == 1:  # one query, the last position, sees every key: no mask needed
+        if T == 1:  # a decode step: one query, the last position, sees every key, no mask needed
             with OneThread(q.device):
                 return self.ops.decode_attention(q[0], keys[0], values[0], self.scale).view(1, -1)
-        out = self.ops.prompt_attention(heads_first(q), keys, values, self.start, self.scale)
-        return out[0].transpose(0, 1).reshape(T, -1)
+        # A prompt chunk's queries: every position's, or in the last layer its last position's alone. The prompt
+        # attention either way, as a shared step attends a chunk (`RowsAttention`), so that a prompt's first
+        # token has the same bits prefilled alone or beside other requests.
+        out = self.ops.prompt_attention(heads_first(q), keys, values, self.start + T - queries, self.scale)
+        return out[0].transpose(0, 1).reshape(queries, -1)
 
 
 class Transformer:

@@ -105,8 +105,7 @@ class RowsAttention:
         rq = q[q_at : q_at + nq]
         if row.observer is not None:
             row.observer.attended(index, rq[-1], keys[0])
-        if nq == 1:  # the chunk's last position (the last layer): it sees every key, no mask needed
-            with OneThread(q.device):
-                return self.ops.decode_attention(rq[0], keys[0], values[0], self.scale).view(1, -1)
-        out = self.ops.prompt_attention(heads_first(rq), keys, values, row.start, self.scale)
+        # Every query of the chunk, or in the last layer its last position's alone: the prompt attention either
+        # way, as a chunk attended in place (`PagedChunk`) and a prompt alone (`CacheAttention`) are.
+        out = self.ops.prompt_attention(heads_first(rq), keys, values, row.start + length - nq, self.scale)
         return out[0].transpose(0, 1).reshape(nq, -1)

@@ -17,6 +17,7 @@ from minengine.kv.block_pool import BlockPool
 from minengine.kv.cache import KVCache
 from minengine.steps.load import load_model
 from minengine.steps.model_runner import ModelRunner
+from minengine.steps.rows import Row
 
 CPU, F32 = torch.device("cpu"), torch.float32
 
@@ -114,3 +115,53 @@ def test_where_it_does_not_serve_the_plan_says_so_and_runs_the_python_blocks(tin
 def test_it_serves_rounded_rows_only(tiny_models, monkeypatch):
     for packs in ("q4_1+float32", "fp16-panels+float32", "+float32"):
         assert PromptStack.of(_runner(tiny_models["llama-gqa"][0], packs, monkeypatch)[1].model) is None
+
+
+def _first_logits_every_way(runner: ModelRunner, cfg, prompt: list[int]) -> dict[str, torch.Tensor]:
+    """The prompt's first-token logits prefilled alone (the prompt stack; the Python blocks over a request's own
+    cache) and in shared steps: beside two decode rows (two passes: the chunk's blocks through Python, attended in
+    its blocks in place), beside one (one pass, `torch rows`), and beside one in caches of their own (attended
+    over the gathered keys)."""
+    pool, n = BlockPool(64 << 20, CPU), len(prompt)
+    other = _ids(20, cfg.vocab_size, 9)
+
+    def decoding(owner: str, pooled: bool = True):
+        cache = runner.new_cache(24, pool=pool, owner=owner) if pooled else KVCache(cfg, 24, device=CPU,
+                                                                                   compute_dtype=F32)  # fmt: skip
+        runner.forward(other, 0, cache)
+        return Row((5,), 20, cache, True)
+
+    def prompt_row(owner: str, pooled: bool = True) -> Row:
+        cache = runner.new_cache(n + 1, pool=pool, owner=owner) if pooled else KVCache(cfg, n + 1, device=CPU,
+                                                                                      compute_dtype=F32)  # fmt: skip
+        return Row(tuple(prompt), 0, cache, True)
+
+    ways = {"alone": runner.forward(torch.tensor(prompt), 0, runner.new_cache(n + 1, pool=pool, owner="a"))}
+    assert runner.last_path.name.startswith("c-stack prompt")
+    plain = KVCache(cfg, n + 1, device=CPU, compute_dtype=F32)
+    ways["alone, Python blocks"] = runner.model.forward(torch.tensor(prompt), 0, plain)
+    ways["beside two decode rows"] = runner.forward_rows([decoding("d1"), decoding("d2"), prompt_row("b")])[2]
+    assert "torch chunks" in runner.last_path.name
+    ways["beside one"] = runner.forward_rows([decoding("d3"), prompt_row("c")])[1]
+    assert runner.last_path.name == "torch rows"
+    ways["beside one, own caches"] = runner.forward_rows([decoding("d4", False), prompt_row("e", False)])[1]
+    return ways
+
+
+@pytest.mark.parametrize("packs", ROUNDED[1:2])
+def test_a_prompts_first_token_has_the_same_bits_alone_or_beside_others(tiny_models, monkeypatch, packs):
+    """Every path attends a prompt chunk's last position in the last layer with the prompt attention, so the
+    logits a prompt's first token is drawn from do not depend on what shared its step."""
+    cfg, runner = _runner(tiny_models["llama-gqa"][0], packs, monkeypatch)
+    ways = _first_logits_every_way(runner, cfg, _ids(40, cfg.vocab_size, 8).tolist())
+    for name, logits in ways.items():
+        assert torch.equal(logits, ways["alone"]), name
+
+
+@pytest.mark.slow
+@needs_vnni
+def test_on_the_default_model_with_its_rounded_attention_too(default_model_dir, monkeypatch):
+    cfg, runner = _runner(default_model_dir, "q4_1+int16", monkeypatch)
+    ways = _first_logits_every_way(runner, cfg, _ids(90, cfg.vocab_size, 3).tolist())
+    for name, logits in ways.items():
+        assert torch.equal(logits, ways["alone"]), name
