@@ -90,16 +90,24 @@ class PromptStack:
         self.widths = (h, first.qkv.out_features, (self.hq + self.hkv) * d, self.hq * d, h, self.ff, h)
         self._call = library().lib.prompt_layers
 
-    def serves(self, cache: KVCache | PagedKVCache, start: int, length: int) -> bool:
-        """Whether the chunk [start, start + length) can run here over `cache`: two positions or more (one is
-        a decode step's), and a cache that holds K/V as computed in one run of buffers with room for them, a
-        head's positions d apart (as `EagerDecoder.serves` asks of a decode step's)."""
-        if length < 2 or cache.quantized or cache.borrowed or not cache.contiguous:
-            return False
-        if cache.storage_dtype != torch.float32 or cache.heads != self.hkv or start + length > cache.capacity:
-            return False
+    def refusal(self, cache: KVCache | PagedKVCache, start: int, length: int) -> str | None:
+        """Why the chunk [start, start + length) cannot run here over `cache`, None where it can: two positions
+        or more (one is a decode step's), and a cache that holds K/V as computed in one run of buffers with
+        room for them, a head's positions d apart (as `EagerDecoder.serves` asks of a decode step's)."""
+        if length < 2:
+            return "one position"
+        if cache.quantized or cache.storage_dtype != torch.float32:
+            return f"the cache stores K/V as {str(cache.storage_dtype).removeprefix('torch.')}"
+        if cache.heads != self.hkv:
+            return f"the cache holds {cache.heads} heads (the {cache.layout} layout), the model {self.hkv}"
+        if cache.borrowed or not cache.contiguous:
+            return "the cache's blocks are not one run" if not cache.borrowed else "the cache is borrowed"
+        if start + length > cache.capacity:
+            return "the cache must grow for the chunk"
         keys, values = cache.head_views()
-        return all(t.stride(-1) == 1 and t.stride(-2) == self.d for t in (keys[0], values[0]))
+        if not all(t.stride(-1) == 1 and t.stride(-2) == self.d for t in (keys[0], values[0])):
+            return "the cache's positions are not a head's d floats apart"
+        return None
 
     def run(self, ids: torch.Tensor, start: int, cache: KVCache | PagedKVCache) -> torch.Tensor:
         """Logits [vocab] (float32) of the chunk's last position, for the tokens `ids` [T] at positions

@@ -119,14 +119,16 @@ class ModelRunner:
         lean one-token step where the cache allows it (the C stack where it serves the weights and
         the cache, else the Python blocks); else the general path."""
         one = ids.shape[0] == 1 and not all_logits
-        prompt, length = self._prompt, ids.shape[0]
-        if not one and not all_logits and prompt is not None and prompt.serves(cache, start, length):
-            label = self._label
+        prompt, length, label = self._prompt, ids.shape[0], self._label
+        refusal = None if prompt is None or one or all_logits else prompt.refusal(cache, start, length)
+        if prompt is not None and not one and not all_logits and refusal is None:
             tiles = f" on {amx_tiles_name()}" if label.startswith("int16") and amx_takes(length) else ""
             why = f"{length} positions of one sequence on the CPU; {label} panels{tiles}, every block in one C call"
             return self._plan(f"c-stack prompt {label}", why, False, lambda: prompt.run(ids, start, cache))
         if not one:
             why = f"{ids.shape[0]} positions" if not all_logits else "every position's logits asked for"
+            if refusal is not None:
+                why += f"; no C prompt stack: {refusal}"
             return self._plan("torch general", why + self._ops, False,
                               lambda: self.model.forward(ids, start, cache, all_logits=all_logits))  # fmt: skip
         static, eager = self.static_decoder, self.eager_decoder

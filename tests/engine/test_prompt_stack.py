@@ -101,14 +101,24 @@ def test_where_it_does_not_serve_the_plan_says_so_and_runs_the_python_blocks(tin
 
     assert runner.pick(ids, 0, cache()).path.name == "c-stack prompt int16×q4_1"
     assert "12 positions of one sequence" in runner.pick(ids, 0, cache()).path.why
-    general = [
-        runner.pick(ids, 0, cache(), all_logits=True),  # every position's logits
-        runner.pick(ids[:1], 0, cache(), all_logits=True),
-        runner.pick(ids, 0, cache(storage_dtype=torch.float8_e4m3fn)),  # K/V stored other than as computed
-        runner.pick(ids, 0, cache(layout="mha")),
-        runner.pick(_ids(small.capacity + 1, cfg.vocab_size, 2), 0, small),  # no room: the cache grows
-    ]
-    assert [plan.path.name for plan in general] == ["torch general"] * len(general)
+    general = {  # each plan, and why the prompt stack did not take it (None: it was not asked)
+        "every position's logits": (runner.pick(ids, 0, cache(), all_logits=True), None),
+        "one position's, all asked": (runner.pick(ids[:1], 0, cache(), all_logits=True), None),
+        "fp8 K/V": (runner.pick(ids, 0, cache(storage_dtype=torch.float8_e4m3fn)), " stores K/V as float8_e4m3fn"),
+        "a head per query head": (runner.pick(ids, 0, cache(layout="mha")), " holds 4 heads (the mha layout)"),
+        "no room": (runner.pick(_ids(small.capacity + 1, cfg.vocab_size, 2), 0, small), " must grow for the chunk"),
+    }
+    pool = BlockPool(4 << 20, CPU)
+    split, beside = runner.new_cache(1, pool=pool, owner="a"), runner.new_cache(1, pool=pool, owner="b")
+    for end in (16, 32, 48):  # their blocks taken in turns: neither table is one run
+        split.make_room(end), beside.make_room(end)
+    general["blocks apart"] = (runner.pick(_ids(40, cfg.vocab_size, 3), 0, split), "'s blocks are not one run")
+    for name, (plan, why) in general.items():
+        assert plan.path.name == "torch general", name
+        if why is None:
+            assert "no C prompt stack" not in plan.path.why, name
+        else:
+            assert f"no C prompt stack: the cache{why}" in plan.path.why, (name, plan.path.why)
     assert runner.pick(ids[:1], 0, cache()).path.name.startswith("c-stack int16")  # one token: a decode step's
 
 
