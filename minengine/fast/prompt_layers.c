@@ -7,8 +7,8 @@
  * barrier per stage; the norms, the residual adds, the rotation and the cache write run row by row,
  * fused with rounding the next product's rows. Every value is computed by the function the Python block
  * calls for it (dot8_rows.c's rounding and groups, row_ops.c's norm and rotation, chunk_attention.c's
- * kernel), on the same inputs in the same order, so the residual stream and the cache it leaves are the Python block's bit for
- * bit (tests/engine/test_prompt_stack.py).
+ * kernel), on the same inputs in the same order, so the residual stream and the cache it leaves are the
+ * Python block's bit for bit (tests/engine/test_prompt_stack.py).
  *
  * As `Transformer.forward` does, the last layer takes only the chunk's last position past its K/V write.
  * It serves what `prompt_stack.PromptStack` admits: decode_layers.c's block shape, every projection over a
@@ -44,9 +44,9 @@ typedef struct {
 /* 0 once run; 1 or 2 where the chunk kernel refused (chunk_attention's: a head size the rounded twin does not
  * take, or no room for its keys), 2 where there was no room for the rounded rows; nothing then is written. */
 int prompt_layers(const PromptArgs *a) {
-    long T = a->rows, n = a->hidden, d = a->d, hq = a->hq, hkv = a->hkv, heads = hq + hkv, ff = a->ff;
+    long T = a->rows, n = a->hidden, d = a->d, hq = a->hq, hkv = a->hkv, heads = hq + hkv;
     long qkv_w = a->layer[0].qkv.panels * 8, rot_w = heads * d, att_w = hq * d, last = T - 1;
-    long widest = ff > n ? ff : n;
+    long widest = a->ff > n ? a->ff : n;
     widest = att_w > widest ? att_w : widest;
     void *acts = dot8_acts(T, widest);
     if (acts == NULL) return 2;
@@ -101,9 +101,7 @@ int prompt_layers(const PromptArgs *a) {
                 rms_norm_rows(x, 1, 1, n, n, 0, l->post_norm, a->eps, a->h + r * n, n, 0, 1);
                 round_for(acts, &l->gate_up, a->h, r);
             }
-            dot8_team_gated(acts, l->gate_up.kind == Q8_0_DOT8 || l->gate_up.kind == Q8_0_DOT16,
-                            l->gate_up.kind >= Q8_0_DOT16, rows, l->gate_up.in, l->gate_up.weights, l->gate_up.panels, a->gated,
-                            ff);
+            team_gated(acts, &l->gate_up, rows, a->gated);
 #pragma omp for schedule(dynamic, RUN)
             for (long r = 0; r < rows; r++) round_for(acts, &l->down, a->gated, r);
             team_project(acts, &l->down, rows, a->down);

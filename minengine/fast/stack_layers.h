@@ -60,5 +60,10 @@ static inline void team_project(const void *acts, const Proj *p, long rows, floa
     dot8_team(acts, p->kind == Q8_0_DOT8 || p->kind == Q8_0_DOT16, p->kind >= Q8_0_DOT16, rows, p->in, p->weights,
               p->panels, y, p->panels * 8);
 }
+/* The same for a gate/up weight whose product gates its own sums: y [rows, p->panels * 4], silu(gate) * up. */
+static inline void team_gated(const void *acts, const Proj *p, long rows, float *y) {
+    dot8_team_gated(acts, p->kind == Q8_0_DOT8 || p->kind == Q8_0_DOT16, p->kind >= Q8_0_DOT16, rows, p->in,
+                    p->weights, p->panels, y, p->panels * 4);
+}
 
 #endif
