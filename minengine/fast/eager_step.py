@@ -220,6 +220,17 @@ class LayerArgs(ctypes.Structure):
                 ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p)]  # fmt: skip
 
 
+def layer_args(model: Transformer) -> ctypes.Array:
+    """Every block's `LayerArgs` for a C stack (decode_layers.c, prompt_layers.c): its norms' weights and its
+    projections' panels; the cache pointers are set per step."""
+    layers = (LayerArgs * len(model.layers))()
+    for args, layer in zip(layers, model.layers, strict=True):
+        args.input_norm, args.post_norm = layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr()
+        args.qkv, args.o = Proj.of(layer.qkv), Proj.of(layer.o)  # type: ignore[arg-type]
+        args.gate_up, args.down = Proj.of(layer.gate_up), Proj.of(layer.down)  # type: ignore[arg-type]
+    return layers
+
+
 class StackArgs(ctypes.Structure):
     """decode_layers.c's StackArgs."""
 
@@ -254,11 +265,7 @@ class LayerStack:
 
     def __init__(self, model: Transformer) -> None:
         cfg = model.cfg
-        self.layers = (LayerArgs * len(model.layers))()
-        for args, layer in zip(self.layers, model.layers, strict=True):
-            args.input_norm, args.post_norm = layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr()
-            args.qkv, args.o = Proj.of(layer.qkv), Proj.of(layer.o)  # type: ignore[arg-type]
-            args.gate_up, args.down = Proj.of(layer.gate_up), Proj.of(layer.down)  # type: ignore[arg-type]
+        self.layers = layer_args(model)
         first = model.layers[0]
         self.hidden, self.d, self.ff = cfg.hidden_size, cfg.head_dim, first.down.in_features
         self.hq, self.heads = cfg.num_attention_heads, cfg.num_attention_heads + cfg.num_key_value_heads

@@ -1,9 +1,9 @@
 """One sequence's prompt chunk through every block in one C call (`prompt_layers.c`).
 
 A chunk through the Python blocks (`Transformer.forward`) is a dozen calls a layer, each opening its own
-OpenMP region and leaving the second thread waiting while Python walks to the next: about 7% of a lone
-1,000-token prompt on a 2-core CPU beside its products and attention, and a larger share of a short chat
-prompt's. `prompt_layers.c` runs the whole chunk in one region: the same kernels on the same values in
+OpenMP region and leaving the second thread waiting while Python walks to the next: a fixed cost a layer,
+most of a short chat prompt's prefill beside its arithmetic (docs/performance.md gives the figures).
+`prompt_layers.c` runs the whole chunk in one region: the same kernels on the same values in
 the same order, so its logits and the K/V it leaves in the cache are the Python blocks' bit for bit, and a
 prompt's first token does not depend on which of the two ran it.
 
@@ -22,7 +22,7 @@ import torch
 
 from minengine.fast import chunk_attention
 from minengine.fast.cpu_kernels import library
-from minengine.fast.eager_step import LayerArgs, LayerStack, Proj
+from minengine.fast.eager_step import LayerStack, layer_args
 from minengine.fast.panel_kernels import PanelLinear
 from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
@@ -76,11 +76,7 @@ class PromptStack:
     def __init__(self, model: Transformer) -> None:
         cfg, first = model.cfg, model.layers[0]
         self.model = model
-        self.layers = (LayerArgs * len(model.layers))()
-        for args, layer in zip(self.layers, model.layers, strict=True):
-            args.input_norm, args.post_norm = layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr()
-            args.qkv, args.o = Proj.of(layer.qkv), Proj.of(layer.o)  # type: ignore[arg-type]
-            args.gate_up, args.down = Proj.of(layer.gate_up), Proj.of(layer.down)  # type: ignore[arg-type]
+        self.layers = layer_args(model)
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.hidden, self.ff = cfg.hidden_size, first.down.in_features
         self.eps, self.scale = first.input_norm.eps_value, model.scale
