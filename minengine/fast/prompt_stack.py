@@ -105,9 +105,12 @@ class PromptStack:
             return "the cache's positions are not a head's d floats apart"
         return None
 
-    def run(self, ids: torch.Tensor, start: int, cache: KVCache | PagedKVCache) -> torch.Tensor:
+    def run(
+        self, ids: torch.Tensor, start: int, cache: KVCache | PagedKVCache, *, logits: bool = True
+    ) -> torch.Tensor | None:
         """Logits [vocab] (float32) of the chunk's last position, for the tokens `ids` [T] at positions
-        [start, start + T) of `cache` (`serves`), whose K/V it writes in every layer."""
+        [start, start + T) of `cache` (`refusal` None), whose K/V it writes in every layer; None without
+        `logits` (a chunk that does not end its prompt: the head is not run)."""
         model, length = self.model, ids.shape[0]
         x = model.embed_tokens(ids)  # [T, hidden], a fresh tensor: residuals are added in place
         cos, sin = model.rope.lookup_signed(start, length)
@@ -132,4 +135,4 @@ class PromptStack:
         if status:
             raise MemoryError("no memory for the prompt's rounded rows or keys")
         cache.note_written(start + length)
-        return model.logits(x[-1:])
+        return model.logits(x[-1:]) if logits else None

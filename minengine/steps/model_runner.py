@@ -173,7 +173,8 @@ class ModelRunner:
         - decode rows only, each wanting its logits, in one pool segment the C kernel reads in place,
           fewer than hand the products to MKL, in weights the C stack serves: the C stack over rows;
         - decode rows the C stack would take beside prompt chunks: two passes, the decode rows
-          through the C stack, then the chunks through the Python blocks;
+          through the C stack, then the chunks: a lone uninspected one through the C prompt stack where
+          it serves the chunk's cache, else through the Python blocks;
         - else the Python blocks over the stacked rows (an inspected row's attention seen on its own).
         """
         if len(rows) == 1 and rows[0].logits and rows[0].observer is None:
@@ -192,7 +193,16 @@ class ModelRunner:
                                                                                      computing))  # fmt: skip
         if len(decode) < n and len(decode) >= 2 and refusal is None:
             others = [i for i in range(n) if i not in set(decode)]
+            chunk, unserved = self._lone_chunk([rows[i] for i in others])
+            if chunk is not None:
+                why = f"{len(decode)} decode rows, then a prompt chunk of {len(chunk.ids)} positions in one C call"
+
+                def passes() -> RowsLogits:
+                    return self._two_passes(rows, decode, group, others, None, computing)
+
+                return self._rows_plan(f"c-stack rows {label} + c-stack prompt", why, passes)
             why = f"{len(decode)} decode rows, then {len(others)} rows with a prompt chunk through the Python blocks"
+            why += f"; no C prompt stack: {unserved}" if unserved else ""
             paged = paged_chunks([rows[i] for i in others], model)
             return self._rows_plan(f"c-stack rows {label} + torch chunks", why + self._ops,
                                    lambda: self._two_passes(rows, decode, group, others, paged, computing))  # fmt: skip
@@ -218,15 +228,40 @@ class ModelRunner:
             return None, f"{n} decode rows whose caches are not in one pool segment the C kernel reads in place"
         return group, None
 
+    def _lone_chunk(self, rows: list[Row]) -> tuple[Row | None, str | None]:
+        """The one prompt chunk of a step's second pass that the C prompt stack takes, or why it does not
+        (None where the weights give it no prompt stack at all: the Python blocks are then the only way)."""
+        if self._prompt is None:
+            return None, None
+        if len(rows) != 1:
+            return None, f"{len(rows)} rows beside the decode rows, the stack takes one chunk"
+        row = rows[0]
+        if row.observer is not None:
+            return None, "the chunk is inspected"
+        refusal = self._prompt.refusal(row.cache, row.start, len(row.ids))
+        return (row, None) if refusal is None else (None, refusal)
+
     def _two_passes(
-        self, rows: list[Row], decode: list[int], group: PoolGroup, others: list[int], paged: frozenset[int], computing
+        self,
+        rows: list[Row],
+        decode: list[int],
+        group: PoolGroup,
+        others: list[int],
+        paged: frozenset[int] | None,
+        computing,
     ) -> RowsLogits:
-        """The decode rows through the C stack over rows, then the chunks through the Python blocks.
-        Each row's arithmetic is its own either way (the stack gives the Python blocks' bits), so
-        only the time changes: a chunk no longer takes every decode row through the Python blocks.
-        The second pass holds no row that could attend with others in the pool: no pool groups."""
+        """The decode rows through the C stack over rows, then the chunks: through the Python blocks, or with
+        `paged` None the one chunk through the C prompt stack. Each row's arithmetic is its own either way
+        (both stacks give the Python blocks' bits), so only the time changes: a chunk no longer takes every
+        decode row through the Python blocks. The second pass holds no row that could attend with others in
+        the pool: no pool groups."""
         first = run_stacked(self.model, [rows[i] for i in decode], group, self._stack, computing)
-        second = run_blocks(self.model, [rows[i] for i in others], [], paged, None)
+        if paged is None:
+            chunk = rows[others[0]]
+            ids = torch.tensor(chunk.ids, device=self.device)
+            second = [self._prompt.run(ids, chunk.start, chunk.cache, logits=chunk.logits)]
+        else:
+            second = run_blocks(self.model, [rows[i] for i in others], [], paged, None)
         out: RowsLogits = [None] * len(rows)
         for i, logits in zip(decode + others, first + second, strict=True):
             out[i] = logits

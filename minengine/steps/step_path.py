@@ -17,8 +17,10 @@ model instead (`reference_runner`).
   take, quantized caches;
 - `c-stack rows ACT×FMT` / `torch rows`: several sequences' rows in one shared step
   (`shared_step`), through the C stack or the Python blocks;
-- `c-stack rows ACT×FMT + torch chunks`: a shared step of decode rows and prompt chunks in two
-  passes, the decode rows through the C stack, then the chunks through the Python blocks.
+- `c-stack rows ACT×FMT + c-stack prompt`: a shared step of decode rows and one prompt chunk in two
+  passes, the decode rows through the C stack, then the chunk through the C prompt stack;
+- `c-stack rows ACT×FMT + torch chunks`: the same two passes where the prompt stack does not take the
+  chunks (several, an inspected one, or a cache it does not serve): they go through the Python blocks.
 """
 
 from __future__ import annotations

@@ -127,11 +127,21 @@ def test_it_serves_rounded_rows_only(tiny_models, monkeypatch):
         assert PromptStack.of(_runner(tiny_models["llama-gqa"][0], packs, monkeypatch)[1].model) is None
 
 
+def _in_two_runs(runner: ModelRunner, pool: BlockPool, owner: str, tokens: int, prompt: list[int]) -> Row:
+    """A prompt's row whose cache's blocks lie in two runs: its first block, another request's, then the rest."""
+    cache = runner.new_cache(16, pool=pool, owner=owner)
+    cache.make_room(16)
+    runner.new_cache(16, pool=pool, owner=f"{owner}-between").make_room(16)
+    cache.make_room(tokens)
+    assert not cache.contiguous
+    return Row(tuple(prompt), 0, cache, True)
+
+
 def _first_logits_every_way(runner: ModelRunner, cfg, prompt: list[int]) -> dict[str, torch.Tensor]:
     """The prompt's first-token logits prefilled alone (the prompt stack; the Python blocks over a request's own
-    cache) and in shared steps: beside two decode rows (two passes: the chunk's blocks through Python, attended in
-    its blocks in place), beside one (one pass, `torch rows`), and beside one in caches of their own (attended
-    over the gathered keys)."""
+    cache) and in shared steps: beside two decode rows (two passes: the chunk through the prompt stack, or, its
+    blocks in two runs, through the Python blocks attended in its blocks in place), beside one (one pass,
+    `torch rows`), and beside one in caches of their own (attended over the gathered keys)."""
     pool, n = BlockPool(64 << 20, CPU), len(prompt)
     other = _ids(20, cfg.vocab_size, 9)
 
@@ -151,7 +161,11 @@ def _first_logits_every_way(runner: ModelRunner, cfg, prompt: list[int]) -> dict
     plain = KVCache(cfg, n + 1, device=CPU, compute_dtype=F32)
     ways["alone, Python blocks"] = runner.model.forward(torch.tensor(prompt), 0, plain)
     ways["beside two decode rows"] = runner.forward_rows([decoding("d1"), decoding("d2"), prompt_row("b")])[2]
-    assert "torch chunks" in runner.last_path.name
+    assert runner.last_path.name.endswith(" + c-stack prompt")
+    split = runner.forward_rows([decoding("d5"), decoding("d6"), _in_two_runs(runner, pool, "f", n + 1, prompt)])
+    ways["beside two decode rows, its blocks in two runs"] = split[2]
+    assert runner.last_path.name.endswith(" + torch chunks")
+    assert "no C prompt stack: the cache's blocks are not one run" in runner.last_path.why
     ways["beside one"] = runner.forward_rows([decoding("d3"), prompt_row("c")])[1]
     assert runner.last_path.name == "torch rows"
     ways["beside one, own caches"] = runner.forward_rows([decoding("d4", False), prompt_row("e", False)])[1]

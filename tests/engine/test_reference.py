@@ -262,7 +262,8 @@ def test_shared_steps_match_the_reference(tiny_models, name, packs):
     nxt = [int(x.argmax()) for x in decoded]
     rows = [Row((t,), len(p) + 1, c, True) for p, t, c in zip(prompts, nxt, caches, strict=True)]
     out = runner.forward_rows([*rows, Row(tuple(chunk.tolist()), 0, fresh, True)])
-    assert runner.last_path.name == "torch rows" or runner.last_path.name.endswith(" + torch chunks")
+    assert runner.last_path.name == "torch rows" or runner.last_path.name.endswith((" + torch chunks",
+                                                                                    " + c-stack prompt"))
     for p, t, n, logits in zip(prompts, tokens, nxt, out[:-1], strict=True):
         _close(packs, logits, _reference_steps(ref, p, [t, n])[-1])
     _close(packs, out[-1], ref.forward(chunk, 0, ref.new_cache()))
@@ -323,8 +324,9 @@ def test_the_runner_picks_a_shared_steps_path_and_says_why(tiny_models):
 @pytest.mark.skipif(not PANEL_FORMATS, reason="the C stack needs the C kernels")
 @pytest.mark.parametrize("packs", ["float32-panels", "q4_1"])
 def test_a_step_of_decode_rows_and_a_prompt_chunk_runs_in_two_passes_with_the_same_bits(tiny_models, packs):
-    """The decode rows through the C stack over rows, then the chunk through the Python blocks: each
-    row's logits are the bits of the one pass over all of them, and near the reference's."""
+    """The decode rows through the C stack over rows, then the chunk through the C prompt stack (rounded rows)
+    or the Python blocks: each row's logits are the bits of the one pass over all of them, and near the
+    reference's."""
     from minengine.steps.shared_step import forward_rows
 
     folder, _ = tiny_models["llama-gqa"]
@@ -338,7 +340,8 @@ def test_a_step_of_decode_rows_and_a_prompt_chunk_runs_in_two_passes_with_the_sa
     rows = [Row((t,), len(p), c, True) for p, t, c in zip(prompts, tokens, caches, strict=True)]
     rows.insert(1, Row(tuple(chunk.tolist()), 0, fresh, True))
     split = runner.forward_rows(rows)
-    assert runner.last_path.name == f"c-stack rows {runner._label} + torch chunks"
+    second = "c-stack prompt" if runner._prompt is not None else "torch chunks"  # the prompt stack: DOT8 weights
+    assert runner.last_path.name == f"c-stack rows {runner._label} + {second}"
     joint = forward_rows(runner.model, rows)  # the Python blocks, the same positions again: the same K/V written
     assert all(torch.equal(a, b) for a, b in zip(split, joint, strict=True))
     for p, t, logits in zip(prompts, tokens, [split[0], *split[2:]], strict=True):
