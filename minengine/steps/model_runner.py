@@ -201,7 +201,9 @@ class ModelRunner:
                     return self._two_passes(rows, decode, group, others, None, computing)
 
                 return self._rows_plan(f"c-stack rows {label} + c-stack prompt", why, passes)
-            why = f"{len(decode)} decode rows, then {len(others)} rows with a prompt chunk through the Python blocks"
+            one_chunk = len(others) == 1 and len(rows[others[0]].ids) > 1
+            rest = f"{len(others)} rows" if len(others) > 1 else "a prompt chunk" if one_chunk else "one row"
+            why = f"{len(decode)} decode rows, then {rest} through the Python blocks"
             why += f"; no C prompt stack: {unserved}" if unserved else ""
             paged = paged_chunks([rows[i] for i in others], model)
             return self._rows_plan(f"c-stack rows {label} + torch chunks", why + self._ops,
