@@ -133,7 +133,9 @@ static inline float round_block(const float *xb, float top, __m256i q[4], int32_
 
 /* Block b of row r rounded into a: int8 (llama.cpp's quantize_row_q8_1: d = max |x| / 127, s = d * sum(xq))
  * or int16 (d = max |x| / 32767, each quad in INT16 ORDER). A block's bits are its own, whichever
- * thread rounds it. */
+ * thread rounds it. A NaN or infinite value converts to INT32_MIN, which no finite one reaches (|x| / d is
+ * at most the top); the block's scale is then NaN, so the row's sums come out NaN, as float32's would,
+ * rather than numbers. */
 static void quantize_block(Acts *a, const float *x, long K, long r, long b, int wide) {
     long blocks = K / QB;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -147,6 +149,8 @@ static void quantize_block(Acts *a, const float *x, long K, long r, long b, int 
     __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
     __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
     int32_t n = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    const __m512i lost = _mm512_set1_epi32(INT32_MIN);
+    if (_mm512_cmpeq_epi32_mask(q0, lost) | _mm512_cmpeq_epi32_mask(q1, lost)) d = NAN;
     if (wide) {  /* each quad in INT16 ORDER */
         int16_t *o = (int16_t *)a->q + r * K + b * QB;
         _mm256_storeu_si256((__m256i *)o, _mm512_cvtsepi32_epi16(_mm512_shuffle_epi32(q0, _MM_SHUFFLE(3, 1, 2, 0))));
@@ -167,6 +171,9 @@ static void quantize_block(Acts *a, const float *x, long K, long r, long b, int 
     __m256i q[4];
     int32_t n;
     float d = round_block(x + r * K + b * QB, wide ? 32767.0f : 127.0f, q, &n);
+    __m256i lost = _mm256_set1_epi32(INT32_MIN), any = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) any = _mm256_or_si256(any, _mm256_cmpeq_epi32(q[i], lost));
+    if (!_mm256_testz_si256(any, any)) d = NAN;
     if (wide) {
         int16_t *o = (int16_t *)a->q + r * K + b * QB;
         for (int i = 0; i < 4; i++) q[i] = _mm256_permutevar8x32_epi32(q[i], quad);

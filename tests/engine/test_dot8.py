@@ -107,6 +107,22 @@ def test_int16_rows_land_a_hundred_times_nearer_float32s_products_than_int8(monk
 
 @needs_vnni
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_row_with_a_nan_or_infinite_input_comes_out_nan_and_leaves_the_others_bits(rounded, fmt, bad):
+    """float32's products turn a NaN or infinite input into NaN outputs; rounded rows do too, on the tiles
+    and the reference alike, rather than numbers, and the rows beside it keep their bits."""
+    panel = PanelLinear(fmt, _weight((96, 576)), 1)
+    x = _x(9, 576)
+    clean = _dot8(panel, x)
+    x[4, 100] = bad
+    for got in (_dot8(panel, x), _dot8(panel, x, reference=True)):
+        assert torch.isnan(got[4]).all()
+        keep = torch.arange(9) != 4
+        assert torch.equal(got[keep], clean[keep])
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_vnni_tiles_give_the_references_bits_and_a_row_the_same_bits_in_any_batch(rounded, fmt, shape):
     panel = PanelLinear(fmt, _weight(shape), 1)
