@@ -196,18 +196,27 @@ class ModelRunner:
             chunk, unserved = self._lone_chunk([rows[i] for i in others])
             if chunk is not None:
                 why = f"{len(decode)} decode rows, then a prompt chunk of {len(chunk.ids)} positions in one C call"
+                prompt, ids = self._prompt, torch.tensor(chunk.ids, device=self.device)
 
-                def passes() -> RowsLogits:
-                    return self._two_passes(rows, decode, group, others, None, computing)
+                def through_prompt_stack() -> RowsLogits:
+                    return [prompt.run(ids, chunk.start, chunk.cache, logits=chunk.logits)]
 
-                return self._rows_plan(f"c-stack rows {label} + c-stack prompt", why, passes)
+                return self._rows_plan(f"c-stack rows {label} + c-stack prompt", why,
+                                       lambda: self._two_passes(rows, decode, group, others, through_prompt_stack,
+                                                                computing))  # fmt: skip
             one_chunk = len(others) == 1 and len(rows[others[0]].ids) > 1
             rest = f"{len(others)} rows" if len(others) > 1 else "a prompt chunk" if one_chunk else "one row"
             why = f"{len(decode)} decode rows, then {rest} through the Python blocks"
             why += f"; no C prompt stack: {unserved}" if unserved else ""
-            paged = paged_chunks([rows[i] for i in others], model)
+            chunks = [rows[i] for i in others]
+            paged = paged_chunks(chunks, model)
+
+            def through_blocks() -> RowsLogits:
+                return run_blocks(model, chunks, [], paged, None)
+
             return self._rows_plan(f"c-stack rows {label} + torch chunks", why + self._ops,
-                                   lambda: self._two_passes(rows, decode, group, others, paged, computing))  # fmt: skip
+                                   lambda: self._two_passes(rows, decode, group, others, through_blocks,
+                                                            computing))  # fmt: skip
         if len(decode) == n:
             why = refusal
         elif any(len(r.ids) != 1 for r in rows):
@@ -249,21 +258,16 @@ class ModelRunner:
         decode: list[int],
         group: PoolGroup,
         others: list[int],
-        paged: frozenset[int] | None,
-        computing,
+        second_pass: Callable[[], RowsLogits],
+        computing: Callable[[], object] | None,
     ) -> RowsLogits:
-        """The decode rows through the C stack over rows, then the chunks: through the Python blocks, or with
-        `paged` None the one chunk through the C prompt stack. Each row's arithmetic is its own either way
-        (both stacks give the Python blocks' bits), so only the time changes: a chunk no longer takes every
+        """The decode rows through the C stack over rows, then `second_pass` over the other rows (the chunks:
+        the C prompt stack or the Python blocks, as `pick_rows` chose). Each row's arithmetic is its own either
+        way (both stacks give the Python blocks' bits), so only the time changes: a chunk no longer takes every
         decode row through the Python blocks. The second pass holds no row that could attend with others in
         the pool: no pool groups."""
         first = run_stacked(self.model, [rows[i] for i in decode], group, self._stack, computing)
-        if paged is None:
-            chunk = rows[others[0]]
-            ids = torch.tensor(chunk.ids, device=self.device)
-            second = [self._prompt.run(ids, chunk.start, chunk.cache, logits=chunk.logits)]
-        else:
-            second = run_blocks(self.model, [rows[i] for i in others], [], paged, None)
+        second = second_pass()
         out: RowsLogits = [None] * len(rows)
         for i, logits in zip(decode + others, first + second, strict=True):
             out[i] = logits
