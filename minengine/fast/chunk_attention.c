@@ -31,6 +31,7 @@
  * minengine/fast/cpu_kernels.py.
  */
 #pragma GCC diagnostic ignored "-Wpsabi" /* vf helpers are static inline: no ABI crosses a call */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -290,7 +291,9 @@ static inline vf to_float(vw x) { return __builtin_convertvector(x, vf); }
 static inline vw to_int(vf x) { return (vw)_mm512_cvtps_epi32((__m512)x); } /* nearest, ties to even */
 
 /* x's d floats rounded to int16 into out (pairs), by the smaller of the two scales above; its
- * scale back (0 for a vector of zeros). d is a multiple of 32. */
+ * scale back (0 for a vector of zeros). d is a multiple of 32. A NaN or infinite element (which the
+ * largest element may drop, as MAXPS does) makes the sum of squares NaN or infinite: the scale is
+ * then NaN, so what reads the vector comes out NaN, as float32's arithmetic would, not a number. */
 static float round16(const float *x, long d, int *out) {
     vf amax = (vf){0}, ss = (vf){0};
     for (long c = 0; c < d; c += LANES) {
@@ -299,9 +302,9 @@ static float round16(const float *x, long d, int *out) {
         ss += v * v;
     }
     float top = _mm512_reduce_max_ps((__m512)amax), sum = _mm512_reduce_add_ps((__m512)ss);
-    if (top == 0.0f) {
+    if (top == 0.0f || !(sum <= FLT_MAX)) {
         memset(out, 0, sizeof(int) * (d / 2));
-        return 0.0f;
+        return top == 0.0f ? 0.0f : NAN;
     }
     float s = 32767.0f / top, by_norm = NORM / sqrtf(sum);
     s = by_norm < s ? by_norm : s;
@@ -354,14 +357,17 @@ static const ChunkRun *run_of(const ChunkArgs *a, long p) {
     return a->runs + lo;
 }
 
-/* A value's scale: its largest element over 32767 (0 for zeros); `by` is the scale it is rounded by. */
+/* A value's scale: its largest element over 32767 (0 for zeros); `by` is the scale it is rounded by.
+ * A NaN or infinite element makes e - e NaN: the scale is then NaN (round16 says why), `by` 0. */
 static float value_scale(const float *v, long d, float *by) {
-    vf amax = (vf){0};
+    vf amax = (vf){0}, bad = (vf){0};
     for (long c = 0; c < d; c += LANES) {
         vf e = loadv(v + c);
         amax = vmax(amax, vabs(e));
+        bad += e - e;
     }
     float top = _mm512_reduce_max_ps((__m512)amax);
+    if (_mm512_reduce_add_ps((__m512)bad) != 0.0f) return *by = 0.0f, NAN;
     *by = top > 0.0f ? 32767.0f / top : 0.0f;
     return top > 0.0f ? 1.0f / *by : 0.0f;
 }
@@ -454,7 +460,9 @@ static inline __attribute__((always_inline)) void weigh16(Room *r, Room16 *z, co
         vf by_top = splat(32767.0f) / pick(some, top[t], splat(1.0f));
         vf by_sum = splat(65500.0f) / pick(some, sum[t], splat(1.0f));
         s[t] = pick(some, pick(by_sum < by_top, by_sum, by_top), (vf){0});
-        back[t] = pick(some, splat(1.0f) / pick(some, s[t], splat(1.0f)), (vf){0});
+        /* A value whose scale is NaN (value_scale) makes the row's sum NaN, which the largest weight may
+         * drop: sum - sum, 0 for a finite sum, then takes the row's outputs to NaN and leaves others' bits. */
+        back[t] = pick(some, splat(1.0f) / pick(some, s[t], splat(1.0f)), (vf){0}) + (sum[t] - sum[t]);
     }
     for (long j = 0; j < keys; j += 2)
         for (int t = 0; t < nv; t++) {

@@ -152,6 +152,42 @@ def test_a_positions_output_is_the_same_bits_however_the_prompt_was_cut(attend):
         torch.set_num_threads(threads)
 
 
+@needs_rounded
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_input_to_the_twin_comes_out_nan_where_read_and_leaves_the_rest_its_bits(where, bad):
+    """A NaN or inf in one query, key or value: the float kernel's arithmetic makes what reads it non-finite. The
+    twin's rounding (a vector's largest element, MAXPS, drops a NaN) used to turn it into a number; now its
+    scale is NaN. So every output the float kernel makes non-finite is non-finite in the twin too, and every
+    output that does not read the vector (the other KV heads' queries, and the queries before its key block)
+    keeps the bits it has without it. A query before a bad value's position in its key block may read it at
+    weight 0 (0 x NaN), as the float kernel's may: those are left unchecked."""
+    gen = torch.Generator().manual_seed(3)
+    n, at, scale = 200, 150, D**-0.5  # position 150 lies in the third key block (64 keys a block)
+    q = torch.randn(n, HQ, D, generator=gen)
+    k, v = torch.randn(HKV, n, D, generator=gen), torch.randn(HKV, n, D, generator=gen)
+    clean = attend_chunk_rounded(q.transpose(0, 1).unsqueeze(0), k[None], v[None], 0, scale)
+    tensor = {"q": q, "k": k, "v": v}[where]
+    if where == "q":
+        tensor[at, 4, 5] = bad  # query head 4 reads KV head 1
+    else:
+        tensor[1, at, 5] = bad
+    args = (q.transpose(0, 1).unsqueeze(0), k[None], v[None], 0, scale)
+    floats, twin = attend_chunk(*args)[0], attend_chunk_rounded(*args)[0]  # [Hq, T, d]
+    assert not (~torch.isfinite(floats) & torch.isfinite(twin)).any()
+    heads = [4] if where == "q" else [3, 4, 5]  # KV head 1's query heads
+    reads, may = torch.zeros(HQ, n, dtype=torch.bool), torch.zeros(HQ, n, dtype=torch.bool)
+    for h in heads:
+        if where == "q":
+            reads[h, at] = True
+        else:
+            reads[h, at:] = True
+            may[h, at // 64 * 64 : at] = True
+    assert torch.isnan(twin[reads]).any(dim=-1).all()
+    rest = ~(reads | may)
+    assert torch.equal(twin[rest], clean[0][rest])
+
+
 def test_the_model_binds_the_kernel_wherever_the_kernels_built():
     """Under AVX2 as under AVX-512 (docs/lab/prefill-profile.md: it outran SDPA on a Zen 3 too)."""
     from minengine.fast.row_ops import model_ops
