@@ -23,33 +23,44 @@
  * (scripts/core_rates), and an even split then keeps the faster waiting for the slower's half. */
 #define SHARED_ROWS 256
 #define ROW_RUN 16
+/* Whether a call shares its rows out. Otherwise no parallel region opens at all: an `if(0)` region is still
+ * a team of one that GNU OpenMP sets up and ends with a barrier and a futex wake, and the C stacks call these
+ * row by row from inside their own region (a 1,000-token prompt: about 180,000 a prompt). */
+#define SHARED(threads, T) ((threads) > 1 && (T) >= SHARED_ROWS)
 
 /* y = w * (x * 1 / sqrt(eps + sum(x^2) / d)) per row (Hugging Face's order: normalise, then
  * scale). The sum runs in 8 lanes over d, then the lanes are added in a fixed order. */
+static inline void norm_row(const float *x, long t, long H, long d, long sxt, long sxh, const float *w, float eps,
+                            float *y, long syt, long syh) {
+    for (long h = 0; h < H; h++) {
+        const float *xr = x + t * sxt + h * sxh;
+        float *yr = y + t * syt + h * syh;
+        __m256 acc = _mm256_setzero_ps();
+        long i = 0;
+        for (; i + 8 <= d; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float lanes[8], sum = 0.0f;
+        _mm256_storeu_ps(lanes, acc);
+        for (int l = 0; l < 8; l++) sum += lanes[l];
+        for (; i < d; i++) sum += xr[i] * xr[i];
+        float r = 1.0f / sqrtf(eps + sum / (float)d);
+        __m256 vr = _mm256_set1_ps(r);
+        for (i = 0; i + 8 <= d; i += 8)
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), vr)));
+        for (; i < d; i++) yr[i] = w[i] * (xr[i] * r);
+    }
+}
+
 void rms_norm_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *w, float eps,
                    float *y, long syt, long syh, int threads) {
-#pragma omp parallel for schedule(dynamic, ROW_RUN) num_threads(threads) if (threads > 1 && T >= SHARED_ROWS)
-    for (long t = 0; t < T; t++)
-        for (long h = 0; h < H; h++) {
-            const float *xr = x + t * sxt + h * sxh;
-            float *yr = y + t * syt + h * syh;
-            __m256 acc = _mm256_setzero_ps();
-            long i = 0;
-            for (; i + 8 <= d; i += 8) {
-                __m256 v = _mm256_loadu_ps(xr + i);
-                acc = _mm256_fmadd_ps(v, v, acc);
-            }
-            float lanes[8], sum = 0.0f;
-            _mm256_storeu_ps(lanes, acc);
-            for (int l = 0; l < 8; l++) sum += lanes[l];
-            for (; i < d; i++) sum += xr[i] * xr[i];
-            float r = 1.0f / sqrtf(eps + sum / (float)d);
-            __m256 vr = _mm256_set1_ps(r);
-            for (i = 0; i + 8 <= d; i += 8)
-                _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_loadu_ps(w + i),
-                                                       _mm256_mul_ps(_mm256_loadu_ps(xr + i), vr)));
-            for (; i < d; i++) yr[i] = w[i] * (xr[i] * r);
-        }
+    if (SHARED(threads, T)) {
+#pragma omp parallel for schedule(dynamic, ROW_RUN) num_threads(threads)
+        for (long t = 0; t < T; t++) norm_row(x, t, H, d, sxt, sxh, w, eps, y, syt, syh);
+    } else {
+        for (long t = 0; t < T; t++) norm_row(x, t, H, d, sxt, sxh, w, eps, y, syt, syh);
+    }
 }
 
 /* y = x * cos + swap_halves(x) * signed_sin per head row, cos/signed_sin [T][d] (rope's
@@ -57,21 +68,29 @@ void rms_norm_rows(const float *x, long T, long H, long d, long sxt, long sxh, c
  * bit; contraction into a fused multiply-add is switched off for that. x and y must not overlap. */
 #ifdef __clang__
 #pragma STDC FP_CONTRACT OFF
+#define NO_CONTRACT
 #else
-__attribute__((optimize("fp-contract=off")))
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 #endif
-void rope_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *cos_t, const float *sin_t,
-               float *y, long syt, long syh, int threads) {
+NO_CONTRACT static inline void rope_row(const float *x, long t, long H, long d, long sxt, long sxh, const float *cos_t,
+                                        const float *sin_t, float *y, long syt, long syh) {
     long half = d / 2;
-#pragma omp parallel for schedule(dynamic, ROW_RUN) num_threads(threads) if (threads > 1 && T >= SHARED_ROWS)
-    for (long t = 0; t < T; t++) {
-        const float *c = cos_t + t * d, *s = sin_t + t * d;
-        for (long h = 0; h < H; h++) {
-            const float *xr = x + t * sxt + h * sxh;
-            float *yr = y + t * syt + h * syh;
-            for (long i = 0; i < half; i++) yr[i] = xr[i] * c[i] + xr[i + half] * s[i];
-            for (long i = half; i < d; i++) yr[i] = xr[i] * c[i] + xr[i - half] * s[i];
-        }
+    const float *c = cos_t + t * d, *s = sin_t + t * d;
+    for (long h = 0; h < H; h++) {
+        const float *xr = x + t * sxt + h * sxh;
+        float *yr = y + t * syt + h * syh;
+        for (long i = 0; i < half; i++) yr[i] = xr[i] * c[i] + xr[i + half] * s[i];
+        for (long i = half; i < d; i++) yr[i] = xr[i] * c[i] + xr[i - half] * s[i];
+    }
+}
+
+NO_CONTRACT void rope_rows(const float *x, long T, long H, long d, long sxt, long sxh, const float *cos_t,
+                           const float *sin_t, float *y, long syt, long syh, int threads) {
+    if (SHARED(threads, T)) {
+#pragma omp parallel for schedule(dynamic, ROW_RUN) num_threads(threads)
+        for (long t = 0; t < T; t++) rope_row(x, t, H, d, sxt, sxh, cos_t, sin_t, y, syt, syh);
+    } else {
+        for (long t = 0; t < T; t++) rope_row(x, t, H, d, sxt, sxh, cos_t, sin_t, y, syt, syh);
     }
 }
 
@@ -112,6 +131,10 @@ void silu_mul_row(const float *gate, const float *up, float *out, long n) {
 
 void silu_mul_rows(const float *gate, const float *up, float *out, long T, long n, long sg, long su, long so,
                    int threads) {
-#pragma omp parallel for schedule(dynamic, ROW_RUN) num_threads(threads) if (threads > 1 && T >= SHARED_ROWS)
-    for (long t = 0; t < T; t++) silu_mul_row(gate + t * sg, up + t * su, out + t * so, n);
+    if (SHARED(threads, T)) {
+#pragma omp parallel for schedule(dynamic, ROW_RUN) num_threads(threads)
+        for (long t = 0; t < T; t++) silu_mul_row(gate + t * sg, up + t * su, out + t * so, n);
+    } else {
+        for (long t = 0; t < T; t++) silu_mul_row(gate + t * sg, up + t * su, out + t * so, n);
+    }
 }
