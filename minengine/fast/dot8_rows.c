@@ -49,6 +49,7 @@
 #include "block_layout.h"
 
 #define DW (GP * PW)                      /* columns of a group: two zmm of int32 lanes */
+_Static_assert(DW == 32 && QB == 32, "a gated group is one block of the next product's rows (dot8_gated_groups)");
 #define D4_BLOCK (DW * 2 * 2 + DW * QB / 2) /* 640 bytes */
 #define D8_BLOCK (DW * 4 + DW * QB)         /* 1152 bytes */
 #define D4_BITS(blk) ((blk) + DW * 2 * 2)
@@ -79,36 +80,38 @@ typedef struct {
     int split;
 } Acts;
 
-static __thread Acts acts;
+/* The calling thread's rounded rows, and a second set (`dot8_acts_next`) that the gate/up product fills with
+ * down's rows while its own are still read. */
+static __thread Acts acts, acts_next;
 #define ROWS16(a) ((const int16_t *)(a)->q)  /* the rows as int16, where they were rounded so */
 
-static int reserve(long M, long K, long width) {
+static int reserve(Acts *x, long M, long K, long width) {
     long nq = M * K * width, nb = M * (K / QB);
-    if (nq > acts.cap_q) {
-        free(acts.q);
-        acts.q = aligned_alloc(64, (size_t)((nq + 63) / 64 * 64));
-        acts.cap_q = acts.q ? nq : 0;
+    if (nq > x->cap_q) {
+        free(x->q);
+        x->q = aligned_alloc(64, (size_t)((nq + 63) / 64 * 64));
+        x->cap_q = x->q ? nq : 0;
     }
-    if (nb > acts.cap_b) {
-        free(acts.d), free(acts.s), free(acts.n);
-        acts.d = malloc(sizeof(float) * nb), acts.s = malloc(sizeof(float) * nb);
-        acts.n = malloc(sizeof(int32_t) * nb);
-        acts.cap_b = acts.d && acts.s && acts.n ? nb : 0;
+    if (nb > x->cap_b) {
+        free(x->d), free(x->s), free(x->n);
+        x->d = malloc(sizeof(float) * nb), x->s = malloc(sizeof(float) * nb);
+        x->n = malloc(sizeof(int32_t) * nb);
+        x->cap_b = x->d && x->s && x->n ? nb : 0;
     }
-    acts.split = 0;
+    x->split = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     long ns = (M + 15) / 16 * 16 * K;
     if (width == 2 && M >= AMX_ROWS && amx_on()) {
-        if (ns > acts.cap_split) {
-            free(acts.lo), free(acts.hi);
-            acts.lo = aligned_alloc(64, (size_t)((ns + 63) / 64 * 64));
-            acts.hi = aligned_alloc(64, (size_t)((ns + 63) / 64 * 64));
-            acts.cap_split = acts.lo && acts.hi ? ns : 0;
+        if (ns > x->cap_split) {
+            free(x->lo), free(x->hi);
+            x->lo = aligned_alloc(64, (size_t)((ns + 63) / 64 * 64));
+            x->hi = aligned_alloc(64, (size_t)((ns + 63) / 64 * 64));
+            x->cap_split = x->lo && x->hi ? ns : 0;
         }
-        acts.split = acts.cap_split >= ns;  /* no memory for them: the VNNI tiles, the same bits */
+        x->split = x->cap_split >= ns;  /* no memory for them: the VNNI tiles, the same bits */
     }
 #endif
-    return acts.cap_q >= nq && acts.cap_b >= nb;
+    return x->cap_q >= nq && x->cap_b >= nb;
 }
 
 /* A block's largest |x| and its 32 values times 1 / (that / top), rounded to nearest (ties to even, the
@@ -131,18 +134,17 @@ static inline float round_block(const float *xb, float top, __m256i q[4], int32_
     return d;
 }
 
-/* Block b of row r rounded into a: int8 (llama.cpp's quantize_row_q8_1: d = max |x| / 127, s = d * sum(xq))
+/* Block b of row r (of K inputs), its 32 floats at xb, rounded into a: int8 (llama.cpp's quantize_row_q8_1: d = max |x| / 127, s = d * sum(xq))
  * or int16 (d = max |x| / 32767, each quad in INT16 ORDER). A block's bits are its own, whichever
  * thread rounds it. A NaN or infinite value converts to INT32_MIN, which no finite one reaches (|x| / d is
  * at most the top); the block's scale is then NaN, so the row's sums come out NaN, as float32's would,
  * rather than numbers. */
-static void quantize_block(Acts *a, const float *x, long K, long r, long b, int wide) {
+static void quantize_at(Acts *a, const float *xb, long K, long r, long b, int wide) {
     long blocks = K / QB;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     /* The same values in half the instructions: round_block's arithmetic, 16 lanes at a time (the
      * maximum and the integer sum are exact in any order; each value is one multiply and one
      * conversion in the same rounding mode). */
-    const float *xb = x + r * K + b * QB;
     __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     float d = amax / (wide ? 32767.0f : 127.0f), id = d != 0.0f ? 1.0f / d : 0.0f;
@@ -170,7 +172,7 @@ static void quantize_block(Acts *a, const float *x, long K, long r, long b, int 
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), quad = _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7);
     __m256i q[4];
     int32_t n;
-    float d = round_block(x + r * K + b * QB, wide ? 32767.0f : 127.0f, q, &n);
+    float d = round_block(xb, wide ? 32767.0f : 127.0f, q, &n);
     __m256i lost = _mm256_set1_epi32(INT32_MIN), any = _mm256_setzero_si256();
     for (int i = 0; i < 4; i++) any = _mm256_or_si256(any, _mm256_cmpeq_epi32(q[i], lost));
     if (!_mm256_testz_si256(any, any)) d = NAN;
@@ -185,6 +187,10 @@ static void quantize_block(Acts *a, const float *x, long K, long r, long b, int 
     }
 #endif
     a->d[r * blocks + b] = d, a->s[r * blocks + b] = d * (float)n, a->n[r * blocks + b] = n;
+}
+/* Block b of row r of x [., K], as `quantize_at` rounds it from wherever its 32 floats lie. */
+static inline void quantize_block(Acts *a, const float *x, long K, long r, long b, int wide) {
+    quantize_at(a, x + r * K + b * QB, K, r, b, wide);
 }
 
 /* Row r's rounded input i: int8 in order; int16 with each quad in INT16 ORDER. */
@@ -450,9 +456,12 @@ void silu_mul_row(const float *gate, const float *up, float *out, long n);
  * at a time (AMX_MAX_ROWS on the tiles): both groups' sums into the thread's scratch, then gated into y.
  * The product's sums are never written out and read back (2 x 6 MiB at 1,000 tokens of the default
  * model, then read by the gating from memory). Each sum is the product's and the gating row_ops.c's:
- * the same bits as the product, then `silu_mul_rows` over its two halves. */
+ * the same bits as the product, then `silu_mul_rows` over its two halves. With `next`, y is not written:
+ * group g of the gated values is exactly block g of the next product's rows (DW = QB), so each row's block
+ * is rounded into next (ldy its rows' width) from registers, by `quantize_at`, as `dot8_round_row` would
+ * round it from y. */
 static void dot8_gated_groups(const Acts *a, long M, long K, const uint8_t *V, long panels, float *y, long ldy,
-                              long block, GroupRows rows_of, int wide, int q8) {
+                              long block, GroupRows rows_of, int wide, int q8, Acts *next, int next_wide) {
     long pairs = panels / GP / 2, per_group = K / QB * block, span, spans = row_spans(M, pairs, &span);
     float gate[AMX_MAX_ROWS * DW] __attribute__((aligned(64))), up[AMX_MAX_ROWS * DW] __attribute__((aligned(64)));
     int tiles = wide && a->split;
@@ -471,7 +480,15 @@ static void dot8_gated_groups(const Acts *a, long M, long K, const uint8_t *V, l
                 rows_of(a, rows, r0, K, G, gate, DW, 0);                                         \
                 rows_of(a, rows, r0, K, U, up, DW, 0);                                           \
             }                                                                                    \
-            for (long r = 0; r < rows; r++) silu_mul_row(gate + r * DW, up + r * DW, y + (r0 + r) * ldy + g * DW, DW); \
+            for (long r = 0; r < rows; r++) {                                                    \
+                if (!next) {                                                                     \
+                    silu_mul_row(gate + r * DW, up + r * DW, y + (r0 + r) * ldy + g * DW, DW);   \
+                    continue;                                                                    \
+                }                                                                                \
+                float gated[DW] __attribute__((aligned(64)));                                    \
+                silu_mul_row(gate + r * DW, up + r * DW, gated, DW);                             \
+                quantize_at(next, gated, ldy, r0 + r, g, next_wide);                             \
+            }                                                                                    \
         }                                                                                        \
     }
     SHARE_ITEMS(M, pairs * spans, GATED_ITEM)
@@ -486,7 +503,7 @@ void dot8_round_row(void *a, const float *x, long K, long r, int wide);
  * groups out. */
 static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy,
                         int threads, long block, int wide, GroupRows rows_of, int may_tile, int gated) {
-    int q8 = block == D8_BLOCK, ok = reserve(M, K, wide ? 2 : 1);
+    int q8 = block == D8_BLOCK, ok = reserve(&acts, M, K, wide ? 2 : 1);
     if (!may_tile) acts.split = 0;  /* the references' rows never take the tiles */
     if (!ok) {  /* no memory for the rounded rows: NaN, never another call's numbers */
         for (long r = 0; r < M; r++)
@@ -509,7 +526,7 @@ static void dot8_panels(const float *x, long M, long K, const uint8_t *V, long p
 #pragma omp for schedule(static)
             for (long rb = 0; rb < M * blocks; rb++) quantize_block(a, x, K, rb / blocks, rb % blocks, wide);
         }
-        if (gated) dot8_gated_groups(a, M, K, V, panels, y, ldy, block, rows_of, wide, q8);
+        if (gated) dot8_gated_groups(a, M, K, V, panels, y, ldy, block, rows_of, wide, q8, NULL, 0);
         else dot8_groups(a, M, K, V, panels, y, ldy, block, rows_of, wide, q8);
     }
 }
@@ -545,7 +562,9 @@ DOT8_ENTRY(q8_0_dot16, D8_BLOCK, 1, w8_tile_rows, d8_reference16_rows)
  * `dot8_team` to share out the groups of the q8_0 (`q8`) or q4_1 weights V, rows rounded to int16
  * (`wide`) or int8. A block's rounding and a group's sums are the ones `*_dot8` and `*_dot16` compute:
  * the same bits. */
-void *dot8_acts(long M, long K) { return reserve(M, K, 2) ? &acts : NULL; }
+void *dot8_acts(long M, long K) { return reserve(&acts, M, K, 2) ? &acts : NULL; }
+/* The second set, for down's rows as `dot8_team_gated` rounds them (NULL where memory runs out). */
+void *dot8_acts_next(long M, long K) { return reserve(&acts_next, M, K, 2) ? &acts_next : NULL; }
 
 void dot8_round_row(void *a, const float *x, long K, long r, int wide) {
     for (long b = 0; b < K / QB; b++) quantize_block(a, x, K, r, b, wide);
@@ -563,10 +582,13 @@ void dot8_team(const void *a, int q8, int wide, long M, long K, const uint8_t *V
 }
 
 /* `dot8_team` for the gate/up product gating its own sums (`*_gated`, whose panel count it takes as given: whole
- * pairs of groups), y [M, ldy] panels / 2 panels wide. */
-void dot8_team_gated(const void *a, int q8, int wide, long M, long K, const uint8_t *V, long panels, float *y,
-                     long ldy) {
-    dot8_gated_groups(a, M, K, V, panels, y, ldy, q8 ? D8_BLOCK : D4_BLOCK, team_rows(q8, wide), wide, q8);
+ * pairs of groups), its gated rows (panels / 2 panels wide) not written out but rounded into `next`
+ * (`dot8_acts_next`), int16 where `next_wide`, for the product that reads them (the MLP's down): each gated
+ * block while it is in registers, by the same arithmetic `dot8_round_row` would apply to the rows. */
+void dot8_team_gated(const void *a, int q8, int wide, long M, long K, const uint8_t *V, long panels, void *next,
+                     int next_wide) {
+    dot8_gated_groups(a, M, K, V, panels, NULL, panels * PW / 2, q8 ? D8_BLOCK : D4_BLOCK, team_rows(q8, wide),
+                      wide, q8, next, next_wide);
 }
 
 void q4_1_dot8_reference(const float *x, long M, long K, const uint8_t *V, long panels, float *y, long ldy) {

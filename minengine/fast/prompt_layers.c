@@ -5,7 +5,8 @@
  * into the cache, the attention, two residual adds), each opening its own parallel region, with the
  * second thread waiting while Python walks to the next. Here the threads stay in one region and meet at a
  * barrier per stage; the norms, the residual adds, the rotation and the cache write run row by row,
- * fused with rounding the next product's rows. Every value is computed by the function the Python block
+ * fused with rounding the next product's rows, and the gate/up product rounds down's rows as it gates its
+ * sums (`dot8_team_gated`), so the gated floats are never written out and read back. Every value is computed by the function the Python block
  * calls for it (dot8_rows.c's rounding and groups, row_ops.c's norm and rotation, chunk_attention.c's
  * kernel), on the same inputs in the same order, so the residual stream and the cache it leaves are the
  * Python block's bit for bit (tests/engine/test_prompt_stack.py).
@@ -33,8 +34,8 @@ typedef struct {
     long kc_hs, vc_hs;
     float *x;                         /* [rows, hidden], the residual stream, added to in place */
     /* scratch, [rows, width] each: h [hidden], qkv [qkv.panels * 8], rotated [(hq + hkv) * d], attended
-     * [hq * d], o [hidden], gated [ff], down [hidden] */
-    float *h, *qkv, *rotated, *attended, *o, *gated, *down;
+     * [hq * d], o [hidden], down [hidden] */
+    float *h, *qkv, *rotated, *attended, *o, *down;
     const float *cos, *sin;           /* each position's rotary rows [rows, d] (cos, signed sin) */
 } PromptArgs;
 
@@ -48,8 +49,8 @@ int prompt_layers(const PromptArgs *a) {
     long qkv_w = a->layer[0].qkv.panels * 8, rot_w = heads * d, att_w = hq * d, last = T - 1;
     long widest = a->ff > n ? a->ff : n;
     widest = att_w > widest ? att_w : widest;
-    void *acts = dot8_acts(T, widest);
-    if (acts == NULL) return 2;
+    void *acts = dot8_acts(T, widest), *down_acts = dot8_acts_next(T, a->ff);
+    if (acts == NULL || down_acts == NULL) return 2;
     /* The chunk's attention over the cache's positions 0 .. start + T - 1, one run (the layer's, set per layer). */
     ChunkRun run = {.start = 0, .tokens = a->start + T, .k_hs = a->kc_hs, .v_hs = a->vc_hs};
     ChunkArgs chunk = {.length = T, .start = a->start, .hq = hq, .hkv = hkv, .d = d, .scale = a->scale,
@@ -101,10 +102,9 @@ int prompt_layers(const PromptArgs *a) {
                 rms_norm_rows(x, 1, 1, n, n, 0, l->post_norm, a->eps, a->h + r * n, n, 0, 1);
                 round_for(acts, &l->gate_up, a->h, r);
             }
-            team_gated(acts, &l->gate_up, rows, a->gated);
-#pragma omp for schedule(dynamic, RUN)
-            for (long r = 0; r < rows; r++) round_for(acts, &l->down, a->gated, r);
-            team_project(acts, &l->down, rows, a->down);
+            /* down's rows rounded as the gate/up product gates them, never written out as floats */
+            team_gated(acts, &l->gate_up, rows, down_acts, &l->down);
+            team_project(down_acts, &l->down, rows, a->down);
         }
 #pragma omp single
         add(a->x + last * n, a->down, n);  /* the last layer's MLP, into the last position's residual */

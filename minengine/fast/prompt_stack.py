@@ -28,7 +28,7 @@ from minengine.kv.cache import KVCache
 from minengine.kv.paged_cache import PagedKVCache
 from minengine.model.transformer import Transformer
 
-_BUFFERS = ("h", "qkv", "rotated", "attended", "o", "gated", "down")  # PromptArgs' scratch, in order
+_BUFFERS = ("h", "qkv", "rotated", "attended", "o", "down")  # PromptArgs' scratch, in order
 
 
 class PromptArgs(ctypes.Structure):
@@ -83,7 +83,7 @@ class PromptStack:
         self.rounded = model.ops.prompt_attention is chunk_attention.attend_chunk_rounded
         h, d = self.hidden, self.d
         # A position's scratch widths, in `_BUFFERS`' order.
-        self.widths = (h, first.qkv.out_features, (self.hq + self.hkv) * d, self.hq * d, h, self.ff, h)
+        self.widths = (h, first.qkv.out_features, (self.hq + self.hkv) * d, self.hq * d, h, h)
         self._call = library().lib.prompt_layers
 
     def refusal(self, cache: KVCache | PagedKVCache, start: int, length: int) -> str | None:

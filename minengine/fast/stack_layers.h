@@ -27,8 +27,9 @@ void silu_mul_rows(const float *gate, const float *up, float *out, long T, long 
 void *dot8_acts(long M, long K);
 void dot8_round_row(void *a, const float *x, long K, long r, int wide);
 void dot8_team(const void *a, int q8, int wide, long M, long K, const uint8_t *V, long panels, float *y, long ldy);
-void dot8_team_gated(const void *a, int q8, int wide, long M, long K, const uint8_t *V, long panels, float *y,
-                     long ldy);
+void *dot8_acts_next(long M, long K);
+void dot8_team_gated(const void *a, int q8, int wide, long M, long K, const uint8_t *V, long panels, void *next,
+                     int next_wide);
 
 /* DOT8: the DOT8 copy, rows rounded to int8; DOT16: to int16 (dot8_rows.c) */
 enum { F32 = 0, F16 = 1, Q8_0 = 2, Q4_1 = 3, Q8_0_DOT8 = 4, Q4_1_DOT8 = 5, Q8_0_DOT16 = 6, Q4_1_DOT16 = 7 };
@@ -60,10 +61,12 @@ static inline void team_project(const void *acts, const Proj *p, long rows, floa
     dot8_team(acts, p->kind == Q8_0_DOT8 || p->kind == Q8_0_DOT16, p->kind >= Q8_0_DOT16, rows, p->in, p->weights,
               p->panels, y, p->panels * 8);
 }
-/* The same for a gate/up weight whose product gates its own sums: y [rows, p->panels * 4], silu(gate) * up. */
-static inline void team_gated(const void *acts, const Proj *p, long rows, float *y) {
+/* The gate/up product gating its own sums, silu(gate) * up, each gated row rounded for `down` into `down_acts`
+ * (`dot8_acts_next`) as it is made: the rows `round_for(down_acts, down, gated, r)` would give, bit for bit,
+ * with no [rows, p->panels * 4] floats written and read back. */
+static inline void team_gated(const void *acts, const Proj *p, long rows, void *down_acts, const Proj *down) {
     dot8_team_gated(acts, p->kind == Q8_0_DOT8 || p->kind == Q8_0_DOT16, p->kind >= Q8_0_DOT16, rows, p->in,
-                    p->weights, p->panels, y, p->panels * 4);
+                    p->weights, p->panels, down_acts, down->kind >= Q8_0_DOT16);
 }
 
 #endif
