@@ -134,11 +134,11 @@ static inline float round_block(const float *xb, float top, __m256i q[4], int32_
     return d;
 }
 
-/* Block b of row r (of K inputs), its 32 floats at xb, rounded into a: int8 (llama.cpp's quantize_row_q8_1: d = max |x| / 127, s = d * sum(xq))
- * or int16 (d = max |x| / 32767, each quad in INT16 ORDER). A block's bits are its own, whichever
- * thread rounds it. A NaN or infinite value converts to INT32_MIN, which no finite one reaches (|x| / d is
- * at most the top); the block's scale is then NaN, so the row's sums come out NaN, as float32's would,
- * rather than numbers. */
+/* Block b of row r (of K inputs), its 32 floats at xb, rounded into a: int8 (llama.cpp's quantize_row_q8_1: d = max
+ * |x| / 127, s = d * sum(xq)) or int16 (d = max |x| / 32767, each quad in INT16 ORDER). A block's bits are its own,
+ * whichever thread rounds it. A NaN or infinite value converts to INT32_MIN, which no finite one reaches (|x| / d
+ * is at most the top); the block's scale is then NaN, so the row's sums come out NaN, as float32's would, rather
+ * than numbers. */
 static void quantize_at(Acts *a, const float *xb, long K, long r, long b, int wide) {
     long blocks = K / QB;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)

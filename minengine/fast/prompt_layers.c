@@ -6,10 +6,10 @@
  * second thread waiting while Python walks to the next. Here the threads stay in one region and meet at a
  * barrier per stage; the norms, the residual adds, the rotation and the cache write run row by row,
  * fused with rounding the next product's rows, and the gate/up product rounds down's rows as it gates its
- * sums (`dot8_team_gated`), so the gated floats are never written out and read back. Every value is computed by the function the Python block
- * calls for it (dot8_rows.c's rounding and groups, row_ops.c's norm and rotation, chunk_attention.c's
- * kernel), on the same inputs in the same order, so the residual stream and the cache it leaves are the
- * Python block's bit for bit (tests/engine/test_prompt_stack.py).
+ * sums (`dot8_team_gated`), so the gated floats are never written out and read back. Every value is
+ * computed by the function the Python block calls for it (dot8_rows.c's rounding and groups, row_ops.c's
+ * norm and rotation, chunk_attention.c's kernel), on the same inputs in the same order, so the residual
+ * stream and the cache it leaves are the Python block's bit for bit (tests/engine/test_prompt_stack.py).
  *
  * As `Transformer.forward` does, the last layer takes only the chunk's last position past its K/V write.
  * It serves what `prompt_stack.PromptStack` admits: decode_layers.c's block shape, every projection over a
