@@ -25,7 +25,7 @@
 #define ROW_RUN 16
 /* Whether a call shares its rows out. Otherwise no parallel region opens at all: an `if(0)` region is still
  * a team of one that GNU OpenMP sets up and ends with a barrier and a futex wake, and the C stacks call these
- * row by row from inside their own region (a 1,000-token prompt: about 180,000 a prompt). */
+ * row by row from inside their own region (docs/lab/prefill-profile.md, "A futex wake for every row"). */
 #define SHARED(threads, T) ((threads) > 1 && (T) >= SHARED_ROWS)
 
 /* y = w * (x * 1 / sqrt(eps + sum(x^2) / d)) per row (Hugging Face's order: normalise, then
